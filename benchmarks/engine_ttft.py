@@ -1,0 +1,122 @@
+"""Engine-level prefix-cache benchmark (one replica, in process, no HTTP).
+
+1. TTFT of a P-token shared prefix + S-token suffix: cold cache, warm cache (prefix cached, new suffix), and the
+   suffix alone with no prefix (the physical floor of a cache hit). Rounds are interleaved so noise hits all three.
+2. Throughput on unique prompts (nothing to share) with prefix caching on vs off, interleaved rounds.
+
+Usage:
+    python benchmarks/engine_ttft.py [--prefix-len 2048] [--suffix-len 64] [--rounds 7] [--dtype bfloat16]
+Prints a markdown table; --json writes the raw numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from replica.config import EngineConfig
+from replica.engine import build_engine
+from replica.outputs import EngineRequest
+from replica.sampling import SamplingParams
+from replica.tiny_models import write_tiny_model
+
+
+def make_model(path: Path) -> Path:
+    if not (path / "config.json").exists():
+        write_tiny_model(path, arch="llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+                         vocab_size=8192, seed=0)
+    return path
+
+
+def tokens(n: int, seed: int, vocab: int = 8192) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+
+
+def ttft(engine, prompt: list[int], request_id: str) -> float:
+    start = time.perf_counter()
+    engine.add_request(EngineRequest(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+    first = None
+    while engine.has_work():
+        outs = engine.step()
+        if outs and first is None:
+            first = time.perf_counter() - start
+    return first
+
+
+def run_batch(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, int]:
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"{tag}-{i}", prompt,
+                                         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+    num_tokens = 0
+    while engine.has_work():
+        num_tokens += sum(len(o.new_token_ids) for o in engine.step())
+    return time.perf_counter() - start, num_tokens
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "prefixserve-bench-llama-512x8"))
+    parser.add_argument("--prefix-len", type=int, default=2048)
+    parser.add_argument("--suffix-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--unique-prompts", type=int, default=16)
+    parser.add_argument("--unique-len", type=int, default=512)
+    parser.add_argument("--unique-out", type=int, default=16)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model_dir = make_model(Path(args.model_dir))
+    common = dict(model=str(model_dir), dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
+                  max_num_batched_tokens=4096, max_model_len=4096)
+    engine = build_engine(EngineConfig(**common))
+    engine_off = build_engine(EngineConfig(**common, enable_prefix_caching=False))
+    # warm-up (first calls pay one-off costs)
+    ttft(engine, tokens(300, seed=999), "warmup")
+    ttft(engine_off, tokens(300, seed=998), "warmup")
+
+    cold, warm, floor = [], [], []
+    for r in range(args.rounds):
+        prefix = tokens(args.prefix_len, seed=10 + r)
+        cold.append(ttft(engine, prefix + tokens(args.suffix_len, seed=1000 + r), f"cold-{r}"))
+        warm.append(ttft(engine, prefix + tokens(args.suffix_len, seed=2000 + r), f"warm-{r}"))
+        floor.append(ttft(engine, tokens(args.suffix_len, seed=3000 + r), f"floor-{r}"))
+
+    on_times, off_times = [], []
+    for r in range(max(3, args.rounds // 2)):
+        prompts = [tokens(args.unique_len, seed=5000 + 100 * r + i) for i in range(args.unique_prompts)]
+        pair = [("on", engine, on_times), ("off", engine_off, off_times)]
+        for name, eng, sink in (pair if r % 2 == 0 else pair[::-1]):
+            elapsed, num_out = run_batch(eng, prompts, args.unique_out, f"{name}-{r}")
+            sink.append(args.unique_prompts / elapsed)
+
+    med = statistics.median
+    result = {
+        "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "dtype": args.dtype, "rounds": args.rounds,
+        "ttft_cold_s": cold, "ttft_warm_s": warm, "ttft_floor_s": floor,
+        "unique_req_per_s_caching_on": on_times, "unique_req_per_s_caching_off": off_times,
+    }
+    print(f"| metric ({args.prefix_len}-token prefix + {args.suffix_len}-token suffix, {args.dtype}) | median | min |")
+    print("|---|---|---|")
+    for name, values in (("TTFT cold", cold), ("TTFT warm (prefix cached)", warm), ("TTFT suffix alone (floor)", floor)):
+        print(f"| {name} | {med(values) * 1000:.1f} ms | {min(values) * 1000:.1f} ms |")
+    print(f"| warm / floor | {med(warm) / med(floor):.2f}x | |")
+    print(f"| cold / warm | {med(cold) / med(warm):.1f}x | |")
+    print(f"| unique prompts, caching on (req/s) | {med(on_times):.2f} | |")
+    print(f"| unique prompts, caching off (req/s) | {med(off_times):.2f} | |")
+    print(f"| on / off throughput | {med(on_times) / med(off_times):.3f} | |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

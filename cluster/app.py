@@ -1,0 +1,80 @@
+"""The Ray Serve application: the replica deployment (data-parallel, prefix-aware router) behind the OpenAI ingress.
+
+    HTTP -> Serve proxy -> OpenAIIngress (1 replica) --handle--> ServeReplica x data_parallel_degree
+                                                      (PrefixAwareRequestRouter picks the replica by page keys)
+
+Two entry points:
+
+- ``build_app(config)`` for Python (the CLI, tests): ``serve.run(build_app(ServeConfig(...)))``;
+- ``app_builder(args)`` for a Serve config YAML (``import_path: cluster.app:app_builder``, ``args:`` a mapping of
+  ServeConfig settings spelled as fields or flags), following Serve's application-builder convention.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.config import ServeConfig
+from cluster.openai_api import OpenAIIngress
+from replica.serve_replica import ServeReplica
+
+logger = logging.getLogger(__name__)
+
+REPLICA_DEPLOYMENT_NAME = "PrefixServeReplica"
+INGRESS_DEPLOYMENT_NAME = "OpenAIIngress"
+REPLICA_MAX_ONGOING_REQUESTS = 256
+"""Requests Serve lets into one replica at once; the engine's scheduler batches them (continuous batching)."""
+INGRESS_MAX_ONGOING_REQUESTS = 4096
+REPLICA_HEALTH_CHECK_PERIOD_S = 10.0
+REPLICA_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def request_router_config() -> Any:
+    """The prefix-aware router's config, or None (Serve's default router) when router/ray_router.py is missing."""
+    try:
+        from router.ray_router import router_config
+    except ImportError:
+        logger.warning("router.ray_router is not available; replicas use Serve's default request router")
+        return None
+    return router_config()
+
+
+def replica_actor_options(config: ServeConfig) -> dict[str, Any]:
+    options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
+    if config.devices == "gpu":
+        options["num_gpus"] = 1
+    return options
+
+
+def build_app(config: ServeConfig) -> Application:
+    """The bound application for ``config`` (not yet running: pass it to ``serve.run``)."""
+    replica_options: dict[str, Any] = dict(
+        name=REPLICA_DEPLOYMENT_NAME,
+        num_replicas=config.data_parallel_degree,
+        max_ongoing_requests=REPLICA_MAX_ONGOING_REQUESTS,
+        ray_actor_options=replica_actor_options(config),
+        health_check_period_s=REPLICA_HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_timeout_s=REPLICA_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    )
+    router = request_router_config()
+    if router is not None:
+        replica_options["request_router_config"] = router
+    replicas = serve.deployment(ServeReplica, **replica_options)
+    ingress = serve.deployment(
+        OpenAIIngress,
+        name=INGRESS_DEPLOYMENT_NAME,
+        num_replicas=1,
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": 0},
+    )
+    # The template's replica id is replaced by each replica's Serve id in ServeReplica.__init__.
+    return ingress.bind(replicas.bind(config.engine_config("replica-0"), config.served_model_name), config)
+
+
+def app_builder(args: Mapping[str, Any] | None = None) -> Application:
+    """Serve application builder: ``args`` is the ``args:`` mapping of a Serve config YAML (see ServeConfig)."""
+    return build_app(ServeConfig.from_mapping(dict(args or {})))

@@ -1,0 +1,276 @@
+"""The ``prefixserve`` command line (also ``python -m cluster``).
+
+    prefixserve serve [flags]            start Ray (or join --ray-address), deploy the app, serve until Ctrl-C / SIGTERM
+    prefixserve make-tiny-model [flags]  write a tiny random-weight model (replica.tiny_models)
+    prefixserve bench [flags]            benchmark client (cluster.bench, when installed)
+
+Flags are parsed here and nowhere else; they become a ``ServeConfig``, whose validation messages name the remedy. A bad
+flag or combination prints one line, ``prefixserve serve: error: ...``, and exits with status 2 before Ray starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+from cluster.config import DEFAULT_KV_CACHE_MEMORY, DTYPES, LOG_LEVELS, ServeConfig, parse_memory_size
+
+APP_NAME = "prefixserve"
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+DELEGATED_COMMANDS = {
+    "make-tiny-model": ("replica.tiny_models", "write a tiny random-weight model and tokenizer (for tests)"),
+    "bench": ("cluster.bench", "benchmark a running server (shared-prefix workloads, TTFT, throughput)"),
+}
+
+logger = logging.getLogger("cluster.cli")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (exit status 2), without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" unless the help text already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "default" in help_text or action.default in (None, (), argparse.SUPPRESS):
+            return help_text
+        return super()._get_help_string(action)
+
+
+def memory_size(text: str) -> int:
+    try:
+        return parse_memory_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every ``serve`` flag; dests are ServeConfig field names."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None,
+                       help="Hugging Face folder, .gguf file or hub id; default: the bundled SmolLM2-135M-Instruct")
+    model.add_argument("--served-model-name", default=None,
+                       help="name clients send as 'model' (default: the model folder's name)")
+    model.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="weights and KV dtype; auto = bfloat16 on GPU, the checkpoint's (or float32) on CPU")
+    model.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+
+    parallel = parser.add_argument_group("devices and replicas")
+    parallel.add_argument("--devices", choices=("cpu", "gpu"), default=None,
+                          help="where replicas run (default: gpu when CUDA is visible here, else cpu)")
+    parallel.add_argument("--data-parallel-degree", type=int, default=1,
+                          help="number of replicas, each a full model copy with its own KV cache (one GPU each)")
+    parallel.add_argument("--num-cpus-per-replica", type=float, default=1.0,
+                          help="Ray CPUs reserved per replica; its torch thread count is this rounded down")
+
+    cache = parser.add_argument_group("KV cache and prefix caching")
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV pages of earlier prompts that share a prefix (on by default)")
+    cache.add_argument("--kv-cache-page-size", dest="page_size", type=int, default=128,
+                       help="tokens per KV page; a multiple of 128")
+    cache.add_argument("--kv-cache-memory", type=memory_size, default=DEFAULT_KV_CACHE_MEMORY,
+                       help="KV page memory per replica: bytes or e.g. 2GiB, 512MiB (default 1GiB)")
+    cache.add_argument("--enable-dp-cross-replica-prefix-copy", action=argparse.BooleanOptionalAction, default=None,
+                       help="copy cached pages from the replica that holds them instead of recomputing "
+                            "(default: on with prefix caching)")
+    cache.add_argument("--redis-url", default=None,
+                       help="shared host-memory KV tier, e.g. redis://127.0.0.1:6379/0 (default: off)")
+    cache.add_argument("--disk-cache-dir", default=None, help="shared disk KV tier folder (default: off)")
+
+    sched = parser.add_argument_group("scheduling")
+    sched.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once per replica")
+    sched.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="token budget of one engine step (prefill chunks plus decode tokens)")
+    sched.add_argument("--lora-modules", nargs="+", default=(), metavar="ADAPTER",
+                       help="LoRA adapters (not implemented yet; needs --no-enable-prefix-caching)")
+
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0: all interfaces)")
+    server.add_argument("--port", type=int, default=8000, help="HTTP port")
+    server.add_argument("--api-key", default=os.environ.get("PREFIXSERVE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PREFIXSERVE_API_KEY, else none)")
+    server.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster ('auto', 'host:6379', 'ray://...'); default: start a local one")
+    server.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="prefixserve",
+        description="Data-parallel LLM serving on Ray Serve with prefix caching and an OpenAI-compatible API.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
+    add_serve_arguments(commands.add_parser(
+        "serve",
+        help="serve a model over HTTP (OpenAI API)",
+        description="Serve a model over an OpenAI-compatible HTTP API with data-parallel replicas on Ray Serve.",
+        formatter_class=DefaultsHelpFormatter,
+    ))
+    for name, (_, summary) in DELEGATED_COMMANDS.items():
+        commands.add_parser(name, help=summary, add_help=False)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """A ServeConfig from parsed ``serve`` flags (raises ValueError with the remedy)."""
+    kwargs = {key: value for key, value in vars(args).items() if key != "command"}
+    if kwargs.get("devices") is None:
+        kwargs.pop("devices", None)
+    kwargs["lora_modules"] = tuple(kwargs.get("lora_modules") or ())
+    return ServeConfig(**kwargs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``prefixserve``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED_COMMANDS:
+        return run_delegated(argv[0], argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        return fail(f"prefixserve serve: error: {error}", EXIT_USAGE)
+    return run_serve(config)
+
+
+def run_delegated(command: str, argv: list[str]) -> int:
+    module_name, _ = DELEGATED_COMMANDS[command]
+    if importlib.util.find_spec(module_name) is None:
+        return fail(f"prefixserve {command}: error: this installation has no {module_name} module", EXIT_USAGE)
+    module = importlib.import_module(module_name)
+    return int(module.main(argv) or 0)
+
+
+def fail(message: str, status: int) -> int:
+    print(message, file=sys.stderr)
+    return status
+
+
+# ---- serve ------------------------------------------------------------------------------------------------------------
+def run_serve(config: ServeConfig) -> int:
+    """Start (or join) Ray, deploy the app, block until SIGINT / SIGTERM, then shut down cleanly."""
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    local = config.ray_address is None
+    if local:
+        problem = check_local_start(config)
+        if problem:
+            return fail(f"prefixserve serve: error: {problem}", EXIT_USAGE)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if local:
+        expose_project_to_workers()
+    started = False
+    try:
+        ray.init(address=config.ray_address, logging_level=config.log_level.upper())
+        started = True
+        problem = check_cluster_resources(config, ray.cluster_resources())
+        if problem:
+            return fail(f"prefixserve serve: error: {problem}", EXIT_USAGE)
+        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        print(
+            f"prefixserve: serving {config.served_model_name!r} at http://{config.host}:{config.port}/v1 with "
+            f"{config.data_parallel_degree} replica(s) on {config.devices}; Ctrl-C to stop",
+            flush=True,
+        )
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("prefixserve: shutting down", file=sys.stderr, flush=True)
+        return 0
+    except Exception as error:  # noqa: BLE001 - start-up failures become one line
+        return fail(f"prefixserve serve: error: the application failed to start: {last_line(error)}", EXIT_FAILED)
+    finally:
+        if started:
+            shut_down(local)
+
+
+def check_local_start(config: ServeConfig) -> str | None:
+    """Problems found before starting anything locally: the model can't be found, or the port is taken."""
+    from replica.model_loader import resolve_model_dir
+
+    try:
+        resolve_model_dir(config.model)
+    except ValueError as error:
+        return str(error)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((config.host, config.port))
+        except OSError as error:
+            return f"cannot listen on {config.host}:{config.port} ({error.strerror}); pick another --port or --host"
+    return None
+
+
+def check_cluster_resources(config: ServeConfig, resources: dict) -> str | None:
+    if config.devices == "gpu":
+        num_gpus = int(resources.get("GPU", 0))
+        if config.data_parallel_degree > num_gpus:
+            return (f"--data-parallel-degree {config.data_parallel_degree} needs {config.data_parallel_degree} GPUs "
+                    f"but the Ray cluster has {num_gpus}; lower --data-parallel-degree or add GPU nodes")
+    return None
+
+
+def expose_project_to_workers() -> None:
+    """Let Ray workers import cluster/replica/router when prefixserve runs from a source tree (not pip-installed)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+
+
+def shut_down(local: bool) -> None:
+    """Local: stop Serve and the Ray we started. Joined cluster: delete our app only and disconnect."""
+    import ray
+    from ray import serve
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        if local:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+    except Exception:  # noqa: BLE001 - best effort while exiting
+        logger.warning("Serve did not shut down cleanly", exc_info=True)
+    finally:
+        ray.shutdown()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def last_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _raise_keyboard_interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""Configuration of a whole prefixserve deployment: a frozen dataclass validated on construction, remedy in every message.
+
+Flags are parsed only at the edge (cluster/cli.py) or read from a Serve config YAML's ``args`` (cluster/app.py); both
+end here. ``ServeConfig.engine_config(replica_id)`` derives what one replica needs.
+
+Memory sizes accept bytes or a suffixed string::
+
+    "2GiB" -> 2 * 1024**3      "512MiB" -> 512 * 1024**2      "1.5GB" -> 1_500_000_000      "4096" -> 4096
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from replica.config import PAGE_SIZE_MULTIPLE, EngineConfig
+
+DEVICES = ("cpu", "gpu")
+DTYPES = ("auto", "float32", "bfloat16")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+BUNDLED_MODEL_SERVED_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+_MEMORY_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
+_MEMORY_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+# Serve config ``args`` keys that are spelled like the CLI flags rather than like the fields.
+_KEY_ALIASES = {"kv_cache_page_size": "page_size", "lora_adapters": "lora_modules"}
+
+
+def parse_memory_size(value: int | str) -> int:
+    """Bytes for ``value``: an int, or a string like "2GiB", "512MiB", "1.5GB", "4096". Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"a memory size must be a number of bytes or a string like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = _MEMORY_PATTERN.match(str(value))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _MEMORY_UNITS:
+        raise ValueError(
+            f"cannot read the memory size {value!r}; write bytes or a number with a unit such as 2GiB, 512MiB, 1.5GB"
+        )
+    return int(float(match.group(1)) * _MEMORY_UNITS[unit])
+
+
+def detect_devices() -> str:
+    """"gpu" when CUDA is visible here, else "cpu"."""
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def num_visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything ``prefixserve serve`` needs. Every field mirrors one CLI flag (``page_size``: --kv-cache-page-size)."""
+
+    model: str | None = None
+    """Hugging Face folder, .gguf file, hub id, or None for the bundled SmolLM2-135M-Instruct."""
+    devices: str = field(default_factory=detect_devices)
+    """"cpu" or "gpu"; defaults to gpu when CUDA is visible where the config is built."""
+    data_parallel_degree: int = 1
+    """Number of replicas, each a full copy of the model with its own KV cache."""
+    enable_prefix_caching: bool = True
+    page_size: int = 128
+    """Tokens per KV page, a multiple of 128."""
+    enable_dp_cross_replica_prefix_copy: bool | None = None
+    """Copy cached pages from the replica the router names (None: on exactly when prefix caching is on)."""
+    kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY
+    """Bytes of KV pages per replica; a string like "2GiB" is converted to bytes on construction."""
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    """When set, /v1/* and /reset_prefix_cache require ``Authorization: Bearer <api_key>``."""
+    redis_url: str | None = None
+    """Shared host-memory tier (redis://host:port/db); None disables it."""
+    disk_cache_dir: str | None = None
+    """Shared disk tier (Arrow IPC files); None disables it."""
+    ray_address: str | None = None
+    """Existing Ray cluster to join ("auto", "ray://...", "host:port"); None starts a local one."""
+    log_level: str = "info"
+    lora_modules: tuple[str, ...] = ()
+    num_cpus_per_replica: float = 1.0
+    """Ray CPUs reserved per replica; its torch thread count is this rounded down (at least 1)."""
+    served_model_name: str | None = None
+    """Name clients put in ``model``; defaults to the model folder's name (or SmolLM2-135M-Instruct)."""
+
+    def __post_init__(self) -> None:
+        def set_field(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        set_field("kv_cache_memory", parse_memory_size(self.kv_cache_memory))
+        set_field("lora_modules", tuple(self.lora_modules or ()))
+        if self.enable_dp_cross_replica_prefix_copy is None:
+            set_field("enable_dp_cross_replica_prefix_copy", self.enable_prefix_caching)
+        if self.served_model_name is None:
+            set_field("served_model_name", default_served_model_name(self.model))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.devices not in DEVICES:
+            raise ValueError(f"--devices must be one of {', '.join(DEVICES)}, got {self.devices!r}")
+        if not isinstance(self.data_parallel_degree, int) or self.data_parallel_degree < 1:
+            raise ValueError(f"--data-parallel-degree must be an integer >= 1, got {self.data_parallel_degree!r}")
+        if self.devices == "gpu" and self.ray_address is None:
+            num_gpus = num_visible_gpus()
+            if self.data_parallel_degree > num_gpus:
+                raise ValueError(
+                    f"--data-parallel-degree {self.data_parallel_degree} needs {self.data_parallel_degree} GPUs but "
+                    f"{num_gpus} are visible; lower --data-parallel-degree, use --devices cpu, or join a cluster "
+                    "with --ray-address"
+                )
+        if not isinstance(self.page_size, int) or self.page_size <= 0 or self.page_size % PAGE_SIZE_MULTIPLE:
+            raise ValueError(
+                f"--kv-cache-page-size must be a positive multiple of {PAGE_SIZE_MULTIPLE} tokens, got "
+                f"{self.page_size!r}; use 128, 256, ..."
+            )
+        if self.enable_dp_cross_replica_prefix_copy and not self.enable_prefix_caching:
+            raise ValueError(
+                "--enable-dp-cross-replica-prefix-copy copies prefix-cache pages, so it needs prefix caching; "
+                "drop it or drop --no-enable-prefix-caching"
+            )
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}; try 1GiB")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens",
+                                                                       self.max_num_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"--max-model-len must be an integer >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port!r}")
+        if not self.host:
+            raise ValueError("--host must not be empty; use 127.0.0.1 (local) or 0.0.0.0 (all interfaces)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty; omit it to serve without authentication")
+        if self.redis_url is not None and not self.redis_url.startswith(_REDIS_SCHEMES):
+            raise ValueError(
+                f"--redis-url must start with {', '.join(_REDIS_SCHEMES)}, got {self.redis_url!r}; "
+                "e.g. redis://127.0.0.1:6379/0"
+            )
+        if not self.enable_prefix_caching:
+            for flag, value in (("--redis-url", self.redis_url), ("--disk-cache-dir", self.disk_cache_dir)):
+                if value:
+                    raise ValueError(
+                        f"{flag} shares prefix-cache pages, so it needs prefix caching; drop {flag} or drop "
+                        "--no-enable-prefix-caching"
+                    )
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.lora_modules:
+            if self.enable_prefix_caching:
+                raise ValueError(
+                    "LoRA adapters cannot share prefix-cache pages (pages are not keyed by adapter); "
+                    "start with --no-enable-prefix-caching"
+                )
+            raise ValueError("LoRA serving is not implemented yet; remove --lora-modules")
+        if not isinstance(self.num_cpus_per_replica, (int, float)) or self.num_cpus_per_replica <= 0:
+            raise ValueError(f"--num-cpus-per-replica must be positive, got {self.num_cpus_per_replica!r}")
+        if not self.served_model_name:
+            raise ValueError("--served-model-name must not be empty; omit it to use the model folder's name")
+
+    # ---- derived ---------------------------------------------------------------------------------------------------
+    @property
+    def num_threads_per_replica(self) -> int:
+        """torch intra-op threads of one replica: its reserved CPUs rounded down, at least one."""
+        return max(1, int(self.num_cpus_per_replica))
+
+    def engine_config(self, replica_id: str) -> EngineConfig:
+        """What the replica named ``replica_id`` builds its engine from.
+
+        The shared-tier settings travel in ``EngineConfig.extra`` under the keys ``enable_dp_cross_replica_prefix_copy``,
+        ``redis_url`` and ``disk_cache_dir`` (EngineConfig has no fields for them yet).
+        """
+        return EngineConfig(
+            model=self.model,
+            devices=self.devices,
+            dtype=self.dtype,
+            page_size=self.page_size,
+            kv_cache_memory_bytes=int(self.kv_cache_memory),
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            lora_adapters=self.lora_modules,
+            num_threads=self.num_threads_per_replica,
+            replica_id=replica_id,
+            extra={
+                "enable_dp_cross_replica_prefix_copy": bool(self.enable_dp_cross_replica_prefix_copy),
+                "redis_url": self.redis_url,
+                "disk_cache_dir": self.disk_cache_dir,
+            },
+        )
+
+    @classmethod
+    def from_mapping(cls, args: Mapping[str, Any] | None) -> "ServeConfig":
+        """Build from a Serve config YAML's ``args`` (keys as field names or flag names, '-' or '_').
+
+        ``ray_address`` defaults to "auto" (the app is built inside a cluster). Raises ValueError naming unknown keys.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for raw_key, value in (args or {}).items():
+            key = str(raw_key).lstrip("-").replace("-", "_")
+            key = _KEY_ALIASES.get(key, key)
+            if key not in names:
+                raise ValueError(f"unknown prefixserve setting {raw_key!r}; known settings: {', '.join(sorted(names))}")
+            if key == "lora_modules" and isinstance(value, str):
+                value = (value,)
+            kwargs[key] = value
+        # A Serve config is always applied inside a running Ray cluster: its GPUs, not this process's, are the limit.
+        kwargs.setdefault("ray_address", "auto")
+        return cls(**kwargs)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as plain values (the api key masked), for logs."""
+        values = dataclasses.asdict(self)
+        if values["api_key"]:
+            values["api_key"] = "***"
+        return values
+
+
+def default_served_model_name(model: str | None) -> str:
+    """The name clients use when --served-model-name is not given: the folder or file stem, or the hub id."""
+    if model is None:
+        return BUNDLED_MODEL_SERVED_NAME
+    path = Path(model).expanduser()
+    if path.exists():
+        return path.stem if path.is_file() else (path.resolve().name or str(model))
+    return str(model)

@@ -1,0 +1,119 @@
+"""Prometheus metrics of the ingress, in its own ``CollectorRegistry`` (never the process-global one).
+
+Two sources:
+
+- measured here, per request: time to first token, routing decisions (which replica served, prefix hit or miss) and
+  prompt / cached prompt tokens by source;
+- read from the replicas at scrape time (``handle.broadcast("stats")``: one ``EngineStats`` per replica): prefix-cache
+  queries and hits in tokens, pages total / free / cached / in use, running and waiting requests, evictions,
+  preemptions. Each is labelled ``replica``; a replica that does not answer is left out of that scrape.
+
+Names (all prefixed ``prefixserve_``)::
+
+    time_to_first_token_seconds            histogram  measured at the ingress, from parsed request to first token
+    routing_decisions_total{replica,cache} counter    cache = hit (some prompt tokens reused) | miss
+    prompt_tokens_total{replica}           counter    prompt tokens of finished requests
+    cached_prompt_tokens_total{replica,source}  counter  reused prompt tokens, source = local|peer|host|disk
+    prefix_cache_queries_total{replica}    counter    prompt tokens looked up in the replica's prefix cache
+    prefix_cache_hits_total{replica}       counter    ... of which found cached
+    kv_pages{replica,state}                gauge      state = total | free | cached | in_use
+    num_requests_running{replica}          gauge
+    num_requests_waiting{replica}          gauge
+    kv_evictions_total{replica}            counter
+    preemptions_total{replica}             counter
+    requests_finished_total{replica}       counter
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from replica.outputs import EngineStats, RequestOutput
+
+PREFIX = "prefixserve_"
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                10.0, 20.0, 60.0)
+
+
+class ReplicaStatsCollector(Collector):
+    """Exposes the replicas' latest ``EngineStats`` (replaced before each scrape)."""
+
+    def __init__(self) -> None:
+        self._stats: list[EngineStats] = []
+
+    def set(self, stats: Iterable[EngineStats]) -> None:
+        self._stats = sorted(stats, key=lambda s: s.replica_id)
+
+    def collect(self):
+        counters = {
+            "prefix_cache_queries": ("prompt tokens looked up in the prefix cache", "num_prompt_tokens_queried"),
+            "prefix_cache_hits": ("prompt tokens found in the prefix cache", "num_prompt_tokens_hit"),
+            "kv_evictions": ("cached pages evicted", "num_evictions"),
+            "preemptions": ("requests preempted for lack of pages", "num_preemptions"),
+            "requests_finished": ("requests finished by the replica", "num_requests_finished"),
+        }
+        for name, (documentation, attribute) in counters.items():
+            family = CounterMetricFamily(PREFIX + name, documentation, labels=["replica"])
+            for stats in self._stats:
+                family.add_metric([stats.replica_id], getattr(stats, attribute))
+            yield family
+        pages = GaugeMetricFamily(PREFIX + "kv_pages", "KV pages of the replica by state", labels=["replica", "state"])
+        running = GaugeMetricFamily(PREFIX + "num_requests_running", "requests running", labels=["replica"])
+        waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting", "requests waiting", labels=["replica"])
+        for stats in self._stats:
+            for state, value in (("total", stats.num_pages_total), ("free", stats.num_pages_free),
+                                 ("cached", stats.num_pages_cached), ("in_use", stats.num_pages_in_use)):
+                pages.add_metric([stats.replica_id, state], value)
+            running.add_metric([stats.replica_id], stats.num_running)
+            waiting.add_metric([stats.replica_id], stats.num_waiting)
+        yield from (pages, running, waiting)
+
+
+class IngressMetrics:
+    """The ingress's registry; ``observe_*`` are O(1) and called on the request path."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "time from a parsed request to its first generated token, measured at the ingress",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.routing_decisions = Counter(
+            PREFIX + "routing_decisions",
+            "requests served per replica, by whether some prompt tokens were reused",
+            ["replica", "cache"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "prompt tokens of finished requests", ["replica"], registry=self.registry
+        )
+        self.cached_prompt_tokens = Counter(
+            PREFIX + "cached_prompt_tokens",
+            "reused prompt tokens of finished requests by source",
+            ["replica", "source"],
+            registry=self.registry,
+        )
+        self.replica_stats = ReplicaStatsCollector()
+        self.registry.register(self.replica_stats)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        replica = output.replica_id or "unknown"
+        cached = output.cached_tokens
+        self.routing_decisions.labels(replica, "hit" if cached.total else "miss").inc()
+        self.prompt_tokens.labels(replica).inc(output.num_prompt_tokens)
+        for source, value in cached.as_dict().items():
+            self.cached_prompt_tokens.labels(replica, source).inc(value)
+
+    def render(self, replica_stats: Sequence[EngineStats]) -> bytes:
+        """Prometheus text exposition with ``replica_stats`` as the per-replica engine numbers."""
+        self.replica_stats.set(replica_stats)
+        return generate_latest(self.registry)

@@ -1,0 +1,303 @@
+"""The OpenAI wire format: request bodies in (validated), response bodies and SSE chunks out. No Ray, no I/O.
+
+Requests are validated with pydantic; anything wrong raises ``APIError`` (status 400 unless said otherwise), which the
+ingress turns into the OpenAI error shape::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
+
+Usage in every response (and in the last SSE chunk when ``stream_options.include_usage`` is true)::
+
+    "usage": {"prompt_tokens": 300, "completion_tokens": 8, "total_tokens": 308,
+              "prompt_tokens_details": {"cached_tokens": 256,
+                                        "cached_tokens_by_source": {"local": 256, "peer": 0, "host": 0, "disk": 0}}}
+
+Every response body and chunk also carries ``"replica_id"`` (and the ingress sets the ``x-prefixserve-replica`` header).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from replica.outputs import CachedTokens, RequestOutput
+from replica.sampling import SamplingParams
+
+REPLICA_HEADER = "x-prefixserve-replica"
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default for /v1/completions; chat defaults to the rest of the context."""
+
+
+class APIError(Exception):
+    """A request the API refuses; ``status`` is the HTTP status, the rest goes into the OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---- request models ---------------------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints (unknown fields are ignored, as OpenAI clients send extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    """Isolates a tenant's prefix cache: requests with different salts never share pages."""
+    logprobs: Any = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object in ``raw``; APIError(400) for malformed JSON or a non-object."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise APIError(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
+def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """Validate ``body`` as ``model``; the first problem becomes an APIError(400) naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first.get("loc", ()) if not isinstance(part, int)) or None
+        if first.get("type") == "missing":
+            message = f"missing required field {param!r}"
+        else:
+            message = f"invalid value for {param!r}: {first.get('msg')}"
+        raise APIError(message, param=param) from None
+
+
+def check_unsupported(request: _SamplingFields) -> None:
+    if request.n != 1:
+        raise APIError(f"only n=1 is supported, got n={request.n}", param="n")
+    if request.logprobs not in (None, False):
+        raise APIError("logprobs are not supported", param="logprobs")
+    if isinstance(request, CompletionRequest) and request.echo:
+        raise APIError("echo is not supported", param="echo")
+
+
+def completion_prompt(request: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request: a string or a list of token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError("only one prompt per request is supported; send one request per prompt", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str) and not prompt:
+        raise APIError("the prompt is empty", param="prompt")
+    if isinstance(prompt, list) and not prompt:
+        raise APIError("the prompt is empty", param="prompt")
+    return prompt
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as the chat template wants them (text parts joined; other parts refused)."""
+    messages = []
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError("only text content parts are supported", param="messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        messages.append({"role": message.role, "content": content or ""})
+    return messages
+
+
+def sampling_params(request: _SamplingFields, *, prompt_len: int, max_model_len: int, default_max_tokens: int | None
+                    ) -> SamplingParams:
+    """SamplingParams for ``request``; APIError(400) for values SamplingParams refuses or that overflow the context.
+
+    ``default_max_tokens`` None means "the rest of the context" (chat); the completion default is 16.
+    """
+    if prompt_len >= max_model_len:
+        raise APIError(
+            f"the prompt has {prompt_len} tokens; this model serves at most {max_model_len} tokens (prompt + "
+            "output), so shorten the prompt",
+            param="prompt" if isinstance(request, CompletionRequest) else "messages",
+        )
+    room = max_model_len - prompt_len
+    max_tokens = request.max_tokens
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, room) if default_max_tokens is not None else room
+    elif max_tokens > room:
+        raise APIError(
+            f"this model's maximum context length is {max_model_len} tokens; you asked for {prompt_len + max_tokens} "
+            f"({prompt_len} in the prompt, {max_tokens} to generate); lower max_tokens or shorten the prompt",
+            param="max_tokens",
+        )
+    stop = request.stop
+    stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    top_k = request.top_k
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else float(request.temperature),
+            top_p=1.0 if request.top_p is None else float(request.top_p),
+            top_k=0 if top_k is None or top_k == -1 else top_k,
+            seed=request.seed,
+            stop=stop_strings,
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+        )
+    except ValueError as error:
+        raise APIError(str(error), param=_param_named_in(str(error))) from None
+
+
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop", "seed")
+
+
+def _param_named_in(message: str) -> str | None:
+    """The first sampling field a SamplingParams error message names."""
+    found = [(message.find(name), name) for name in _SAMPLING_FIELDS if name in message]
+    return min(found, key=lambda item: (item[0], -len(item[1])))[1] if found else None
+
+
+# ---- responses --------------------------------------------------------------------------------------------------------
+@dataclass
+class Usage:
+    """Token accounting of one request, from its last RequestOutput."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached: CachedTokens
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> "Usage":
+        return cls(output.num_prompt_tokens, output.num_output_tokens, output.cached_tokens)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {
+                "cached_tokens": self.cached.total,
+                "cached_tokens_by_source": self.cached.as_dict(),
+            },
+        }
+
+
+Kind = Literal["completion", "chat"]
+
+
+def completion_body(kind: Kind, request_id: str, model: str, text: str, finish_reason: str | None, usage: Usage,
+                    replica_id: str, created: int) -> dict[str, Any]:
+    if kind == "completion":
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        obj = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                  "logprobs": None}
+        obj = "chat.completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": usage.body(), "replica_id": replica_id}
+
+
+def chunk_body(kind: Kind, request_id: str, model: str, created: int, replica_id: str, *, text: str | None = None,
+               finish_reason: str | None = None, role: bool = False, usage: Usage | None = None,
+               include_usage: bool = False) -> dict[str, Any]:
+    """One SSE chunk. ``usage`` given: the final usage-only chunk (no choices)."""
+    if usage is not None:
+        choices: list[dict[str, Any]] = []
+    elif kind == "completion":
+        choices = [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}]
+    else:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            delta["content"] = text
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion" if kind == "completion" else "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "replica_id": replica_id,
+    }
+    if usage is not None:
+        body["usage"] = usage.body()
+    elif include_usage:
+        body["usage"] = None
+    return body
+
+
+def sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def now() -> int:
+    return int(time.time())

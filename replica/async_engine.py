@@ -1,0 +1,164 @@
+"""Async streaming interface over ``LLMEngine``: one request in, its tokens out as they are produced.
+
+The engine runs on its own thread (torch releases the GIL in kernels, so the asyncio loop stays responsive). Callers
+never touch the engine directly: requests, aborts and commands go through a thread-safe inbox drained at the start of
+every step, and outputs come back to each caller's asyncio queue with ``call_soon_threadsafe``. Nothing here blocks
+the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import uuid
+from collections import deque
+from typing import AsyncIterator, Callable
+
+from replica.engine import LLMEngine
+from replica.events import KVEvent
+from replica.outputs import EngineRequest, EngineStats, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shutdown or a fatal error); the request could not complete."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._request_to_sink: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._kv_events: deque[KVEvent] = deque()
+        self._thread = threading.Thread(target=self._run, name=f"engine-{engine.config.replica_id}", daemon=True)
+        self._thread.start()
+
+    # ---- public API ----------------------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self.engine.model_fingerprint
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; the last has ``finished=True``. Raises ``InvalidRequestError`` before any
+        output if the request can't be served. Closing the iterator early aborts the request."""
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        self.engine.validate(request)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        request_id = request.request_id
+        self._request_to_sink[request_id] = (loop, queue)
+        self._submit(lambda: self._add(request))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._request_to_sink.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        events = []
+        while self._kv_events:
+            events.append(self._kv_events.popleft())
+        return events
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call(self.engine.reset_prefix_cache)
+
+    async def cached_page_keys(self) -> list[bytes]:
+        return await self._call(self.engine.kv.cached_keys)
+
+    async def check_integrity(self) -> None:
+        await self._call(self.engine.check_integrity)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---- engine thread -------------------------------------------------------------------------------------------
+    async def _call(self, fn: Callable):
+        """Run ``fn`` on the engine thread between steps and await its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+                future.set_exception(exc)
+
+        self._submit(run)
+        return await asyncio.wrap_future(future)
+
+    def _submit(self, fn: Callable[[], None]) -> None:
+        self._inbox.append(fn)
+        self._wake.set()
+
+    def _add(self, request: EngineRequest) -> None:
+        try:
+            self.engine.add_request(request)
+        except Exception as exc:  # noqa: BLE001 - reported to the request's caller
+            self._deliver(request.request_id, exc)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            while self._inbox:
+                self._inbox.popleft()()
+            self._kv_events.extend(self.engine.kv.drain_events())
+            if not self.engine.has_work():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(exc)
+                continue
+            self._kv_events.extend(self.engine.kv.drain_events())
+            for output in outputs:
+                self._deliver(output.request_id, output)
+        self._fail_all(EngineDeadError("the engine shut down"))
+
+    def _deliver(self, request_id: str, item) -> None:
+        sink = self._request_to_sink.get(request_id)
+        if sink is None:
+            return
+        loop, queue = sink
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's loop is closed; nobody is listening
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in self.engine.request_ids():
+            self.engine.abort(request_id)
+            self._deliver(request_id, exc)
+        for request_id in list(self._request_to_sink):
+            self._deliver(request_id, exc)

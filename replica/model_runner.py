@@ -1,0 +1,172 @@
+"""Model runner: runs a transformers decoder-only causal LM on one packed batch per step, its attention reading and
+writing the page pool (``replica.paged_attention``).
+
+One step's batch packs every scheduled chunk into a single row ``[1, T]``::
+
+    input_ids    | A: t40..t42 | B: t17 | C: t99 |
+    position_ids |   40..42    |   17   |   99   |
+    slot_mapping | pageA[0]*ps+40.. | ... |          (where each new token's K/V is written)
+    logits rows  |        ^A   |   ^B   |   ^C   |   (only rows that sample a token, via logits_to_keep)
+
+The same code runs on CUDA tensors with ``device="cuda"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import torch
+
+from replica.page_pool import allocate_kv_tensor, bytes_per_page
+from replica.paged_attention import DecodeBatch, PagedAttentionMetadata, PrefillSlice, register_paged_attention
+
+
+@dataclass(frozen=True)
+class ChunkInput:
+    """What the runner needs of one scheduled chunk."""
+
+    token_ids: Seq[int]
+    """The chunk's tokens."""
+    start_pos: int
+    """Position of the first token (= tokens already computed)."""
+    page_ids: Seq[int]
+    """The sequence's page table (covers start_pos + len(token_ids) tokens)."""
+    sample: bool
+    """Whether the chunk ends at the sequence's last token (a new token is sampled from its last row)."""
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def kv_geometry(config) -> KVGeometry:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_heads = text_config.num_attention_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+    return KVGeometry(text_config.num_hidden_layers, num_kv_heads, head_dim)
+
+
+def compute_model_fingerprint(model: torch.nn.Module, kv_dtype: torch.dtype) -> str:
+    """A stable identity of the weights and KV format: config, parameter names/shapes, the embedding and last
+    parameter bytes, and the KV dtype. Equal on every replica and machine that loads the same checkpoint."""
+    digest = hashlib.blake2b(digest_size=16)
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
+                     "_attn_implementation_autoset", "attn_implementation"):
+        config.pop(volatile, None)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    params = list(model.named_parameters())
+    for name, param in params:
+        digest.update(f"{name}:{tuple(param.shape)};".encode())
+    for _, param in (params[0], params[-1]):
+        digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    digest.update(str(kv_dtype).encode())
+    return digest.hexdigest()
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, *, num_pages: int, page_size: int, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.page_size = page_size
+        self.dtype = next(model.parameters()).dtype
+        self.geometry = kv_geometry(model.config)
+        model.set_attn_implementation(register_paged_attention())
+        self.kv_cache = allocate_kv_tensor(
+            num_layers=self.geometry.num_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=self.geometry.num_kv_heads,
+            head_dim=self.geometry.head_dim,
+            dtype=self.dtype,
+            device=device,
+        )
+        self.fingerprint = compute_model_fingerprint(model, self.dtype)
+
+    @staticmethod
+    def pages_for_budget(config, *, page_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+        geometry = kv_geometry(config)
+        per_page = bytes_per_page(
+            num_layers=geometry.num_layers,
+            page_size=page_size,
+            num_kv_heads=geometry.num_kv_heads,
+            head_dim=geometry.head_dim,
+            dtype=dtype,
+        )
+        return budget_bytes // per_page
+
+    # ---- one step ------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, chunks: Seq[ChunkInput]) -> torch.Tensor:
+        """Compute the chunks' KV into their pages; returns float32 logits [num sampling chunks, vocab] in order."""
+        input_ids, positions, slots, sample_rows = [], [], [], []
+        prefills: list[PrefillSlice] = []
+        decode_rows: list[tuple[int, int, Seq[int]]] = []
+        ps = self.page_size
+        offset = 0
+        for chunk in chunks:
+            num_new = len(chunk.token_ids)
+            ctx_len = chunk.start_pos + num_new
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, ctx_len))
+            slots.extend(chunk.page_ids[pos // ps] * ps + pos % ps for pos in range(chunk.start_pos, ctx_len))
+            if num_new == 1:
+                decode_rows.append((offset, ctx_len, chunk.page_ids))
+            else:
+                kv_slots = None if chunk.start_pos == 0 else self._context_slots(chunk.page_ids, ctx_len)
+                prefills.append(PrefillSlice(offset, num_new, ctx_len, kv_slots))
+            offset += num_new
+            if chunk.sample:
+                sample_rows.append(offset - 1)
+        metadata = PagedAttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            prefills=prefills,
+            decode=self._decode_batch(decode_rows),
+        )
+        logits_to_keep = torch.tensor(sample_rows or [offset - 1], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+            paged_metadata=metadata,
+        )
+        if not sample_rows:
+            return out.logits.new_empty(0, out.logits.shape[-1]).float()
+        return out.logits[0].float()
+
+    def _context_slots(self, page_ids: Seq[int], ctx_len: int) -> torch.Tensor:
+        ps = self.page_size
+        num_pages = -(-ctx_len // ps)
+        pages = torch.tensor(page_ids[:num_pages], dtype=torch.long, device=self.device)
+        slots = (pages[:, None] * ps + torch.arange(ps, device=self.device)[None, :]).reshape(-1)
+        return slots[:ctx_len]
+
+    def _decode_batch(self, rows: list[tuple[int, int, Seq[int]]]) -> DecodeBatch | None:
+        if not rows:
+            return None
+        ps = self.page_size
+        max_ctx = max(ctx_len for _, ctx_len, _ in rows)
+        max_pages = -(-max_ctx // ps)
+        tables = torch.zeros(len(rows), max_pages, dtype=torch.long)
+        ctx_lens = torch.tensor([ctx_len for _, ctx_len, _ in rows], dtype=torch.long)
+        for row, (_, ctx_len, page_ids) in enumerate(rows):
+            num_pages = -(-ctx_len // ps)
+            tables[row, :num_pages] = torch.as_tensor(page_ids[:num_pages], dtype=torch.long)
+        kv_slots = (tables[:, :, None] * ps + torch.arange(ps)[None, None, :]).reshape(len(rows), -1)[:, :max_ctx]
+        kv_valid = torch.arange(max_ctx)[None, :] < ctx_lens[:, None]
+        kv_slots = kv_slots.masked_fill(~kv_valid, 0)
+        return DecodeBatch(
+            q_indices=torch.tensor([offset for offset, _, _ in rows], dtype=torch.long, device=self.device),
+            kv_slots=kv_slots.to(self.device),
+            q_positions=(ctx_lens - 1).to(self.device),
+            kv_valid=kv_valid.to(self.device),
+        )

@@ -1,0 +1,184 @@
+"""Scheduler: FCFS continuous batching with chunked prefill under a token budget and preemption by recompute.
+
+Each ``schedule()`` builds one engine step:
+
+1. Running requests, oldest first, get the tokens they still need (1 for a decode, the rest of the prompt or a chunk
+   of it for a prefill) while the step's token budget lasts. A request that needs a page when none is free preempts the
+   newest running request (its pages are released and it goes back to the front of the waiting queue to be recomputed;
+   its cached pages usually survive and are hit again).
+2. Waiting requests, in arrival order, are admitted while the budget, ``max_num_seqs`` and free pages allow. On
+   admission the longest cached prefix is matched (at most all but the last prompt token: one token is always computed
+   to produce logits) and pinned. A waiting request whose next page is being computed right now by a running request
+   is held back a step, so that concurrent requests with one prefix share one copy instead of computing it twice.
+   Running requests are never preempted to admit waiting ones.
+
+The scheduler never touches the free queue; it asks the ``KVCacheManager``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from replica.kv_manager import KVCacheManager
+from replica.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_new_tokens: int
+    """Tokens computed this step: [seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens)."""
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        model_fingerprint: str,
+    ) -> None:
+        self.kv = kv
+        self.page_size = kv.page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.model_fingerprint = model_fingerprint
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens_queried = 0
+        self.num_prompt_tokens_hit = 0
+
+    # ---- queues --------------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a request (finished or aborted) and release its pages."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.release(seq.page_ids)
+        seq.page_ids = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # ---- one step ------------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_pages_needed = self._num_pages_needed(seq, num_new)
+            while num_pages_needed > self.kv.num_free_pages:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            seq.page_ids.extend(self.kv.allocate(num_pages_needed))
+            out.chunks.append(ScheduledChunk(seq, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        in_flight_keys = self._in_flight_keys()
+        deferred: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            page_keys = seq.extend_page_keys(self.page_size, self.model_fingerprint)
+            max_match = (seq.num_tokens - 1) // self.page_size
+            hit_page_ids = self.kv.match_prefix(page_keys[:max_match])
+            if len(hit_page_ids) < max_match and page_keys[len(hit_page_ids)] in in_flight_keys:
+                deferred.append(self.waiting.popleft())
+                continue
+            num_computed = len(hit_page_ids) * self.page_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            num_pages_total = -(-(num_computed + num_new) // self.page_size)
+            num_pages_needed = num_pages_total - len(hit_page_ids)
+            if num_pages_needed > self.kv.num_free_after_acquiring(hit_page_ids):
+                break
+            self.waiting.popleft()
+            self.kv.acquire(hit_page_ids)
+            seq.page_ids = hit_page_ids + self.kv.allocate(num_pages_needed)
+            seq.num_computed_tokens = num_computed
+            seq.num_committed_pages = len(hit_page_ids)
+            if seq.num_cached_prompt_tokens is None:
+                seq.num_cached_prompt_tokens = num_computed
+                seq.cached_by_source = {"local": num_computed} if num_computed else {}
+                self.num_prompt_tokens_queried += seq.num_prompt_tokens
+                self.num_prompt_tokens_hit += num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.admitted.append(seq)
+            out.chunks.append(ScheduledChunk(seq, num_new))
+            budget -= num_new
+            in_flight_keys.update(page_keys[len(hit_page_ids) :])
+        self.waiting.extendleft(reversed(deferred))
+
+    def _num_pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        num_pages_total = -(-(seq.num_computed_tokens + num_new_tokens) // self.page_size)
+        return max(0, num_pages_total - len(seq.page_ids))
+
+    def _in_flight_keys(self) -> set:
+        """Keys of full pages that running requests are computing but have not committed yet."""
+        keys = set()
+        for seq in self.running:
+            keys.update(seq.page_keys[seq.num_committed_pages :])
+        return keys
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq.page_ids)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        out.chunks[:] = [chunk for chunk in out.chunks if chunk.seq is not seq]
+
+    # ---- after the model ran ------------------------------------------------------------------------------------
+    def commit_computed_pages(self, seq: Sequence) -> None:
+        """Register the request's newly full, computed pages in the prefix cache (deduplicating shared ones)."""
+        num_full = seq.num_computed_tokens // self.page_size
+        if num_full <= seq.num_committed_pages:
+            return
+        if not self.kv.enable_prefix_caching:
+            seq.num_committed_pages = num_full
+            return
+        keys = seq.extend_page_keys(self.page_size, self.model_fingerprint)
+        tokens = seq.token_ids
+        for page_index in range(seq.num_committed_pages, num_full):
+            start = page_index * self.page_size
+            result = self.kv.commit_page(
+                seq.page_ids[page_index], keys[page_index], tokens[start : start + self.page_size]
+            )
+            seq.page_ids[page_index] = result.page_id
+        seq.num_committed_pages = num_full

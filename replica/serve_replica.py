@@ -1,0 +1,135 @@
+"""The Ray Serve replica: one data-parallel copy of the model behind a Serve deployment.
+
+A plain class; cluster/app.py wraps it with ``serve.deployment`` (num_replicas = the data-parallel degree and the
+prefix-aware request router). The ingress calls it through a ``DeploymentHandle``:
+
+    handle.options(stream=True).generate.remote(EngineRequest)   -> stream of RequestOutput
+    handle.info.remote()                                          -> ReplicaInfo
+    handle.broadcast("reset_prefix_cache")                        -> one bool per replica
+    handle.broadcast("stats")                                     -> one EngineStats per replica (for /metrics)
+
+Serve itself calls ``record_routing_stats()`` every ``request_routing_stats_period_s``; the dict it returns reaches the
+router in every process holding a handle (router/stats.py describes the format). The replica's id is Serve's
+``ReplicaID.unique_id``, the same string the router uses, so events, hints and responses agree on names.
+
+Contracts: ``__init__`` blocks while the model loads (Serve runs constructors off the request path); every other
+method is async or O(1) and never blocks the replica's event loop (engine work runs on the AsyncEngine's thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import torch
+
+from replica.async_engine import AsyncEngine
+from replica.config import EngineConfig
+from replica.engine import build_engine
+from replica.outputs import EngineRequest, EngineStats, RequestOutput
+
+try:  # the router package is optional for the replica: without it, routing stats carry only the engine stats
+    from router.stats import ReplicaEventLog
+except ImportError:  # pragma: no cover - router/ missing
+    ReplicaEventLog = None  # type: ignore[assignment,misc]
+
+logger = logging.getLogger(__name__)
+
+ENGINE_STATS_KEY = "engine_stats"
+"""Extra key in the routing-stats dict: ``dataclasses.asdict(EngineStats)`` (the router ignores it; metrics read it)."""
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What the ingress needs to know about the replicas once, at start-up (every replica answers the same)."""
+
+    replica_id: str
+    served_model_name: str
+    model_fingerprint: str
+    """Folded into every page key: the ingress must compute keys with the replicas' fingerprint."""
+    max_model_len: int
+    page_size: int
+    enable_prefix_caching: bool
+
+
+def current_replica_id(default: str) -> str:
+    """Serve's ``ReplicaID.unique_id`` of the replica running this code, or ``default`` outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not inside a Serve replica (tests, local use)
+        return default
+
+
+class ServeReplica:
+    """One replica: an ``AsyncEngine`` plus the Serve-facing methods listed in the module docstring."""
+
+    def __init__(self, engine_config: EngineConfig, served_model_name: str) -> None:
+        """Build the engine from ``engine_config`` with ``replica_id`` replaced by this replica's Serve id."""
+        replica_id = current_replica_id(engine_config.replica_id)
+        config = dataclasses.replace(engine_config, replica_id=replica_id)
+        if config.devices == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.replica_id = replica_id
+        self.served_model_name = served_model_name
+        self.config = config
+        self.engine = AsyncEngine(build_engine(config))
+        self._event_log = ReplicaEventLog(replica_id) if ReplicaEventLog is not None else None
+        logger.info(
+            "replica %s ready: model fingerprint %s, max_model_len %d, prefix caching %s",
+            replica_id,
+            self.engine.model_fingerprint,
+            self.engine.max_model_len,
+            "on" if config.enable_prefix_caching else "off",
+        )
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (call with ``handle.options(stream=True)``); the last has ``finished=True``.
+
+        Raises ``InvalidRequestError`` before the first output when the request can never be served. Cancelling the
+        call (the client went away) aborts the request and frees its pages.
+        """
+        async for output in self.engine.generate(request):
+            yield output
+
+    async def info(self) -> ReplicaInfo:
+        return ReplicaInfo(
+            replica_id=self.replica_id,
+            served_model_name=self.served_model_name,
+            model_fingerprint=self.engine.model_fingerprint,
+            max_model_len=self.engine.max_model_len,
+            page_size=self.config.page_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached page not in use; False when some pages were in use and stayed (engine's contract)."""
+        return await self.engine.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        """The engine's counters now (gauges and monotonic totals); cheap, for /metrics."""
+        return self.engine.stats()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """The routing-stats dict Serve pulls periodically (router/stats.py format 1 plus ``engine_stats``).
+
+        KV events drained from the engine feed the replica's event log; the cached-key snapshot is read on the engine
+        thread after the drain, so it is never older than the events' last seq (the log's contract).
+        """
+        stats = self.engine.stats()
+        if self._event_log is None:
+            return {ENGINE_STATS_KEY: dataclasses.asdict(stats)}
+        self._event_log.append(self.engine.drain_kv_events())
+        snapshot_keys = await self.engine.cached_page_keys()
+        payload = self._event_log.stats_payload(stats, lambda: snapshot_keys)
+        payload[ENGINE_STATS_KEY] = dataclasses.asdict(stats)
+        return payload
+
+    def __del__(self) -> None:
+        """Serve calls this when the replica stops: stop the engine thread (requests in flight fail)."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,308 @@
+"""The shared KV tier interface: what a page looks like at rest, what must match to reuse it, and the tier contract.
+
+A tier is a cache *behind* a replica's own page pool. The engine asks it only for pages its own prefix cache missed:
+
+    keys        | k0 | k1 | k2 | k3 | k4 |        (page keys of the prompt, chain order)
+    own cache   | hit| hit|miss|    |    |        -> ask the tier from k2 on
+    tier.lookup(          [k2, k3, k4]) -> 2    (probably present: k2, k3; cheap, may be wrong)
+    tier.load(            [k2, k3], tokens) -> [kv2]   (k3 turned out stale: discarded, load stops there)
+
+Everything a tier returns has been verified (stored token ids == the request's, header == the tier's
+``PageFormat``); nothing a tier does raises for a missing, corrupt or unreachable store. Writes are asynchronous
+and lossy by design: a full queue or an unreachable store drops pages and counts them.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+from replica.page_keys import KEY_FORMAT_VERSION, PageKey
+
+NAME_TO_TORCH_DTYPE: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """Everything that must match before a stored page may be reused by this replica.
+
+    The page key already folds in ``key_format_version``, ``model_fingerprint`` and ``page_size``; ``dtype`` is not
+    part of the key, so tiers keep one namespace per dtype. The KV of one page has shape ``kv_shape``:
+    ``[num_layers, 2 (K, V), page_size, num_kv_heads, head_dim]``.
+    """
+
+    model_fingerprint: str
+    dtype: str
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    key_format_version: int = KEY_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.dtype not in NAME_TO_TORCH_DTYPE:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}; use one of {sorted(NAME_TO_TORCH_DTYPE)}")
+        for name in ("page_size", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PageFormat.{name} must be at least 1, got {getattr(self, name)}")
+        if not self.model_fingerprint:
+            raise ValueError("PageFormat.model_fingerprint must be non-empty; pass the loaded model's fingerprint")
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return NAME_TO_TORCH_DTYPE[self.dtype]
+
+    @property
+    def page_num_bytes(self) -> int:
+        """Bytes of KV in one page (headers not included)."""
+        num_elements = 1
+        for dim in self.kv_shape:
+            num_elements *= dim
+        return num_elements * self.torch_dtype.itemsize
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The tier name of a torch dtype ("bfloat16"); ValueError for dtypes tiers do not store."""
+    for name, candidate in NAME_TO_TORCH_DTYPE.items():
+        if candidate == dtype:
+            return name
+    raise ValueError(f"unsupported KV dtype {dtype}; use one of {sorted(NAME_TO_TORCH_DTYPE)}")
+
+
+@dataclass(frozen=True, eq=False)
+class StoredPage:
+    """One full page of KV as the tiers store it: key, the tokens it holds, the KV, and the header fields.
+
+    ``kv`` is a CPU tensor of shape ``[num_layers, 2, page_size, num_kv_heads, head_dim]``. Build one with
+    :meth:`from_format`. ``store()`` writes it later on another thread, so the caller must not modify ``kv``
+    afterwards (tiers clone views of larger tensors, e.g. a slice of the page pool, for you).
+    """
+
+    key: PageKey
+    token_ids: tuple[int, ...]
+    kv: torch.Tensor
+    model_fingerprint: str
+    dtype: str
+    page_size: int
+    key_format_version: int = KEY_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, bytes) or not self.key:
+            raise ValueError(f"a page key must be non-empty bytes, got {type(self.key).__name__}")
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        if len(self.token_ids) != self.page_size:
+            raise ValueError(f"only full pages are stored: {len(self.token_ids)} tokens, page_size {self.page_size}")
+        if self.kv.dim() != 5 or self.kv.shape[1] != 2 or self.kv.shape[2] != self.page_size:
+            raise ValueError(
+                f"kv must have shape [num_layers, 2, page_size={self.page_size}, num_kv_heads, head_dim], "
+                f"got {list(self.kv.shape)}"
+            )
+        if dtype_name(self.kv.dtype) != self.dtype:
+            raise ValueError(f"kv dtype {self.kv.dtype} does not match the header dtype {self.dtype!r}")
+
+    @classmethod
+    def from_format(
+        cls, page_format: PageFormat, key: PageKey, token_ids: Sequence[int], kv: torch.Tensor
+    ) -> "StoredPage":
+        """A page with the header fields of ``page_format``."""
+        return cls(
+            key=key,
+            token_ids=tuple(token_ids),
+            kv=kv,
+            model_fingerprint=page_format.model_fingerprint,
+            dtype=page_format.dtype,
+            page_size=page_format.page_size,
+            key_format_version=page_format.key_format_version,
+        )
+
+    @property
+    def page_format(self) -> PageFormat:
+        """The format this page implies (compare with a tier's ``page_format``)."""
+        num_layers, _, _, num_kv_heads, head_dim = self.kv.shape
+        return PageFormat(
+            model_fingerprint=self.model_fingerprint,
+            dtype=self.dtype,
+            page_size=self.page_size,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            key_format_version=self.key_format_version,
+        )
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Counters of one tier since it was created (a snapshot; see ``KVTier.stats``)."""
+
+    pages_loaded: int = 0
+    bytes_loaded: int = 0
+    """KV bytes of the pages returned by ``load`` (headers not included)."""
+    pages_stored: int = 0
+    bytes_stored: int = 0
+    pages_dropped: int = 0
+    """Pages given to ``store`` that were not written: queue full, tier unavailable or refused, write failed."""
+    discarded_corrupt: int = 0
+    """Entries deleted by ``load``: truncated, corrupt, foreign format, or other token ids than expected."""
+    pages_evicted: int = 0
+    """Entries this tier deleted to stay within its budget (disk tier; Redis evicts on its own)."""
+    errors: int = 0
+    """Failed operations against the store (connection refused, timeout, I/O error)."""
+    load_seconds: float = 0.0
+    """Wall time spent in ``load`` (caller's thread)."""
+    store_seconds: float = 0.0
+    """Wall time the background writer spent writing."""
+
+
+class StatsRecorder:
+    """Thread-safe accumulator behind ``TierStats``; tiers call ``add`` from the caller's and the writer's thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = {f.name: f.default for f in fields(TierStats)}
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def snapshot(self) -> TierStats:
+        with self._lock:
+            return TierStats(**self._values)
+
+
+class WarningThrottle:
+    """Says whether a warning of a given kind may be logged now (at most once per ``interval_s`` per kind)."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self._interval_s = interval_s
+        self._kind_to_last_time: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def should_warn(self, kind: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            last = self._kind_to_last_time.get(kind)
+            if last is not None and now - last < self._interval_s:
+                return False
+            self._kind_to_last_time[kind] = now
+            return True
+
+
+class KVTier(abc.ABC):
+    """A shared store of KV pages addressed by page key (Redis host tier, Arrow disk tier).
+
+    Contract, for every implementation:
+
+    - ``lookup``, ``load``, ``store`` never raise because of the store's state (missing, corrupt, foreign or
+      unreachable); they raise ``ValueError`` only for programming errors in their arguments.
+    - ``lookup`` mutates nothing but counters. ``load`` deletes the entries it rejects and refreshes the recency of
+      the ones it returns. ``store`` only enqueues; the background writer creates entries and (disk) evicts old ones.
+    - Once ``close`` is called, ``lookup``/``load`` return misses and ``store`` drops.
+    """
+
+    name: str
+    """"host" (Redis) or "disk" (Arrow files): where reused tokens came from, as reported to users."""
+
+    @property
+    @abc.abstractmethod
+    def page_format(self) -> PageFormat:
+        """The format of every page this tier reads and writes."""
+
+    @property
+    @abc.abstractmethod
+    def available(self) -> bool:
+        """False while the store is unreachable, after it was refused (other key format), or after ``close``."""
+
+    @abc.abstractmethod
+    def lookup(self, keys: Sequence[PageKey]) -> int:
+        """How many LEADING ``keys`` are probably present. Cheap (one round trip / a few stats); may be wrong."""
+
+    @abc.abstractmethod
+    def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The KV of the leading pages that are present and verified, stopping at the first miss.
+
+        ``token_ids_per_page[i]`` are the tokens page ``keys[i]`` must hold. Each returned tensor is owned by the
+        caller (CPU, shape ``page_format.kv_shape``, dtype ``page_format.torch_dtype``, bit-identical to what was
+        stored). A corrupt, foreign or mismatching entry is deleted, counted in ``discarded_corrupt``, and ends the
+        load. Raises ValueError if the two sequences differ in length or a page has not ``page_size`` tokens.
+        """
+
+    @abc.abstractmethod
+    def store(self, pages: Sequence[StoredPage]) -> int:
+        """Enqueue ``pages`` for the background writer; returns how many were accepted (the rest are dropped).
+
+        Never blocks on the store. Raises ValueError if a page does not match ``page_format``.
+        """
+
+    @abc.abstractmethod
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every accepted page has been written or dropped; False if ``timeout`` passed first."""
+
+    @abc.abstractmethod
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Finish queued writes (up to ``timeout``), stop the writer and release connections. Idempotent."""
+
+    @abc.abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of this tier's counters."""
+
+
+def check_load_args(
+    page_format: PageFormat, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]
+) -> None:
+    """ValueError unless ``load`` got one full page of token ids per key."""
+    if len(keys) != len(token_ids_per_page):
+        raise ValueError(f"load got {len(keys)} keys but {len(token_ids_per_page)} token-id pages")
+    for token_ids in token_ids_per_page:
+        if len(token_ids) != page_format.page_size:
+            raise ValueError(f"each page holds {page_format.page_size} tokens, got {len(token_ids)}")
+
+
+def prepare_pages_for_store(page_format: PageFormat, pages: Sequence[StoredPage]) -> list[StoredPage]:
+    """The pages made safe to write later: on CPU, contiguous, not views into a larger tensor (those are copied).
+
+    Raises ValueError if a page's format differs from ``page_format``.
+    """
+    prepared = []
+    for page in pages:
+        if page.page_format != page_format:
+            raise ValueError(f"page format {page.page_format} does not match the tier's {page_format}")
+        kv = page.kv.detach()
+        if kv.device.type != "cpu":
+            kv = kv.to("cpu")
+        elif not owns_storage(kv):
+            kv = kv.clone(memory_format=torch.contiguous_format)
+        if kv is not page.kv:
+            page = StoredPage(
+                key=page.key,
+                token_ids=page.token_ids,
+                kv=kv,
+                model_fingerprint=page.model_fingerprint,
+                dtype=page.dtype,
+                page_size=page.page_size,
+                key_format_version=page.key_format_version,
+            )
+        prepared.append(page)
+    return prepared
+
+
+def owns_storage(tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is contiguous and spans its whole storage (so no other tensor's writes can change it)."""
+    return (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )

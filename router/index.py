@@ -1,0 +1,269 @@
+"""Prefix index: which replica holds which page keys, as far as this router has heard.
+
+The index is fed by the KV events each replica publishes (``PagesStored`` / ``PagesRemoved`` / ``AllPagesCleared``,
+numbered by a per-replica consecutive ``seq``) and by occasional full snapshots of a replica's cached keys. It answers
+one question cheaply, with no remote call: for a request's page keys, how many *leading* pages does each replica hold?
+
+    request keys   | k0 | k1 | k2 | k3 |
+    replica a      | k0 | k1 |    | k3 |   -> 2  (k3 is useless without k2: only a leading run can be reused)
+    replica b      | k0 |    |    |    |   -> 1
+    replica c      |    | k1 | k2 |    |   -> 0  (not in the result)
+
+Sync protocol, per replica (``sync`` applies one routing-stats report):
+
+- ``epoch`` names one lifetime of the replica's event numbering. A new epoch drops everything known about the replica.
+- Events are applied in ``seq`` order. An event with ``seq <= last_seq`` was already applied and is skipped. An event
+  with ``seq > last_seq + 1`` reveals a gap (events were missed): it is applied anyway (best effort) and the replica is
+  marked ``needs_snapshot``. A replica the index has never had a snapshot of also ``needs_snapshot``.
+- A snapshot (the replica's full key set as of ``seq``) replaces what the index holds for the replica when the replica
+  ``needs_snapshot`` or the snapshot is newer than ``last_seq``; events newer than the snapshot are then re-applied.
+  Replaying events in order over a snapshot taken at or after its label gives the right final state, because each
+  event's effect on a key is overwritten by the next event touching that key.
+
+Staleness only costs a cache miss: the chosen replica matches against its own cache and computes what it lacks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Collection, Iterable, Sequence
+
+from replica.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
+from replica.page_keys import PageKey
+
+
+@dataclass(frozen=True)
+class IndexSnapshot:
+    """Every page key a replica had cached as of event ``seq`` (0: before its first event, numbered 1)."""
+
+    seq: int
+    keys: tuple[PageKey, ...]
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one ``sync`` / ``apply_events`` call did to one replica's entries."""
+
+    num_events_applied: int = 0
+    num_events_skipped: int = 0
+    """Events at or below ``last_seq`` (already applied)."""
+    num_gaps: int = 0
+    """Places where a ``seq`` jumped ahead: events were missed."""
+    applied_snapshot: bool = False
+    reset_epoch: bool = False
+
+
+@dataclass
+class _ReplicaState:
+    bit: int
+    """This replica's bit in the holder masks (1 << slot)."""
+    epoch: str | None = None
+    last_seq: int | None = None
+    needs_snapshot: bool = True
+    keys: set[PageKey] = field(default_factory=set)
+
+
+class PrefixIndex:
+    """Page key -> mask of replicas holding it, and replica -> its keys, kept in step by the sync protocol above.
+
+    Each tracked replica owns one bit of an int mask (freed when it leaves), so a key's holders cost one dict entry
+    and no container (nothing for the garbage collector to walk). Not thread-safe; the router calls it from one event
+    loop. Updates cost O(keys touched); ``longest_prefix`` costs O(leading pages matched).
+    """
+
+    def __init__(self) -> None:
+        self._replica_id_to_state: dict[str, _ReplicaState] = {}
+        self._bit_to_replica_id: dict[int, str] = {}
+        self._key_to_holder_mask: dict[PageKey, int] = {}
+
+    # ---- membership ------------------------------------------------------------------------------------------------
+    def add_replica(self, replica_id: str) -> None:
+        """Start tracking ``replica_id`` (no keys, needs a snapshot). No-op if already tracked."""
+        self._state_of(replica_id)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Forget ``replica_id`` and every key it held. No-op if unknown."""
+        state = self._replica_id_to_state.pop(replica_id, None)
+        if state is not None:
+            self._drop_keys(state, list(state.keys))
+            del self._bit_to_replica_id[state.bit]
+
+    def replica_ids(self) -> list[str]:
+        return sorted(self._replica_id_to_state)
+
+    def needs_snapshot(self, replica_id: str) -> bool:
+        """True when the index may be missing events of ``replica_id`` (unknown replicas count as needing one)."""
+        state = self._replica_id_to_state.get(replica_id)
+        return state is None or state.needs_snapshot
+
+    def last_seq(self, replica_id: str) -> int | None:
+        state = self._replica_id_to_state.get(replica_id)
+        return None if state is None else state.last_seq
+
+    def num_keys(self, replica_id: str) -> int:
+        state = self._replica_id_to_state.get(replica_id)
+        return 0 if state is None else len(state.keys)
+
+    def holds(self, replica_id: str, key: PageKey) -> bool:
+        state = self._replica_id_to_state.get(replica_id)
+        return state is not None and bool(self._key_to_holder_mask.get(key, 0) & state.bit)
+
+    # ---- queries ---------------------------------------------------------------------------------------------------
+    def longest_prefix(
+        self, page_keys: Sequence[PageKey], replica_ids: Iterable[str] | None = None
+    ) -> dict[str, int]:
+        """Replica id -> number of leading ``page_keys`` it holds, for replicas holding at least the first one.
+
+        ``replica_ids`` restricts the answer to those replicas (unknown ids are ignored).
+        """
+        if not page_keys:
+            return {}
+        alive = self._key_to_holder_mask.get(page_keys[0], 0)
+        if replica_ids is not None:
+            alive &= self._mask_of(replica_ids)
+        replica_id_to_num_pages: dict[str, int] = {}
+        num_pages = 1
+        for key in page_keys[1:]:
+            if not alive:
+                break
+            still = alive & self._key_to_holder_mask.get(key, 0)
+            if still != alive:
+                self._record(alive & ~still, num_pages, replica_id_to_num_pages)
+            alive = still
+            num_pages += 1
+        self._record(alive, num_pages, replica_id_to_num_pages)
+        return replica_id_to_num_pages
+
+    # ---- updates ---------------------------------------------------------------------------------------------------
+    def sync(
+        self,
+        replica_id: str,
+        *,
+        epoch: str,
+        events: Sequence[KVEvent] = (),
+        snapshot: IndexSnapshot | None = None,
+    ) -> SyncResult:
+        """Apply one report of ``replica_id``: its epoch, its recent events (seq order), maybe a snapshot.
+
+        Starts tracking the replica if needed. See the module docstring for the rules.
+        """
+        state = self._state_of(replica_id)
+        reset_epoch = state.epoch != epoch
+        if reset_epoch:
+            self._reset(state)
+            state.epoch = epoch
+        applied, skipped, gaps = self._apply(state, events)
+        applied_snapshot = False
+        if snapshot is not None and (state.needs_snapshot or _is_newer(snapshot.seq, state.last_seq)):
+            self._replace_keys(state, snapshot)
+            newer = [event for event in events if _is_newer(event.seq, snapshot.seq)]
+            more_applied, _, more_gaps = self._apply(state, newer)
+            applied += more_applied
+            gaps += more_gaps
+            applied_snapshot = True
+        return SyncResult(applied, skipped, gaps, applied_snapshot, reset_epoch)
+
+    def apply_events(self, replica_id: str, events: Sequence[KVEvent]) -> SyncResult:
+        """Apply ``events`` of ``replica_id`` in order (starting to track it if needed), noting gaps."""
+        applied, skipped, gaps = self._apply(self._state_of(replica_id), events)
+        return SyncResult(applied, skipped, gaps)
+
+    def apply_snapshot(self, replica_id: str, snapshot: IndexSnapshot) -> None:
+        """Make the index hold exactly ``snapshot.keys`` for ``replica_id``, in sync as of ``snapshot.seq``."""
+        self._replace_keys(self._state_of(replica_id), snapshot)
+
+    # ---- checks ----------------------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the key sets and the holder masks mirror each other exactly."""
+        assert {state.bit for state in self._replica_id_to_state.values()} == set(self._bit_to_replica_id)
+        expected: dict[PageKey, int] = {}
+        for replica_id, state in self._replica_id_to_state.items():
+            assert self._bit_to_replica_id[state.bit] == replica_id
+            for key in state.keys:
+                expected[key] = expected.get(key, 0) | state.bit
+        assert expected == self._key_to_holder_mask, "holder masks disagree with the replicas' key sets"
+
+    # ---- internals -------------------------------------------------------------------------------------------------
+    def _state_of(self, replica_id: str) -> _ReplicaState:
+        state = self._replica_id_to_state.get(replica_id)
+        if state is None:
+            slot = 0
+            while (1 << slot) in self._bit_to_replica_id:
+                slot += 1
+            state = _ReplicaState(bit=1 << slot)
+            self._replica_id_to_state[replica_id] = state
+            self._bit_to_replica_id[state.bit] = replica_id
+        return state
+
+    def _mask_of(self, replica_ids: Iterable[str]) -> int:
+        mask = 0
+        for replica_id in replica_ids:
+            state = self._replica_id_to_state.get(replica_id)
+            if state is not None:
+                mask |= state.bit
+        return mask
+
+    def _record(self, mask: int, num_pages: int, replica_id_to_num_pages: dict[str, int]) -> None:
+        while mask:
+            bit = mask & -mask
+            replica_id_to_num_pages[self._bit_to_replica_id[bit]] = num_pages
+            mask ^= bit
+
+    def _apply(self, state: _ReplicaState, events: Sequence[KVEvent]) -> tuple[int, int, int]:
+        num_applied = num_skipped = num_gaps = 0
+        for event in events:
+            if state.last_seq is not None and event.seq <= state.last_seq:
+                num_skipped += 1
+                continue
+            if state.last_seq is not None and event.seq > state.last_seq + 1:
+                num_gaps += 1
+                state.needs_snapshot = True
+            self._apply_one(state, event)
+            state.last_seq = event.seq
+            num_applied += 1
+        return num_applied, num_skipped, num_gaps
+
+    def _apply_one(self, state: _ReplicaState, event: KVEvent) -> None:
+        if isinstance(event, PagesStored):
+            self._add_keys(state, event.keys)
+        elif isinstance(event, PagesRemoved):
+            self._drop_keys(state, event.keys)
+        elif isinstance(event, AllPagesCleared):
+            self._drop_keys(state, list(state.keys))
+        else:
+            raise TypeError(f"not a KV event: {event!r}")
+
+    def _replace_keys(self, state: _ReplicaState, snapshot: IndexSnapshot) -> None:
+        wanted = set(snapshot.keys)
+        self._drop_keys(state, state.keys - wanted)
+        self._add_keys(state, wanted - state.keys)
+        state.last_seq = snapshot.seq
+        state.needs_snapshot = False
+
+    def _reset(self, state: _ReplicaState) -> None:
+        self._drop_keys(state, list(state.keys))
+        state.last_seq = None
+        state.needs_snapshot = True
+
+    def _add_keys(self, state: _ReplicaState, keys: Collection[PageKey]) -> None:
+        holder_masks = self._key_to_holder_mask
+        bit = state.bit
+        for key in keys:
+            holder_masks[key] = holder_masks.get(key, 0) | bit
+        state.keys.update(keys)
+
+    def _drop_keys(self, state: _ReplicaState, keys: Collection[PageKey]) -> None:
+        holder_masks = self._key_to_holder_mask
+        keep = ~state.bit
+        for key in keys:
+            mask = holder_masks.get(key, 0) & keep
+            if mask:
+                holder_masks[key] = mask
+            else:
+                holder_masks.pop(key, None)
+        state.keys.difference_update(keys)
+
+
+def _is_newer(seq: int, than: int | None) -> bool:
+    """``seq`` comes after ``than`` (None: nothing is known yet)."""
+    return than is None or seq > than

@@ -1,0 +1,223 @@
+"""The Ray Serve adapter: ``PrefixAwareRequestRouter`` feeds the prefix index from routing stats and asks the policy.
+
+Ray Serve 2.60 facts this relies on (read from ray/serve/_private/request_router/ and router.py):
+
+- One router instance lives in every process holding a handle to the replica deployment. Serve constructs it, calls
+  ``initialize_state(**request_router_kwargs)``, then ``update_replicas`` whenever the controller broadcasts the
+  replica set, which it does when a replica joins or leaves *and* when any replica's ``record_routing_stats()`` dict
+  changed. So the index is synced from ``RunningReplica.routing_stats`` inside ``update_replicas`` (only for replicas
+  whose dict differs from the one last applied); choosing never makes a remote call.
+- ``choose_replicas`` returns ranked tiers; Serve tries the first tier (the chosen replica alone), then the next (all
+  the others, where Serve itself picks the shortest queue) when a replica rejects at ``max_ongoing_requests``.
+- ``pending_request.args`` is the handle call's argument list, a fresh list per request; the replica receives
+  ``pending_request.args`` as they are when the request is sent, after ``choose_replicas`` returned. So a request
+  object replaced in that list (a copy with ``peer_hint`` set; the caller's object is not mutated) is what the replica
+  gets. The hint written there names the replica believed to hold the most leading pages; when that is the chosen
+  replica itself the replica must ignore it; it only matters if Serve falls back to another tier.
+- Replica ids are ``RunningReplica.replica_id.unique_id``; inside a replica the same string is
+  ``serve.get_replica_context().replica_id.unique_id``, and ``ReplicaID.to_full_id_str()`` is the replica's actor
+  name in namespace "serve" (how a replica can reach a peer named by ``peer_hint``; see ``replica_actor_name``).
+- ``on_request_completed(replica_id, internal_request_id)`` fires when a sent request finishes, fails or is rejected;
+  with the pending request's future (cancelled, or resolved to the replica actually used) it keeps the policy's
+  in-flight counts exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any, List, Optional, Sequence
+
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from replica.page_keys import PageKey
+from router.index import PrefixIndex
+from router.policy import PolicyConfig, PrefixAwarePolicy, RoutingDecision
+from router.stats import ReplicaLoad, RoutingStatsError, parse_routing_stats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STATS_PERIOD_S = 0.5
+DEFAULT_STATS_TIMEOUT_S = 5.0
+
+
+class PrefixAwareRequestRouter(RequestRouter):
+    """Routes each request to the replica chosen by ``PrefixAwarePolicy``; see the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._configure(PolicyConfig())
+
+    def initialize_state(self, **policy_kwargs: Any) -> None:
+        """Called by Serve with ``request_router_kwargs``: the fields of ``PolicyConfig``."""
+        self._configure(PolicyConfig(**policy_kwargs))
+
+    # ---- state fed by Serve ----------------------------------------------------------------------------------------
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        current_ids = {replica_id_of(replica) for replica in replicas}
+        for replica_id in set(self.index.replica_ids()) - current_ids:
+            self._forget(replica_id)
+        for replica in replicas:
+            self.index.add_replica(replica_id_of(replica))
+            self._sync_stats(replica)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.policy.note_finished(internal_request_id, replica_id.unique_id)
+        self._request_id_to_future.pop(internal_request_id, None)
+
+    # ---- the decision ----------------------------------------------------------------------------------------------
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        page_keys = page_keys_of(pending_request)
+        replica_id_to_replica = {replica_id_of(r): r for r in candidate_replicas}
+        decision = self.policy.choose(page_keys, [self._load_of(r) for r in candidate_replicas])
+        if pending_request is not None:
+            set_peer_hint(pending_request, hint_for_request(decision))
+            self._count_inflight(pending_request, decision.replica_id)
+        chosen = replica_id_to_replica[decision.replica_id]
+        rest = [r for r in candidate_replicas if r is not chosen]
+        return [[chosen], rest] if rest else [[chosen]]
+
+    # ---- internals -------------------------------------------------------------------------------------------------
+    def _configure(self, config: PolicyConfig) -> None:
+        self.index = PrefixIndex()
+        self.policy = PrefixAwarePolicy(self.index, config)
+        self._replica_id_to_raw_stats: dict[str, Any] = {}
+        self._replica_id_to_load: dict[str, ReplicaLoad] = {}
+        self._request_id_to_future: dict[str, asyncio.Future] = {}
+
+    def _sync_stats(self, replica: RunningReplica) -> None:
+        replica_id = replica_id_of(replica)
+        raw = replica.routing_stats
+        last = self._replica_id_to_raw_stats.get(replica_id)
+        if raw is last or raw == last:
+            return
+        self._replica_id_to_raw_stats[replica_id] = raw
+        try:
+            report = parse_routing_stats(raw)
+        except RoutingStatsError as error:
+            logger.warning("ignoring routing stats of replica %s: %s", replica_id, error)
+            return
+        if report is None:
+            return
+        if report.replica_id != replica_id:
+            logger.warning("replica %s reports itself as %r; indexing it as %s", replica_id, report.replica_id,
+                           replica_id)
+        self.index.sync(replica_id, epoch=report.epoch, events=report.events, snapshot=report.snapshot)
+        self._replica_id_to_load[replica_id] = dataclasses.replace(report.to_load(), replica_id=replica_id)
+
+    def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
+        """Reported load, raised to Serve's own queue-length cache entry when that is fresher and higher."""
+        replica_id = replica_id_of(replica)
+        reported = self._replica_id_to_load.get(replica_id) or ReplicaLoad(replica_id)
+        num_queued = self.replica_queue_len_cache.get(replica.replica_id)
+        if num_queued is not None and num_queued > reported.num_requests:
+            return dataclasses.replace(reported, num_requests=num_queued)
+        return reported
+
+    def _count_inflight(self, pending_request: PendingRequest, replica_id: str) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        self.policy.note_routed(request_id, replica_id)
+        future = pending_request.future
+        if self._request_id_to_future.get(request_id) is not future:
+            self._request_id_to_future[request_id] = future
+            future.add_done_callback(lambda done, rid=request_id: self._on_assigned(rid, done))
+
+    def _on_assigned(self, request_id: str, future: asyncio.Future) -> None:
+        """The pending request got its replica (count it there) or was cancelled before being sent (stop counting)."""
+        if self._request_id_to_future.get(request_id) is not future:
+            return
+        if future.cancelled() or future.exception() is not None:
+            self.policy.note_finished(request_id)
+            self._request_id_to_future.pop(request_id, None)
+            return
+        self.policy.note_routed(request_id, replica_id_of(future.result()))
+
+    def _forget(self, replica_id: str) -> None:
+        self.index.remove_replica(replica_id)
+        self.policy.forget_replica(replica_id)
+        self._replica_id_to_raw_stats.pop(replica_id, None)
+        self._replica_id_to_load.pop(replica_id, None)
+
+
+# ---- small helpers (no Ray state) -----------------------------------------------------------------------------------
+def replica_id_of(replica: RunningReplica) -> str:
+    return replica.replica_id.unique_id
+
+
+def replica_actor_name(peer_unique_id: str, own_replica_id: ReplicaID) -> str:
+    """Actor name (namespace "serve") of the replica ``peer_unique_id`` of the same deployment as ``own_replica_id``."""
+    return ReplicaID(peer_unique_id, deployment_id=own_replica_id.deployment_id).to_full_id_str()
+
+
+def engine_request_of(pending_request: Optional[PendingRequest]) -> tuple[str, Any, Any] | None:
+    """Where the request object is: ("args", 0, obj) or ("kwargs", name, obj); None when no argument has page keys."""
+    if pending_request is None:
+        return None
+    for position, arg in enumerate(pending_request.args):
+        if hasattr(arg, "page_keys"):
+            return ("args", position, arg)
+    for name, arg in pending_request.kwargs.items():
+        if hasattr(arg, "page_keys"):
+            return ("kwargs", name, arg)
+    return None
+
+
+def page_keys_of(pending_request: Optional[PendingRequest]) -> Sequence[PageKey]:
+    found = engine_request_of(pending_request)
+    if found is None:
+        return ()
+    return found[2].page_keys or ()
+
+
+def hint_for_request(decision: RoutingDecision) -> str | None:
+    """The replica believed to hold the most leading pages (the chosen one itself on a prefix hit), or None."""
+    if decision.peer_hint is not None:
+        return decision.peer_hint
+    return decision.replica_id if decision.matched_pages > 0 else None
+
+
+def set_peer_hint(pending_request: PendingRequest, peer_hint: str | None) -> None:
+    """Replace the request argument with a copy carrying ``peer_hint`` (the caller's object is left alone)."""
+    found = engine_request_of(pending_request)
+    if found is None:
+        return
+    where, position, request = found
+    if getattr(request, "peer_hint", None) == peer_hint or not dataclasses.is_dataclass(request):
+        return
+    updated = dataclasses.replace(request, peer_hint=peer_hint)
+    if where == "args":
+        pending_request.args[position] = updated
+    else:
+        pending_request.kwargs[position] = updated
+
+
+def router_config(
+    *,
+    balance_abs_threshold: int = PolicyConfig.balance_abs_threshold,
+    balance_rel_threshold: float = PolicyConfig.balance_rel_threshold,
+    min_peer_copy_pages: int = PolicyConfig.min_peer_copy_pages,
+    enable_peer_hint: bool = PolicyConfig.enable_peer_hint,
+    stats_period_s: float = DEFAULT_STATS_PERIOD_S,
+    stats_timeout_s: float = DEFAULT_STATS_TIMEOUT_S,
+) -> RequestRouterConfig:
+    """The ``request_router_config`` of the replica deployment (policy thresholds validated here, not in Serve)."""
+    policy = PolicyConfig(balance_abs_threshold, balance_rel_threshold, min_peer_copy_pages, enable_peer_hint)
+    return RequestRouterConfig(
+        request_router_class=PrefixAwareRequestRouter,
+        request_router_kwargs=dataclasses.asdict(policy),
+        request_routing_stats_period_s=stats_period_s,
+        request_routing_stats_timeout_s=stats_timeout_s,
+    )

@@ -1,0 +1,157 @@
+"""Shared pytest fixtures: real external services the tests start themselves."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+REDIS_SERVER_BINARY = shutil.which("redis-server")
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisProcess:
+    """A private redis-server on 127.0.0.1: no persistence, 256 MB with LRU eviction. Can be stopped and restarted
+    on the same port."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or find_free_port()
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._process = subprocess.Popen(
+            [REDIS_SERVER_BINARY, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not self._answers_ping():
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+
+    def _answers_ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+def _require_redis_server() -> None:
+    if REDIS_SERVER_BINARY is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """URL of a redis-server shared by the whole session. Tests isolate themselves with their own key prefix."""
+    _require_redis_server()
+    server = RedisProcess()
+    server.start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def redis_process_factory():
+    """Start private redis-servers (``factory() -> RedisProcess``) that a test may stop and restart; all are
+    stopped at the end of the test."""
+    _require_redis_server()
+    started: list[RedisProcess] = []
+
+    def start(port: int | None = None) -> RedisProcess:
+        server = RedisProcess(port)
+        server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+# ---- Ray and Ray Serve, started once per session ----------------------------------------------------------------------
+RAY_NUM_CPUS = 4
+"""Logical CPUs of the session's local Ray (replicas reserve 0.5 each; the box has 2 real cores)."""
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray started once for the whole session (no usage stats, no auth token); shut down at the end.
+
+    Workers inherit PYTHONPATH, so they import the repository's packages even when prefixserve is not installed.
+    Yields the ``ray`` module.
+    """
+    import os
+    from pathlib import Path
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    root = str(Path(__file__).resolve().parent.parent)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    import ray
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, logging_level="warning")
+    yield ray
+    if started_here:
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_http_port(ray_session) -> int:
+    """Ray Serve on the session's Ray, its HTTP proxy on a free 127.0.0.1 port (returned). Apps deployed by tests
+    share it and must use their own route prefix; Serve is shut down with the session's Ray."""
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    serve.start(http_options={"host": "127.0.0.1", "port": find_free_port()})
+    # If Serve was already running (another test's serve.run), its proxy keeps its own port: ask the controller.
+    return ray.get(_get_global_client()._controller.get_http_config.remote()).port
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """A tiny random Llama (hidden 64, 2 layers, GQA 4/2 heads, vocab 1024) with a chat template, written once."""
+    from replica.tiny_models import write_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    write_tiny_model(out, arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=1024,
+                     max_position_embeddings=2048)
+    return str(out)

@@ -1,0 +1,60 @@
+"""benchmarks/vs_vllm_report.py turns raw result files into the side-by-side markdown (no servers needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from cluster import bench
+from cluster import bench_workloads as wl
+
+REPORT_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "vs_vllm_report.py"
+
+
+def load_report_module():
+    spec = importlib.util.spec_from_file_location("vs_vllm_report", REPORT_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def result_json(label: str, workload: str, ttft_s: float, cached_tokens: int) -> dict:
+    """A result file's content for 4 identical requests of 100 prompt tokens lasting 1 s in all."""
+    records = [
+        bench.RequestRecord(
+            request_index=i, session_id=i, turn=0, group=0, warmup=False, output_len=4, client_prompt_len=100,
+            start_s=0.0, success=True, ttft_s=ttft_s, e2e_s=ttft_s + 0.03, itl_s=[0.01] * 3, prompt_tokens=100,
+            completion_tokens=4, cached_tokens=cached_tokens, usage_reported=True,
+        )
+        for i in range(4)
+    ]
+    config = wl.WorkloadConfig(workload=workload, num_requests=4, prefix_len=96, suffix_len=4, output_len=4)
+    run = bench.BenchRun(
+        label=label, client_config=bench.ClientConfig(), load_config=bench.LoadConfig(), workload_config=config,
+        prompt_format="ids", tokenizer_path=None, vocab_size=1024, model="m",
+        metrics=bench.compute_metrics(records, 1.0), records=records, warmup_records=[], started_at="now",
+    )
+    return run.to_json()
+
+
+def test_report_pairs_servers_per_workload_with_ratios(tmp_path):
+    report = load_report_module()
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for server, ttft in (("prefixserve", 0.1), ("vllm", 0.2)):
+        for caching, cached in (("on", 64), ("off", 0)):
+            for workload in ("shared-prefix", "unique"):
+                content = result_json(f"{server} {caching}", workload, ttft, cached if workload != "unique" else 0)
+                (raw / f"{server}-caching-{caching}-{workload}.json").write_text(json.dumps(content))
+            facts = {"server": server, "caching": caching, "startup_s": 12.5, "rss_idle_mib": 900, "rss_after_mib": 950}
+            (raw / f"{server}-caching-{caching}-server.json").write_text(json.dumps(facts))
+    out = tmp_path / "vs_vllm.md"
+    assert report.main(["--raw", str(raw), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.index("### shared-prefix") < text.index("### unique") < text.index("### Servers")
+    assert "| TTFT p50 (ms) | 100.0 | 200.0 | 0.50x ✓ | 100.0 | 200.0 | 0.50x ✓ |" in text
+    assert "| cached prompt tokens (%) | 64.0 | 64.0 | 1.00x | 0.0 | 0.0 | - |" in text
+    assert "| vLLM | off | 12.5 | 900 | 950 |" in text

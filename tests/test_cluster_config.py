@@ -1,0 +1,163 @@
+"""ServeConfig and the ``prefixserve`` command line: flag parsing, defaults, invalid combinations. No Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster import cli
+from cluster.config import ServeConfig, parse_memory_size
+from replica.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse(*flags: str) -> ServeConfig:
+    args = cli.build_parser().parse_args(["serve", *flags])
+    return cli.config_from_args(args)
+
+
+def test_defaults():
+    config = parse("--devices", "cpu")
+    assert config.model is None
+    assert config.served_model_name == "SmolLM2-135M-Instruct"
+    assert config.data_parallel_degree == 1
+    assert config.enable_prefix_caching is True
+    assert config.enable_dp_cross_replica_prefix_copy is True
+    assert config.page_size == 128
+    assert config.kv_cache_memory == 1 << 30
+    assert (config.host, config.port, config.api_key, config.redis_url) == ("127.0.0.1", 8000, None, None)
+
+
+def test_every_flag_reaches_the_config(tmp_path):
+    config = parse(
+        "--model", str(tmp_path), "--devices", "cpu", "--data-parallel-degree", "3", "--kv-cache-page-size", "256",
+        "--kv-cache-memory", "2GiB", "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-model-len", "1024",
+        "--max-num-batched-tokens", "512", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k",
+        "--redis-url", "redis://h:6379/0", "--disk-cache-dir", str(tmp_path / "kv"), "--ray-address", "auto",
+        "--log-level", "debug", "--served-model-name", "m", "--num-cpus-per-replica", "2",
+        "--no-enable-dp-cross-replica-prefix-copy",
+    )
+    assert config == ServeConfig(
+        model=str(tmp_path), devices="cpu", data_parallel_degree=3, page_size=256, kv_cache_memory=2 * 1024**3,
+        dtype="bfloat16", max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=512, host="0.0.0.0", port=9000,
+        api_key="k", redis_url="redis://h:6379/0", disk_cache_dir=str(tmp_path / "kv"), ray_address="auto",
+        log_level="debug", served_model_name="m", num_cpus_per_replica=2.0,
+        enable_dp_cross_replica_prefix_copy=False,
+    )
+
+
+def test_engine_config_carries_the_replica_settings():
+    config = ServeConfig(devices="cpu", model="/m", page_size=256, kv_cache_memory="64MiB", max_num_seqs=4,
+                         max_num_batched_tokens=300, max_model_len=1000, num_cpus_per_replica=2.5,
+                         redis_url="redis://r:1/0", disk_cache_dir="/d")
+    engine = config.engine_config("r1")
+    assert isinstance(engine, EngineConfig)
+    assert (engine.model, engine.devices, engine.page_size, engine.kv_cache_memory_bytes) == ("/m", "cpu", 256, 64 << 20)
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len) == (4, 300, 1000)
+    assert (engine.replica_id, engine.num_threads, engine.enable_prefix_caching) == ("r1", 2, True)
+    assert engine.extra == {"enable_dp_cross_replica_prefix_copy": True, "redis_url": "redis://r:1/0",
+                            "disk_cache_dir": "/d"}
+
+
+def test_caching_off_turns_copy_off_by_default():
+    config = parse("--devices", "cpu", "--no-enable-prefix-caching")
+    assert (config.enable_prefix_caching, config.enable_dp_cross_replica_prefix_copy) == (False, False)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("2GiB", 2 * 1024**3), ("512MiB", 512 * 1024**2), ("1.5GB", 1_500_000_000), ("4096", 4096), ("64 mib", 64 << 20)],
+)
+def test_memory_sizes(text, expected):
+    assert parse_memory_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--kv-cache-page-size", "100"], "multiple of 128"),
+        (["--kv-cache-page-size", "0"], "multiple of 128"),
+        (["--data-parallel-degree", "0"], "--data-parallel-degree"),
+        (["--devices", "gpu", "--data-parallel-degree", "64"], "GPUs"),
+        (["--no-enable-prefix-caching", "--enable-dp-cross-replica-prefix-copy"], "--no-enable-prefix-caching"),
+        (["--no-enable-prefix-caching", "--redis-url", "redis://h:1/0"], "--redis-url"),
+        (["--no-enable-prefix-caching", "--disk-cache-dir", "/tmp/x"], "--disk-cache-dir"),
+        (["--lora-modules", "a"], "--no-enable-prefix-caching"),
+        (["--no-enable-prefix-caching", "--lora-modules", "a"], "not implemented"),
+        (["--redis-url", "http://h"], "redis://"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+        (["--max-model-len", "1"], "--max-model-len"),
+        (["--port", "70000"], "--port"),
+        (["--num-cpus-per-replica", "0"], "--num-cpus-per-replica"),
+        (["--api-key", " "], "--api-key"),
+    ],
+)
+def test_invalid_combinations_are_one_line_and_status_2(flags, message, capsys):
+    devices = [] if "--devices" in flags else ["--devices", "cpu"]
+    status = cli.main(["serve", *devices, *flags])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert message in err
+    assert err.startswith("prefixserve serve: error: ")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--kv-cache-memory", "lots"], ["--dtype", "float16"], ["--devices", "tpu"], ["--port", "x"], ["--bogus"]],
+)
+def test_bad_flag_values_exit_2_with_one_line(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("prefixserve") and " error: " in err
+
+
+def test_missing_model_fails_before_ray(capsys, tmp_path):
+    status = cli.main(["serve", "--devices", "cpu", "--model", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert status == 2 and "no such file or folder" in err and err.count("\n") == 1
+
+
+def test_serve_help_documents_every_flag():
+    text = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for flag in ["--model", "--devices", "--data-parallel-degree", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--kv-cache-page-size", "--enable-dp-cross-replica-prefix-copy",
+                 "--no-enable-dp-cross-replica-prefix-copy", "--kv-cache-memory", "--dtype", "--max-num-seqs",
+                 "--max-model-len", "--max-num-batched-tokens", "--host", "--port", "--api-key", "--redis-url",
+                 "--disk-cache-dir", "--ray-address", "--log-level", "--served-model-name", "--lora-modules",
+                 "--num-cpus-per-replica"]:
+        assert flag in text, flag
+
+
+def test_from_mapping_accepts_flag_spellings():
+    config = ServeConfig.from_mapping({"model": "/m", "devices": "cpu", "data-parallel-degree": 2,
+                                       "kv_cache_page_size": 256, "kv_cache_memory": "1GiB"})
+    assert (config.data_parallel_degree, config.page_size, config.kv_cache_memory) == (2, 256, 1 << 30)
+    assert config.ray_address == "auto"
+    with pytest.raises(ValueError, match="unknown prefixserve setting 'modle'"):
+        ServeConfig.from_mapping({"modle": "/m"})
+
+
+def test_python_dash_m_cluster_runs_the_cli():
+    result = subprocess.run([sys.executable, "-m", "cluster", "serve", "--devices", "cpu", "--kv-cache-page-size",
+                             "64"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "prefixserve serve: error: --kv-cache-page-size must be a positive multiple of 128 tokens, got 64; "
+        "use 128, 256, ..."
+    ]
+
+
+def test_make_tiny_model_delegates(tmp_path, capsys):
+    status = cli.main(["make-tiny-model", "--out", str(tmp_path / "m"), "--hidden-size", "32", "--num-layers", "1",
+                       "--num-heads", "2", "--num-kv-heads", "1", "--vocab-size", "300"])
+    assert status == 0
+    assert (tmp_path / "m" / "config.json").exists()
+    assert capsys.readouterr().out.strip() == str(tmp_path / "m")

@@ -1,0 +1,251 @@
+"""Engine behaviour beyond greedy equality: one copy of a shared prefix, sampling options, stop conditions, the async
+streaming interface, counters and configuration errors."""
+
+import asyncio
+
+import pytest
+import torch
+
+from engine_utils import TinyModel, greedy, random_prompt, run_to_completion
+from replica.async_engine import AsyncEngine
+from replica.config import EngineConfig
+from replica.engine import InvalidRequestError, LLMEngine, build_engine
+from replica.outputs import EngineRequest
+from replica.sampling import SamplingParams
+from replica.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return TinyModel("llama", seed=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", vocab_size=1024, seed=3)
+
+
+def test_concurrent_requests_share_one_copy_of_the_prefix(tiny):
+    # N requests share a 3-page prefix and each needs one page of its own: P + N pages at the peak, not N x P
+    engine = tiny.engine(num_pages=32)
+    prefix = random_prompt(384, seed=20)
+    prompts = {f"u{i}": prefix + random_prompt(50, seed=21 + i) for i in range(5)}
+    for request_id, prompt in prompts.items():
+        engine.add_request(EngineRequest(request_id, prompt, greedy(4)))
+    peak = 0
+    tokens = {request_id: [] for request_id in prompts}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        peak = max(peak, engine.stats().num_pages_in_use)
+        engine.check_integrity()
+    assert peak == 3 + 5
+    for request_id, prompt in prompts.items():
+        assert tokens[request_id] == tiny.generate(prompt, 4)
+    stats = engine.stats()
+    assert stats.num_prompt_tokens_queried == 5 * 434
+    assert stats.num_prompt_tokens_hit == 4 * 384
+
+
+def test_counters_after_hits(tiny):
+    engine = tiny.engine(num_pages=16)
+    prompt = random_prompt(300, seed=30)
+    run_to_completion(engine, {"a": prompt}, 3)
+    run_to_completion(engine, {"b": prompt}, 3)
+    stats = engine.stats()
+    assert (stats.num_prompt_tokens_queried, stats.num_prompt_tokens_hit) == (600, 256)
+    assert (stats.num_pages_total, stats.num_pages_free, stats.num_pages_in_use) == (16, 16, 0)
+    assert stats.num_pages_cached == 2
+    assert stats.num_requests_finished == 2
+
+
+def test_salt_isolates_caches(tiny):
+    engine = tiny.engine()
+    prompt = random_prompt(300, seed=31)
+    engine.add_request(EngineRequest("a", prompt, greedy(2), cache_salt="tenant-a"))
+    engine.add_request(EngineRequest("b", prompt, greedy(2), cache_salt="tenant-b"))
+    cached = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                cached[out.request_id] = out.cached_tokens.total
+    assert cached == {"a": 0, "b": 0}
+    tokens, finals = run_to_completion(engine, {"c": prompt}, 2)
+    assert finals["c"].cached_tokens.total == 0  # unsalted differs from both
+    engine.add_request(EngineRequest("d", prompt, greedy(2), cache_salt="tenant-a"))
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                cached[out.request_id] = out.cached_tokens.local
+    assert cached["d"] == 256
+
+
+def test_seeded_sampling_is_reproducible_and_options_apply(tiny):
+    engine = tiny.engine()
+    prompt = random_prompt(20, seed=32)
+
+    def sample(request_id, params):
+        engine.add_request(EngineRequest(request_id, prompt, params))
+        tokens = []
+        while engine.has_work():
+            for out in engine.step():
+                tokens.extend(out.new_token_ids)
+        return tokens
+
+    params = SamplingParams(max_tokens=12, temperature=1.5, seed=7, ignore_eos=True)
+    first, second = sample("s1", params), sample("s2", params)
+    assert first == second and len(first) == 12
+    other = sample("s3", SamplingParams(max_tokens=12, temperature=1.5, seed=8, ignore_eos=True))
+    assert other != first
+    # top_k=1 is greedy whatever the temperature
+    top1 = sample("s4", SamplingParams(max_tokens=8, temperature=2.0, top_k=1, seed=1, ignore_eos=True))
+    assert top1 == tiny.generate(prompt, 8)
+    # a tiny top_p keeps only the most likely token: greedy too
+    top_p = sample("s5", SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6, seed=1, ignore_eos=True))
+    assert top_p == tiny.generate(prompt, 8)
+
+
+def test_stop_token_ids_and_max_tokens(tiny):
+    engine = tiny.engine()
+    prompt = random_prompt(40, seed=33)
+    reference = tiny.generate(prompt, 8)
+    stop_at = reference[3]
+    first_index = reference.index(stop_at)
+    engine.add_request(EngineRequest("x", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                                 stop_token_ids=(stop_at,))))
+    tokens, reason = [], None
+    while engine.has_work():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            reason = out.finish_reason
+    assert tokens == reference[: first_index + 1] and reason == "stop"
+
+
+def test_eos_stops_unless_ignored(tiny):
+    prompt = random_prompt(40, seed=34)
+    reference = tiny.generate(prompt, 8)
+    eos = reference[2]
+    engine = LLMEngine(EngineConfig(num_pages=16), tiny.served, eos_token_ids={eos})
+    engine.add_request(EngineRequest("e", prompt, SamplingParams(max_tokens=8, temperature=0.0)))
+    engine.add_request(EngineRequest("i", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+    tokens = {"e": [], "i": []}
+    reasons = {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert tokens["e"] == reference[: reference.index(eos) + 1] and reasons["e"] == "stop"
+    assert tokens["i"] == reference and reasons["i"] == "length"
+
+
+def test_stop_strings_cut_text(tiny_dir):
+    engine = build_engine(EngineConfig(model=str(tiny_dir), num_pages=16))
+    prompt = engine.tokenizer.encode("def main():\n    return")
+    free = []
+    engine.add_request(EngineRequest("free", prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)))
+    while engine.has_work():
+        free.extend(engine.step())
+    full_text = "".join(out.new_text for out in free)
+    assert full_text == engine.tokenizer.decode([t for o in free for t in o.new_token_ids], skip_special_tokens=True)
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 2]
+    assert stop
+    engine.add_request(EngineRequest("cut", prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                                   stop=(stop,))))
+    outs = []
+    while engine.has_work():
+        outs.extend(engine.step())
+    text = "".join(out.new_text for out in outs)
+    assert text == full_text[: full_text.index(stop)]
+    assert outs[-1].finish_reason == "stop"
+    engine.check_integrity()
+
+
+def test_validation_errors(tiny):
+    engine = tiny.engine(max_model_len=512)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request(EngineRequest("a", [], greedy(1)))
+    with pytest.raises(InvalidRequestError, match="at most 512"):
+        engine.add_request(EngineRequest("b", [5] * 512, greedy(1)))
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.add_request(EngineRequest("c", [5, 10**6], greedy(1)))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert not engine.has_work()
+
+
+def test_output_stops_at_max_model_len(tiny):
+    engine = tiny.engine(max_model_len=260)
+    tokens, finals = run_to_completion(engine, {"a": random_prompt(255, seed=35)}, 50)
+    assert len(tokens["a"]) == 5 and finals["a"].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"page_size": 100}, "multiple of 128"),
+        ({"page_size": 0}, "multiple of 128"),
+        ({"lora_adapters": ("a",)}, "--no-enable-prefix-caching"),
+        ({"devices": "tpu"}, "cpu' or 'gpu"),
+        ({"dtype": "float16"}, "float32 or bfloat16"),
+    ],
+)
+def test_config_errors_name_the_remedy(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_lora_allowed_with_caching_off():
+    assert EngineConfig(lora_adapters=("a",), enable_prefix_caching=False).lora_adapters == ("a",)
+
+
+def test_multimodal_switches_caching_off(tiny, caplog):
+    engine = LLMEngine(EngineConfig(num_pages=16), tiny.served, multimodal=True)
+    assert "prefix caching is switched off" in caplog.text
+    prompt = random_prompt(300, seed=36)
+    run_to_completion(engine, {"a": prompt}, 2)
+    _, finals = run_to_completion(engine, {"b": prompt}, 2)
+    assert finals["b"].cached_tokens.total == 0
+
+
+def test_async_engine_streams_and_aborts(tiny):
+    engine = tiny.engine()
+    async_engine = AsyncEngine(engine)
+    prompt = random_prompt(200, seed=37)
+
+    async def collect(request_id, max_tokens):
+        outs = []
+        async for out in async_engine.generate(EngineRequest(request_id, prompt, greedy(max_tokens))):
+            outs.append(out)
+        return outs
+
+    async def abort_early():
+        gen = async_engine.generate(EngineRequest("abort-me", prompt, greedy(50)))
+        first = await gen.__anext__()
+        await gen.aclose()
+        return first
+
+    async def main():
+        results = await asyncio.gather(collect("a", 5), collect("b", 7), abort_early())
+        with pytest.raises(InvalidRequestError):
+            await collect_invalid()
+        await async_engine.check_integrity()
+        return results
+
+    async def collect_invalid():
+        async for _ in async_engine.generate(EngineRequest("bad", [], greedy(1))):
+            pass
+
+    try:
+        a, b, first = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert [len(o.new_token_ids) for o in a] == [1] * 5 and a[-1].finished and a[-1].finish_reason == "length"
+    assert [t for o in b for t in o.new_token_ids] == tiny.generate(prompt, 7)
+    assert not first.finished
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_pages_in_use == 0
+    events = async_engine.drain_kv_events()
+    assert events and events[0].keys[0] == engine.page_keys(prompt)[0]

@@ -1,0 +1,162 @@
+"""Page pool, prefix cache and KV manager: exact page ids and free-queue order (no model, no Ray)."""
+
+import pytest
+
+from replica.events import AllPagesCleared, PagesRemoved, PagesStored
+from replica.kv_manager import KVCacheManager
+from replica.page_keys import compute_page_keys, hash_page
+from replica.page_pool import OutOfPagesError, PagePool
+from replica.prefix_cache import PrefixCache
+
+FP = "test-model"
+
+
+def keys_for(tokens, page_size=128, salt=None):
+    return compute_page_keys(tokens, page_size=page_size, model_fingerprint=FP, salt=salt)
+
+
+def test_allocate_takes_from_head_in_id_order():
+    pool = PagePool(4)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.free_queue_order() == [2, 3]
+    assert pool.refcounts == [1, 1, 0, 0]
+    pool.check_integrity()
+
+
+def test_release_cached_goes_to_tail_uncached_to_head():
+    pool = PagePool(4)
+    pool.allocate(4)
+    pool.release(1, keep_contents=True)
+    pool.release(3, keep_contents=True)
+    pool.release(0, keep_contents=False)
+    assert pool.free_queue_order() == [0, 1, 3]
+    assert pool.allocate(2) == [0, 1]
+    pool.check_integrity()
+
+
+def test_acquire_removes_from_middle_of_free_queue():
+    pool = PagePool(3)
+    pool.allocate(3)
+    for page_id in (0, 1, 2):
+        pool.release(page_id, keep_contents=True)
+    pool.acquire(1)
+    assert pool.free_queue_order() == [0, 2]
+    pool.acquire(1)
+    assert pool.refcounts == [0, 2, 0]
+    pool.release(1, keep_contents=True)
+    assert pool.free_queue_order() == [0, 2]
+    pool.release(1, keep_contents=True)
+    assert pool.free_queue_order() == [0, 2, 1]
+    pool.check_integrity()
+
+
+def test_out_of_pages_and_double_release_raise():
+    pool = PagePool(2)
+    pool.allocate(2)
+    with pytest.raises(OutOfPagesError):
+        pool.allocate(1)
+    pool.release(0, keep_contents=False)
+    with pytest.raises(RuntimeError):
+        pool.release(0, keep_contents=False)
+
+
+def test_page_keys_chain_salt_and_stability():
+    tokens = list(range(300))
+    keys = keys_for(tokens)
+    assert len(keys) == 2  # 300 tokens = 2 full pages + a partial one
+    assert keys[0] == hash_page(None, tokens[:128], page_size=128, model_fingerprint=FP)
+    assert keys[1] == hash_page(keys[0], tokens[128:256], page_size=128, model_fingerprint=FP)
+    # a different first page changes every later key (the chain)
+    other = keys_for([7] + tokens[1:])
+    assert other[0] != keys[0] and other[1] != keys[1]
+    # salt isolates tenants; same salt agrees
+    assert keys_for(tokens, salt="a")[1] != keys[1]
+    assert keys_for(tokens, salt="a") == keys_for(tokens, salt="a")
+
+
+def test_page_key_is_deterministic_across_processes():
+    import subprocess
+    import sys
+
+    code = (
+        "from replica.page_keys import compute_page_keys;"
+        "print(compute_page_keys(list(range(128)), page_size=128, model_fingerprint='test-model')[0].hex())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=__file__.rsplit("/tests/", 1)[0])
+    assert out.stdout.strip() == keys_for(list(range(128)))[0].hex()
+
+
+def test_prefix_cache_match_stops_at_first_miss():
+    cache = PrefixCache()
+    keys = keys_for(list(range(512)))
+    cache.insert(keys[0], 5, range(128))
+    cache.insert(keys[2], 7, range(256, 384))
+    assert cache.match(keys) == [5]
+    cache.insert(keys[1], 6, range(128, 256))
+    assert cache.match(keys) == [5, 6, 7]
+    assert cache.remove(6) == keys[1]
+    assert cache.match(keys) == [5]
+    cache.check_integrity()
+
+
+def test_manager_hit_evict_and_events():
+    kv = KVCacheManager(num_pages=4, page_size=128)
+    tokens = list(range(256))
+    keys = keys_for(tokens)
+    pages = kv.allocate(2)
+    assert pages == [0, 1]
+    kv.commit_page(0, keys[0], tokens[:128])
+    kv.commit_page(1, keys[1], tokens[128:])
+    kv.release(pages)
+    # released last page first: page 1 is reused before page 0
+    assert kv.pool.free_queue_order() == [2, 3, 1, 0]
+    assert kv.match_prefix(keys) == [0, 1]
+    assert kv.num_free_after_acquiring([0, 1]) == 2
+    # allocating 3 pages evicts cached page 1 (after the two never-used ones)
+    assert kv.allocate(3) == [2, 3, 1]
+    assert kv.match_prefix(keys) == [0]
+    assert kv.num_evictions == 1
+    events = kv.drain_events()
+    assert events == [PagesStored(seq=1, keys=(keys[0], keys[1])), PagesRemoved(seq=2, keys=(keys[1],))]
+    kv.check_integrity([[2, 3, 1]])
+
+
+def test_manager_commit_deduplicates_concurrent_copies():
+    kv = KVCacheManager(num_pages=4, page_size=128)
+    tokens = list(range(128))
+    key = keys_for(tokens)[0]
+    a, b = kv.allocate(1)[0], kv.allocate(1)[0]
+    assert kv.commit_page(a, key, tokens).page_id == a
+    result = kv.commit_page(b, key, tokens)
+    assert (result.page_id, result.deduplicated) == (a, True)
+    assert kv.pool.refcounts[a] == 2 and kv.pool.refcounts[b] == 0
+    # the duplicate holds nothing worth keeping: it is reused first
+    assert kv.pool.free_queue_order()[0] == b
+    kv.check_integrity([[a], [a]])
+
+
+def test_manager_caching_off_never_matches():
+    kv = KVCacheManager(num_pages=2, page_size=128, enable_prefix_caching=False)
+    tokens = list(range(128))
+    key = keys_for(tokens)[0]
+    page = kv.allocate(1)
+    kv.commit_page(page[0], key, tokens)
+    kv.release(page)
+    assert kv.match_prefix([key]) == []
+    assert kv.num_cached_pages == 0
+    assert kv.drain_events() == []
+
+
+def test_reset_prefix_cache_only_when_idle():
+    kv = KVCacheManager(num_pages=2, page_size=128)
+    tokens = list(range(128))
+    key = keys_for(tokens)[0]
+    page = kv.allocate(1)
+    kv.commit_page(page[0], key, tokens)
+    assert kv.reset_prefix_cache() is False
+    kv.release(page)
+    assert kv.reset_prefix_cache() is True
+    assert kv.match_prefix([key]) == []
+    assert kv.drain_events()[-1] == AllPagesCleared(seq=2)
+    kv.check_integrity()

@@ -1,0 +1,209 @@
+"""PrefixAwareRequestRouter driven the way Serve drives it, with stand-in replicas and no Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
+from ray.serve.config import RequestRouterConfig  # noqa: E402
+from ray.serve.request_router import PendingRequest  # noqa: E402
+
+from replica.events import PagesStored  # noqa: E402
+from replica.outputs import EngineRequest, EngineStats  # noqa: E402
+from router.ray_router import PrefixAwareRequestRouter, replica_actor_name, router_config  # noqa: E402
+from router.stats import ReplicaEventLog  # noqa: E402
+
+DEPLOYMENT = DeploymentID(name="engine", app_name="prefixserve")
+
+
+def key(name: str) -> bytes:
+    return name.encode().ljust(32, b".")
+
+
+PROMPT = [key("p0"), key("p1"), key("p2")]
+
+
+def engine_stats(replica_id: str, num_waiting: int = 0) -> EngineStats:
+    return EngineStats(replica_id, 0, 0, 64, 60, 4, 0, 0, 0, 0, num_waiting, 0, 128)
+
+
+class StandInReplica:
+    """The parts of RunningReplica the router touches."""
+
+    max_ongoing_requests = 100
+
+    def __init__(self, unique_id: str) -> None:
+        self.replica_id = ReplicaID(unique_id, deployment_id=DEPLOYMENT)
+        self.log = ReplicaEventLog(unique_id, epoch=f"epoch-{unique_id}")
+        self.cached: list[bytes] = []
+        self.routing_stats: dict = {}
+
+    def store(self, keys: list[bytes]) -> None:
+        self.cached += keys
+        self.log.append([PagesStored(self.log.last_seq + 1, tuple(keys))])
+
+    def publish(self, num_waiting: int = 0) -> None:
+        stats = engine_stats(self.replica_id.unique_id, num_waiting)
+        self.routing_stats = self.log.stats_payload(stats, lambda: self.cached)
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+def pending(request: EngineRequest, internal_request_id: str) -> PendingRequest:
+    metadata = RequestMetadata(request_id=request.request_id, internal_request_id=internal_request_id)
+    return PendingRequest(args=[request], kwargs={}, metadata=metadata)
+
+
+def make_router(**policy_kwargs) -> PrefixAwareRequestRouter:
+    router = PrefixAwareRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(**policy_kwargs)
+    return router
+
+
+def ids(tiers) -> list[list[str]]:
+    return [[replica.replica_id.unique_id for replica in tier] for tier in tiers]
+
+
+def run(coroutine_fn):
+    return asyncio.run(coroutine_fn())
+
+
+def test_routes_to_holder_then_balances_away_with_peer_hint():
+    async def scenario():
+        router = make_router()
+        a, b = StandInReplica("a"), StandInReplica("b")
+        a.store(PROMPT)
+        a.publish()
+        b.publish()
+        router.update_replicas([a, b])
+        await asyncio.sleep(0)  # let Serve's queue-length probe task run
+
+        request = EngineRequest("r1", list(range(300)), page_keys=PROMPT)
+        first = pending(request, "internal-1")
+        assert ids(await router.choose_replicas([a, b], first)) == [["a"], ["b"]]
+        assert first.args[0].peer_hint == "a"  # the holder itself: the replica ignores it
+        assert request.peer_hint is None  # the caller's object is not mutated
+
+        a.publish(num_waiting=10)
+        router.update_replicas([a, b])
+        second = pending(EngineRequest("r2", list(range(300)), page_keys=PROMPT), "internal-2")
+        assert ids(await router.choose_replicas([a, b], second)) == [["b"], ["a"]]
+        assert second.args[0].peer_hint == "a"
+        assert router.policy.decision_counts() == {"prefix_hit": 1, "balanced_away": 1, "no_match": 0}
+
+    run(scenario)
+
+
+def test_replica_leaving_is_dropped_from_index():
+    async def scenario():
+        router = make_router()
+        a, b = StandInReplica("a"), StandInReplica("b")
+        a.store(PROMPT)
+        a.publish()
+        router.update_replicas([a, b])
+        assert router.index.replica_ids() == ["a", "b"]
+        router.update_replicas([b])
+        assert router.index.replica_ids() == ["b"]
+        request = pending(EngineRequest("r1", [], page_keys=PROMPT), "internal-1")
+        assert ids(await router.choose_replicas([b], request)) == [["b"]]
+        assert request.args[0].peer_hint is None
+        router.on_replica_actor_died(b.replica_id)
+        assert router.index.replica_ids() == []
+
+    run(scenario)
+
+
+def test_unchanged_stats_are_not_applied_again():
+    async def scenario():
+        router = make_router()
+        a = StandInReplica("a")
+        a.store(PROMPT[:1])
+        a.publish()
+        calls = []
+        original_sync = router.index.sync
+        router.index.sync = lambda *args, **kwargs: calls.append(args) or original_sync(*args, **kwargs)
+        router.update_replicas([a])
+        a.routing_stats = dict(a.routing_stats)  # equal content, new object (as after a broadcast)
+        router.update_replicas([a])
+        assert len(calls) == 1
+        a.publish()
+        router.update_replicas([a])
+        assert len(calls) == 2
+
+    run(scenario)
+
+
+def test_malformed_stats_are_ignored(caplog):
+    async def scenario():
+        router = make_router()
+        a = StandInReplica("a")
+        a.routing_stats = {"format": 99}
+        with caplog.at_level(logging.WARNING, logger="router.ray_router"):
+            router.update_replicas([a])
+        assert "format 99" in caplog.text
+        request = pending(EngineRequest("r1", [], page_keys=PROMPT), "internal-1")
+        assert ids(await router.choose_replicas([a], request)) == [["a"]]
+
+    run(scenario)
+
+
+def test_inflight_follows_assignment_and_completion():
+    async def scenario():
+        router = make_router()
+        a, b = StandInReplica("a"), StandInReplica("b")
+        router.update_replicas([a, b])
+        first = pending(EngineRequest("r1", [], page_keys=[key("x")]), "internal-1")
+        tiers = await router.choose_replicas([a, b], first)
+        chosen, fallback = tiers[0][0], tiers[1][0]
+        assert router.policy.num_inflight(chosen.replica_id.unique_id) == 1
+        first.future.set_result(fallback)  # Serve fell back to the second tier
+        await asyncio.sleep(0)
+        assert router.policy.num_inflight(chosen.replica_id.unique_id) == 0
+        assert router.policy.num_inflight(fallback.replica_id.unique_id) == 1
+        router.on_request_completed(fallback.replica_id, "internal-1")
+        assert router.policy.num_inflight(fallback.replica_id.unique_id) == 0
+
+        second = pending(EngineRequest("r2", [], page_keys=[key("y")]), "internal-2")
+        tiers = await router.choose_replicas([a, b], second)
+        second.future.cancel()  # the caller gave up before the request was sent
+        await asyncio.sleep(0)
+        assert router.policy.num_inflight("a") == router.policy.num_inflight("b") == 0
+
+    run(scenario)
+
+
+def test_requests_without_page_keys_still_route():
+    async def scenario():
+        router = make_router()
+        a = StandInReplica("a")
+        router.update_replicas([a])
+        assert ids(await router.choose_replicas([a], None)) == [["a"]]
+        plain = PendingRequest(args=["hello"], kwargs={}, metadata=RequestMetadata("r", "i"))
+        assert ids(await router.choose_replicas([a], plain)) == [["a"]]
+        assert plain.args == ["hello"]
+        assert await router.choose_replicas([], plain) == []
+
+    run(scenario)
+
+
+def test_router_config_and_actor_name():
+    config = router_config(balance_abs_threshold=8)
+    assert isinstance(config, RequestRouterConfig)
+    assert config.request_router_class == "router.ray_router.PrefixAwareRequestRouter"
+    assert config.request_router_kwargs == {
+        "balance_abs_threshold": 8,
+        "balance_rel_threshold": 1.5,
+        "min_peer_copy_pages": 1,
+        "enable_peer_hint": True,
+    }
+    assert config.request_routing_stats_period_s == 0.5
+    with pytest.raises(ValueError, match="balance_rel_threshold"):
+        router_config(balance_rel_threshold=0.1)
+    own = ReplicaID("self1", deployment_id=DEPLOYMENT)
+    assert replica_actor_name("peer2", own) == "SERVE_REPLICA::prefixserve#engine#peer2"

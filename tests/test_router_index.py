@@ -1,0 +1,152 @@
+"""PrefixIndex: leading-prefix matching, event application, gaps and snapshots, replicas joining and leaving."""
+
+from __future__ import annotations
+
+from replica.events import AllPagesCleared, PagesRemoved, PagesStored
+from router.index import IndexSnapshot, PrefixIndex, SyncResult
+
+
+def key(name: str) -> bytes:
+    """A readable 32-byte stand-in for a page key."""
+    return name.encode().ljust(32, b".")
+
+
+K0, K1, K2, K3 = key("k0"), key("k1"), key("k2"), key("k3")
+
+
+def make_index() -> PrefixIndex:
+    """The picture in router/index.py: a holds k0 k1 k3, b holds k0, c holds k1 k2."""
+    index = PrefixIndex()
+    index.apply_events("a", [PagesStored(1, (K0, K1)), PagesStored(2, (K3,))])
+    index.apply_events("b", [PagesStored(1, (K0,))])
+    index.apply_events("c", [PagesStored(1, (K1, K2))])
+    index.check_integrity()
+    return index
+
+
+def test_longest_prefix_counts_only_leading_pages():
+    index = make_index()
+    assert index.longest_prefix([K0, K1, K2, K3]) == {"a": 2, "b": 1}
+    assert index.longest_prefix([K1, K2]) == {"a": 1, "c": 2}
+    assert index.longest_prefix([K2]) == {"c": 1}
+    assert index.longest_prefix([key("other")]) == {}
+    assert index.longest_prefix([]) == {}
+
+
+def test_longest_prefix_restricted_to_given_replicas():
+    index = make_index()
+    assert index.longest_prefix([K0, K1], replica_ids=["b", "c"]) == {"b": 1}
+    assert index.longest_prefix([K0, K1], replica_ids=[]) == {}
+
+
+def test_removed_pages_stop_counting():
+    index = make_index()
+    result = index.apply_events("a", [PagesRemoved(3, (K1,))])
+    assert result == SyncResult(num_events_applied=1)
+    assert index.longest_prefix([K0, K1, K2]) == {"a": 1, "b": 1}
+    assert not index.holds("a", K1)
+    assert index.holds("c", K1)
+    index.apply_events("b", [PagesRemoved(2, (K0,))])
+    assert index.longest_prefix([K0, K1]) == {"a": 1}
+    index.check_integrity()
+
+
+def test_all_pages_cleared_drops_every_key_of_that_replica_only():
+    index = make_index()
+    index.apply_events("a", [AllPagesCleared(3)])
+    assert index.num_keys("a") == 0
+    assert index.longest_prefix([K0, K1]) == {"b": 1}
+    assert index.last_seq("a") == 3
+    index.check_integrity()
+
+
+def test_duplicate_events_are_skipped():
+    index = PrefixIndex()
+    events = [PagesStored(1, (K0,)), PagesStored(2, (K1,))]
+    assert index.apply_events("a", events) == SyncResult(num_events_applied=2)
+    assert index.apply_events("a", events) == SyncResult(num_events_skipped=2)
+    assert index.apply_events("a", events + [PagesRemoved(3, (K1,))]) == SyncResult(1, 2)
+    assert index.longest_prefix([K0, K1]) == {"a": 1}
+
+
+def test_gap_is_applied_best_effort_and_flags_snapshot():
+    index = PrefixIndex()
+    index.apply_snapshot("a", IndexSnapshot(seq=1, keys=(K0,)))
+    assert not index.needs_snapshot("a")
+    # seq 2 (which removed K0) and 3 were missed.
+    result = index.apply_events("a", [PagesStored(4, (K2,))])
+    assert result == SyncResult(num_events_applied=1, num_gaps=1)
+    assert index.needs_snapshot("a")
+    assert index.longest_prefix([K0]) == {"a": 1}  # stale: costs only a miss
+    index.apply_snapshot("a", IndexSnapshot(seq=4, keys=(K1, K2)))
+    assert not index.needs_snapshot("a")
+    assert index.longest_prefix([K0]) == {}
+    assert index.longest_prefix([K1, K2]) == {"a": 2}
+    assert index.last_seq("a") == 4
+    index.check_integrity()
+
+
+def test_sync_uses_snapshot_after_gap_and_replays_newer_events():
+    index = PrefixIndex()
+    index.sync("a", epoch="e1", events=[PagesStored(1, (K0,))], snapshot=IndexSnapshot(0, ()))
+    assert not index.needs_snapshot("a")
+    # Missed 2..5; this report carries 6 and 7 and a snapshot labelled 6.
+    result = index.sync(
+        "a",
+        epoch="e1",
+        events=[PagesStored(6, (K2,)), PagesRemoved(7, (K2,))],
+        snapshot=IndexSnapshot(6, (K1, K2)),
+    )
+    assert result == SyncResult(num_events_applied=3, num_gaps=1, applied_snapshot=True)
+    assert index.longest_prefix([K1, K2]) == {"a": 1}
+    assert index.longest_prefix([K0]) == {}
+    assert index.last_seq("a") == 7
+    assert not index.needs_snapshot("a")
+    index.check_integrity()
+
+
+def test_sync_ignores_snapshot_when_in_sync():
+    index = PrefixIndex()
+    index.sync("a", epoch="e1", snapshot=IndexSnapshot(2, (K0,)))
+    result = index.sync("a", epoch="e1", events=[PagesStored(3, (K1,))], snapshot=IndexSnapshot(3, (K0, K1)))
+    assert result == SyncResult(num_events_applied=1)
+    assert index.longest_prefix([K0, K1]) == {"a": 2}
+
+
+def test_new_router_applies_events_before_its_first_snapshot():
+    index = PrefixIndex()
+    result = index.sync("a", epoch="e1", events=[PagesStored(10, (K0,))])
+    assert result == SyncResult(num_events_applied=1, reset_epoch=True)
+    assert index.needs_snapshot("a")
+    assert index.longest_prefix([K0]) == {"a": 1}
+
+
+def test_new_epoch_drops_what_was_known():
+    index = PrefixIndex()
+    index.sync("a", epoch="e1", events=[PagesStored(1, (K0, K1))], snapshot=IndexSnapshot(0, ()))
+    result = index.sync("a", epoch="e2", events=[PagesStored(1, (K2,))])
+    assert result.reset_epoch
+    assert index.longest_prefix([K0]) == {}
+    assert index.longest_prefix([K2]) == {"a": 1}
+    assert index.needs_snapshot("a")
+    index.check_integrity()
+
+
+def test_replicas_joining_and_leaving():
+    index = make_index()
+    index.add_replica("d")
+    assert index.replica_ids() == ["a", "b", "c", "d"]
+    assert index.needs_snapshot("d")
+    assert index.num_keys("d") == 0
+    index.apply_events("d", [PagesStored(1, (K0, K1, K2))])
+    assert index.longest_prefix([K0, K1, K2]) == {"a": 2, "b": 1, "d": 3}
+    index.remove_replica("a")
+    index.remove_replica("unknown")
+    assert index.replica_ids() == ["b", "c", "d"]
+    assert index.longest_prefix([K0, K1, K2]) == {"b": 1, "d": 3}
+    assert not index.holds("a", K0)
+    index.check_integrity()
+    for replica_id in ["b", "c", "d"]:
+        index.remove_replica(replica_id)
+    index.check_integrity()
+    assert index.longest_prefix([K0]) == {}

@@ -1,0 +1,189 @@
+"""PrefixAwarePolicy: affinity, load balancing with peer hints, no-match placement, in-flight accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from replica.events import PagesRemoved, PagesStored
+from router.index import PrefixIndex
+from router.policy import PolicyConfig, PrefixAwarePolicy, RoutingDecision, RoutingReason, tie_score
+from router.stats import ReplicaLoad
+
+
+def key(name: str) -> bytes:
+    return name.encode().ljust(32, b".")
+
+
+PROMPT = [key("p0"), key("p1"), key("p2"), key("p3")]
+
+
+def loads(**replica_id_to_num_requests: int) -> list[ReplicaLoad]:
+    return [ReplicaLoad(replica_id, num_requests) for replica_id, num_requests in replica_id_to_num_requests.items()]
+
+
+def make_policy(config: PolicyConfig | None = None, **replica_id_to_num_pages: int) -> PrefixAwarePolicy:
+    """Each named replica holds that many leading pages of PROMPT."""
+    index = PrefixIndex()
+    for replica_id, num_pages in replica_id_to_num_pages.items():
+        index.apply_events(replica_id, [PagesStored(1, tuple(PROMPT[:num_pages]))])
+    return PrefixAwarePolicy(index, config)
+
+
+def test_longest_match_wins():
+    policy = make_policy(a=3, b=1)
+    decision = policy.choose(PROMPT, loads(a=2, b=0, c=0))
+    assert decision == RoutingDecision("a", 3, None, RoutingReason.PREFIX_HIT)
+
+
+def test_equal_matches_prefer_lower_load():
+    policy = make_policy(a=2, b=2)
+    assert policy.choose(PROMPT, loads(a=3, b=1, c=0)) == RoutingDecision("b", 2, None, RoutingReason.PREFIX_HIT)
+
+
+def test_imbalance_beyond_both_thresholds_moves_request_and_sets_peer_hint():
+    policy = make_policy(a=4)
+    decision = policy.choose(PROMPT, loads(a=10, b=0, c=1))
+    assert decision == RoutingDecision("b", 0, "a", RoutingReason.BALANCED_AWAY, peer_matched_pages=4)
+
+
+def test_imbalance_within_absolute_threshold_keeps_affinity():
+    policy = make_policy(a=4)
+    assert policy.choose(PROMPT, loads(a=4, b=0)).replica_id == "a"  # gap 4 is not > 4
+    assert policy.choose(PROMPT, loads(a=5, b=0)).replica_id == "b"
+
+
+def test_imbalance_within_relative_threshold_keeps_affinity():
+    policy = make_policy(a=4)
+    assert policy.choose(PROMPT, loads(a=20, b=15)).replica_id == "a"  # gap 5 > 4, but 20 <= 1.5 * 15
+    assert policy.choose(PROMPT, loads(a=23, b=15)).replica_id == "b"
+
+
+def test_overloaded_holder_yields_to_a_shorter_holder_with_hint():
+    policy = make_policy(a=4, b=2)
+    decision = policy.choose(PROMPT, loads(a=9, b=1, c=0))
+    assert decision == RoutingDecision("b", 2, "a", RoutingReason.BALANCED_AWAY, peer_matched_pages=4)
+
+
+def test_peer_hint_disabled_or_too_small():
+    no_hints = make_policy(PolicyConfig(enable_peer_hint=False), a=4)
+    assert no_hints.choose(PROMPT, loads(a=9, b=0)) == RoutingDecision("b", 0, None, RoutingReason.BALANCED_AWAY)
+    big_minimum = make_policy(PolicyConfig(min_peer_copy_pages=3), a=4, b=2)
+    assert big_minimum.choose(PROMPT, loads(a=9, b=0)) == RoutingDecision(
+        "b", 2, None, RoutingReason.BALANCED_AWAY
+    )
+
+
+def test_no_match_goes_to_least_loaded():
+    policy = make_policy(a=4)
+    other_prompt = [key("q0"), key("q1")]
+    assert policy.choose(other_prompt, loads(a=0, b=2, c=1)) == RoutingDecision("a", 0, None, RoutingReason.NO_MATCH)
+    assert policy.choose(other_prompt, loads(a=3, b=2, c=1)).replica_id == "c"
+
+
+def test_no_match_ties_follow_the_first_page_key():
+    policy = make_policy()
+    candidates = loads(a=0, b=0, c=0)
+    expected = max("abc", key=lambda replica_id: tie_score(key("q0"), replica_id))
+    assert expected == "b"
+    for suffix in ["q1", "x1", "y1"]:
+        assert policy.choose([key("q0"), key(suffix)], candidates).replica_id == "b"
+    assert policy.choose([key("r0")], candidates).replica_id == "a"
+    assert policy.choose([], candidates).replica_id == "b"  # no full page: the bare replica id decides
+    assert tie_score(b"", "b") > max(tie_score(b"", "a"), tie_score(b"", "c"))
+
+
+def test_burst_is_spread_by_inflight_counts():
+    policy = make_policy()
+    chosen = []
+    for number in range(6):
+        decision = policy.choose([key(f"u{number}")], loads(a=0, b=0, c=0))
+        policy.note_routed(f"req-{number}", decision.replica_id)
+        chosen.append(decision.replica_id)
+    assert sorted(chosen) == ["a", "a", "b", "b", "c", "c"]
+    assert [policy.num_inflight(r) for r in "abc"] == [2, 2, 2]
+
+
+def test_burst_on_one_prefix_spills_once_the_holder_is_busy():
+    policy = make_policy(a=4)
+    chosen = []
+    for number in range(7):
+        decision = policy.choose(PROMPT, loads(a=0, b=0))
+        policy.note_routed(f"req-{number}", decision.replica_id)
+        chosen.append((decision.replica_id, decision.peer_hint))
+    # a takes 5 (gap 5 > 4 and 5 > 1.5 * 0), b takes one, then the gap is 4 again.
+    assert chosen == [("a", None)] * 5 + [("b", "a"), ("a", None)]
+
+
+def test_reported_load_and_inflight_use_the_larger():
+    policy = make_policy()
+    policy.note_routed("r1", "a")
+    policy.note_routed("r2", "a")
+    assert policy.effective_load(ReplicaLoad("a", 1)) == 2
+    assert policy.effective_load(ReplicaLoad("a", 7)) == 7
+
+
+def test_inflight_bookkeeping():
+    policy = make_policy()
+    policy.note_routed("r1", "a")
+    policy.note_routed("r2", "a")
+    policy.note_routed("r2", "a")  # same request again: counted once
+    assert policy.num_inflight("a") == 2
+    policy.note_routed("r2", "b")  # re-routed: moves
+    assert (policy.num_inflight("a"), policy.num_inflight("b")) == (1, 1)
+    policy.note_finished("r2", "a")  # wrong replica: ignored
+    assert policy.num_inflight("b") == 1
+    policy.note_finished("r2")
+    policy.note_finished("r2")
+    assert (policy.num_inflight("a"), policy.num_inflight("b")) == (1, 0)
+    policy.forget_replica("a")
+    assert policy.num_inflight("a") == 0
+    policy.note_finished("r1")  # already forgotten: no-op
+    assert policy.num_inflight("a") == 0
+
+
+def test_replica_leaving_and_pages_removed_stop_attracting_requests():
+    policy = make_policy(a=4, b=2)
+    assert policy.choose(PROMPT, loads(a=0, b=0, c=0)).replica_id == "a"
+    policy.index.remove_replica("a")
+    assert policy.choose(PROMPT, loads(b=0, c=0)) == RoutingDecision("b", 2, None, RoutingReason.PREFIX_HIT)
+    policy.index.apply_events("b", [PagesRemoved(2, (PROMPT[0],))])
+    assert policy.choose(PROMPT, loads(b=0, c=0)).reason is RoutingReason.NO_MATCH
+
+
+def test_replica_joining_with_pages_wins():
+    policy = make_policy(a=1)
+    policy.index.add_replica("d")
+    policy.index.apply_events("d", [PagesStored(1, tuple(PROMPT))])
+    assert policy.choose(PROMPT, loads(a=0, d=0)) == RoutingDecision("d", 4, None, RoutingReason.PREFIX_HIT)
+
+
+def test_only_candidates_are_considered():
+    policy = make_policy(a=4, b=1)
+    assert policy.choose(PROMPT, loads(b=0, c=0)) == RoutingDecision("b", 1, None, RoutingReason.PREFIX_HIT)
+
+
+def test_decision_counts():
+    policy = make_policy(a=4)
+    policy.choose(PROMPT, loads(a=0, b=0))
+    policy.choose(PROMPT, loads(a=9, b=0))
+    policy.choose([key("z")], loads(a=0, b=0))
+    policy.choose([key("z")], loads(a=0, b=0))
+    assert policy.decision_counts() == {"prefix_hit": 1, "balanced_away": 1, "no_match": 2}
+
+
+def test_no_candidates_is_an_error():
+    with pytest.raises(ValueError, match="no candidate"):
+        make_policy().choose(PROMPT, [])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"balance_abs_threshold": -1}, "balance_abs_threshold"),
+        ({"balance_rel_threshold": 0.5}, "balance_rel_threshold"),
+        ({"min_peer_copy_pages": 0}, "min_peer_copy_pages"),
+    ],
+)
+def test_config_is_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig(**kwargs)

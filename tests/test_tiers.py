@@ -1,0 +1,525 @@
+"""Shared KV tiers: Redis host tier and Arrow disk tier against a real redis-server and real files."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import uuid
+
+import pytest
+import redis
+import torch
+
+from replica.page_keys import compute_page_keys
+from replica.tiers.arrow_file import read_page_file, write_page_file
+from replica.tiers.base import PageFormat, StoredPage
+from replica.tiers.circuit import BackoffPolicy
+from replica.tiers.codec import encode_blob
+from replica.tiers.disk_tier import DiskTier
+from replica.tiers.redis_tier import RedisTier
+
+PAGE_SIZE = 128
+
+
+def make_format(dtype: str = "bfloat16", **overrides) -> PageFormat:
+    fields = dict(model_fingerprint="tiny-llama", dtype=dtype, page_size=PAGE_SIZE, num_layers=2, num_kv_heads=2,
+                  head_dim=8)
+    fields.update(overrides)
+    return PageFormat(**fields)
+
+
+def make_kv(page_format: PageFormat, seed: int) -> torch.Tensor:
+    """Random KV with awkward bit patterns (NaN, -0.0, inf, subnormal) so that only a bit-exact copy compares equal."""
+    generator = torch.Generator().manual_seed(seed)
+    kv = torch.randn(page_format.kv_shape, generator=generator).to(page_format.torch_dtype)
+    flat = kv.view(-1)
+    flat[:4] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-40]).to(page_format.torch_dtype)
+    return kv
+
+
+def make_pages(page_format: PageFormat, num_pages: int, seed: int = 0) -> list[StoredPage]:
+    """Consecutive full pages of one prompt, with real chained page keys."""
+    token_ids = [(seed * 7919 + i * 31) % 50_000 for i in range(num_pages * page_format.page_size)]
+    keys = compute_page_keys(
+        token_ids, page_size=page_format.page_size, model_fingerprint=page_format.model_fingerprint, salt=str(seed)
+    )
+    return [
+        StoredPage.from_format(
+            page_format,
+            key,
+            token_ids[i * page_format.page_size : (i + 1) * page_format.page_size],
+            make_kv(page_format, seed * 1000 + i),
+        )
+        for i, key in enumerate(keys)
+    ]
+
+
+def keys_of(pages):
+    return [page.key for page in pages]
+
+
+def tokens_of(pages):
+    return [page.token_ids for page in pages]
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
+
+
+def assert_bit_identical(loaded, pages):
+    assert len(loaded) == len(pages)
+    for kv, page in zip(loaded, pages):
+        assert kv.dtype == page.kv.dtype and kv.shape == page.kv.shape
+        assert torch.equal(bits(kv), bits(page.kv))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def open_tiers():
+    tiers = []
+    yield tiers
+    for tier in tiers:
+        tier.close()
+
+
+@pytest.fixture
+def make_tier(request, tmp_path, open_tiers):
+    """``make_tier(kind, page_format, **kwargs)``: a Redis tier (own key prefix) or a disk tier (own folder)."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+
+    def make(kind: str, page_format: PageFormat, **kwargs):
+        if kind == "redis":
+            tier = RedisTier(request.getfixturevalue("redis_server"), page_format, key_prefix=prefix, **kwargs)
+        else:
+            kwargs.setdefault("budget_bytes", 1 << 30)
+            tier = DiskTier(tmp_path / "kv", page_format, **kwargs)
+        open_tiers.append(tier)
+        return tier
+
+    return make
+
+
+def plant_entry(tier, key: bytes, page: StoredPage) -> None:
+    """Write ``page`` (any header) where ``tier`` looks for ``key``, bypassing the tier's own checks."""
+    if isinstance(tier, RedisTier):
+        redis.Redis.from_url(tier.url).set(tier.redis_key(key), bytes(encode_blob(page)))
+    else:
+        os.makedirs(os.path.dirname(tier.page_path(key)), exist_ok=True)
+        write_page_file(tier.page_path(key), page)
+
+
+def entry_exists(tier, key: bytes) -> bool:
+    if isinstance(tier, RedisTier):
+        return bool(redis.Redis.from_url(tier.url).exists(tier.redis_key(key)))
+    return os.path.exists(tier.page_path(key))
+
+
+KINDS = ["redis", "disk"]
+
+
+# ---- round trip ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_is_bit_identical(make_tier, kind, dtype):
+    page_format = make_format(dtype)
+    tier = make_tier(kind, page_format)
+    pages = make_pages(page_format, 3)
+
+    assert tier.store(pages) == 3
+    assert tier.flush(timeout=10)
+    assert tier.lookup(keys_of(pages)) == 3
+    loaded = tier.load(keys_of(pages), tokens_of(pages))
+
+    assert_bit_identical(loaded, pages)
+    stats = tier.stats()
+    page_bytes = page_format.page_num_bytes
+    assert (stats.pages_stored, stats.bytes_stored, stats.pages_loaded, stats.bytes_loaded) == (
+        3, 3 * page_bytes, 3, 3 * page_bytes)
+    assert (stats.pages_dropped, stats.discarded_corrupt, stats.errors) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lookup_and_load_stop_at_the_first_missing_page(make_tier, kind):
+    page_format = make_format()
+    tier = make_tier(kind, page_format)
+    pages = make_pages(page_format, 4)
+    tier.store([pages[0], pages[1], pages[3]])
+    tier.flush(timeout=10)
+
+    assert tier.lookup(keys_of(pages)) == 2
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:2])
+    assert tier.lookup([]) == 0 and tier.load([], []) == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_store_copies_views_so_later_writes_to_the_pool_do_not_leak(make_tier, kind):
+    page_format = make_format()
+    tier = make_tier(kind, page_format)
+    page = make_pages(page_format, 1)[0]
+    pool = torch.stack([page.kv, page.kv], dim=2)  # [layers, 2, num_pages, page_size, heads, dim]
+    view_page = StoredPage.from_format(page_format, page.key, page.token_ids, pool[:, :, 0])
+
+    tier.store([view_page])
+    pool.zero_()  # the engine reuses the pool page right away
+    tier.flush(timeout=10)
+
+    assert_bit_identical(tier.load([page.key], [page.token_ids]), [page])
+
+
+# ---- rejected entries ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_id_mismatch_is_a_miss_and_discards_the_entry(make_tier, kind):
+    page_format = make_format()
+    tier = make_tier(kind, page_format)
+    page = make_pages(page_format, 1)[0]
+    tier.store([page])
+    tier.flush(timeout=10)
+    other_tokens = (page.token_ids[0] + 1,) + page.token_ids[1:]
+
+    assert tier.load([page.key], [other_tokens]) == []
+
+    assert tier.stats().discarded_corrupt == 1
+    assert not entry_exists(tier, page.key)
+    assert tier.lookup([page.key]) == 0
+
+
+FOREIGN_FORMATS = {
+    "fingerprint": dict(model_fingerprint="another-model"),
+    "page_size": dict(page_size=256),
+    "key_format_version": dict(key_format_version=2),
+    "dtype": dict(dtype="float32"),
+    "kv_shape": dict(num_kv_heads=4),
+}
+
+
+@pytest.mark.parametrize("foreign", sorted(FOREIGN_FORMATS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_foreign_entry_under_our_key_is_a_miss_and_discarded(make_tier, kind, foreign):
+    page_format = make_format()
+    tier = make_tier(kind, page_format)
+    ours = make_pages(page_format, 1)[0]
+    foreign_format = dataclasses.replace(page_format, **FOREIGN_FORMATS[foreign])
+    theirs = make_pages(foreign_format, 1)[0]
+    plant_entry(tier, ours.key, theirs)
+
+    assert tier.lookup([ours.key]) == 1  # lookup is only a hint
+    assert tier.load([ours.key], [ours.token_ids]) == []
+
+    stats = tier.stats()
+    assert (stats.discarded_corrupt, stats.pages_loaded, stats.errors) == (1, 0, 0)
+    assert not entry_exists(tier, ours.key)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_other_dtype_lives_in_its_own_namespace(make_tier, kind):
+    bf16_tier = make_tier(kind, make_format("bfloat16"))
+    fp32_tier = make_tier(kind, make_format("float32"))
+    fp32_pages = make_pages(fp32_tier.page_format, 2)
+    fp32_tier.store(fp32_pages)
+    fp32_tier.flush(timeout=10)
+
+    assert bf16_tier.lookup(keys_of(fp32_pages)) == 0
+    assert bf16_tier.load(keys_of(fp32_pages), tokens_of(fp32_pages)) == []
+    assert bf16_tier.stats().discarded_corrupt == 0
+    assert_bit_identical(fp32_tier.load(keys_of(fp32_pages), tokens_of(fp32_pages)), fp32_pages)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tier_of_another_key_format_version_is_refused(make_tier, kind, caplog):
+    current = make_tier(kind, make_format())
+    newer_format = make_format(key_format_version=2)
+    newer_pages = make_pages(newer_format, 2)
+
+    with caplog.at_level(logging.ERROR):
+        newer = make_tier(kind, newer_format)
+
+    assert newer.refused and not newer.available
+    assert any("REFUSED" in record.getMessage() for record in caplog.records)
+    assert newer.store(newer_pages) == 0
+    assert newer.lookup(keys_of(newer_pages)) == 0
+    assert newer.load(keys_of(newer_pages), tokens_of(newer_pages)) == []
+    assert newer.stats().pages_dropped == 2
+    assert current.available and not current.refused
+
+
+def test_redis_garbage_and_truncated_values_are_discarded(make_tier):
+    page_format = make_format()
+    tier = make_tier("redis", page_format)
+    pages = make_pages(page_format, 3)
+    client = redis.Redis.from_url(tier.url)
+    client.set(tier.redis_key(pages[0].key), b"not a page at all")
+    client.set(tier.redis_key(pages[1].key), bytes(encode_blob(pages[1]))[:-100])
+    client.set(tier.redis_key(pages[2].key), b"")
+
+    for page in pages:
+        assert tier.load([page.key], [page.token_ids]) == []
+
+    assert tier.stats().discarded_corrupt == 3
+    assert not any(entry_exists(tier, page.key) for page in pages)
+
+
+def corrupt_truncate_half(path, data):
+    return data[: len(data) // 2]
+
+
+def corrupt_empty(path, data):
+    return b""
+
+
+def corrupt_payload_byte(path, data):
+    position = len(data) // 2  # inside the KV bytes: only the CRC notices
+    return data[:position] + bytes([data[position] ^ 0x01]) + data[position + 1 :]
+
+
+def corrupt_footer_magic(path, data):
+    return data[:-6] + b"XXXXXX"
+
+
+def corrupt_header_value(path, data):
+    return data.replace(b"tiny-llama", b"tiny-llamb")  # the schema is in the file twice
+
+
+def corrupt_garbage(path, data):
+    return os.urandom(len(data))
+
+
+CORRUPTIONS = [corrupt_truncate_half, corrupt_empty, corrupt_payload_byte, corrupt_footer_magic,
+               corrupt_header_value, corrupt_garbage]
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.removeprefix("corrupt_"))
+def test_damaged_arrow_file_is_a_miss_deleted_and_counted(make_tier, corrupt):
+    page_format = make_format()
+    tier = make_tier("disk", page_format)
+    pages = make_pages(page_format, 2)
+    tier.store(pages)
+    tier.flush(timeout=10)
+    path = tier.page_path(pages[1].key)
+    with open(path, "rb") as file:
+        data = file.read()
+    with open(path, "wb") as file:  # in place, as a crash or a foreign writer would leave it
+        file.write(corrupt(path, data))
+
+    loaded = tier.load(keys_of(pages), tokens_of(pages))
+
+    assert_bit_identical(loaded, pages[:1])
+    stats = tier.stats()
+    assert (stats.discarded_corrupt, stats.errors, stats.pages_loaded) == (1, 0, 1)
+    assert not os.path.exists(path)
+    assert os.path.exists(tier.page_path(pages[0].key))
+
+
+# ---- disk budget and concurrency -----------------------------------------------------------------------------------
+
+
+def test_disk_budget_evicts_the_least_recently_used_file(tmp_path, open_tiers):
+    page_format = make_format()
+    a, b, c, d = make_pages(page_format, 4)
+    file_size = write_page_file(str(tmp_path / "probe.arrow"), a)
+    tier = DiskTier(tmp_path / "kv", page_format, budget_bytes=int(3.5 * file_size))
+    open_tiers.append(tier)
+    for page in (a, b, c):
+        tier.store([page])
+        tier.flush(timeout=10)
+    assert len(tier.load([a.key], [a.token_ids])) == 1  # a is now the most recently used
+
+    tier.store([d])
+    tier.flush(timeout=10)
+
+    present = [page.key for page in (a, b, c, d) if os.path.exists(tier.page_path(page.key))]
+    assert present == [a.key, c.key, d.key]
+    assert tier.stats().pages_evicted == 1
+    assert tier.total_bytes_estimate == sum(os.path.getsize(tier.page_path(key)) for key in present)
+
+
+def test_disk_tier_rescans_its_folder_on_start(tmp_path, open_tiers):
+    page_format = make_format()
+    first = DiskTier(tmp_path / "kv", page_format, budget_bytes=1 << 30)
+    open_tiers.append(first)
+    pages = make_pages(page_format, 3)
+    first.store(pages)
+    first.flush(timeout=10)
+
+    second = DiskTier(tmp_path / "kv", page_format, budget_bytes=1 << 30)
+    open_tiers.append(second)
+
+    assert second.total_bytes_estimate == first.total_bytes_estimate > 3 * page_format.page_num_bytes
+    assert_bit_identical(second.load(keys_of(pages), tokens_of(pages)), pages)
+
+
+def test_threads_writing_the_same_page_leave_one_whole_file(tmp_path):
+    page_format = make_format()
+    page = make_pages(page_format, 1)[0]
+    path = str(tmp_path / "page.arrow")
+    write_page_file(path, page)
+    read_failures = []
+
+    def write_repeatedly():
+        for _ in range(15):
+            write_page_file(path, page)
+
+    def read_repeatedly():
+        for _ in range(30):
+            try:
+                read_page_file(path, page_format, page.key, page.token_ids)
+            except Exception as exc:  # a torn file would show up here
+                read_failures.append(exc)
+
+    threads = [threading.Thread(target=write_repeatedly) for _ in range(3)] + [threading.Thread(target=read_repeatedly)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert read_failures == []
+    assert os.listdir(tmp_path) == ["page.arrow"]
+    assert_bit_identical([read_page_file(path, page_format, page.key, page.token_ids)], [page])
+
+
+def _store_in_child(root, page_format, page):
+    tier = DiskTier(root, page_format, budget_bytes=1 << 30)
+    tier.store([page])
+    tier.flush(timeout=10)
+    tier.close()
+    os._exit(0 if tier.stats().pages_stored == 1 else 1)
+
+
+def test_two_processes_storing_the_same_page_leave_one_readable_file(tmp_path, open_tiers):
+    page_format = make_format()
+    page = make_pages(page_format, 1)[0]
+    context = multiprocessing.get_context("fork")
+    children = [context.Process(target=_store_in_child, args=(str(tmp_path), page_format, page)) for _ in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(timeout=30)
+
+    assert [child.exitcode for child in children] == [0, 0]
+    tier = DiskTier(tmp_path, page_format, budget_bytes=1 << 30)
+    open_tiers.append(tier)
+    folder = os.path.dirname(tier.page_path(page.key))
+    assert os.listdir(folder) == [os.path.basename(tier.page_path(page.key))]
+    assert_bit_identical(tier.load([page.key], [page.token_ids]), [page])
+
+
+# ---- queue and lifecycle -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_full_store_queue_drops_and_counts(make_tier, kind):
+    page_format = make_format()
+    tier = make_tier(kind, page_format, queue_size=2)
+    pages = make_pages(page_format, 5)
+
+    assert tier.store(pages) == 2
+    assert tier.flush(timeout=10)
+
+    stats = tier.stats()
+    assert (stats.pages_stored, stats.pages_dropped) == (2, 3)
+    assert tier.lookup(keys_of(pages)) == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_closed_tier_misses_and_drops(make_tier, kind):
+    page_format = make_format()
+    tier = make_tier(kind, page_format)
+    pages = make_pages(page_format, 2)
+    tier.store(pages)
+    tier.close()
+
+    assert tier.stats().pages_stored == 2  # close finished the queued writes
+    assert not tier.available
+    assert tier.lookup(keys_of(pages)) == 0
+    assert tier.load(keys_of(pages), tokens_of(pages)) == []
+    assert tier.store(pages) == 0
+    assert tier.stats().pages_dropped == 2
+    tier.close()  # idempotent
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_programming_errors_raise_value_error(make_tier, kind):
+    page_format = make_format()
+    tier = make_tier(kind, page_format)
+    pages = make_pages(page_format, 2)
+    with pytest.raises(ValueError):
+        tier.store(make_pages(make_format(model_fingerprint="other"), 1))
+    with pytest.raises(ValueError):
+        tier.load(keys_of(pages), tokens_of(pages)[:1])
+    with pytest.raises(ValueError):
+        tier.load(keys_of(pages)[:1], [pages[0].token_ids[:5]])
+
+
+# ---- Redis faults --------------------------------------------------------------------------------------------------
+
+
+def test_redis_outage_answers_misses_then_recovers_on_the_same_port(redis_process_factory, open_tiers, caplog):
+    server = redis_process_factory()
+    clock = FakeClock()
+    page_format = make_format()
+    tier = RedisTier(server.url, page_format, backoff=BackoffPolicy(initial_s=1.0, max_s=1.0), clock=clock)
+    open_tiers.append(tier)
+    pages = make_pages(page_format, 2)
+    tier.store(pages)
+    tier.flush(timeout=10)
+    assert tier.lookup(keys_of(pages)) == 2
+
+    with caplog.at_level(logging.WARNING, logger="replica.tiers.redis_tier"):
+        server.stop()
+        assert tier.lookup(keys_of(pages)) == 0  # tries, fails: error 1, goes down
+        assert not tier.available
+        assert tier.load(keys_of(pages), tokens_of(pages)) == []  # backing off: no attempt
+        assert tier.store(pages) == 2
+        assert tier.flush(timeout=10)  # the writer drops them
+        assert (tier.stats().errors, tier.stats().pages_dropped) == (1, 2)
+
+        clock.advance(1.0)
+        assert tier.lookup(keys_of(pages)) == 0  # one probe, still down: error 2
+        server.start()
+        assert tier.lookup(keys_of(pages)) == 0  # still backing off
+        clock.advance(1.0)
+        assert tier.lookup(keys_of(pages)) == 0  # reconnected; the restarted server is empty
+        assert tier.available
+
+    tier.store(pages)
+    tier.flush(timeout=10)
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages)
+    stats = tier.stats()
+    assert (stats.errors, stats.pages_dropped, stats.pages_stored) == (2, 2, 4)
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("is unreachable" in message for message in messages) == 1
+    assert sum("reachable again" in message for message in messages) == 1
+
+
+def test_redis_unreachable_at_start_does_not_raise(open_tiers):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free_port = sock.getsockname()[1]
+    page_format = make_format()
+    tier = RedisTier(f"redis://127.0.0.1:{free_port}/0", page_format, clock=FakeClock())
+    open_tiers.append(tier)
+    pages = make_pages(page_format, 1)
+
+    assert not tier.available
+    assert tier.lookup(keys_of(pages)) == 0
+    assert tier.load(keys_of(pages), tokens_of(pages)) == []
+    assert tier.store(pages) == 1 and tier.flush(timeout=10)
+    stats = tier.stats()
+    assert (stats.errors, stats.pages_dropped) == (1, 1)
