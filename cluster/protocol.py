@@ -125,7 +125,8 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
         return model.model_validate(body)
     except ValidationError as error:
         first = error.errors()[0]
-        param = ".".join(str(part) for part in first.get("loc", ()) if not isinstance(part, int)) or None
+        loc = first.get("loc") or ()
+        param = str(loc[0]) if loc else None  # the top-level field (deeper parts name union members and indexes)
         if first.get("type") == "missing":
             message = f"missing required field {param!r}"
         else:

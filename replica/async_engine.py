@@ -18,6 +18,7 @@ from typing import AsyncIterator, Callable
 
 from replica.engine import LLMEngine
 from replica.events import KVEvent
+from replica.kv_sources import PrefixFetcher
 from replica.outputs import EngineRequest, EngineStats, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,11 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, fetcher: PrefixFetcher | None = None) -> None:
         self.engine = engine
+        self.fetcher = fetcher
+        if fetcher is not None and fetcher.tiers and engine.enable_prefix_caching:
+            engine.page_sink = fetcher.store
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._stopped = False
@@ -62,8 +66,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request_id = request.request_id
+        preloaded = await self._prefetch(request)
         self._request_to_sink[request_id] = (loop, queue)
-        self._submit(lambda: self._add(request))
+        self._submit(lambda: self._add(request, preloaded))
         finished = False
         try:
             while True:
@@ -81,6 +86,32 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    async def export_pages(self, keys: list[bytes]) -> list[tuple[bytes, tuple[int, ...], "torch.Tensor"]]:
+        """Copies of the leading pages of ``keys`` this replica holds (for a peer's copy), pinned while copied."""
+        return await self._call(lambda: self.engine.export_pages(list(keys)))
+
+    async def _prefetch(self, request: EngineRequest) -> dict | None:
+        """Fetch the prompt pages the local cache misses from a peer / the shared tiers (page index -> FetchedPage).
+        Runs on the caller's event loop before the request reaches the engine; only this request waits for it."""
+        if self.fetcher is None or not self.fetcher.enabled or not self.engine.enable_prefix_caching:
+            return None
+        engine = self.engine
+        tokens = request.prompt_token_ids
+        keys = engine.page_keys(tokens, request.cache_salt)
+        page_size = engine.config.page_size
+        max_match = (len(tokens) - 1) // page_size
+        first = engine.missing_prefix(tokens, keys)
+        if first >= max_match:
+            return None
+        token_slices = [tokens[i * page_size : (i + 1) * page_size] for i in range(first, max_match)]
+        peer_hint = request.peer_hint if engine.config.enable_peer_copy else None
+        try:
+            pages = await self.fetcher.fetch(keys[first:max_match], token_slices, peer_hint=peer_hint)
+        except Exception:  # noqa: BLE001 - sources degrade to recompute, never fail the request
+            logger.exception("fetching prefix pages failed; recomputing them")
+            return None
+        return {first + offset: page for offset, page in enumerate(pages)} or None
 
     def drain_kv_events(self) -> list[KVEvent]:
         events = []
@@ -101,6 +132,8 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if self.fetcher is not None:
+            self.fetcher.close()
 
     # ---- engine thread -------------------------------------------------------------------------------------------
     async def _call(self, fn: Callable):
@@ -120,9 +153,9 @@ class AsyncEngine:
         self._inbox.append(fn)
         self._wake.set()
 
-    def _add(self, request: EngineRequest) -> None:
+    def _add(self, request: EngineRequest, preloaded: dict | None) -> None:
         try:
-            self.engine.add_request(request)
+            self.engine.add_request(request, preloaded)
         except Exception as exc:  # noqa: BLE001 - reported to the request's caller
             self._deliver(request.request_id, exc)
 
@@ -162,3 +195,32 @@ class AsyncEngine:
             self._deliver(request_id, exc)
         for request_id in list(self._request_to_sink):
             self._deliver(request_id, exc)
+
+
+def build_async_engine(config, peer_client=None) -> AsyncEngine:
+    """Load the model, build the engine, and attach the prefix sources the config asks for (peer copy, Redis, disk)."""
+    from replica.engine import build_engine
+    from replica.kv_sources import build_tiers
+    from replica.tiers.base import PageFormat, dtype_name
+
+    engine = build_engine(config)
+    geometry = engine.runner.geometry
+    page_format = PageFormat(
+        model_fingerprint=engine.model_fingerprint,
+        dtype=dtype_name(engine.runner.dtype),
+        page_size=config.page_size,
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+    )
+    tiers = []
+    if engine.enable_prefix_caching:
+        tiers = build_tiers(page_format, redis_url=config.redis_url, disk_cache_dir=config.disk_cache_dir,
+                            disk_budget_bytes=config.disk_cache_budget_bytes)
+    fetcher = PrefixFetcher(
+        page_format,
+        tiers=tiers,
+        peer_client=peer_client if (config.enable_peer_copy and engine.enable_prefix_caching) else None,
+        own_replica_id=config.replica_id,
+    )
+    return AsyncEngine(engine, fetcher)

@@ -38,6 +38,13 @@ class EngineConfig:
     cache_dir: str | None = None
     """Where converted models are kept (default ~/.cache/prefixserve)."""
     replica_id: str = "replica-0"
+    enable_peer_copy: bool = True
+    """Copy a prefix held by another replica (named by the router) instead of recomputing it."""
+    redis_url: str | None = None
+    """Shared host tier; None disables it."""
+    disk_cache_dir: str | None = None
+    """Shared disk tier (Arrow IPC files); None disables it."""
+    disk_cache_budget_bytes: int = 8 << 30
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

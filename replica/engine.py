@@ -74,7 +74,10 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             model_fingerprint=self.model_fingerprint,
+            import_page=self.runner.write_page,
         )
+        self.page_sink = None
+        """Called with ``[(key, token_ids, kv view)]`` for pages newly computed and cached (the shared tiers)."""
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
         self.num_requests_finished = 0
@@ -108,7 +111,9 @@ class LLMEngine:
         if request.request_id in self._tracked:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
 
-    def add_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineRequest, preloaded: dict | None = None) -> None:
+        """Queue a request. ``preloaded`` maps page index -> FetchedPage (KV fetched from a peer or a shared tier);
+        pages that still extend the local hit when the request is admitted are used, the rest ignored."""
         self.validate(request)
         generator = None
         if request.sampling.seed is not None:
@@ -120,6 +125,7 @@ class LLMEngine:
             arrival_index=next(self._arrivals),
             cache_salt=request.cache_salt,
             generator=generator,
+            preloaded=dict(preloaded or {}),
         )
         self._tracked[request.request_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, request.sampling.stop))
         self.scheduler.add(seq)
@@ -164,9 +170,12 @@ class LLMEngine:
         new_tokens = sample_tokens(
             logits, [seq.sampling for seq in sampling_seqs], [seq.generator for seq in sampling_seqs]
         )
+        newly_cached = []
         for chunk in plan.chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
-            self.scheduler.commit_computed_pages(chunk.seq)
+            newly_cached.extend(self.scheduler.commit_computed_pages(chunk.seq))
+        if newly_cached and self.page_sink is not None:
+            self.page_sink([(key, tokens, self.runner.read_page(page_id)) for page_id, key, tokens in newly_cached])
         outputs = []
         for seq, token in zip(sampling_seqs, new_tokens):
             seq.output_token_ids.append(token)
@@ -208,6 +217,27 @@ class LLMEngine:
             cached_tokens=CachedTokens(**{k: sources.get(k, 0) for k in ("local", "peer", "host", "disk")}),
             replica_id=self.config.replica_id,
         )
+
+    def missing_prefix(self, token_ids: list[int], page_keys: list[PageKey]) -> int:
+        """Index of the first page of the prompt's reusable prefix that the local cache lacks (== number of usable
+        pages when nothing is missing). A hint only: the cache may change before the request is admitted."""
+        max_match = (len(token_ids) - 1) // self.config.page_size
+        if not self.enable_prefix_caching:
+            return max_match
+        return len(self.kv.match_prefix(page_keys[:max_match]))
+
+    def export_pages(self, keys: list[PageKey]) -> list[tuple[PageKey, tuple[int, ...], torch.Tensor]]:
+        """Copies of the leading run of ``keys`` held in this replica's cache: ``(key, token_ids, kv on CPU)``.
+        The pages are pinned (referenced) while they are copied. Runs on the engine thread between steps."""
+        page_ids = self.kv.match_prefix(keys)
+        self.kv.acquire(page_ids)
+        try:
+            return [
+                (key, self.kv.cache.page_to_token_ids[page_id], self.runner.read_page(page_id).to("cpu", copy=True))
+                for key, page_id in zip(keys, page_ids)
+            ]
+        finally:
+            self.kv.release(page_ids)
 
     # ---- management ----------------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -27,6 +27,8 @@ class CommitResult:
 
     page_id: int
     deduplicated: bool
+    newly_cached: bool = False
+    """The key entered the cache with this call (false when caching is off or the page already held it)."""
 
 
 class KVCacheManager:
@@ -111,7 +113,7 @@ class KVCacheManager:
             return CommitResult(existing, True)
         self.cache.insert(key, page_id, token_ids)
         self._emit(PagesStored, (key,))
-        return CommitResult(page_id, False)
+        return CommitResult(page_id, False, newly_cached=True)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached page that no request holds. Returns False (and changes nothing) while any page is in

@@ -102,6 +102,15 @@ class ModelRunner:
         )
         return budget_bytes // per_page
 
+    # ---- single pages (shared tiers, peer copy) -----------------------------------------------------------------
+    def read_page(self, page_id: int) -> torch.Tensor:
+        """A view of one page's KV: ``[layers, 2, page_size, kv_heads, head_dim]`` (copy it before the page is reused)."""
+        return self.kv_cache[:, :, page_id]
+
+    def write_page(self, page_id: int, kv: torch.Tensor) -> None:
+        """Overwrite one page's KV (from a peer or a shared tier)."""
+        self.kv_cache[:, :, page_id].copy_(kv.to(device=self.device, dtype=self.dtype), non_blocking=False)
+
     # ---- one step ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, chunks: Seq[ChunkInput]) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from replica.kv_manager import KVCacheManager
 from replica.sequence import Sequence, SequenceStatus
@@ -50,8 +51,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         model_fingerprint: str,
+        import_page: Callable[[int, object], None] | None = None,
     ) -> None:
         self.kv = kv
+        self.import_page = import_page
+        """Writes a fetched page's KV into a pool page (given by the engine; None: fetched pages are ignored)."""
         self.page_size = kv.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -117,10 +121,13 @@ class Scheduler:
             page_keys = seq.extend_page_keys(self.page_size, self.model_fingerprint)
             max_match = (seq.num_tokens - 1) // self.page_size
             hit_page_ids = self.kv.match_prefix(page_keys[:max_match])
-            if len(hit_page_ids) < max_match and page_keys[len(hit_page_ids)] in in_flight_keys:
+            imported = self._usable_preloaded(seq, len(hit_page_ids), max_match)
+            next_index = len(hit_page_ids) + len(imported)
+            if next_index < max_match and page_keys[next_index] in in_flight_keys:
                 deferred.append(self.waiting.popleft())
                 continue
-            num_computed = len(hit_page_ids) * self.page_size
+            num_cached_pages = len(hit_page_ids) + len(imported)
+            num_computed = num_cached_pages * self.page_size
             num_new = min(seq.num_tokens - num_computed, budget)
             num_pages_total = -(-(num_computed + num_new) // self.page_size)
             num_pages_needed = num_pages_total - len(hit_page_ids)
@@ -129,20 +136,47 @@ class Scheduler:
             self.waiting.popleft()
             self.kv.acquire(hit_page_ids)
             seq.page_ids = hit_page_ids + self.kv.allocate(num_pages_needed)
+            self._import_pages(seq, len(hit_page_ids), imported)
             seq.num_computed_tokens = num_computed
-            seq.num_committed_pages = len(hit_page_ids)
+            seq.num_committed_pages = num_cached_pages
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = num_computed
-                seq.cached_by_source = {"local": num_computed} if num_computed else {}
+                seq.cached_by_source = {"local": len(hit_page_ids) * self.page_size}
+                for fetched in imported:
+                    seq.cached_by_source[fetched.source] = seq.cached_by_source.get(fetched.source, 0) + self.page_size
                 self.num_prompt_tokens_queried += seq.num_prompt_tokens
                 self.num_prompt_tokens_hit += num_computed
+            seq.preloaded = {}
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.admitted.append(seq)
             out.chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
-            in_flight_keys.update(page_keys[len(hit_page_ids) :])
+            in_flight_keys.update(page_keys[num_cached_pages:])
         self.waiting.extendleft(reversed(deferred))
+
+    def _usable_preloaded(self, seq: Sequence, first_index: int, max_match: int) -> list:
+        """The fetched pages that continue the local hit without a gap and still match the request exactly."""
+        if self.import_page is None or not self.kv.enable_prefix_caching:
+            return []
+        usable = []
+        tokens = seq.token_ids
+        for index in range(first_index, max_match):
+            fetched = seq.preloaded.get(index)
+            start = index * self.page_size
+            if (fetched is None or fetched.key != seq.page_keys[index]
+                    or list(fetched.token_ids) != tokens[start : start + self.page_size]):
+                break
+            usable.append(fetched)
+        return usable
+
+    def _import_pages(self, seq: Sequence, first_index: int, imported: list) -> None:
+        """Fill freshly allocated pages with fetched KV and register them in the prefix cache."""
+        for offset, fetched in enumerate(imported):
+            index = first_index + offset
+            self.import_page(seq.page_ids[index], fetched.kv)
+            result = self.kv.commit_page(seq.page_ids[index], fetched.key, fetched.token_ids)
+            seq.page_ids[index] = result.page_id
 
     def _num_pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         num_pages_total = -(-(seq.num_computed_tokens + num_new_tokens) // self.page_size)
@@ -165,20 +199,24 @@ class Scheduler:
         out.chunks[:] = [chunk for chunk in out.chunks if chunk.seq is not seq]
 
     # ---- after the model ran ------------------------------------------------------------------------------------
-    def commit_computed_pages(self, seq: Sequence) -> None:
-        """Register the request's newly full, computed pages in the prefix cache (deduplicating shared ones)."""
+    def commit_computed_pages(self, seq: Sequence) -> list[tuple]:
+        """Register the request's newly full, computed pages in the prefix cache (deduplicating shared ones).
+        Returns ``(page_id, key, token_ids)`` of the pages that entered the cache (for the shared tiers)."""
         num_full = seq.num_computed_tokens // self.page_size
         if num_full <= seq.num_committed_pages:
-            return
+            return []
         if not self.kv.enable_prefix_caching:
             seq.num_committed_pages = num_full
-            return
+            return []
+        stored = []
         keys = seq.extend_page_keys(self.page_size, self.model_fingerprint)
         tokens = seq.token_ids
         for page_index in range(seq.num_committed_pages, num_full):
             start = page_index * self.page_size
-            result = self.kv.commit_page(
-                seq.page_ids[page_index], keys[page_index], tokens[start : start + self.page_size]
-            )
+            page_tokens = tokens[start : start + self.page_size]
+            result = self.kv.commit_page(seq.page_ids[page_index], keys[page_index], page_tokens)
+            if not result.deduplicated and result.page_id == seq.page_ids[page_index] and result.newly_cached:
+                stored.append((result.page_id, keys[page_index], page_tokens))
             seq.page_ids[page_index] = result.page_id
         seq.num_committed_pages = num_full
+        return stored

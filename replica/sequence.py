@@ -45,6 +45,8 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    preloaded: dict = field(default_factory=dict)
+    """Page index -> FetchedPage: KV fetched from a peer or a shared tier before admission (used once, then dropped)."""
 
     @property
     def token_ids(self) -> list[int]:
