@@ -134,6 +134,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if kwargs.get("devices") is None:
         kwargs.pop("devices", None)
     kwargs["lora_modules"] = tuple(kwargs.get("lora_modules") or ())
+    for key in ("model", "disk_cache_dir"):  # replicas may run in another working directory
+        if kwargs.get(key) and Path(kwargs[key]).expanduser().exists():
+            kwargs[key] = str(Path(kwargs[key]).expanduser().resolve())
     return ServeConfig(**kwargs)
 
 

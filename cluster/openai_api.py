@@ -46,6 +46,7 @@ from cluster.protocol import (
     Kind,
     Usage,
     chat_messages,
+    check_token_ids,
     check_unsupported,
     chunk_body,
     completion_body,
@@ -136,16 +137,6 @@ class OpenAIIngress:
                 "root": self.config.model or self.served_model_name, "max_model_len": info.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @api.get("/debug/router")
-    async def debug_router(self) -> Response:
-        router = self.replicas._router
-        inner = getattr(router, "_asyncio_router", router)
-        r = inner.request_router
-        qc = {rid.unique_id: r.replica_queue_len_cache.get(rid) for rid in r.curr_replicas}
-        return JSONResponse({"type": type(r).__name__, "inflight": r.policy._replica_id_to_num_inflight,
-            "loads": {k: v.num_requests for k, v in r._replica_id_to_load.items()}, "qcache": qc,
-            "decisions": r.policy.decision_counts(), "futures": len(r._request_id_to_future)})
-
     @api.get("/health")
     async def health(self) -> Response:
         return Response(status_code=200)
@@ -207,7 +198,11 @@ class OpenAIIngress:
         """Tokenize, build sampling params and page keys (CPU work: runs on a worker thread)."""
         if kind == "completion":
             prompt = completion_prompt(request)
-            token_ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt).input_ids
+            if isinstance(prompt, list):
+                check_token_ids(prompt, info.vocab_size)
+                token_ids = prompt
+            else:
+                token_ids = self.tokenizer(prompt).input_ids
             default_max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
         else:
             token_ids = self._apply_chat_template(chat_messages(request))

@@ -173,6 +173,13 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
     return messages
 
 
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """APIError(400) unless every id of a token-id prompt is in ``[0, vocab_size)``."""
+    bad = [token for token in token_ids if not 0 <= token < vocab_size]
+    if bad:
+        raise APIError(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param="prompt")
+
+
 def sampling_params(request: _SamplingFields, *, prompt_len: int, max_model_len: int, default_max_tokens: int | None
                     ) -> SamplingParams:
     """SamplingParams for ``request``; APIError(400) for values SamplingParams refuses or that overflow the context.

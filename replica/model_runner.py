@@ -129,8 +129,7 @@ class ModelRunner:
             if num_new == 1:
                 decode_rows.append((offset, ctx_len, chunk.page_ids))
             else:
-                kv_slots = None if chunk.start_pos == 0 else self._context_slots(chunk.page_ids, ctx_len)
-                prefills.append(PrefillSlice(offset, num_new, ctx_len, kv_slots))
+                prefills.append(self._prefill_slice(offset, num_new, ctx_len, chunk.page_ids))
             offset += num_new
             if chunk.sample:
                 sample_rows.append(offset - 1)
@@ -151,6 +150,15 @@ class ModelRunner:
         if not sample_rows:
             return out.logits.new_empty(0, out.logits.shape[-1]).float()
         return out.logits[0].float()
+
+    def _prefill_slice(self, offset: int, num_new: int, ctx_len: int, page_ids: Seq[int]) -> PrefillSlice:
+        if ctx_len == num_new:
+            return PrefillSlice(offset, num_new, ctx_len, None)
+        num_pages = -(-ctx_len // self.page_size)
+        first = page_ids[0]
+        if all(page_ids[i] == first + i for i in range(1, num_pages)):
+            return PrefillSlice(offset, num_new, ctx_len, None, kv_start=first * self.page_size)
+        return PrefillSlice(offset, num_new, ctx_len, self._context_slots(page_ids, ctx_len))
 
     def _context_slots(self, page_ids: Seq[int], ctx_len: int) -> torch.Tensor:
         ps = self.page_size

@@ -31,7 +31,10 @@ class PrefillSlice:
     q_len: int
     ctx_len: int
     kv_slots: torch.Tensor | None
-    """Pool slots of the whole context [ctx_len]; None when the chunk is the whole context (nothing cached)."""
+    """Pool slots of the whole context [ctx_len]; None when the chunk is the whole context (nothing cached) or when
+    the context lies in consecutive pages (then ``kv_start`` is set)."""
+    kv_start: int | None = None
+    """First pool slot when the context's pages are consecutive: K/V are read as a view, with no gather copy."""
 
 
 @dataclass
@@ -57,7 +60,7 @@ class PagedAttentionMetadata:
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
         """Bool mask [q_len, ctx_len] (True = visible) for prefill slice ``index``; None means plain causal."""
         part = self.prefills[index]
-        if part.kv_slots is None and window is None:
+        if part.kv_slots is None and part.kv_start is None and window is None:
             return None
         cache_key = ("prefill", index, window)
         if cache_key not in self._mask_cache:
@@ -110,7 +113,10 @@ def paged_attention(
     output = query.new_empty(num_tokens, num_heads, head_dim)
     for index, part in enumerate(meta.prefills):
         q = query[:, :, part.q_start : part.q_start + part.q_len]
-        if part.kv_slots is None:
+        if part.kv_start is not None:
+            k = k_cache[part.kv_start : part.kv_start + part.ctx_len].transpose(0, 1)[None]
+            v = v_cache[part.kv_start : part.kv_start + part.ctx_len].transpose(0, 1)[None]
+        elif part.kv_slots is None:
             k = key[:, :, part.q_start : part.q_start + part.q_len]
             v = value[:, :, part.q_start : part.q_start + part.q_len]
         else:

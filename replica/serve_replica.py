@@ -52,6 +52,8 @@ class ReplicaInfo:
     max_model_len: int
     page_size: int
     enable_prefix_caching: bool
+    vocab_size: int
+    """Token ids in a prompt must be in ``[0, vocab_size)``."""
 
 
 def current_replica_id(default: str) -> str:
@@ -103,6 +105,7 @@ class ServeReplica:
             max_model_len=self.engine.max_model_len,
             page_size=self.config.page_size,
             enable_prefix_caching=self.config.enable_prefix_caching,
+            vocab_size=self.engine.engine.vocab_size,
         )
 
     async def reset_prefix_cache(self) -> bool:

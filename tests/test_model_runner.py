@@ -59,3 +59,12 @@ def test_reusing_another_sequences_pages(tiny):
     # a wrong page in the table must change the result (the comparison is sensitive)
     wrong = runner.run([ChunkInput(suffix, 256, [2, 0, 6], sample=True)])
     assert (wrong[0] - reference_last_logits(tiny, prefix + suffix)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("page_table", [[4, 5, 6], [6, 2, 3]], ids=["consecutive-view", "scattered-gather"])
+def test_chunk_continuation_reads_consecutive_and_scattered_pages(tiny, page_table):
+    runner = ModelRunner(tiny.served, num_pages=8, page_size=PS, device=torch.device("cpu"))
+    prompt = random_prompt(300, seed=15)
+    runner.run([ChunkInput(prompt[:256], 0, page_table, sample=False)])
+    logits = runner.run([ChunkInput(prompt[256:], 256, page_table, sample=True)])
+    torch.testing.assert_close(logits[0], reference_last_logits(tiny, prompt), rtol=0, atol=2e-4)
