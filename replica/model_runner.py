@@ -21,7 +21,13 @@ from typing import Sequence as Seq
 import torch
 
 from replica.page_pool import allocate_kv_tensor, bytes_per_page
-from replica.paged_attention import DecodeBatch, PagedAttentionMetadata, PrefillSlice, register_paged_attention
+from replica.paged_attention import (
+    DecodeBatch,
+    DecodeRow,
+    PagedAttentionMetadata,
+    PrefillSlice,
+    register_paged_attention,
+)
 
 
 @dataclass(frozen=True)
@@ -170,20 +176,8 @@ class ModelRunner:
     def _decode_batch(self, rows: list[tuple[int, int, Seq[int]]]) -> DecodeBatch | None:
         if not rows:
             return None
-        ps = self.page_size
-        max_ctx = max(ctx_len for _, ctx_len, _ in rows)
-        max_pages = -(-max_ctx // ps)
-        tables = torch.zeros(len(rows), max_pages, dtype=torch.long)
-        ctx_lens = torch.tensor([ctx_len for _, ctx_len, _ in rows], dtype=torch.long)
-        for row, (_, ctx_len, page_ids) in enumerate(rows):
-            num_pages = -(-ctx_len // ps)
-            tables[row, :num_pages] = torch.as_tensor(page_ids[:num_pages], dtype=torch.long)
-        kv_slots = (tables[:, :, None] * ps + torch.arange(ps)[None, None, :]).reshape(len(rows), -1)[:, :max_ctx]
-        kv_valid = torch.arange(max_ctx)[None, :] < ctx_lens[:, None]
-        kv_slots = kv_slots.masked_fill(~kv_valid, 0)
         return DecodeBatch(
+            rows=[DecodeRow(offset, ctx_len, list(page_ids)) for offset, ctx_len, page_ids in rows],
+            page_size=self.page_size,
             q_indices=torch.tensor([offset for offset, _, _ in rows], dtype=torch.long, device=self.device),
-            kv_slots=kv_slots.to(self.device),
-            q_positions=(ctx_lens - 1).to(self.device),
-            kv_valid=kv_valid.to(self.device),
         )

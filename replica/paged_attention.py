@@ -38,13 +38,51 @@ class PrefillSlice:
 
 
 @dataclass
-class DecodeBatch:
-    """All single-token queries of the step, padded to the longest context."""
+class DecodeRow:
+    """One single-token query: its place in the packed batch, its context length, and its page table."""
 
+    q_index: int
+    ctx_len: int
+    page_ids: list[int]
+
+
+@dataclass
+class DecodeBatch:
+    """All single-token queries of the step. Each is attended over views of its pages, one view per run of
+    consecutive pages, so no K/V is copied (a gather of every context each step costs more than the attention)."""
+
+    rows: list[DecodeRow]
+    page_size: int
     q_indices: torch.Tensor  # [B] positions in the packed batch
-    kv_slots: torch.Tensor  # [B, max_ctx] (padding points at slot 0 and is masked)
-    q_positions: torch.Tensor  # [B]
-    kv_valid: torch.Tensor  # [B, max_ctx] bool
+    _runs: dict = field(default_factory=dict)
+
+    def runs(self, row: int, window: int | None) -> list[tuple[int, int]]:
+        """``(first_slot, num_tokens)`` of each run of consecutive slots holding the row's visible context."""
+        cache_key = (row, window)
+        if cache_key not in self._runs:
+            self._runs[cache_key] = _slot_runs(self.rows[row], self.page_size, window)
+        return self._runs[cache_key]
+
+
+def _slot_runs(row: DecodeRow, page_size: int, window: int | None) -> list[tuple[int, int]]:
+    """Split token range [lo, ctx_len) into runs of consecutive pool slots.
+
+        pages   | 7 | 8 | 9 | 2 | 3 |     ctx_len = 4.5 pages
+        runs    |  slots 7*ps .. 10*ps  | 2*ps .. 3*ps + half |
+    """
+    lo = max(0, row.ctx_len - window) if window is not None else 0
+    runs: list[tuple[int, int]] = []
+    pos = lo
+    while pos < row.ctx_len:
+        page_index = pos // page_size
+        first_slot = row.page_ids[page_index] * page_size + pos % page_size
+        end = min(row.ctx_len, (page_index + 1) * page_size)
+        if runs and runs[-1][0] + runs[-1][1] == first_slot:
+            runs[-1] = (runs[-1][0], runs[-1][1] + end - pos)
+        else:
+            runs.append((first_slot, end - pos))
+        pos = end
+    return runs
 
 
 @dataclass
@@ -71,18 +109,6 @@ class PagedAttentionMetadata:
             if window is not None:
                 mask &= kv_pos > q_pos - window
             self._mask_cache[cache_key] = mask
-        return self._mask_cache[cache_key]
-
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """Bool mask [B, 1, 1, max_ctx] for the decode batch."""
-        cache_key = ("decode", window)
-        if cache_key not in self._mask_cache:
-            batch = self.decode
-            mask = batch.kv_valid
-            if window is not None:
-                kv_pos = torch.arange(mask.shape[1], device=mask.device)[None, :]
-                mask = mask & (kv_pos > batch.q_positions[:, None] - window)
-            self._mask_cache[cache_key] = mask[:, None, None, :]
         return self._mask_cache[cache_key]
 
 
@@ -130,16 +156,38 @@ def paged_attention(
 
     if meta.decode is not None:
         batch = meta.decode
-        num_seqs, max_ctx = batch.kv_slots.shape
         group = num_heads // num_kv_heads
         # grouped-query trick: the `group` query heads sharing a kv head become that head's query rows
-        q = query[0].index_select(1, batch.q_indices).transpose(0, 1).reshape(num_seqs, num_kv_heads, group, head_dim)
-        flat_slots = batch.kv_slots.reshape(-1)
-        k = k_cache.index_select(0, flat_slots).view(num_seqs, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, flat_slots).view(num_seqs, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask(sliding_window), scale=scaling)
-        output.index_copy_(0, batch.q_indices, out.reshape(num_seqs, num_heads, head_dim))
+        queries = query[0].index_select(1, batch.q_indices).transpose(0, 1)  # [B, H, D]
+        outs = []
+        for row in range(len(batch.rows)):
+            q = queries[row].view(num_kv_heads, group, head_dim)
+            outs.append(_attend_runs(q, k_cache, v_cache, batch.runs(row, sliding_window), scaling))
+        output.index_copy_(0, batch.q_indices, torch.stack(outs).reshape(len(outs), num_heads, head_dim))
     return output[None], None
+
+
+def _attend_runs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: list[tuple[int, int]], scaling: float | None
+) -> torch.Tensor:
+    """One query token (as [kv_heads, group, D]) attending to every key in ``runs`` (all visible)."""
+    if len(runs) == 1:
+        start, length = runs[0]
+        k = k_cache[start : start + length].transpose(0, 1)
+        v = v_cache[start : start + length].transpose(0, 1)
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scaling)[0]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.cat(
+        [torch.matmul(q, k_cache[start : start + length].permute(1, 2, 0)) for start, length in runs], dim=-1
+    )
+    probs = torch.softmax(scores.float() * scale, dim=-1).to(q.dtype)
+    out = None
+    offset = 0
+    for start, length in runs:
+        part = torch.matmul(probs[..., offset : offset + length], v_cache[start : start + length].transpose(0, 1))
+        out = part if out is None else out + part
+        offset += length
+    return out
 
 
 def register_paged_attention() -> str:

@@ -68,3 +68,13 @@ def test_chunk_continuation_reads_consecutive_and_scattered_pages(tiny, page_tab
     runner.run([ChunkInput(prompt[:256], 0, page_table, sample=False)])
     logits = runner.run([ChunkInput(prompt[256:], 256, page_table, sample=True)])
     torch.testing.assert_close(logits[0], reference_last_logits(tiny, prompt), rtol=0, atol=2e-4)
+
+
+def test_slot_runs_merge_consecutive_pages_and_apply_the_window():
+    from replica.paged_attention import DecodeRow, _slot_runs
+
+    row = DecodeRow(q_index=0, ctx_len=4 * PS + 64, page_ids=[7, 8, 9, 2, 3])
+    assert _slot_runs(row, PS, None) == [(7 * PS, 3 * PS), (2 * PS, PS + 64)]
+    # a 100-token window only reads the last 100 slots: 36 in page 2, 64 in page 3 (consecutive: one run)
+    assert _slot_runs(row, PS, 100) == [(2 * PS + 92, 100)]
+    assert _slot_runs(DecodeRow(0, 1, [5]), PS, None) == [(5 * PS, 1)]
