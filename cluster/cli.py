@@ -190,6 +190,8 @@ def run_serve(config: ServeConfig) -> int:
     try:
         ray.init(address=config.ray_address, logging_level=config.log_level.upper())
         started = True
+        # ray.init installs a SIGTERM handler that aborts the process; take SIGTERM back for a clean shutdown.
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         problem = check_cluster_resources(config, ray.cluster_resources())
         if problem:
             return fail(f"prefixserve serve: error: {problem}", EXIT_USAGE)

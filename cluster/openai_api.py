@@ -10,7 +10,7 @@ Endpoints::
     POST /reset_prefix_cache    drops every replica's cached pages (DeploymentHandle.broadcast reaches each replica)
 
 A generation request, here: authenticate -> parse and validate (APIError -> 400) -> tokenize and compute page keys
-(on a worker thread: CPU work stays off the event loop) -> ``replicas.options(stream=True).generate.remote(request)``,
+(on one tokenizer thread: CPU work stays off the event loop) -> ``replicas.options(stream=True).generate.remote(request)``,
 where the prefix-aware router reads ``request.page_keys`` and picks the replica -> await the first output before
 answering, so a request the replica refuses (``InvalidRequestError``) is still a 400 and the replica's id can go in the
 ``x-prefixserve-replica`` header -> stream or collect the rest.
@@ -21,6 +21,7 @@ Page keys are computed with the replicas' model fingerprint, asked once from a r
 # No ``from __future__ import annotations`` here: FastAPI must see the real ``Request`` annotation on the methods that
 # Serve's ingress re-binds, or it reads ``request`` as a query parameter.
 import asyncio
+import concurrent.futures
 import hmac
 import logging
 import time
@@ -114,6 +115,8 @@ class OpenAIIngress:
         self.served_model_name = config.served_model_name
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.model))
         self.metrics = IngressMetrics()
+        # One thread: a fast tokenizer is not safe to call from several threads at once ("Already borrowed").
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._info: ReplicaInfo | None = None
         self._info_lock = asyncio.Lock()
 
@@ -178,7 +181,9 @@ class OpenAIIngress:
             self._check_model(request.model)
             info = await self._replica_info()
             started = time.perf_counter()
-            engine_request = await asyncio.to_thread(self._engine_request, request, kind, info)
+            engine_request = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, self._engine_request, request, kind, info
+            )
             stream = self.replicas.options(stream=True).generate.remote(engine_request)
             first = await self._first_output(stream)
         except APIError as error:
@@ -195,7 +200,7 @@ class OpenAIIngress:
             return api_error_response(error)
 
     def _engine_request(self, request: Any, kind: Kind, info: ReplicaInfo) -> EngineRequest:
-        """Tokenize, build sampling params and page keys (CPU work: runs on a worker thread)."""
+        """Tokenize, build sampling params and page keys (CPU work: runs on the tokenizer thread)."""
         if kind == "completion":
             prompt = completion_prompt(request)
             if isinstance(prompt, list):

@@ -11,6 +11,7 @@ NCCL through Ray's tensor transports) can replace the bundle without changing ca
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,7 +55,10 @@ def unbundle_pages(bundle: PageBundle) -> list[tuple[PageKey, tuple[int, ...], t
     """The pages of a bundle as CPU tensors (views of the bundle's array; the engine copies them into its pool)."""
     if bundle.num_pages == 0:
         return []
-    tensor = torch.from_numpy(np.asarray(bundle.kv))
+    with warnings.catch_warnings():
+        # Ray hands the array over read-only (zero copy); it is only read, then copied into the pool
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tensor = torch.from_numpy(np.asarray(bundle.kv))
     dtype = _FROM_WIRE[bundle.dtype]
     if tensor.dtype != dtype:
         tensor = tensor.view(dtype)
