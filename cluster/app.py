@@ -33,14 +33,17 @@ REPLICA_HEALTH_CHECK_PERIOD_S = 10.0
 REPLICA_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
 
 
-def request_router_config() -> Any:
-    """The prefix-aware router's config, or None (Serve's default router) when router/ray_router.py is missing."""
+def request_router_config(config: ServeConfig) -> Any:
+    """The prefix-aware router's config, or None (Serve's default router) when router/ray_router.py is missing.
+
+    The router names a peer holding more of the prompt's pages (``peer_hint``) only when cross-replica prefix copy
+    is on."""
     try:
         from router.ray_router import router_config
     except ImportError:
         logger.warning("router.ray_router is not available; replicas use Serve's default request router")
         return None
-    return router_config()
+    return router_config(enable_peer_hint=bool(config.enable_dp_cross_replica_prefix_copy))
 
 
 def replica_actor_options(config: ServeConfig) -> dict[str, Any]:
@@ -60,7 +63,7 @@ def build_app(config: ServeConfig) -> Application:
         health_check_period_s=REPLICA_HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=REPLICA_GRACEFUL_SHUTDOWN_TIMEOUT_S,
     )
-    router = request_router_config()
+    router = request_router_config(config)
     if router is not None:
         replica_options["request_router_config"] = router
     replicas = serve.deployment(ServeReplica, **replica_options)

@@ -161,3 +161,25 @@ def test_make_tiny_model_delegates(tmp_path, capsys):
     assert status == 0
     assert (tmp_path / "m" / "config.json").exists()
     assert capsys.readouterr().out.strip() == str(tmp_path / "m")
+
+
+def test_build_app_wires_replicas_router_and_ingress():
+    """The application graph, inspected without starting Ray."""
+    from cluster.app import app_builder, build_app
+
+    app = build_app(ServeConfig(devices="cpu", data_parallel_degree=3, num_cpus_per_replica=0.5,
+                                enable_dp_cross_replica_prefix_copy=False, served_model_name="m"))
+    ingress = app._bound_deployment
+    replicas = ingress.init_args[0]._bound_deployment
+    assert (ingress.name, ingress.ray_actor_options) == ("OpenAIIngress", {"num_cpus": 0})
+    assert (replicas.name, replicas.num_replicas, replicas.ray_actor_options) == (
+        "PrefixServeReplica", 3, {"num_cpus": 0.5})
+    assert replicas.max_ongoing_requests >= 64  # continuous batching needs many requests in one replica
+    router = replicas._deployment_config.request_router_config
+    assert router.request_router_class.endswith("PrefixAwareRequestRouter")
+    assert router.request_router_kwargs["enable_peer_hint"] is False
+    engine_config, served_model_name = replicas.init_args
+    assert (engine_config.devices, served_model_name) == ("cpu", "m")
+
+    built = app_builder({"devices": "cpu", "data-parallel-degree": 2, "num_cpus_per_replica": 0.25})
+    assert built._bound_deployment.init_args[0]._bound_deployment.num_replicas == 2
