@@ -11,6 +11,9 @@ flag or combination prints one line, ``prefixserve serve: error: ...``, and exit
 from __future__ import annotations
 
 import argparse
+import subprocess
+import shutil
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -91,7 +94,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "(default: on with prefix caching)")
     cache.add_argument("--redis-url", default=None,
                        help="shared host-memory KV tier, e.g. redis://127.0.0.1:6379/0 (default: off)")
-    cache.add_argument("--disk-cache-dir", default=None, help="shared disk KV tier folder (default: off)")
+    cache.add_argument("--start-redis", action="store_true",
+                       help="start a local redis-server (bounded, LRU) for the host tier and stop it on exit")
+    cache.add_argument("--enable-disk-cache", action=argparse.BooleanOptionalAction, default=None,
+                       help="shared disk KV tier (Arrow IPC files) that replicas on one machine share "
+                            "(default: on with prefix caching)")
+    cache.add_argument("--disk-cache-dir", default=None,
+                       help="disk KV tier folder (default: ~/.cache/prefixserve/kv-pages)")
+    cache.add_argument("--disk-cache-budget", default="8GiB",
+                       help="disk KV tier size budget; least recently used pages are deleted beyond it")
 
     sched = parser.add_argument_group("scheduling")
     sched.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once per replica")
@@ -187,7 +198,12 @@ def run_serve(config: ServeConfig) -> int:
     if local:
         expose_project_to_workers()
     started = False
+    redis = None
     try:
+        if config.start_redis:
+            redis = start_local_redis()
+            config = dataclasses.replace(config, redis_url=redis.url, start_redis=False)
+            print(f"prefixserve: started redis-server for the host tier at {redis.url}", flush=True)
         ray.init(address=config.ray_address, logging_level=config.log_level.upper())
         started = True
         # ray.init installs a SIGTERM handler that aborts the process; take SIGTERM back for a clean shutdown.
@@ -212,6 +228,50 @@ def run_serve(config: ServeConfig) -> int:
     finally:
         if started:
             shut_down(local)
+        if redis is not None:
+            redis.stop()
+
+
+class LocalRedis:
+    """A redis-server this CLI started: no persistence, bounded memory with LRU eviction (what the host tier needs)."""
+
+    def __init__(self, port: int, process: subprocess.Popen) -> None:
+        self.port = port
+        self.process = process
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def start_local_redis(maxmemory: str = "2gb", timeout_s: float = 10.0) -> LocalRedis:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("--start-redis needs redis-server: apt-get install -y redis-server")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return LocalRedis(port, process)
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"redis-server did not start on port {port}")
 
 
 def check_local_start(config: ServeConfig) -> str | None:

@@ -106,8 +106,15 @@ class ServeConfig:
     """When set, /v1/* and /reset_prefix_cache require ``Authorization: Bearer <api_key>``."""
     redis_url: str | None = None
     """Shared host-memory tier (redis://host:port/db); None disables it."""
+    enable_disk_cache: bool | None = None
+    """Shared disk tier (Arrow IPC files) on or off (None: on exactly when prefix caching is on). It is what shares
+    prefixes between replicas on one machine when no Redis is configured."""
     disk_cache_dir: str | None = None
-    """Shared disk tier (Arrow IPC files); None disables it."""
+    """Folder of the disk tier (None: <prefixserve cache dir>/kv-pages)."""
+    disk_cache_budget: int | str = "8GiB"
+    """Size budget of the disk tier; least recently used pages are deleted beyond it."""
+    start_redis: bool = False
+    """Start a local redis-server for the host tier (the CLI does; sets ``redis_url``)."""
     ray_address: str | None = None
     """Existing Ray cluster to join ("auto", "ray://...", "host:port"); None starts a local one."""
     log_level: str = "info"
@@ -125,6 +132,9 @@ class ServeConfig:
         set_field("lora_modules", tuple(self.lora_modules or ()))
         if self.enable_dp_cross_replica_prefix_copy is None:
             set_field("enable_dp_cross_replica_prefix_copy", self.enable_prefix_caching)
+        if self.enable_disk_cache is None:
+            set_field("enable_disk_cache", self.enable_prefix_caching)
+        set_field("disk_cache_budget", parse_memory_size(self.disk_cache_budget))
         if self.served_model_name is None:
             set_field("served_model_name", default_served_model_name(self.model))
         self._validate()
@@ -173,8 +183,13 @@ class ServeConfig:
                 f"--redis-url must start with {', '.join(_REDIS_SCHEMES)}, got {self.redis_url!r}; "
                 "e.g. redis://127.0.0.1:6379/0"
             )
+        if self.disk_cache_budget <= 0:
+            raise ValueError(f"--disk-cache-budget must be positive, got {self.disk_cache_budget}; try 8GiB")
+        if self.start_redis and self.redis_url:
+            raise ValueError("--start-redis starts its own redis-server; drop --redis-url or --start-redis")
         if not self.enable_prefix_caching:
-            for flag, value in (("--redis-url", self.redis_url), ("--disk-cache-dir", self.disk_cache_dir)):
+            for flag, value in (("--redis-url", self.redis_url), ("--disk-cache-dir", self.disk_cache_dir),
+                                ("--enable-disk-cache", self.enable_disk_cache), ("--start-redis", self.start_redis)):
                 if value:
                     raise ValueError(
                         f"{flag} shares prefix-cache pages, so it needs prefix caching; drop {flag} or drop "
@@ -201,11 +216,7 @@ class ServeConfig:
         return max(1, int(self.num_cpus_per_replica))
 
     def engine_config(self, replica_id: str) -> EngineConfig:
-        """What the replica named ``replica_id`` builds its engine from.
-
-        The shared-tier settings travel in ``EngineConfig.extra`` under the keys ``enable_dp_cross_replica_prefix_copy``,
-        ``redis_url`` and ``disk_cache_dir`` (EngineConfig has no fields for them yet).
-        """
+        """What the replica named ``replica_id`` builds its engine from."""
         return EngineConfig(
             model=self.model,
             devices=self.devices,
@@ -219,12 +230,22 @@ class ServeConfig:
             lora_adapters=self.lora_modules,
             num_threads=self.num_threads_per_replica,
             replica_id=replica_id,
-            extra={
-                "enable_dp_cross_replica_prefix_copy": bool(self.enable_dp_cross_replica_prefix_copy),
-                "redis_url": self.redis_url,
-                "disk_cache_dir": self.disk_cache_dir,
-            },
+            enable_peer_copy=bool(self.enable_dp_cross_replica_prefix_copy),
+            redis_url=self.redis_url,
+            disk_cache_dir=self.resolved_disk_cache_dir,
+            disk_cache_budget_bytes=int(self.disk_cache_budget),
         )
+
+    @property
+    def resolved_disk_cache_dir(self) -> str | None:
+        """The disk tier's folder, or None when the disk tier is off."""
+        if not self.enable_disk_cache:
+            return None
+        if self.disk_cache_dir:
+            return self.disk_cache_dir
+        from replica.model_loader import default_cache_dir
+
+        return str(default_cache_dir() / "kv-pages")
 
     @classmethod
     def from_mapping(cls, args: Mapping[str, Any] | None) -> "ServeConfig":

@@ -13,7 +13,8 @@ A generation request, here: authenticate -> parse and validate (APIError -> 400)
 (on one tokenizer thread: CPU work stays off the event loop) -> ``replicas.options(stream=True).generate.remote(request)``,
 where the prefix-aware router reads ``request.page_keys`` and picks the replica -> await the first output before
 answering, so a request the replica refuses (``InvalidRequestError``) is still a 400 and the replica's id can go in the
-``x-prefixserve-replica`` header -> stream or collect the rest.
+``x-prefixserve-replica`` header -> stream or collect the rest. A request carrying ``x-prefixserve-target-replica:
+<replica id>`` is pinned to that replica (the router still names the best holder as peer_hint, so it can copy).
 
 Page keys are computed with the replicas' model fingerprint, asked once from a replica (``info()``) on first use.
 """
@@ -22,6 +23,7 @@ Page keys are computed with the replicas' model fingerprint, asked once from a r
 # Serve's ingress re-binds, or it reads ``request`` as a query parameter.
 import asyncio
 import concurrent.futures
+import dataclasses
 import hmac
 import logging
 import time
@@ -40,6 +42,7 @@ from cluster.metrics import IngressMetrics
 from cluster.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     REPLICA_HEADER,
+    TARGET_REPLICA_HEADER,
     SSE_DONE,
     APIError,
     ChatCompletionRequest,
@@ -184,6 +187,9 @@ class OpenAIIngress:
             engine_request = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool, self._engine_request, request, kind, info
             )
+            target = http_request.headers.get(TARGET_REPLICA_HEADER)
+            if target:
+                engine_request = dataclasses.replace(engine_request, target_replica=target)
             stream = self.replicas.options(stream=True).generate.remote(engine_request)
             first = await self._first_output(stream)
         except APIError as error:

@@ -27,6 +27,8 @@ from replica.outputs import CachedTokens, RequestOutput
 from replica.sampling import SamplingParams
 
 REPLICA_HEADER = "x-prefixserve-replica"
+TARGET_REPLICA_HEADER = "x-prefixserve-target-replica"
+"""Request header pinning a request to one replica (its id from REPLICA_HEADER): for operators and tests."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions; chat defaults to the rest of the context."""
 

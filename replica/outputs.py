@@ -21,6 +21,8 @@ class EngineRequest:
     """Keys of the prompt's full pages, when the caller (the ingress) already computed them; checked, not trusted."""
     peer_hint: str | None = None
     """Id of a replica that the router believes holds more of this prompt's pages (for peer copy)."""
+    target_replica: str | None = None
+    """Pin the request to this replica (operators, tests); the router still names the best holder in peer_hint."""
 
 
 @dataclass(frozen=True)

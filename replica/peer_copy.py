@@ -63,3 +63,38 @@ def unbundle_pages(bundle: PageBundle) -> list[tuple[PageKey, tuple[int, ...], t
     if tensor.dtype != dtype:
         tensor = tensor.view(dtype)
     return [(key, tuple(tokens), tensor[index]) for index, (key, tokens) in enumerate(zip(bundle.keys, bundle.token_ids))]
+
+
+@dataclass
+class PeerExportRequest:
+    """Ask the replica ``target_replica`` (Serve unique id) for the leading pages of ``keys`` it holds.
+    The prefix-aware router sends a request carrying ``target_replica`` to exactly that replica when it is running."""
+
+    target_replica: str
+    keys: list[PageKey]
+
+
+class ServePeerClient:
+    """Peer copy over the replica deployment's own Serve handle: the holder's ``export_pages`` answers a
+    ``PageBundle`` (numpy, zero-copy through Ray's object store). Transport errors and timeouts raise; the prefix
+    fetcher then falls back to the shared tiers."""
+
+    def __init__(self, deployment_name: str, app_name: str, timeout_s: float = 5.0) -> None:
+        self.deployment_name = deployment_name
+        self.app_name = app_name
+        self.timeout_s = timeout_s
+        self._handle = None
+
+    def _get_handle(self):
+        if self._handle is None:
+            from ray import serve
+
+            self._handle = serve.get_deployment_handle(self.deployment_name, self.app_name)
+        return self._handle
+
+    async def fetch(self, peer_id: str, keys) -> list[tuple[PageKey, tuple[int, ...], torch.Tensor]]:
+        import asyncio
+
+        response = self._get_handle().export_pages.remote(PeerExportRequest(peer_id, list(keys)))
+        bundle = await asyncio.wait_for(response, timeout=self.timeout_s)
+        return unbundle_pages(bundle)

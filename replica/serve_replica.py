@@ -25,9 +25,9 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from replica.async_engine import AsyncEngine
+from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
-from replica.engine import build_engine
+from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient, bundle_pages
 from replica.outputs import EngineRequest, EngineStats, RequestOutput
 
 try:  # the router package is optional for the replica: without it, routing stats carry only the engine stats
@@ -56,6 +56,17 @@ class ReplicaInfo:
     """Token ids in a prompt must be in ``[0, vocab_size)``."""
 
 
+def self_peer_client() -> ServePeerClient | None:
+    """A peer client over this replica's own deployment (None outside Serve)."""
+    try:
+        from ray import serve
+
+        context = serve.get_replica_context()
+        return ServePeerClient(context.deployment, context.app_name)
+    except Exception:  # noqa: BLE001 - not inside a Serve replica
+        return None
+
+
 def current_replica_id(default: str) -> str:
     """Serve's ``ReplicaID.unique_id`` of the replica running this code, or ``default`` outside Serve."""
     try:
@@ -78,7 +89,7 @@ class ServeReplica:
         self.replica_id = replica_id
         self.served_model_name = served_model_name
         self.config = config
-        self.engine = AsyncEngine(build_engine(config))
+        self.engine = build_async_engine(config, peer_client=self_peer_client())
         self._event_log = ReplicaEventLog(replica_id) if ReplicaEventLog is not None else None
         logger.info(
             "replica %s ready: model fingerprint %s, max_model_len %d, prefix caching %s",
@@ -96,6 +107,23 @@ class ServeReplica:
         """
         async for output in self.engine.generate(request):
             yield output
+
+    async def export_pages(self, request: PeerExportRequest) -> PageBundle:
+        """Peer copy, holder side: the leading pages of ``request.keys`` this replica holds (pinned while copied).
+        A request that reached another replica than its target (the target left) answers no pages."""
+        if request.target_replica != self.replica_id:
+            return bundle_pages([])
+        return bundle_pages(await self.engine.export_pages(list(request.keys)))
+
+    def kv_source_stats(self) -> dict[str, Any]:
+        """Pages, bytes, seconds and errors per source (peer, host, disk), plus the shared tiers' own counters."""
+        fetcher = self.engine.fetcher
+        if fetcher is None:
+            return {}
+        return {
+            "fetch": {name: dataclasses.asdict(stats) for name, stats in fetcher.stats.by_source.items()},
+            "tiers": {name: dataclasses.asdict(stats) for name, stats in fetcher.tier_stats().items()},
+        }
 
     async def info(self) -> ReplicaInfo:
         return ReplicaInfo(

@@ -80,8 +80,15 @@ class PrefixAwareRequestRouter(RequestRouter):
     ) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
-        page_keys = page_keys_of(pending_request)
         replica_id_to_replica = {replica_id_of(r): r for r in candidate_replicas}
+        target = target_replica_of(pending_request)
+        if target is not None:
+            # a request for one specific replica (peer copy); if it is gone, any replica answers "no pages"
+            if target in replica_id_to_replica:
+                self._hint_best_holder(pending_request, target)
+                return [[replica_id_to_replica[target]]]
+            return [list(candidate_replicas)]
+        page_keys = page_keys_of(pending_request)
         decision = self.policy.choose(page_keys, [self._load_of(r) for r in candidate_replicas])
         if pending_request is not None:
             set_peer_hint(pending_request, hint_for_request(decision))
@@ -89,6 +96,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         chosen = replica_id_to_replica[decision.replica_id]
         rest = [r for r in candidate_replicas if r is not chosen]
         return [[chosen], rest] if rest else [[chosen]]
+
+    def _hint_best_holder(self, pending_request: PendingRequest, target: str) -> None:
+        """For a pinned request: name the replica holding the longest prefix (if not the target) as peer_hint."""
+        page_keys = page_keys_of(pending_request)
+        holders = self.index.longest_prefix(page_keys) if page_keys else {}
+        best = max(sorted(holders), key=lambda replica_id: holders[replica_id], default=None)
+        if best is not None and best != target and holders[best] > holders.get(target, 0):
+            set_peer_hint(pending_request, best)
 
     # ---- internals -------------------------------------------------------------------------------------------------
     def _configure(self, config: PolicyConfig) -> None:
@@ -172,6 +187,17 @@ def engine_request_of(pending_request: Optional[PendingRequest]) -> tuple[str, A
     for name, arg in pending_request.kwargs.items():
         if hasattr(arg, "page_keys"):
             return ("kwargs", name, arg)
+    return None
+
+
+def target_replica_of(pending_request: Optional[PendingRequest]) -> str | None:
+    """The replica a request is addressed to (an argument with a ``target_replica`` attribute), or None."""
+    if pending_request is None:
+        return None
+    for arg in list(pending_request.args) + list(pending_request.kwargs.values()):
+        target = getattr(arg, "target_replica", None)
+        if target:
+            return target
     return None
 
 

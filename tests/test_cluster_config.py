@@ -59,8 +59,22 @@ def test_engine_config_carries_the_replica_settings():
     assert (engine.model, engine.devices, engine.page_size, engine.kv_cache_memory_bytes) == ("/m", "cpu", 256, 64 << 20)
     assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len) == (4, 300, 1000)
     assert (engine.replica_id, engine.num_threads, engine.enable_prefix_caching) == ("r1", 2, True)
-    assert engine.extra == {"enable_dp_cross_replica_prefix_copy": True, "redis_url": "redis://r:1/0",
-                            "disk_cache_dir": "/d"}
+    assert (engine.enable_peer_copy, engine.redis_url, engine.disk_cache_dir) == (True, "redis://r:1/0", "/d")
+    assert engine.disk_cache_budget_bytes == 8 << 30
+
+
+def test_disk_tier_defaults_on_with_caching_and_off_without(monkeypatch, tmp_path):
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path))
+    on = ServeConfig(devices="cpu")
+    assert on.enable_disk_cache is True
+    assert on.engine_config("r").disk_cache_dir == str(tmp_path / "kv-pages")
+    assert ServeConfig(devices="cpu", enable_disk_cache=False).engine_config("r").disk_cache_dir is None
+    off = ServeConfig(devices="cpu", enable_prefix_caching=False)
+    assert (off.enable_disk_cache, off.engine_config("r").disk_cache_dir) == (False, None)
+    with pytest.raises(ValueError, match="--start-redis"):
+        ServeConfig(devices="cpu", start_redis=True, redis_url="redis://h:1/0")
+    with pytest.raises(ValueError, match="--enable-disk-cache"):
+        ServeConfig(devices="cpu", enable_prefix_caching=False, enable_disk_cache=True)
 
 
 def test_caching_off_turns_copy_off_by_default():
