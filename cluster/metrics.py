@@ -44,9 +44,11 @@ class ReplicaStatsCollector(Collector):
 
     def __init__(self) -> None:
         self._stats: list[EngineStats] = []
+        self._kv_sources: list[dict] = []
 
-    def set(self, stats: Iterable[EngineStats]) -> None:
+    def set(self, stats: Iterable[EngineStats], kv_sources: Iterable[dict] = ()) -> None:
         self._stats = sorted(stats, key=lambda s: s.replica_id)
+        self._kv_sources = sorted(kv_sources, key=lambda d: d.get("replica_id", ""))
 
     def collect(self):
         counters = {
@@ -71,6 +73,37 @@ class ReplicaStatsCollector(Collector):
             running.add_metric([stats.replica_id], stats.num_running)
             waiting.add_metric([stats.replica_id], stats.num_waiting)
         yield from (pages, running, waiting)
+        yield from self._collect_kv_sources()
+
+    def _collect_kv_sources(self):
+        """Pages, bytes and seconds obtained per path (peer copy, host tier, disk tier), and the tiers' health."""
+        fetch_fields = {"pages": "pages obtained", "bytes": "KV bytes obtained", "seconds": "seconds spent obtaining",
+                        "errors": "failed attempts (fell back to the next source)"}
+        for field_name, documentation in fetch_fields.items():
+            family = CounterMetricFamily(PREFIX + f"kv_fetch_{field_name}",
+                                         f"prompt pages from outside the replica: {documentation}",
+                                         labels=["replica", "source"])
+            for report in self._kv_sources:
+                for source, values in report.get("fetch", {}).items():
+                    family.add_metric([report["replica_id"], source], values[field_name])
+            yield family
+        tier_fields = {"pages_stored": "pages written", "bytes_stored": "KV bytes written",
+                       "pages_dropped": "pages not written (queue full or store unreachable)",
+                       "discarded_corrupt": "entries discarded as corrupt, stale or foreign",
+                       "errors": "failed operations against the store"}
+        for field_name, documentation in tier_fields.items():
+            family = CounterMetricFamily(PREFIX + f"kv_tier_{field_name}", f"shared tier: {documentation}",
+                                         labels=["replica", "tier"])
+            for report in self._kv_sources:
+                for tier, values in report.get("tiers", {}).items():
+                    family.add_metric([report["replica_id"], tier], values[field_name])
+            yield family
+        available = GaugeMetricFamily(PREFIX + "kv_tier_available", "1 while the shared tier answers",
+                                      labels=["replica", "tier"])
+        for report in self._kv_sources:
+            for tier, values in report.get("tiers", {}).items():
+                available.add_metric([report["replica_id"], tier], values.get("available", 0))
+        yield available
 
 
 class IngressMetrics:
@@ -113,7 +146,8 @@ class IngressMetrics:
         for source, value in cached.as_dict().items():
             self.cached_prompt_tokens.labels(replica, source).inc(value)
 
-    def render(self, replica_stats: Sequence[EngineStats]) -> bytes:
-        """Prometheus text exposition with ``replica_stats`` as the per-replica engine numbers."""
-        self.replica_stats.set(replica_stats)
+    def render(self, replica_stats: Sequence[EngineStats], kv_sources: Sequence[dict] = ()) -> bytes:
+        """Prometheus text exposition with ``replica_stats`` as the per-replica engine numbers and ``kv_sources``
+        as each replica's ``kv_source_stats()``."""
+        self.replica_stats.set(replica_stats, kv_sources)
         return generate_latest(self.registry)

@@ -150,14 +150,19 @@ class OpenAIIngress:
     @api.get("/metrics")
     async def metrics(self) -> Response:
         replica_stats: list[EngineStats] = []
+        kv_sources: list[dict] = []
         try:
-            results = await self.replicas.broadcast("stats").results_async(
-                timeout_s=METRICS_TIMEOUT_S, return_exceptions=True
+            results, sources = await asyncio.gather(
+                self.replicas.broadcast("stats").results_async(timeout_s=METRICS_TIMEOUT_S, return_exceptions=True),
+                self.replicas.broadcast("kv_source_stats").results_async(
+                    timeout_s=METRICS_TIMEOUT_S, return_exceptions=True
+                ),
             )
             replica_stats = [item for item in results if isinstance(item, EngineStats)]
+            kv_sources = [item for item in sources if isinstance(item, dict)]
         except Exception:  # noqa: BLE001 - the ingress's own metrics are still worth serving
             logger.warning("could not read the replicas' stats for /metrics", exc_info=True)
-        return Response(self.metrics.render(replica_stats), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.metrics.render(replica_stats, kv_sources), media_type=CONTENT_TYPE_LATEST)
 
     @api.post("/reset_prefix_cache")
     async def reset_prefix_cache(self, request: Request) -> Response:

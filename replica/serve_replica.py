@@ -119,10 +119,14 @@ class ServeReplica:
         """Pages, bytes, seconds and errors per source (peer, host, disk), plus the shared tiers' own counters."""
         fetcher = self.engine.fetcher
         if fetcher is None:
-            return {}
+            return {"replica_id": self.replica_id, "fetch": {}, "tiers": {}}
+        tiers = {name: dataclasses.asdict(stats) for name, stats in fetcher.tier_stats().items()}
+        for tier in fetcher.tiers:
+            tiers[tier.name]["available"] = int(tier.available)
         return {
+            "replica_id": self.replica_id,
             "fetch": {name: dataclasses.asdict(stats) for name, stats in fetcher.stats.by_source.items()},
-            "tiers": {name: dataclasses.asdict(stats) for name, stats in fetcher.tier_stats().items()},
+            "tiers": tiers,
         }
 
     async def info(self) -> ReplicaInfo:

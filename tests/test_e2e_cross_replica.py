@@ -4,10 +4,11 @@ Redis tier (flag off), as the usage breakdown shows, with the same greedy output
 
 import time
 
+import httpx
 import openai
 import pytest
 
-from test_e2e_http import API_KEY, MODEL, PAGE_SIZE, ROUTING_SETTLE_S, cached_of, code_prompt, make_config
+from test_e2e_http import API_KEY, MODEL, PAGE_SIZE, ROUTING_SETTLE_S, cached_of, code_prompt, make_config, metric_values
 
 pytestmark = pytest.mark.ray
 
@@ -76,6 +77,11 @@ def test_prefix_on_another_replica_is_copied_from_the_peer(http_base, tiny_llama
         assert by_source == {"local": 0, "peer": cached, "host": 0, "disk": 0}
         assert remote.choices[0].text == local.choices[0].text
         assert cached_of(local.usage)[1]["local"] == cached
+        metrics = httpx.get(f"{http_base}/{name}/metrics").text
+        peer_pages = metric_values(metrics, "prefixserve_kv_fetch_pages_total")
+        assert sum(v for labels, v in peer_pages.items() if 'source="peer"' in labels) == cached // PAGE_SIZE
+        peer_bytes = metric_values(metrics, "prefixserve_kv_fetch_bytes_total")
+        assert sum(v for labels, v in peer_bytes.items() if 'source="peer"' in labels) > 0
     finally:
         serve.delete(name)
 
