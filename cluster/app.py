@@ -53,8 +53,12 @@ def replica_actor_options(config: ServeConfig) -> dict[str, Any]:
     return options
 
 
-def build_app(config: ServeConfig) -> Application:
-    """The bound application for ``config`` (not yet running: pass it to ``serve.run``)."""
+def build_app(config: ServeConfig, router_config: Any = None) -> Application:
+    """The bound application for ``config`` (not yet running: pass it to ``serve.run``).
+
+    ``router_config`` (a ``RequestRouterConfig``) replaces the replica deployment's prefix-aware router, e.g. to
+    compare routers in a benchmark; None keeps the default from ``request_router_config(config)``.
+    """
     replica_options: dict[str, Any] = dict(
         name=REPLICA_DEPLOYMENT_NAME,
         num_replicas=config.data_parallel_degree,
@@ -63,7 +67,7 @@ def build_app(config: ServeConfig) -> Application:
         health_check_period_s=REPLICA_HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=REPLICA_GRACEFUL_SHUTDOWN_TIMEOUT_S,
     )
-    router = request_router_config(config)
+    router = router_config if router_config is not None else request_router_config(config)
     if router is not None:
         replica_options["request_router_config"] = router
     replicas = serve.deployment(ServeReplica, **replica_options)

@@ -226,14 +226,18 @@ class LLMEngine:
             return max_match
         return len(self.kv.match_prefix(page_keys[:max_match]))
 
-    def export_pages(self, keys: list[PageKey]) -> list[tuple[PageKey, tuple[int, ...], torch.Tensor]]:
-        """Copies of the leading run of ``keys`` held in this replica's cache: ``(key, token_ids, kv on CPU)``.
-        The pages are pinned (referenced) while they are copied. Runs on the engine thread between steps."""
+    def export_pages(
+        self, keys: list[PageKey], *, to_cpu: bool = True
+    ) -> list[tuple[PageKey, tuple[int, ...], torch.Tensor]]:
+        """Copies of the leading run of ``keys`` held in this replica's cache: ``(key, token_ids, kv)``, on the CPU
+        or (``to_cpu=False``) on this replica's device, for a device-to-device copy into a peer on the same GPU
+        host. The pages are pinned (referenced) while they are copied. Runs on the engine thread between steps."""
         page_ids = self.kv.match_prefix(keys)
         self.kv.acquire(page_ids)
         try:
             return [
-                (key, self.kv.cache.page_to_token_ids[page_id], self.runner.read_page(page_id).to("cpu", copy=True))
+                (key, self.kv.cache.page_to_token_ids[page_id],
+                 self.runner.read_page(page_id).to("cpu", copy=True) if to_cpu else self.runner.read_page(page_id).clone())
                 for key, page_id in zip(keys, page_ids)
             ]
         finally:
