@@ -49,6 +49,11 @@ if str(ROOT) not in sys.path:
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica  # noqa: E402
 
+# Ray's own prefix-aware router; this internal path is the one that imports without vLLM (ray.serve.llm needs it).
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (  # noqa: E402
+    PrefixCacheAffinityRouter,
+)
+
 from cluster.bench import absorb_chunk, parse_sse_data, percentile, usage_counts  # noqa: E402
 from cluster.bench_workloads import IdPromptFactory, seeded_rng  # noqa: E402
 
@@ -88,7 +93,7 @@ def token_ids_as_text(token_ids: list[int]) -> str:
     return "".join(chr(0x100 + i) if 0x100 + i < 0xD800 else chr(0x900 + i) for i in token_ids)
 
 
-def ray_prefix_router_class() -> type:
+class TokenPromptAffinityRouter(PrefixCacheAffinityRouter):
     """Ray's PrefixCacheAffinityRouter, shown an ``EngineRequest``'s token ids as its prompt text.
 
     The stock class looks for a ``.prompt`` / ``.messages`` attribute on a handle argument (vLLM's request types) and
@@ -96,17 +101,13 @@ def ray_prefix_router_class() -> type:
     only replaces that extraction; routing, the prefix tree actor and its load checks are Ray's own. Calls without
     an EngineRequest (``info()``) return None, which the stock code treats as "no text": plain power of two choices.
     """
-    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 
-    class TokenPromptAffinityRouter(PrefixCacheAffinityRouter):
-        def _extract_text_from_request(self, pending_request: PendingRequest) -> str | None:
-            for arg in list(pending_request.args) + list(pending_request.kwargs.values()):
-                token_ids = getattr(arg, "prompt_token_ids", None)
-                if token_ids:
-                    return token_ids_as_text(token_ids)
-            return None
-
-    return TokenPromptAffinityRouter
+    def _extract_text_from_request(self, pending_request: PendingRequest) -> str | None:
+        for arg in list(pending_request.args) + list(pending_request.kwargs.values()):
+            token_ids = getattr(arg, "prompt_token_ids", None)
+            if token_ids:
+                return token_ids_as_text(token_ids)
+        return None
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def round_robin_router_config() -> Any:
 def ray_prefix_router_config() -> Any:
     from ray.serve.config import RequestRouterConfig
 
-    return RequestRouterConfig(request_router_class=ray_prefix_router_class())
+    return RequestRouterConfig(request_router_class=TokenPromptAffinityRouter)
 
 
 ROUTER_CASES = {
