@@ -9,7 +9,8 @@ Usage in every response (and in the last SSE chunk when ``stream_options.include
 
     "usage": {"prompt_tokens": 300, "completion_tokens": 8, "total_tokens": 308,
               "prompt_tokens_details": {"cached_tokens": 256,
-                                        "cached_tokens_by_source": {"local": 256, "peer": 0, "host": 0, "disk": 0}}}
+                                        "cached_tokens_by_source": {"local": 256, "peer": 0, "host": 0, "disk": 0},
+                                        "computed_tokens": 44}}
 
 Every response body and chunk also carries ``"replica_id"`` (and the ingress sets the ``x-prefixserve-replica`` header).
 """
@@ -254,6 +255,7 @@ class Usage:
             "prompt_tokens_details": {
                 "cached_tokens": self.cached.total,
                 "cached_tokens_by_source": self.cached.as_dict(),
+                "computed_tokens": self.prompt_tokens - self.cached.total,
             },
         }
 

@@ -116,7 +116,8 @@ def test_usage_reports_cached_tokens_by_source():
     assert usage.body() == {
         "prompt_tokens": 300, "completion_tokens": 5, "total_tokens": 305,
         "prompt_tokens_details": {"cached_tokens": 256,
-                                  "cached_tokens_by_source": {"local": 128, "peer": 128, "host": 0, "disk": 0}},
+                                  "cached_tokens_by_source": {"local": 128, "peer": 128, "host": 0, "disk": 0},
+                                  "computed_tokens": 44},
     }
 
 

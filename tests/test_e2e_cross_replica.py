@@ -75,6 +75,8 @@ def test_prefix_on_another_replica_is_copied_from_the_peer(http_base, tiny_llama
         cached, by_source = cached_of(remote.usage)
         assert cached >= 2 * PAGE_SIZE
         assert by_source == {"local": 0, "peer": cached, "host": 0, "disk": 0}
+        details = remote.usage.prompt_tokens_details.model_extra
+        assert details["computed_tokens"] == remote.usage.prompt_tokens - cached
         assert remote.choices[0].text == local.choices[0].text
         assert cached_of(local.usage)[1]["local"] == cached
         metrics = httpx.get(f"{http_base}/{name}/metrics").text
