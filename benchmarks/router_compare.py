@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
+import logging
 import math
 import os
-import random
 import shlex
 import socket
 import sys
@@ -482,6 +481,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     command = "python benchmarks/router_compare.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     started = time.perf_counter()
     model_dir(args)

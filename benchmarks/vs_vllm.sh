@@ -10,11 +10,13 @@
 #   benchmarks/vs_vllm.sh vllm|prefixserve   # one server kind only (caching on and off)
 #   benchmarks/vs_vllm.sh report       # rebuild the markdown from the raw results
 #
-# Knobs (environment): DTYPE (float32; or bfloat16: both servers use it for weights and KV), NUM_REQUESTS (40), CONCURRENCY (4), PREFIX_LEN (1792), SUFFIX_LEN (256), OUTPUT_LEN (32),
+# Knobs (environment): DTYPE (float32; or bfloat16: both servers use it for weights and KV), NUM_REQUESTS (40),
+# CONCURRENCY (4), PREFIX_LEN (1792), SUFFIX_LEN (256), OUTPUT_LEN (32),
 # WARMUP (4), WORKLOADS ("shared-prefix unique multi-turn"), MULTI_TURN_REQUESTS (24), STARTUP_TIMEOUT_S (400),
 # VLLM_PORT, PREFIXSERVE_PORT, MAX_NUM_BATCHED_TOKENS (2048), MAX_NUM_SEQS (64): both servers get the same scheduler
 # budget and max-model-len 4096. Threads: prefixserve runs 1 torch thread per replica (--num-cpus-per-replica 1);
 # vLLM with VLLM_CPU_OMP_THREADS_BIND=auto binds 1 OpenMP thread to core 0 and reserves core 1 for its API server.
+# KV_GIB (2): KV cache memory of both servers (vLLM's VLLM_CPU_KVCACHE_SPACE, prefixserve's --kv-cache-memory).
 # prefixserve's disk KV tier is off (--no-enable-disk-cache) so no state carries over between runs.
 # Servers this script starts are stopped when it exits, however it exits.
 set -euo pipefail
@@ -42,6 +44,7 @@ WORKLOADS="${WORKLOADS:-shared-prefix unique multi-turn}"
 MULTI_TURN_REQUESTS="${MULTI_TURN_REQUESTS:-24}"
 MAX_NUM_BATCHED_TOKENS="${MAX_NUM_BATCHED_TOKENS:-2048}"
 MAX_NUM_SEQS="${MAX_NUM_SEQS:-64}"
+KV_GIB="${KV_GIB:-2}"
 case "$DTYPE" in float32|bfloat16|float16) ;; *) echo "DTYPE must be float32, bfloat16 or float16" >&2; exit 2 ;; esac
 SERVER_PID=""
 
@@ -138,8 +141,9 @@ start_vllm() {
   mkdir -p "$SCRATCH/vllm-cache/tmp"
   log "starting vLLM $DTYPE (prefix caching $caching) on port $VLLM_PORT"
   launch "$name" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_TARGET_DEVICE=cpu \
-    VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=auto TORCHINDUCTOR_CACHE_DIR="$SCRATCH/vllm-cache/inductor" \
-    VLLM_CACHE_ROOT="$SCRATCH/vllm-cache" TMPDIR="$SCRATCH/vllm-cache/tmp" -- \
+    VLLM_CPU_KVCACHE_SPACE="$KV_GIB" VLLM_CPU_OMP_THREADS_BIND=auto \
+    TORCHINDUCTOR_CACHE_DIR="$SCRATCH/vllm-cache/inductor" VLLM_CACHE_ROOT="$SCRATCH/vllm-cache" \
+    TMPDIR="$SCRATCH/vllm-cache/tmp" -- \
     "$VLLM_VENV/bin/python" "$HERE/vllm_wrapper.py" serve "$MODEL_DIR" --host 127.0.0.1 --port "$VLLM_PORT" \
       --served-model-name tiny-llama --dtype "$DTYPE" --max-model-len 4096 --block-size 128 "$flag" \
       --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" --max-num-seqs "$MAX_NUM_SEQS" \
@@ -157,7 +161,7 @@ start_prefixserve() {
     "$PROJECT_PY" -m cluster serve --model "$MODEL_DIR" --served-model-name tiny-llama --dtype "$DTYPE" \
       --kv-cache-page-size 128 --max-model-len 4096 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
       --max-num-seqs "$MAX_NUM_SEQS" --data-parallel-degree 1 --num-cpus-per-replica 1 --devices cpu \
-      --no-enable-disk-cache --host 127.0.0.1 --port "$PREFIXSERVE_PORT" "$flag"
+      --kv-cache-memory "${KV_GIB}GiB" --no-enable-disk-cache --host 127.0.0.1 --port "$PREFIXSERVE_PORT" "$flag"
   wait_ready "$PREFIXSERVE_PORT" "$name"
   PORT="$PREFIXSERVE_PORT"
 }
@@ -166,15 +170,24 @@ start_prefixserve() {
 # bench SERVER CACHING WORKLOAD: one `prefixserve bench` run against the server on $PORT.
 bench() {
   local server="$1" caching="$2" workload="$3" extra=() cmd
+  # A seed per workload: prompts (prefixes and warm-up requests) are drawn from seeded streams whose first tokens do
+  # not depend on their length, so with one seed the multi-turn system prompts were the first 512 tokens of the
+  # shared-prefix prefixes, and unique's warm-ups repeated shared-prefix's: cache hits across workloads.
   case "$workload" in
-    multi-turn) extra=(--num-requests "$MULTI_TURN_REQUESTS" --num-turns 4 --num-prefixes 2 --prefix-len 512
-                       --suffix-len 128) ;;
-    *) extra=(--num-requests "$NUM_REQUESTS" --num-prefixes 4 --prefix-len "$PREFIX_LEN" --suffix-len "$SUFFIX_LEN") ;;
+    shared-prefix) extra=(--seed 0) ;;
+    unique) extra=(--seed 1) ;;
+    multi-turn) extra=(--seed 2) ;;
+    *) extra=(--seed 3) ;;
+  esac
+  case "$workload" in
+    multi-turn) extra+=(--num-requests "$MULTI_TURN_REQUESTS" --num-turns 4 --num-prefixes 2 --prefix-len 512
+                        --suffix-len 128) ;;
+    *) extra+=(--num-requests "$NUM_REQUESTS" --num-prefixes 4 --prefix-len "$PREFIX_LEN" --suffix-len "$SUFFIX_LEN") ;;
   esac
   log "$server $DTYPE (caching $caching): $workload"
   cmd=("$PROJECT_PY" -m cluster bench --base-url "http://127.0.0.1:$PORT" --workload "$workload" "${extra[@]}"
        --output-len "$OUTPUT_LEN" --concurrency "$CONCURRENCY" --warmup-requests "$WARMUP" --tokenizer "$MODEL_DIR"
-       --seed 0 --no-progress --label "$server $DTYPE caching $caching"
+       --no-progress --label "$server $DTYPE caching $caching"
        --result-file "$RAW/$server-caching-$caching-$workload.json")
   record "$RAW/$server-caching-$caching-commands.sh" "${cmd[@]}"
   "${cmd[@]}" >"$LOGS/bench-$server-caching-$caching-$workload.txt"
@@ -208,7 +221,8 @@ check_vllm() {
 report() {
   local preamble=()   # machine notes and findings kept by hand in $RESULTS/vs_vllm_preamble.md, when present
   [[ -f "$RESULTS/vs_vllm_preamble.md" ]] && preamble=(--preamble "$RESULTS/vs_vllm_preamble.md")
-  "$PROJECT_PY" "$HERE/vs_vllm_report.py" --raw "$RESULTS/raw" --out "$RESULTS/vs_vllm.md" "${preamble[@]+"${preamble[@]}"}"
+  "$PROJECT_PY" "$HERE/vs_vllm_report.py" --raw "$RESULTS/raw" --out "$RESULTS/vs_vllm.md" \
+    "${preamble[@]+"${preamble[@]}"}"
   log "wrote $RESULTS/vs_vllm.md"
 }
 

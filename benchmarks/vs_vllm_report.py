@@ -186,11 +186,11 @@ def commands_block(raw: Path) -> list[str]:
     files = sorted(raw.glob("*-commands.sh"))
     if not files:
         return []
-    lines = ["Exact commands (server first, then each bench run against it):", "", "```sh"]
+    lines = ["<details><summary>Exact commands (server first, then each bench run against it)</summary>", "", "```sh"]
     for path in files:
         lines.append(f"# {path.stem.removesuffix('-commands')}")
         lines += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    lines += ["```", ""]
+    lines += ["```", "", "</details>", ""]
     return lines
 
 

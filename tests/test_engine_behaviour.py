@@ -242,10 +242,34 @@ def test_async_engine_streams_and_aborts(tiny):
         a, b, first = asyncio.run(main())
     finally:
         async_engine.shutdown()
-    assert [len(o.new_token_ids) for o in a] == [1] * 5 and a[-1].finished and a[-1].finish_reason == "length"
+    # one output per step unless the consumer lagged (then queued outputs are merged): 5 tokens either way
+    assert sum(len(o.new_token_ids) for o in a) == 5 and all(o.new_token_ids for o in a)
+    assert a[-1].finished and a[-1].finish_reason == "length"
     assert [t for o in b for t in o.new_token_ids] == tiny.generate(prompt, 7)
     assert not first.finished
     stats = engine.stats()
     assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_pages_in_use == 0
     events = async_engine.drain_kv_events()
     assert events and events[0].keys[0] == engine.page_keys(prompt)[0]
+
+
+def test_outputs_queued_for_a_slow_consumer_are_merged():
+    from replica.async_engine import coalesce_pending
+    from replica.outputs import CachedTokens, RequestOutput
+
+    def out(tokens, text, finished=False, n=0):
+        return RequestOutput("r", tokens, text, finished, "length" if finished else None, 10, n, CachedTokens(local=5))
+
+    async def scenario():
+        queue = asyncio.Queue()
+        for item in (out([2], "b", n=2), out([3], "c", finished=True, n=3)):
+            queue.put_nowait(item)
+        merged = coalesce_pending(out([1], "a", n=1), queue)
+        queue.put_nowait(RuntimeError("engine died"))
+        untouched = coalesce_pending(out([4], "d", n=4), queue)
+        return merged, untouched, queue.qsize()
+
+    merged, untouched, left = asyncio.run(scenario())
+    assert (merged.new_token_ids, merged.new_text, merged.finished, merged.num_output_tokens) == ([1, 2, 3], "abc",
+                                                                                                  True, 3)
+    assert untouched.new_token_ids == [4] and left == 1
