@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -240,6 +241,8 @@ class Record:
     prefix: int
     warmup: bool
     replica_id: str = ""
+    sent_s: float = 0.0
+    """Send time, from the start of the phase."""
     ttft_s: float | None = None
     e2e_s: float | None = None
     prompt_tokens: int = 0
@@ -291,7 +294,8 @@ async def run_load(url: str, requests: list[Request], args: argparse.Namespace, 
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, trust_env=False) as client:
         async def one(request: Request) -> Record:
             async with limiter:
-                return await send(client, url, request.prompt, args, Record(request.index, request.prefix, warmup))
+                record = Record(request.index, request.prefix, warmup, sent_s=time.perf_counter() - start)
+                return await send(client, url, request.prompt, args, record)
 
         start = time.perf_counter()
         records = await asyncio.gather(*(one(request) for request in requests))
@@ -352,11 +356,12 @@ def summarize(case: RouterCase, records: list[Record], duration_s: float, args: 
         "meets_cache_target": ratio >= TARGET_RATIO_TO_IDEAL,
         "meets_balance_target": busiest_over_mean <= TARGET_BUSIEST_OVER_MEAN,
         "first_errors": [r.error for r in records if r.error][:3],
+        "records": [dataclasses.asdict(r) for r in records],
     }
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ["router", "cached-token rate", "ideal", "ratio to ideal", "TTFT p50 ms", "TTFT p99 ms",
+    header = ["router", "cached-token rate", "cached local / peer tokens", "ideal", "ratio to ideal", "TTFT p50 ms", "TTFT p99 ms",
               "requests per replica", "busiest / mean", "replicas per prompt", "req/s", "errors", "targets"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -365,6 +370,7 @@ def format_table(rows: list[dict]) -> str:
         cells = [
             f"{row['router']} ({row['description']})",
             f"{100 * row['cached_token_rate']:.1f}%",
+            f"{row['cached_tokens_by_source'].get('local', 0)} / {row['cached_tokens_by_source'].get('peer', 0)}",
             f"{100 * row['ideal_cached_token_rate']:.1f}%",
             f"{row['ratio_to_ideal']:.2f}",
             f"{row['ttft_p50_ms']:.0f}" if row["ttft_p50_ms"] is not None else "-",

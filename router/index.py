@@ -173,6 +173,15 @@ class PrefixIndex:
         self._replace_keys(self._state_of(replica_id), snapshot)
 
     # ---- checks ----------------------------------------------------------------------------------------------------
+    def expect_keys(self, replica_id: str, page_keys: Sequence[PageKey]) -> None:
+        """Optimistically mark ``page_keys`` as held by ``replica_id`` right after a request was routed there: its
+        stored events arrive only after the prefill, and without this a second request with the same new prefix,
+        routed meanwhile, would find no holder and could land elsewhere (computing the prefix twice). A wrong guess
+        (the request failed, the pages were evicted) costs one cache miss and is corrected by the replica's next
+        snapshot or removal event."""
+        if page_keys:
+            self._add_keys(self._state_of(replica_id), page_keys)
+
     def check_integrity(self) -> None:
         """Raise AssertionError unless the key sets and the holder masks mirror each other exactly."""
         assert {state.bit for state in self._replica_id_to_state.values()} == set(self._bit_to_replica_id)

@@ -124,6 +124,7 @@ class PrefixAwarePolicy:
         holder = max(scored, key=_preference)
         decision = self._explain(chosen, holder)
         self._reason_to_num_decisions[decision.reason.value] += 1
+        self.index.expect_keys(decision.replica_id, page_keys)
         return decision
 
     def is_overloaded(self, load: int, min_load: int) -> bool:

@@ -77,7 +77,20 @@ def test_no_match_goes_to_least_loaded():
     policy = make_policy(a=4)
     other_prompt = [key("q0"), key("q1")]
     assert policy.choose(other_prompt, loads(a=0, b=2, c=1)) == RoutingDecision("a", 0, None, RoutingReason.NO_MATCH)
-    assert policy.choose(other_prompt, loads(a=3, b=2, c=1)).replica_id == "c"
+    third_prompt = [key("t0"), key("t1")]
+    assert policy.choose(third_prompt, loads(a=3, b=2, c=1)).replica_id == "c"
+
+
+def test_a_new_prefix_sticks_to_its_replica_before_any_event_arrives():
+    # the first request of a new prefix is still prefilling (no stored event yet) when the second one is routed
+    policy = make_policy()
+    new_prompt = [key("n0"), key("n1"), key("n2")]
+    first = policy.choose(new_prompt, loads(a=0, b=0, c=0))
+    assert first.reason is RoutingReason.NO_MATCH
+    loads_now = {"a": 0, "b": 0, "c": 0}
+    loads_now[first.replica_id] = 1
+    second = policy.choose(new_prompt[:2] + [key("other")], loads(**loads_now))
+    assert (second.replica_id, second.matched_pages, second.reason) == (first.replica_id, 2, RoutingReason.PREFIX_HIT)
 
 
 def test_no_match_ties_follow_the_first_page_key():
@@ -110,8 +123,9 @@ def test_burst_on_one_prefix_spills_once_the_holder_is_busy():
         decision = policy.choose(PROMPT, loads(a=0, b=0))
         policy.note_routed(f"req-{number}", decision.replica_id)
         chosen.append((decision.replica_id, decision.peer_hint))
-    # a takes 5 (gap 5 > 4 and 5 > 1.5 * 0), b takes one, then the gap is 4 again.
-    assert chosen == [("a", None)] * 5 + [("b", "a"), ("a", None)]
+    # a takes 5 (gap 5 > 4 and 5 > 1.5 * 0), then b takes one (copying from a); from then on b is expected to hold the
+    # prefix too, so the next request goes to the less loaded of the two holders: b again.
+    assert chosen == [("a", None)] * 5 + [("b", "a"), ("b", None)]
 
 
 def test_reported_load_and_inflight_use_the_larger():
@@ -167,7 +181,7 @@ def test_decision_counts():
     policy.choose(PROMPT, loads(a=0, b=0))
     policy.choose(PROMPT, loads(a=9, b=0))
     policy.choose([key("z")], loads(a=0, b=0))
-    policy.choose([key("z")], loads(a=0, b=0))
+    policy.choose([key("y")], loads(a=0, b=0))
     assert policy.decision_counts() == {"prefix_hit": 1, "balanced_away": 1, "no_match": 2}
 
 
