@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import math
@@ -356,13 +355,29 @@ def summarize(case: RouterCase, records: list[Record], duration_s: float, args: 
         "meets_cache_target": ratio >= TARGET_RATIO_TO_IDEAL,
         "meets_balance_target": busiest_over_mean <= TARGET_BUSIEST_OVER_MEAN,
         "first_errors": [r.error for r in records if r.error][:3],
-        "records": [dataclasses.asdict(r) for r in records],
+        "records": compact_records(records, replica_counts),
     }
 
 
+RECORD_FIELDS = "index,prefix,replica,sent_s,ttft_ms,prompt_tokens,cached_local,cached_peer,error"
+
+
+def compact_records(records: list[Record], replica_counts: Counter) -> list[str]:
+    """One line per request (fields in RECORD_FIELDS; replicas named r0, r1 by falling request count)."""
+    replica_to_name = {replica: f"r{n}" for n, (replica, _) in enumerate(replica_counts.most_common())}
+    lines = []
+    for r in sorted(records, key=lambda record: record.sent_s):
+        ttft_ms = f"{r.ttft_s * 1000:.1f}" if r.ttft_s is not None else ""
+        lines.append(f"{r.index},{r.prefix},{replica_to_name.get(r.replica_id, '?')},{r.sent_s:.3f},{ttft_ms},"
+                     f"{r.prompt_tokens},{r.cached_by_source.get('local', 0)},{r.cached_by_source.get('peer', 0)},"
+                     f"{'error' if r.error else ''}")
+    return lines
+
+
 def format_table(rows: list[dict]) -> str:
-    header = ["router", "cached-token rate", "cached local / peer tokens", "ideal", "ratio to ideal", "TTFT p50 ms", "TTFT p99 ms",
-              "requests per replica", "busiest / mean", "replicas per prompt", "req/s", "errors", "targets"]
+    header = ["router", "cached-token rate", "cached local / peer tokens", "ideal", "ratio to ideal", "TTFT p50 ms",
+              "TTFT p99 ms", "requests per replica", "busiest / mean", "replicas per prompt", "req/s", "errors",
+              "targets"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         targets = ("cache " + ("ok" if row["meets_cache_target"] else "MISS")
@@ -422,8 +437,9 @@ def write_results(rows: list[dict], args: argparse.Namespace, command: str, wall
         "",
     ])
     out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "settings": vars(args), "rows": rows},
-                                                   indent=1, default=str))
+    out.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "settings": vars(args), "record_fields": RECORD_FIELDS, "rows": rows}, indent=1,
+        default=str))
     print(text)
 
 

@@ -11,7 +11,8 @@ Inputs per request: its page keys (``EngineRequest.page_keys``) and the candidat
     overloaded(r)  = load(r) - min_load > balance_abs_threshold  and  load(r) > balance_rel_threshold * min_load
 
     1. eligible = candidates that are not overloaded (never empty: a least-loaded replica is never overloaded)
-    2. chosen   = the eligible replica with the most matched pages; ties -> lower load -> higher tie score
+    2. chosen   = the eligible replica with the most matched pages; ties -> lower load -> fewer cached pages (so new
+                  prefixes spread evenly over the replicas' caches) -> higher tie score
     3. holder   = the candidate, overloaded or not, with the most matched pages; same tie-breaks
     4. reason   = no_match       nobody holds page 0: chosen is the least-loaded replica
                   prefix_hit     chosen holds as many leading pages as anyone
@@ -19,9 +20,10 @@ Inputs per request: its page keys (``EngineRequest.page_keys``) and the candidat
                                  ``min_peer_copy_pages`` more than chosen (and hints are enabled), so chosen can copy
                                  the pages from holder instead of recomputing them
 
-    tie score(r) = blake2b(first page key + r) (rendezvous hashing): when loads tie, requests sharing their first page
-                   pick the same replica in every router process even before any KV event has arrived; a request with
-                   no full page scores on the replica id alone.
+    tie score(r) = blake2b(first page key + r) (rendezvous hashing): when loads and cache sizes tie, requests sharing
+                   their first page pick the same replica in every router process; a request with no full page scores
+                   on the replica id alone. Within one router a new prefix also sticks to the replica it was sent to
+                   before that replica's stored events arrive: the index expects the routed keys there.
 
 The thresholds follow sgl-router's cache-aware policy: both an absolute and a relative gap are needed before affinity
 is given up, so a replica holding the prefix keeps it under moderate skew (recomputing a long prefix costs more than
@@ -90,6 +92,7 @@ class _Scored(NamedTuple):
     replica_id: str
     matched: int
     load: int
+    num_cached: int
     tie: int
 
 
@@ -115,7 +118,7 @@ class PrefixAwarePolicy:
         anchor = page_keys[0] if page_keys else b""
         scored = [
             _Scored(c.replica_id, replica_id_to_matched.get(c.replica_id, 0), self.effective_load(c),
-                    tie_score(anchor, c.replica_id))
+                    self.index.num_keys(c.replica_id), tie_score(anchor, c.replica_id))
             for c in candidates
         ]
         min_load = min(s.load for s in scored)
@@ -200,6 +203,6 @@ def tie_score(anchor: PageKey, replica_id: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def _preference(scored: _Scored) -> tuple[int, int, int]:
-    """Larger is better: more matched pages, then lower load, then higher tie score."""
-    return (scored.matched, -scored.load, scored.tie)
+def _preference(scored: _Scored) -> tuple[int, int, int, int]:
+    """Larger is better: more matched pages, then lower load, then fewer cached pages, then higher tie score."""
+    return (scored.matched, -scored.load, -scored.num_cached, scored.tie)

@@ -101,7 +101,16 @@ def test_no_match_ties_follow_the_first_page_key():
     for suffix in ["q1", "x1", "y1"]:
         assert policy.choose([key("q0"), key(suffix)], candidates).replica_id == "b"
     assert policy.choose([key("r0")], candidates).replica_id == "a"
-    assert policy.choose([], candidates).replica_id == "b"  # no full page: the bare replica id decides
+    # no full page: the bare replica id decides (on a fresh policy: cache sizes tie)
+    assert make_policy().choose([], candidates).replica_id == "b"
+
+
+def test_new_prefixes_spread_over_the_replicas_caches():
+    # loads tie: each new prefix goes to the replica expected to hold the fewest pages, so 8 prefixes split 4 / 4
+    policy = make_policy()
+    candidates = loads(a=0, b=0)
+    chosen = [policy.choose([key(f"p{n}-0"), key(f"p{n}-1")], candidates).replica_id for n in range(8)]
+    assert sorted(chosen) == ["a"] * 4 + ["b"] * 4
     assert tie_score(b"", "b") > max(tie_score(b"", "a"), tie_score(b"", "c"))
 
 
