@@ -387,7 +387,7 @@ def test_client_measures_every_request_and_reads_cached_tokens(fake_server):
 
 def test_warmup_is_sent_first_and_left_out_of_the_figures(fake_server):
     base_url, fake = fake_server
-    run = run_bench(base_url, warmup_requests=3, num_requests=4)
+    run = run_bench(base_url, warmup_requests=3, num_requests=4, concurrency=1)  # request 0 is then sent first
     assert len(run.warmup_records) == 3 and all(r.warmup for r in run.warmup_records)
     assert run.metrics.num_requests == 4
     assert len(fake.bodies) == 7
