@@ -66,13 +66,17 @@ def test_router_in_serve(ray_session):
     try:
         deadline = time.monotonic() + 30
         results = None
+        attempt = 0
         while time.monotonic() < deadline:
+            attempt += 1
+            # a never-seen prefix each time: the router expects a routed prefix on its replica from then on
+            unknown = [key(f"c{attempt}")]
             results = [
                 handle.remote(EngineRequest(f"{name}-{time.monotonic()}", [], page_keys=keys)).result()
-                for name, keys in [("a", CHAIN_A), ("b", CHAIN_B), ("c", [key("c0")])]
+                for name, keys in [("a", CHAIN_A), ("b", CHAIN_B), ("c", unknown)]
             ]
-            if results[1]["peer_hint"] is not None:  # the router has heard from both replicas
-                break
+            if results[0]["peer_hint"] is not None and results[1]["peer_hint"] is not None:
+                break  # the router has heard from both replicas
             time.sleep(0.2)
         on_a, on_b, on_c = results
         # Chain A: held by idle rank 0 -> prefix hit; the hint names the chosen replica itself.
