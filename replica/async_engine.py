@@ -89,7 +89,7 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def export_pages(self, keys: list[bytes]) -> list[tuple[bytes, tuple[int, ...], "torch.Tensor"]]:
+    async def export_pages(self, keys: list[bytes]) -> list[tuple[bytes, tuple[int, ...], object]]:
         """Copies of the leading pages of ``keys`` this replica holds (for a peer's copy), pinned while copied."""
         return await self._call(lambda: self.engine.export_pages(list(keys)))
 

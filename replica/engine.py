@@ -21,7 +21,7 @@ from replica.outputs import CachedTokens, EngineRequest, EngineStats, RequestOut
 from replica.page_keys import PageKey, compute_page_keys
 from replica.sampling import sample_tokens
 from replica.scheduler import Scheduler
-from replica.sequence import Sequence, SequenceStatus
+from replica.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,6 @@ streaming interface, counters and configuration errors."""
 import asyncio
 
 import pytest
-import torch
 
 from engine_utils import TinyModel, greedy, random_prompt, run_to_completion
 from replica.async_engine import AsyncEngine

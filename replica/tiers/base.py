@@ -306,3 +306,35 @@ def owns_storage(tensor: torch.Tensor) -> bool:
         and tensor.storage_offset() == 0
         and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
     )
+
+
+class QueuedWriteTier(KVTier):
+    """The bookkeeping both shared tiers share: stores go through a ``BackgroundWriter`` (``self._writer``), counters
+    live in a ``StatsRecorder`` (``self._stats``), a tier that refused the store's format (``self._refused``) drops
+    every page, and ``_record_load`` accounts one ``load`` call."""
+
+    def store(self, pages: Sequence[StoredPage]) -> int:
+        prepared = prepare_pages_for_store(self._page_format, pages)
+        if self._refused:
+            self._count_dropped(prepared)
+            return 0
+        num_accepted = self._writer.submit(prepared)
+        self._count_dropped(prepared[num_accepted:])
+        return num_accepted
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._writer.flush(timeout)
+
+    def stats(self) -> TierStats:
+        return self._stats.snapshot()
+
+    def _count_dropped(self, pages: Sequence[StoredPage]) -> None:
+        if pages:
+            self._stats.add(pages_dropped=len(pages))
+
+    def _record_load(self, num_loaded: int, start_time: float) -> None:
+        self._stats.add(
+            pages_loaded=num_loaded,
+            bytes_loaded=num_loaded * self._page_format.page_num_bytes,
+            load_seconds=time.perf_counter() - start_time,
+        )

@@ -29,14 +29,12 @@ import torch
 from replica.page_keys import PageKey
 from replica.tiers.arrow_file import TEMP_SUFFIX, read_page_file, remove_quietly, write_page_file
 from replica.tiers.base import (
-    KVTier,
+    QueuedWriteTier,
     PageFormat,
     StatsRecorder,
     StoredPage,
-    TierStats,
     WarningThrottle,
     check_load_args,
-    prepare_pages_for_store,
 )
 from replica.tiers.codec import RejectedEntry
 from replica.tiers.writer import BackgroundWriter
@@ -58,7 +56,7 @@ class PageFile:
     mtime_ns: int
 
 
-class DiskTier(KVTier):
+class DiskTier(QueuedWriteTier):
     """Shared disk KV tier of Arrow IPC files (see the module docstring for layout and eviction order).
 
     Mutates: files under ``root_dir`` only (pages it writes, rejects or evicts; the format marker; stale temp files).
@@ -163,33 +161,14 @@ class DiskTier(KVTier):
                     break
                 loaded.append(kv)
         finally:
-            self._stats.add(
-                pages_loaded=len(loaded),
-                bytes_loaded=len(loaded) * self._page_format.page_num_bytes,
-                load_seconds=time.perf_counter() - start_time,
-            )
+            self._record_load(len(loaded), start_time)
         return loaded
-
-    def store(self, pages: Sequence[StoredPage]) -> int:
-        prepared = prepare_pages_for_store(self._page_format, pages)
-        if self._refused:
-            self._count_dropped(prepared)
-            return 0
-        num_accepted = self._writer.submit(prepared)
-        self._count_dropped(prepared[num_accepted:])
-        return num_accepted
-
-    def flush(self, timeout: float | None = None) -> bool:
-        return self._writer.flush(timeout)
 
     def close(self, timeout: float | None = 5.0) -> None:
         if self._closed:
             return
         self._writer.close(timeout)
         self._closed = True
-
-    def stats(self) -> TierStats:
-        return self._stats.snapshot()
 
     # ---- reading ------------------------------------------------------------------------------------------------
 
@@ -320,10 +299,6 @@ class DiskTier(KVTier):
     def _adjust_total(self, delta: int) -> None:
         with self._lock:
             self._total_bytes = max(0, self._total_bytes + delta)
-
-    def _count_dropped(self, pages: Sequence[StoredPage]) -> None:
-        if pages:
-            self._stats.add(pages_dropped=len(pages))
 
     def _count_error(self, kind: str, message: str) -> None:
         self._stats.add(errors=1)

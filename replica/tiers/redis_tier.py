@@ -29,14 +29,12 @@ from redis.retry import Retry
 
 from replica.page_keys import PageKey
 from replica.tiers.base import (
-    KVTier,
+    QueuedWriteTier,
     PageFormat,
     StatsRecorder,
     StoredPage,
-    TierStats,
     WarningThrottle,
     check_load_args,
-    prepare_pages_for_store,
 )
 from replica.tiers.circuit import BackoffPolicy, CircuitBreaker
 from replica.tiers.codec import RejectedEntry, decode_blob, encode_blob
@@ -50,7 +48,7 @@ _UNREACHABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 _EVICTING_POLICIES = {"allkeys-lru", "allkeys-lfu", "allkeys-random"}
 
 
-class RedisTier(KVTier):
+class RedisTier(QueuedWriteTier):
     """Shared host-memory KV tier in Redis (see the module docstring for layout, eviction and faults).
 
     Mutates: only keys under ``key_prefix`` (page entries it writes or rejects, and the format marker).
@@ -149,24 +147,8 @@ class RedisTier(KVTier):
                 if len(batch_loaded) < len(batch_keys):
                     break
         finally:
-            self._stats.add(
-                pages_loaded=len(loaded),
-                bytes_loaded=len(loaded) * self._page_format.page_num_bytes,
-                load_seconds=time.perf_counter() - start_time,
-            )
+            self._record_load(len(loaded), start_time)
         return loaded
-
-    def store(self, pages: Sequence[StoredPage]) -> int:
-        prepared = prepare_pages_for_store(self._page_format, pages)
-        if self._refused:
-            self._count_dropped(prepared)
-            return 0
-        num_accepted = self._writer.submit(prepared)
-        self._count_dropped(prepared[num_accepted:])
-        return num_accepted
-
-    def flush(self, timeout: float | None = None) -> bool:
-        return self._writer.flush(timeout)
 
     def close(self, timeout: float | None = 5.0) -> None:
         if self._closed:
@@ -174,9 +156,6 @@ class RedisTier(KVTier):
         self._writer.close(timeout)
         self._closed = True
         self._client.close()
-
-    def stats(self) -> TierStats:
-        return self._stats.snapshot()
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
@@ -224,10 +203,6 @@ class RedisTier(KVTier):
         else:
             self._count_dropped(pages)
             self._stats.add(store_seconds=time.perf_counter() - start_time)
-
-    def _count_dropped(self, pages: Sequence[StoredPage]) -> None:
-        if pages:
-            self._stats.add(pages_dropped=len(pages))
 
     def _run(self, operation: Callable[[redis.Redis], T], default: T) -> T:
         """``operation(client)``, or ``default`` when the tier is closed, refused, backing off, or the call fails."""
