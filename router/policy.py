@@ -11,8 +11,9 @@ Inputs per request: its page keys (``EngineRequest.page_keys``) and the candidat
     overloaded(r)  = load(r) - min_load > balance_abs_threshold  and  load(r) > balance_rel_threshold * min_load
 
     1. eligible = candidates that are not overloaded (never empty: a least-loaded replica is never overloaded)
-    2. chosen   = the eligible replica with the most matched pages; ties -> lower load -> fewer cached pages (so new
-                  prefixes spread evenly over the replicas' caches) -> higher tie score
+    2. chosen   = the eligible replica with the most matched pages; ties -> lower load -> fewer cached pages -> higher
+                  tie score. When no eligible replica holds page 0 (a new prefix), fewer cached pages comes first: the
+                  prefix must be computed anyway, so new prefixes are partitioned evenly over the replicas' caches
     3. holder   = the candidate, overloaded or not, with the most matched pages; same tie-breaks
     4. reason   = no_match       nobody holds page 0: chosen is the least-loaded replica
                   prefix_hit     chosen holds as many leading pages as anyone
@@ -123,7 +124,12 @@ class PrefixAwarePolicy:
         ]
         min_load = min(s.load for s in scored)
         eligible = [s for s in scored if not self.is_overloaded(s.load, min_load)]
-        chosen = max(eligible, key=_preference)
+        if any(s.matched for s in eligible):
+            chosen = max(eligible, key=_preference)
+        else:
+            # nobody eligible holds page 0: everyone must compute it, so place the new prefix where the fewest pages
+            # are cached (keeps prefixes partitioned evenly), then by load
+            chosen = max(eligible, key=_new_prefix_preference)
         holder = max(scored, key=_preference)
         decision = self._explain(chosen, holder)
         self._reason_to_num_decisions[decision.reason.value] += 1
@@ -201,6 +207,11 @@ def tie_score(anchor: PageKey, replica_id: str) -> int:
     """Rendezvous score of ``replica_id`` for requests whose first page key is ``anchor`` (same in every process)."""
     digest = hashlib.blake2b(anchor + replica_id.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+def _new_prefix_preference(scored: _Scored) -> tuple[int, int, int]:
+    """For a prefix no eligible replica holds: fewer cached pages, then lower load, then higher tie score."""
+    return (-scored.num_cached, -scored.load, scored.tie)
 
 
 def _preference(scored: _Scored) -> tuple[int, int, int, int]:

@@ -73,12 +73,16 @@ def test_peer_hint_disabled_or_too_small():
     )
 
 
-def test_no_match_goes_to_least_loaded():
-    policy = make_policy(a=4)
+def test_no_match_goes_to_the_emptiest_cache_then_the_least_loaded():
+    policy = make_policy(a=4)  # a caches 4 pages, b and c none
     other_prompt = [key("q0"), key("q1")]
-    assert policy.choose(other_prompt, loads(a=0, b=2, c=1)) == RoutingDecision("a", 0, None, RoutingReason.NO_MATCH)
+    assert policy.choose(other_prompt, loads(a=0, b=2, c=1)) == RoutingDecision("c", 0, None, RoutingReason.NO_MATCH)
+    # now c is expected to hold 2 pages: the next new prefix goes to b, the only empty cache, though busier
     third_prompt = [key("t0"), key("t1")]
-    assert policy.choose(third_prompt, loads(a=3, b=2, c=1)).replica_id == "c"
+    assert policy.choose(third_prompt, loads(a=0, b=2, c=1)).replica_id == "b"
+    # an overloaded replica is never chosen for a new prefix, however empty its cache
+    fourth_prompt = [key("f0")]
+    assert policy.choose(fourth_prompt, loads(a=0, b=9, c=9)).replica_id == "a"
 
 
 def test_a_new_prefix_sticks_to_its_replica_before_any_event_arrives():
