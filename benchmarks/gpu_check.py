@@ -23,10 +23,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
-from replica.kv_sources import PrefixFetcher
+from replica.kv_sources import PrefixFetcher, page_format_of
 from replica.outputs import EngineRequest
 from replica.sampling import SamplingParams
-from replica.tiers.base import PageFormat, dtype_name
+
 
 import os
 
@@ -126,13 +126,6 @@ class DevicePeer:
         sync()
         self.seconds += time.perf_counter() - started
         return pages
-
-
-def page_format_of(engine):
-    g = engine.runner.geometry
-    return PageFormat(model_fingerprint=engine.model_fingerprint, dtype=dtype_name(engine.runner.dtype),
-                      page_size=engine.config.page_size, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
-                      head_dim=g.head_dim)
 
 
 def check_device_peer_copy() -> None:

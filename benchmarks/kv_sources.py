@@ -26,11 +26,11 @@ import torch
 from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import build_engine
-from replica.kv_sources import PrefixFetcher, build_tiers
+from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
 from replica.outputs import EngineRequest
 from replica.peer_copy import bundle_pages, unbundle_pages
 from replica.sampling import SamplingParams
-from replica.tiers.base import PageFormat, dtype_name
+
 from replica.tiny_models import write_tiny_model
 
 MODEL_DIR = Path(tempfile.gettempdir()) / "prefixserve-bench-llama-512x8"
@@ -50,13 +50,6 @@ def tokens(n: int, seed: int) -> list[int]:
 def engine_config(args, replica_id: str) -> EngineConfig:
     return EngineConfig(model=str(MODEL_DIR), dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
                         max_num_batched_tokens=4096, max_model_len=4096, replica_id=replica_id)
-
-
-def page_format_of(engine) -> PageFormat:
-    g = engine.runner.geometry
-    return PageFormat(model_fingerprint=engine.model_fingerprint, dtype=dtype_name(engine.runner.dtype),
-                      page_size=engine.config.page_size, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
-                      head_dim=g.head_dim)
 
 
 @ray.remote(num_cpus=0)

@@ -11,15 +11,15 @@ flag or combination prints one line, ``prefixserve serve: error: ...``, and exit
 from __future__ import annotations
 
 import argparse
-import subprocess
-import shutil
 import dataclasses
 import importlib
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path

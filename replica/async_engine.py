@@ -102,18 +102,17 @@ class AsyncEngine:
         tokens = request.prompt_token_ids
         keys = engine.page_keys(tokens, request.cache_salt)
         page_size = engine.config.page_size
-        max_match = (len(tokens) - 1) // page_size
-        first = engine.missing_prefix(tokens, keys)
-        if first >= max_match:
+        missing = engine.missing_pages(tokens, keys)
+        if not missing:
             return None
-        token_slices = [tokens[i * page_size : (i + 1) * page_size] for i in range(first, max_match)]
+        token_slices = [tokens[i * page_size : (i + 1) * page_size] for i in missing]
         peer_hint = request.peer_hint if engine.config.enable_peer_copy else None
         try:
-            pages = await self.fetcher.fetch(keys[first:max_match], token_slices, peer_hint=peer_hint)
+            pages = await self.fetcher.fetch(keys[missing.start : missing.stop], token_slices, peer_hint=peer_hint)
         except Exception:  # noqa: BLE001 - sources degrade to recompute, never fail the request
             logger.exception("fetching prefix pages failed; recomputing them")
             return None
-        return {first + offset: page for offset, page in enumerate(pages)} or None
+        return {missing.start + offset: page for offset, page in enumerate(pages)} or None
 
     def drain_kv_events(self) -> list[KVEvent]:
         events = []
@@ -219,19 +218,10 @@ def coalesce_pending(item: RequestOutput, queue: asyncio.Queue) -> RequestOutput
 def build_async_engine(config, peer_client=None) -> AsyncEngine:
     """Load the model, build the engine, and attach the prefix sources the config asks for (peer copy, Redis, disk)."""
     from replica.engine import build_engine
-    from replica.kv_sources import build_tiers
-    from replica.tiers.base import PageFormat, dtype_name
+    from replica.kv_sources import build_tiers, page_format_of
 
     engine = build_engine(config)
-    geometry = engine.runner.geometry
-    page_format = PageFormat(
-        model_fingerprint=engine.model_fingerprint,
-        dtype=dtype_name(engine.runner.dtype),
-        page_size=config.page_size,
-        num_layers=geometry.num_layers,
-        num_kv_heads=geometry.num_kv_heads,
-        head_dim=geometry.head_dim,
-    )
+    page_format = page_format_of(engine)
     tiers = []
     if engine.enable_prefix_caching:
         tiers = build_tiers(page_format, redis_url=config.redis_url, disk_cache_dir=config.disk_cache_dir,

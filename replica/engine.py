@@ -20,7 +20,7 @@ from replica.model_runner import ChunkInput, ModelRunner
 from replica.outputs import CachedTokens, EngineRequest, EngineStats, RequestOutput
 from replica.page_keys import PageKey, compute_page_keys
 from replica.sampling import sample_tokens
-from replica.scheduler import Scheduler
+from replica.scheduler import Scheduler, num_reusable_pages
 from replica.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -218,13 +218,13 @@ class LLMEngine:
             replica_id=self.config.replica_id,
         )
 
-    def missing_prefix(self, token_ids: list[int], page_keys: list[PageKey]) -> int:
-        """Index of the first page of the prompt's reusable prefix that the local cache lacks (== number of usable
-        pages when nothing is missing). A hint only: the cache may change before the request is admitted."""
-        max_match = (len(token_ids) - 1) // self.config.page_size
+    def missing_pages(self, token_ids: list[int], page_keys: list[PageKey]) -> range:
+        """Indices of the prompt's reusable pages that the local cache lacks, from the first miss on (empty with
+        caching off). A hint only: the cache may change before the request is admitted."""
+        num_reusable = num_reusable_pages(len(token_ids), self.config.page_size)
         if not self.enable_prefix_caching:
-            return max_match
-        return len(self.kv.match_prefix(page_keys[:max_match]))
+            return range(0)
+        return range(len(self.kv.match_prefix(page_keys[:num_reusable])), num_reusable)
 
     def export_pages(
         self, keys: list[PageKey], *, to_cpu: bool = True
@@ -235,11 +235,12 @@ class LLMEngine:
         page_ids = self.kv.match_prefix(keys)
         self.kv.acquire(page_ids)
         try:
-            return [
-                (key, self.kv.cache.page_to_token_ids[page_id],
-                 self.runner.read_page(page_id).to("cpu", copy=True) if to_cpu else self.runner.read_page(page_id).clone())
-                for key, page_id in zip(keys, page_ids)
-            ]
+            pages = []
+            for key, page_id in zip(keys, page_ids):
+                kv = self.runner.read_page(page_id)
+                pages.append((key, self.kv.cache.page_to_token_ids[page_id],
+                              kv.to("cpu", copy=True) if to_cpu else kv.clone()))
+            return pages
         finally:
             self.kv.release(page_ids)
 

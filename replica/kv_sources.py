@@ -118,23 +118,25 @@ class PrefixFetcher:
                 logger.warning("peer %s returned a page that does not match the request; discarded", peer_id)
                 break
             pages.append(FetchedPage(key, tuple(token_ids), kv, "peer"))
-        stats.pages += len(pages)
-        stats.bytes += sum(page.kv.numel() * page.kv.element_size() for page in pages)
-        stats.seconds += time.perf_counter() - started
-        return pages
+        return self._account(stats, pages, started)
 
     async def _fetch_from_tier(self, tier: KVTier, keys, token_ids_per_page) -> list[FetchedPage]:
         stats = self.stats.by_source[tier.name]
         started = time.perf_counter()
         errors_before = tier.stats().errors
-        num_present = await asyncio.to_thread(tier.lookup, keys)
-        if num_present == 0:
+        try:
+            num_present = await asyncio.to_thread(tier.lookup, keys)
+            if num_present == 0:
+                return []
+            tensors = await asyncio.to_thread(tier.load, keys[:num_present], token_ids_per_page[:num_present])
+        finally:
             stats.errors += tier.stats().errors - errors_before
-            return []
-        tensors = await asyncio.to_thread(tier.load, keys[:num_present], token_ids_per_page[:num_present])
-        stats.errors += tier.stats().errors - errors_before
         pages = [FetchedPage(key, tuple(tokens), kv, tier.name)
                  for key, tokens, kv in zip(keys, token_ids_per_page, tensors)]
+        return self._account(stats, pages, started)
+
+    @staticmethod
+    def _account(stats: SourceStats, pages: list[FetchedPage], started: float) -> list[FetchedPage]:
         stats.pages += len(pages)
         stats.bytes += sum(page.kv.numel() * page.kv.element_size() for page in pages)
         stats.seconds += time.perf_counter() - started
@@ -154,6 +156,21 @@ class PrefixFetcher:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+
+
+def page_format_of(engine) -> PageFormat:
+    """What a shared-tier page must match to be reused by ``engine`` (an ``LLMEngine``)."""
+    from replica.tiers.base import dtype_name
+
+    geometry = engine.runner.geometry
+    return PageFormat(
+        model_fingerprint=engine.model_fingerprint,
+        dtype=dtype_name(engine.runner.dtype),
+        page_size=engine.config.page_size,
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+    )
 
 
 def build_tiers(page_format: PageFormat, *, redis_url: str | None, disk_cache_dir: str | None,

@@ -27,6 +27,7 @@ from replica.paged_attention import (
     PagedAttentionMetadata,
     PrefillSlice,
     register_paged_attention,
+    slot_runs,
 )
 
 
@@ -160,10 +161,9 @@ class ModelRunner:
     def _prefill_slice(self, offset: int, num_new: int, ctx_len: int, page_ids: Seq[int]) -> PrefillSlice:
         if ctx_len == num_new:
             return PrefillSlice(offset, num_new, ctx_len, None)
-        num_pages = -(-ctx_len // self.page_size)
-        first = page_ids[0]
-        if all(page_ids[i] == first + i for i in range(1, num_pages)):
-            return PrefillSlice(offset, num_new, ctx_len, None, kv_start=first * self.page_size)
+        runs = slot_runs(page_ids, ctx_len, self.page_size, None)
+        if len(runs) == 1:  # consecutive pages: read the context as a view of the pool
+            return PrefillSlice(offset, num_new, ctx_len, None, kv_start=runs[0][0])
         return PrefillSlice(offset, num_new, ctx_len, self._context_slots(page_ids, ctx_len))
 
     def _context_slots(self, page_ids: Seq[int], ctx_len: int) -> torch.Tensor:

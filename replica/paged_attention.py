@@ -16,6 +16,7 @@ sliding windows (Mistral, Gemma3) are applied on the paged read: key j is visibl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,23 +61,24 @@ class DecodeBatch:
         """``(first_slot, num_tokens)`` of each run of consecutive slots holding the row's visible context."""
         cache_key = (row, window)
         if cache_key not in self._runs:
-            self._runs[cache_key] = _slot_runs(self.rows[row], self.page_size, window)
+            decode_row = self.rows[row]
+            self._runs[cache_key] = slot_runs(decode_row.page_ids, decode_row.ctx_len, self.page_size, window)
         return self._runs[cache_key]
 
 
-def _slot_runs(row: DecodeRow, page_size: int, window: int | None) -> list[tuple[int, int]]:
-    """Split token range [lo, ctx_len) into runs of consecutive pool slots.
+def slot_runs(page_ids: Sequence[int], ctx_len: int, page_size: int, window: int | None) -> list[tuple[int, int]]:
+    """Split token range [lo, ctx_len) into runs of consecutive pool slots (lo = ctx_len - window, or 0).
 
         pages   | 7 | 8 | 9 | 2 | 3 |     ctx_len = 4.5 pages
         runs    |  slots 7*ps .. 10*ps  | 2*ps .. 3*ps + half |
     """
-    lo = max(0, row.ctx_len - window) if window is not None else 0
+    lo = max(0, ctx_len - window) if window is not None else 0
     runs: list[tuple[int, int]] = []
     pos = lo
-    while pos < row.ctx_len:
+    while pos < ctx_len:
         page_index = pos // page_size
-        first_slot = row.page_ids[page_index] * page_size + pos % page_size
-        end = min(row.ctx_len, (page_index + 1) * page_size)
+        first_slot = page_ids[page_index] * page_size + pos % page_size
+        end = min(ctx_len, (page_index + 1) * page_size)
         if runs and runs[-1][0] + runs[-1][1] == first_slot:
             runs[-1] = (runs[-1][0], runs[-1][1] + end - pos)
         else:

@@ -11,6 +11,7 @@ NCCL through Ray's tensor transports) can replace the bundle without changing ca
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from dataclasses import dataclass
 
@@ -93,8 +94,6 @@ class ServePeerClient:
         return self._handle
 
     async def fetch(self, peer_id: str, keys) -> list[tuple[PageKey, tuple[int, ...], torch.Tensor]]:
-        import asyncio
-
         response = self._get_handle().export_pages.remote(PeerExportRequest(peer_id, list(keys)))
         bundle = await asyncio.wait_for(response, timeout=self.timeout_s)
         return unbundle_pages(bundle)

@@ -43,6 +43,11 @@ class SchedulerOutput:
         return sum(chunk.num_new_tokens for chunk in self.chunks)
 
 
+def num_reusable_pages(num_tokens: int, page_size: int) -> int:
+    """Leading full pages a request may take from a cache: all but the last token (which is computed for logits)."""
+    return (num_tokens - 1) // page_size
+
+
 class Scheduler:
     def __init__(
         self,
@@ -119,7 +124,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             page_keys = seq.extend_page_keys(self.page_size, self.model_fingerprint)
-            max_match = (seq.num_tokens - 1) // self.page_size
+            max_match = num_reusable_pages(seq.num_tokens, self.page_size)
             hit_page_ids = self.kv.match_prefix(page_keys[:max_match])
             imported = self._usable_preloaded(seq, len(hit_page_ids), max_match)
             next_index = len(hit_page_ids) + len(imported)

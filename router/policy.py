@@ -136,6 +136,16 @@ class PrefixAwarePolicy:
         self.index.expect_keys(decision.replica_id, page_keys)
         return decision
 
+    def hint_for_pinned(self, page_keys: Sequence[PageKey], target: str) -> str | None:
+        """A request pinned to ``target`` (no choice to make): the replica holding more of its leading pages than the
+        target, to copy them from, or None. The target is expected to hold the pages from now on, as after ``choose``."""
+        replica_id_to_matched = self.index.longest_prefix(page_keys)
+        holder = max(sorted(replica_id_to_matched), key=replica_id_to_matched.__getitem__, default=None)
+        self.index.expect_keys(target, page_keys)
+        if holder is None or replica_id_to_matched[holder] <= replica_id_to_matched.get(target, 0):
+            return None
+        return holder
+
     def is_overloaded(self, load: int, min_load: int) -> bool:
         return (
             load - min_load > self.config.balance_abs_threshold

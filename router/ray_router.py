@@ -98,12 +98,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         return [[chosen], rest] if rest else [[chosen]]
 
     def _hint_best_holder(self, pending_request: PendingRequest, target: str) -> None:
-        """For a pinned request: name the replica holding the longest prefix (if not the target) as peer_hint."""
-        page_keys = page_keys_of(pending_request)
-        holders = self.index.longest_prefix(page_keys) if page_keys else {}
-        best = max(sorted(holders), key=lambda replica_id: holders[replica_id], default=None)
-        if best is not None and best != target and holders[best] > holders.get(target, 0):
-            set_peer_hint(pending_request, best)
+        """For a pinned request: name the replica holding more of its prefix than the target as peer_hint."""
+        holder = self.policy.hint_for_pinned(page_keys_of(pending_request), target)
+        if holder is not None:
+            set_peer_hint(pending_request, holder)
 
     # ---- internals -------------------------------------------------------------------------------------------------
     def _configure(self, config: PolicyConfig) -> None:

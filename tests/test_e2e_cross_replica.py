@@ -8,20 +8,21 @@ import httpx
 import openai
 import pytest
 
-from test_e2e_http import API_KEY, MODEL, PAGE_SIZE, ROUTING_SETTLE_S, cached_of, code_prompt, make_config, metric_values
+from test_e2e_http import (
+    API_KEY,
+    MODEL,
+    PAGE_SIZE,
+    ROUTING_SETTLE_S,
+    cached_of,
+    code_prompt,
+    deploy,
+    make_config,
+    metric_values,
+)
 
 pytestmark = pytest.mark.ray
 
 TARGET = "x-prefixserve-target-replica"
-
-
-def deploy(config, name):
-    from ray import serve
-
-    from cluster.app import build_app
-
-    serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-    return name
 
 
 def complete(client, prompt, target=None):
@@ -65,57 +66,47 @@ def make_client(http_base, name):
     return openai.OpenAI(base_url=f"{http_base}/{name}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
-def test_prefix_on_another_replica_is_copied_from_the_peer(http_base, tiny_llama_dir):
+def serve_from_other_replica(http_base, config, name, source):
+    """Deploy ``config`` as ``name``, compute a prefix on one replica, ask the other replica for it, and check that
+    all its cached tokens came from ``source`` with the same output as a local hit.
+    Returns (remote completion, local completion, remote cached tokens, /metrics text)."""
     from ray import serve
 
-    name = deploy(make_config(tiny_llama_dir, enable_dp_cross_replica_prefix_copy=True), "peercopy")
+    deploy(config, name)
     try:
         client = make_client(http_base, name)
-        remote, local = run_scenario(client, "peer")
+        remote, local = run_scenario(client, source)
         cached, by_source = cached_of(remote.usage)
         assert cached >= 2 * PAGE_SIZE
-        assert by_source == {"local": 0, "peer": cached, "host": 0, "disk": 0}
-        details = remote.usage.prompt_tokens_details.model_extra
-        assert details["computed_tokens"] == remote.usage.prompt_tokens - cached
+        assert by_source == {**{"local": 0, "peer": 0, "host": 0, "disk": 0}, source: cached}
         assert remote.choices[0].text == local.choices[0].text
         assert cached_of(local.usage)[1]["local"] == cached
         metrics = httpx.get(f"{http_base}/{name}/metrics").text
-        peer_pages = metric_values(metrics, "prefixserve_kv_fetch_pages_total")
-        assert sum(v for labels, v in peer_pages.items() if 'source="peer"' in labels) == cached // PAGE_SIZE
-        peer_bytes = metric_values(metrics, "prefixserve_kv_fetch_bytes_total")
-        assert sum(v for labels, v in peer_bytes.items() if 'source="peer"' in labels) > 0
+        return remote, local, cached, metrics
     finally:
         serve.delete(name)
+
+
+def test_prefix_on_another_replica_is_copied_from_the_peer(http_base, tiny_llama_dir):
+    config = make_config(tiny_llama_dir, enable_dp_cross_replica_prefix_copy=True)
+    remote, local, cached, metrics = serve_from_other_replica(http_base, config, "peercopy", "peer")
+    details = remote.usage.prompt_tokens_details.model_extra
+    assert details["computed_tokens"] == remote.usage.prompt_tokens - cached
+    # every page copied from a peer is counted: the remote request's, plus any page the local request then copied
+    # back from the remote replica (which computed the question's last full page)
+    num_peer_tokens = cached + cached_of(local.usage)[1]["peer"]
+    peer_pages = metric_values(metrics, "prefixserve_kv_fetch_pages_total")
+    assert sum(v for labels, v in peer_pages.items() if 'source="peer"' in labels) == num_peer_tokens // PAGE_SIZE
+    peer_bytes = metric_values(metrics, "prefixserve_kv_fetch_bytes_total")
+    assert sum(v for labels, v in peer_bytes.items() if 'source="peer"' in labels) > 0
 
 
 def test_copy_off_reuses_the_prefix_through_redis(http_base, tiny_llama_dir, redis_server):
-    from ray import serve
-
     config = make_config(tiny_llama_dir, enable_dp_cross_replica_prefix_copy=False, redis_url=redis_server[:-1] + "3")
-    name = deploy(config, "hosttier")
-    try:
-        client = make_client(http_base, name)
-        remote, local = run_scenario(client, "host")
-        cached, by_source = cached_of(remote.usage)
-        assert cached >= 2 * PAGE_SIZE
-        assert by_source == {"local": 0, "peer": 0, "host": cached, "disk": 0}
-        assert remote.choices[0].text == local.choices[0].text
-    finally:
-        serve.delete(name)
+    serve_from_other_replica(http_base, config, "hosttier", "host")
 
 
 def test_embedded_default_shares_through_the_disk_tier(http_base, tiny_llama_dir, tmp_path):
-    from ray import serve
-
     config = make_config(tiny_llama_dir, enable_dp_cross_replica_prefix_copy=False, enable_disk_cache=True,
                          disk_cache_dir=str(tmp_path / "kv"))
-    name = deploy(config, "disktier")
-    try:
-        client = make_client(http_base, name)
-        remote, local = run_scenario(client, "disk")
-        cached, by_source = cached_of(remote.usage)
-        assert cached >= 2 * PAGE_SIZE
-        assert by_source == {"local": 0, "peer": 0, "host": 0, "disk": cached}
-        assert remote.choices[0].text == local.choices[0].text
-    finally:
-        serve.delete(name)
+    serve_from_other_replica(http_base, config, "disktier", "disk")

@@ -13,9 +13,9 @@ from engine_utils import TinyModel, greedy, random_prompt
 from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
-from replica.kv_sources import PrefixFetcher, build_tiers
+from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
 from replica.outputs import EngineRequest
-from replica.tiers.base import PageFormat, dtype_name
+
 
 PREFIX_PAGES = 3
 NUM_OUT = 5
@@ -40,13 +40,6 @@ class LocalPeerClient:
         if self.fail:
             raise ConnectionError(f"replica {peer_id} died")
         return await self.peers[peer_id].export_pages(list(keys))
-
-
-def page_format_of(engine: LLMEngine) -> PageFormat:
-    geometry = engine.runner.geometry
-    return PageFormat(model_fingerprint=engine.model_fingerprint, dtype=dtype_name(engine.runner.dtype),
-                      page_size=engine.config.page_size, num_layers=geometry.num_layers,
-                      num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim)
 
 
 def make_async_engine(tiny, replica_id, *, redis_url=None, disk_dir=None, peer_client=None):

@@ -71,10 +71,10 @@ def test_chunk_continuation_reads_consecutive_and_scattered_pages(tiny, page_tab
 
 
 def test_slot_runs_merge_consecutive_pages_and_apply_the_window():
-    from replica.paged_attention import DecodeRow, _slot_runs
+    from replica.paged_attention import slot_runs
 
-    row = DecodeRow(q_index=0, ctx_len=4 * PS + 64, page_ids=[7, 8, 9, 2, 3])
-    assert _slot_runs(row, PS, None) == [(7 * PS, 3 * PS), (2 * PS, PS + 64)]
+    pages, ctx_len = [7, 8, 9, 2, 3], 4 * PS + 64
+    assert slot_runs(pages, ctx_len, PS, None) == [(7 * PS, 3 * PS), (2 * PS, PS + 64)]
     # a 100-token window only reads the last 100 slots: 36 in page 2, 64 in page 3 (consecutive: one run)
-    assert _slot_runs(row, PS, 100) == [(2 * PS + 92, 100)]
-    assert _slot_runs(DecodeRow(0, 1, [5]), PS, None) == [(5 * PS, 1)]
+    assert slot_runs(pages, ctx_len, PS, 100) == [(2 * PS + 92, 100)]
+    assert slot_runs([5], 1, PS, None) == [(5 * PS, 1)]

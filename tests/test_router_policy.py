@@ -214,3 +214,13 @@ def test_no_candidates_is_an_error():
 def test_config_is_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PolicyConfig(**kwargs)
+
+
+def test_pinned_request_names_the_replica_holding_more_and_is_expected_on_its_target():
+    policy = make_policy(a=4, b=2)
+    assert policy.hint_for_pinned(PROMPT, "b") == "a"
+    assert policy.hint_for_pinned(PROMPT, "a") is None  # the target itself holds the most
+    assert policy.hint_for_pinned(PROMPT, "c") == "a"
+    # each target is expected to hold the whole prompt from then on
+    assert policy.index.longest_prefix(PROMPT) == {"a": 4, "b": 4, "c": 4}
+    assert policy.hint_for_pinned([key("new")], "b") is None
