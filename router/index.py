@@ -16,7 +16,10 @@ Sync protocol, per replica (``sync`` applies one routing-stats report):
   with ``seq > last_seq + 1`` reveals a gap (events were missed): it is applied anyway (best effort) and the replica is
   marked ``needs_snapshot``. A replica the index has never had a snapshot of also ``needs_snapshot``.
 - A snapshot (the replica's full key set as of ``seq``) replaces what the index holds for the replica when the replica
-  ``needs_snapshot`` or the snapshot is newer than ``last_seq``; events newer than the snapshot are then re-applied.
+  ``needs_snapshot``, when the snapshot is newer than ``last_seq``, or when the index holds guesses for the replica
+  (``expect_keys``) and the snapshot is not older than ``last_seq``: an idle replica publishes no new events, so its
+  snapshots keep the same label, and a wrong guess must still be dropped. Events newer than the snapshot are then
+  re-applied.
   Replaying events in order over a snapshot taken at or after its label gives the right final state, because each
   event's effect on a key is overwritten by the next event touching that key.
 
@@ -60,6 +63,8 @@ class _ReplicaState:
     epoch: str | None = None
     last_seq: int | None = None
     needs_snapshot: bool = True
+    guessed: bool = False
+    """Keys were added by ``expect_keys`` since the last snapshot: the next snapshot replaces them with the truth."""
     keys: set[PageKey] = field(default_factory=set)
 
 
@@ -154,7 +159,11 @@ class PrefixIndex:
             state.epoch = epoch
         applied, skipped, gaps = self._apply(state, events)
         applied_snapshot = False
-        if snapshot is not None and (state.needs_snapshot or _is_newer(snapshot.seq, state.last_seq)):
+        if snapshot is not None and (
+            state.needs_snapshot
+            or _is_newer(snapshot.seq, state.last_seq)
+            or (state.guessed and not _is_newer(state.last_seq, snapshot.seq))
+        ):
             self._replace_keys(state, snapshot)
             newer = [event for event in events if _is_newer(event.seq, snapshot.seq)]
             more_applied, _, more_gaps = self._apply(state, newer)
@@ -179,8 +188,11 @@ class PrefixIndex:
         routed meanwhile, would find no holder and could land elsewhere (computing the prefix twice). A wrong guess
         (the request failed, the pages were evicted) costs one cache miss and is corrected by the replica's next
         snapshot or removal event."""
-        if page_keys:
-            self._add_keys(self._state_of(replica_id), page_keys)
+        state = self._state_of(replica_id)
+        new_keys = [key for key in page_keys if key not in state.keys]
+        if new_keys:
+            self._add_keys(state, new_keys)
+            state.guessed = True
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless the key sets and the holder masks mirror each other exactly."""
@@ -248,11 +260,13 @@ class PrefixIndex:
         self._add_keys(state, wanted - state.keys)
         state.last_seq = snapshot.seq
         state.needs_snapshot = False
+        state.guessed = False
 
     def _reset(self, state: _ReplicaState) -> None:
         self._drop_keys(state, list(state.keys))
         state.last_seq = None
         state.needs_snapshot = True
+        state.guessed = False
 
     def _add_keys(self, state: _ReplicaState, keys: Collection[PageKey]) -> None:
         holder_masks = self._key_to_holder_mask

@@ -113,6 +113,27 @@ def test_sync_ignores_snapshot_when_in_sync():
     assert index.longest_prefix([K0, K1]) == {"a": 2}
 
 
+def test_wrong_guess_is_dropped_by_a_snapshot_with_the_same_label():
+    """An idle replica publishes no new events, so its periodic snapshots keep one label; a routing-time guess about it
+    must still be replaced by the next one (a held guess would keep pulling its prefix to the wrong replica)."""
+    index = PrefixIndex()
+    index.sync("a", epoch="e1", events=[PagesStored(1, (K0,))], snapshot=IndexSnapshot(1, (K0,)))
+    index.expect_keys("a", [K0])  # already held: not a guess
+    assert index.sync("a", epoch="e1", snapshot=IndexSnapshot(1, (K0,))) == SyncResult()
+    index.expect_keys("a", [K0, K1, K2])
+    assert index.longest_prefix([K0, K1, K2]) == {"a": 3}
+    result = index.sync("a", epoch="e1", snapshot=IndexSnapshot(1, (K0,)))
+    assert result == SyncResult(applied_snapshot=True)
+    assert index.longest_prefix([K0, K1, K2]) == {"a": 1}
+    # Guesses gone: the next snapshot with the same label is skipped again; an older one never replaces newer state.
+    assert index.sync("a", epoch="e1", snapshot=IndexSnapshot(1, (K0,))) == SyncResult()
+    index.sync("a", epoch="e1", events=[PagesStored(2, (K3,))])
+    index.expect_keys("a", [K1])
+    assert index.sync("a", epoch="e1", snapshot=IndexSnapshot(1, (K0,))) == SyncResult()
+    assert index.longest_prefix([K0, K1]) == {"a": 2}
+    index.check_integrity()
+
+
 def test_new_router_applies_events_before_its_first_snapshot():
     index = PrefixIndex()
     result = index.sync("a", epoch="e1", events=[PagesStored(10, (K0,))])

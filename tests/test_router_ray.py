@@ -78,13 +78,20 @@ def test_router_in_serve(ray_session):
             if results[0]["peer_hint"] is not None and results[1]["peer_hint"] is not None:
                 break  # the router has heard from both replicas
             time.sleep(0.2)
-        # Requests routed before the stats arrived made the router expect their chains on the replica they went to;
-        # the replicas' next full snapshots (every 20 stats periods = 4 s) replace those guesses with the truth.
-        time.sleep(5)
-        results = [
-            handle.remote(EngineRequest(f"{name}-final", [], page_keys=keys)).result()
-            for name, keys in [("a", CHAIN_A), ("b", CHAIN_B), ("c", [key("c-final")])]
-        ]
+        # Requests routed so far made the router guess that their chains now live on the replica they went to (a real
+        # engine would fetch or compute them there; this stand-in does not). The replicas' periodic snapshots (every 20
+        # stats periods = 4 s) replace such guesses with the truth even though an idle replica's label never changes.
+        deadline = time.monotonic() + 40
+        attempt = 0
+        while True:
+            attempt += 1
+            results = [
+                handle.remote(EngineRequest(f"{name}-final-{attempt}", [], page_keys=keys)).result()
+                for name, keys in [("a", CHAIN_A), ("b", CHAIN_B), ("c", [key(f"c-final-{attempt}")])]
+            ]
+            if results[1]["peer_hint"] not in (None, results[1]["replica_id"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
         on_a, on_b, on_c = results
         # Chain A: held by idle rank 0 -> prefix hit; the hint names the chosen replica itself.
         assert (on_a["rank"], on_a["peer_hint"]) == (0, on_a["replica_id"])
