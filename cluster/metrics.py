@@ -22,6 +22,10 @@ Names (all prefixed ``prefixserve_``)::
     kv_evictions_total{replica}            counter
     preemptions_total{replica}             counter
     requests_finished_total{replica}       counter
+    kv_fetch_{pages,bytes,seconds,errors}_total{replica,source}   counter  source = peer | host | disk
+    kv_tier_{pages_stored,bytes_stored,pages_dropped,discarded_corrupt,errors}_total{replica,tier}  counter
+    kv_tier_available{replica,tier}        gauge      1 while the shared tier answers
+    kv_peer_pages_total{replica,transport} counter    transport = cuda_ipc (device to device) | host
 """
 
 from __future__ import annotations
@@ -98,6 +102,13 @@ class ReplicaStatsCollector(Collector):
                 for tier, values in report.get("tiers", {}).items():
                     family.add_metric([report["replica_id"], tier], values[field_name])
             yield family
+        transport = CounterMetricFamily(PREFIX + "kv_peer_pages",
+                                        "pages copied from a peer, by transport: cuda_ipc (device to device) | host",
+                                        labels=["replica", "transport"])
+        for report in self._kv_sources:
+            for name, value in report.get("peer_transport", {}).items():
+                transport.add_metric([report["replica_id"], name], value)
+        yield transport
         available = GaugeMetricFamily(PREFIX + "kv_tier_available", "1 while the shared tier answers",
                                       labels=["replica", "tier"])
         for report in self._kv_sources:

@@ -89,9 +89,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def export_pages(self, keys: list[bytes]) -> list[tuple[bytes, tuple[int, ...], object]]:
-        """Copies of the leading pages of ``keys`` this replica holds (for a peer's copy), pinned while copied."""
-        return await self._call(lambda: self.engine.export_pages(list(keys)))
+    async def export_pages(self, keys: list[bytes], to_cpu: bool = True) -> list[tuple[bytes, tuple[int, ...], object]]:
+        """Copies of the leading pages of ``keys`` this replica holds (for a peer's copy), pinned while copied; on the
+        CPU, or (``to_cpu=False``) on this replica's device."""
+        return await self._call(lambda: self.engine.export_pages(list(keys), to_cpu=to_cpu))
 
     async def _prefetch(self, request: EngineRequest) -> dict | None:
         """Fetch the prompt pages the local cache misses from a peer / the shared tiers (page index -> FetchedPage).

@@ -5,20 +5,26 @@ numpy array ``[num_pages, layers, 2, page_size, kv_heads, head_dim]`` plus keys 
 arrays in its object store and hands them to the reader zero-copy, so a bundle crosses processes at memory-copy speed
 (torch tensors would be pickled). bfloat16 has no numpy dtype: its bits travel as uint16 and are viewed back.
 
-On GPU the same bundle is built from device pages with one device-to-host copy; a device-to-device path (CUDA IPC /
-NCCL through Ray's tensor transports) can replace the bundle without changing callers.
+On GPUs of one host the holder answers a ``CudaIpcBundle`` instead (replica/cuda_ipc.py): the receiver maps the
+holder's staging tensor and copies it device to device, then releases it. Across hosts, or when the receiver cannot
+open the handle, the host bundle above is used (a device-to-host copy on the holder, the object store, a host-to-device
+copy on the receiver).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from replica.cuda_ipc import CudaIpcBundle, IpcTarget, PeerRelease, local_ipc_target, open_bundle
 from replica.page_keys import PageKey
+
+logger = logging.getLogger(__name__)
 
 _WIRE_VIEW = {torch.bfloat16: (torch.uint16, "bfloat16"), torch.float16: (torch.uint16, "float16"),
               torch.float32: (torch.float32, "float32")}
@@ -73,18 +79,38 @@ class PeerExportRequest:
 
     target_replica: str
     keys: list[PageKey]
+    ipc_target: IpcTarget | None = None
+    """Set by a receiver on a GPU: the holder may answer a ``CudaIpcBundle`` if it shares a GPU with it."""
+
+
+@dataclass
+class PeerTransportStats:
+    """Pages received per transport: ``cuda_ipc`` (device to device) or ``host`` (numpy through the object store)."""
+
+    pages: dict[str, int] = field(default_factory=lambda: {"cuda_ipc": 0, "host": 0})
+    ipc_failures: int = 0
+    """CUDA IPC bundles that could not be opened (the copy was retried as a host bundle)."""
 
 
 class ServePeerClient:
     """Peer copy over the replica deployment's own Serve handle: the holder's ``export_pages`` answers a
-    ``PageBundle`` (numpy, zero-copy through Ray's object store). Transport errors and timeouts raise; the prefix
-    fetcher then falls back to the shared tiers."""
+    ``PageBundle`` (numpy, zero-copy through Ray's object store) or, between GPUs of one host, a ``CudaIpcBundle``.
+    Transport errors and timeouts raise; the prefix fetcher then falls back to the shared tiers.
 
-    def __init__(self, deployment_name: str, app_name: str, timeout_s: float = 5.0) -> None:
+    ``device``: where this replica's pages live; a CUDA device makes the client offer CUDA IPC. ``handle``: anything
+    with ``export_pages.remote`` / ``release_pages.remote`` returning awaitables (a Serve deployment handle, a Ray actor
+    handle); by default the deployment's own handle, looked up on first use."""
+
+    def __init__(self, deployment_name: str, app_name: str, timeout_s: float = 5.0,
+                 device: torch.device | str = "cpu", handle=None) -> None:
         self.deployment_name = deployment_name
         self.app_name = app_name
         self.timeout_s = timeout_s
-        self._handle = None
+        self.device = torch.device(device)
+        self.ipc_target = local_ipc_target() if self.device.type == "cuda" else None
+        self.transport_stats = PeerTransportStats()
+        self._handle = handle
+        self._pending_releases: set[asyncio.Future] = set()
 
     def _get_handle(self):
         if self._handle is None:
@@ -94,6 +120,36 @@ class ServePeerClient:
         return self._handle
 
     async def fetch(self, peer_id: str, keys) -> list[tuple[PageKey, tuple[int, ...], torch.Tensor]]:
-        response = self._get_handle().export_pages.remote(PeerExportRequest(peer_id, list(keys)))
-        bundle = await asyncio.wait_for(response, timeout=self.timeout_s)
-        return unbundle_pages(bundle)
+        bundle = await self._export(PeerExportRequest(peer_id, list(keys), self.ipc_target))
+        if isinstance(bundle, CudaIpcBundle):
+            try:
+                pages = open_bundle(bundle, self.device)
+            except Exception as exc:  # noqa: BLE001 - e.g. the GPU is not visible here: take the host path
+                logger.warning("CUDA IPC copy from %s failed (%s); copying through host memory", peer_id, exc)
+                self.transport_stats.ipc_failures += 1
+                self._release(peer_id, bundle.lease_id)
+                bundle = await self._export(PeerExportRequest(peer_id, list(keys)))
+            else:
+                self._release(peer_id, bundle.lease_id)
+                self.transport_stats.pages["cuda_ipc"] += len(pages)
+                return pages
+        pages = unbundle_pages(bundle)
+        self.transport_stats.pages["host"] += len(pages)
+        return pages
+
+    async def _export(self, request: PeerExportRequest):
+        response = self._get_handle().export_pages.remote(request)
+        return await asyncio.wait_for(response, timeout=self.timeout_s)
+
+    def _release(self, peer_id: str, lease_id: str) -> None:
+        """Tell the holder in the background (the copy does not wait); a lost release lets the lease expire there."""
+        response = self._get_handle().release_pages.remote(PeerRelease(peer_id, lease_id))
+        task = asyncio.ensure_future(self._await_release(response, peer_id))
+        self._pending_releases.add(task)
+        task.add_done_callback(self._pending_releases.discard)
+
+    async def _await_release(self, response, peer_id: str) -> None:
+        try:
+            await asyncio.wait_for(response, timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the holder's lease then expires on its own
+            logger.warning("releasing CUDA IPC pages on %s failed (%s); the lease will expire", peer_id, exc)

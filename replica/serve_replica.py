@@ -7,6 +7,8 @@ prefix-aware request router). The ingress calls it through a ``DeploymentHandle`
     handle.info.remote()                                          -> ReplicaInfo
     handle.broadcast("reset_prefix_cache")                        -> one bool per replica
     handle.broadcast("stats")                                     -> one EngineStats per replica (for /metrics)
+    handle.export_pages.remote(PeerExportRequest)                 -> PageBundle | CudaIpcBundle (peer copy, holder)
+    handle.release_pages.remote(PeerRelease)                      -> bool (a CUDA IPC copy is done)
 
 Serve itself calls ``record_routing_stats()`` every ``request_routing_stats_period_s``; the dict it returns reaches the
 router in every process holding a handle (router/stats.py describes the format). The replica's id is Serve's
@@ -27,6 +29,7 @@ import torch
 
 from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
+from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
 from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient, bundle_pages
 from replica.outputs import EngineRequest, EngineStats, RequestOutput
 
@@ -56,13 +59,13 @@ class ReplicaInfo:
     """Token ids in a prompt must be in ``[0, vocab_size)``."""
 
 
-def self_peer_client() -> ServePeerClient | None:
+def self_peer_client(device: str) -> ServePeerClient | None:
     """A peer client over this replica's own deployment (None outside Serve)."""
     try:
         from ray import serve
 
         context = serve.get_replica_context()
-        return ServePeerClient(context.deployment, context.app_name)
+        return ServePeerClient(context.deployment, context.app_name, device=device)
     except Exception:  # noqa: BLE001 - not inside a Serve replica
         return None
 
@@ -80,8 +83,10 @@ def current_replica_id(default: str) -> str:
 class ServeReplica:
     """One replica: an ``AsyncEngine`` plus the Serve-facing methods listed in the module docstring."""
 
-    def __init__(self, engine_config: EngineConfig, served_model_name: str) -> None:
-        """Build the engine from ``engine_config`` with ``replica_id`` replaced by this replica's Serve id."""
+    def __init__(self, engine_config: EngineConfig, served_model_name: str,
+                 peer_client: ServePeerClient | None = None) -> None:
+        """Build the engine from ``engine_config`` with ``replica_id`` replaced by this replica's Serve id.
+        ``peer_client``: how to reach peers (default: over this replica's own deployment handle)."""
         replica_id = current_replica_id(engine_config.replica_id)
         config = dataclasses.replace(engine_config, replica_id=replica_id)
         if config.devices == "cpu":
@@ -89,7 +94,11 @@ class ServeReplica:
         self.replica_id = replica_id
         self.served_model_name = served_model_name
         self.config = config
-        self.engine = build_async_engine(config, peer_client=self_peer_client())
+        if peer_client is None:
+            peer_client = self_peer_client("cuda" if config.devices == "gpu" else "cpu")
+        self.engine = build_async_engine(config, peer_client=peer_client)
+        device = self.engine.engine.device
+        self.ipc_exporter = IpcExporter(device) if device.type == "cuda" else None
         self._event_log = ReplicaEventLog(replica_id) if ReplicaEventLog is not None else None
         logger.info(
             "replica %s ready: model fingerprint %s, max_model_len %d, prefix caching %s",
@@ -108,12 +117,24 @@ class ServeReplica:
         async for output in self.engine.generate(request):
             yield output
 
-    async def export_pages(self, request: PeerExportRequest) -> PageBundle:
-        """Peer copy, holder side: the leading pages of ``request.keys`` this replica holds (pinned while copied).
+    async def export_pages(self, request: PeerExportRequest) -> PageBundle | CudaIpcBundle:
+        """Peer copy, holder side: the leading pages of ``request.keys`` this replica holds (pinned while copied),
+        as a CUDA IPC bundle when the receiver shares a GPU host with this replica, else as a host bundle.
         A request that reached another replica than its target (the target left) answers no pages."""
         if request.target_replica != self.replica_id:
             return bundle_pages([])
+        if self.ipc_exporter is not None and self.ipc_exporter.can_serve(request.ipc_target):
+            pages = await self.engine.export_pages(list(request.keys), to_cpu=False)
+            if pages:
+                return self.ipc_exporter.export(pages)
+            return bundle_pages([])
         return bundle_pages(await self.engine.export_pages(list(request.keys)))
+
+    def release_pages(self, request: PeerRelease) -> bool:
+        """Peer copy, holder side: the receiver of a CUDA IPC bundle is done with it (False: unknown lease)."""
+        if self.ipc_exporter is None or request.target_replica != self.replica_id:
+            return False
+        return self.ipc_exporter.release(request.lease_id)
 
     def kv_source_stats(self) -> dict[str, Any]:
         """Pages, bytes, seconds and errors per source (peer, host, disk), plus the shared tiers' own counters."""
@@ -123,10 +144,13 @@ class ServeReplica:
         tiers = {name: dataclasses.asdict(stats) for name, stats in fetcher.tier_stats().items()}
         for tier in fetcher.tiers:
             tiers[tier.name]["available"] = int(tier.available)
+        peer_client = fetcher.peer_client
+        peer_transport = dict(peer_client.transport_stats.pages) if isinstance(peer_client, ServePeerClient) else {}
         return {
             "replica_id": self.replica_id,
             "fetch": {name: dataclasses.asdict(stats) for name, stats in fetcher.stats.by_source.items()},
             "tiers": tiers,
+            "peer_transport": peer_transport,
         }
 
     async def info(self) -> ReplicaInfo:

@@ -42,13 +42,28 @@ def both_replicas(client, tag):
     raise AssertionError(f"only saw replicas {seen}")
 
 
-def run_scenario(client, tag):
-    """Compute a prefix on one replica, then ask the other replica for it; returns (remote usage, outputs equal)."""
+def wait_for_tier_writes(metrics_url: str, tier: str, num_pages: int, timeout_s: float = 60) -> None:
+    """Wait until the replicas' background writers have stored ``num_pages`` pages in ``tier`` (a loaded machine can
+    take a while; a fixed sleep made the tier tests depend on the machine's speed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stored = metric_values(httpx.get(metrics_url).text, "prefixserve_kv_tier_pages_stored_total")
+        num_stored = sum(value for labels, value in stored.items() if f'tier="{tier}"' in labels)
+        if num_stored >= num_pages:
+            return
+        assert time.monotonic() < deadline, f"only {num_stored} of {num_pages} pages reached the {tier} tier"
+        time.sleep(0.2)
+
+
+def run_scenario(client, tag, metrics_url):
+    """Compute a prefix on one replica, then ask the other replica for it; returns (remote usage, local usage)."""
     a, b = both_replicas(client, tag)
     prefix = code_prompt(f"{tag}-shared")
     first, home = complete(client, prefix + "\n# first question\n", target=a)
     assert home == a and cached_of(first.usage)[0] == 0
-    time.sleep(ROUTING_SETTLE_S)  # the router learns that `a` holds the prefix; async tier writes land
+    if tag in ("host", "disk"):
+        wait_for_tier_writes(metrics_url, tag, first.usage.prompt_tokens // PAGE_SIZE)
+    time.sleep(ROUTING_SETTLE_S)  # routing stats reach the router
     question = prefix + "\n# second question\n"
     remote, replica = complete(client, question, target=b)
     assert replica == b
@@ -75,7 +90,7 @@ def serve_from_other_replica(http_base, config, name, source):
     deploy(config, name)
     try:
         client = make_client(http_base, name)
-        remote, local = run_scenario(client, source)
+        remote, local = run_scenario(client, source, f"{http_base}/{name}/metrics")
         cached, by_source = cached_of(remote.usage)
         assert cached >= 2 * PAGE_SIZE
         assert by_source == {**{"local": 0, "peer": 0, "host": 0, "disk": 0}, source: cached}
@@ -97,6 +112,9 @@ def test_prefix_on_another_replica_is_copied_from_the_peer(http_base, tiny_llama
     num_peer_tokens = cached + cached_of(local.usage)[1]["peer"]
     peer_pages = metric_values(metrics, "prefixserve_kv_fetch_pages_total")
     assert sum(v for labels, v in peer_pages.items() if 'source="peer"' in labels) == num_peer_tokens // PAGE_SIZE
+    by_transport = metric_values(metrics, "prefixserve_kv_peer_pages_total")  # CPU replicas: through host memory
+    assert sum(v for labels, v in by_transport.items() if 'transport="host"' in labels) == num_peer_tokens // PAGE_SIZE
+    assert sum(v for labels, v in by_transport.items() if 'transport="cuda_ipc"' in labels) == 0
     peer_bytes = metric_values(metrics, "prefixserve_kv_fetch_bytes_total")
     assert sum(v for labels, v in peer_bytes.items() if 'source="peer"' in labels) > 0
 

@@ -1,0 +1,222 @@
+"""Peer copy between two replica processes, through the replica's own export / release methods and ServePeerClient.
+
+The two ``ServeReplica``s run in separate processes (spawned), joined by a pipe that stands in for the Serve handle
+(the same ``export_pages.remote`` / ``release_pages.remote`` calls). On the CPU the pages travel as a host bundle; on a
+CUDA machine the holder answers a CUDA IPC bundle and the receiver copies device to device (these cases are skipped
+without a GPU; benchmarks/gpu_check.py runs them on the lent GPU machine, and also over real Ray actors).
+
+Checked: the receiver's greedy tokens equal transformers' ``generate`` on the same weights, the prefix is counted as
+``peer`` tokens, the copied pages are bit-identical to the holder's, the transport used, and that the holder's lease
+is released after the copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+import time
+
+import pytest
+import torch
+
+from replica.config import EngineConfig
+from replica.cuda_ipc import CudaIpcBundle, CudaIpcHandle, IpcTarget
+from replica.outputs import EngineRequest
+from replica.peer_copy import PeerExportRequest, ServePeerClient, bundle_pages
+from replica.sampling import SamplingParams
+
+PAGE_SIZE = 128
+NUM_OUT = 8
+DEVICES = [
+    "cpu",
+    pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
+
+
+def engine_config(model_dir: str, devices: str, replica_id: str) -> EngineConfig:
+    return EngineConfig(model=model_dir, devices=devices, dtype="float32", num_pages=32, max_num_batched_tokens=1024,
+                        replica_id=replica_id)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (length,), generator=generator).tolist()
+
+
+async def ask(replica, tokens: list[int], request_id: str, peer_hint: str | None = None):
+    """Greedy tokens and the final output's cached-token breakdown."""
+    out, last = [], None
+    request = EngineRequest(request_id, tokens, SamplingParams(max_tokens=NUM_OUT, temperature=0.0, ignore_eos=True),
+                            peer_hint=peer_hint)
+    async for output in replica.generate(request):
+        out.extend(output.new_token_ids)
+        last = output
+    return out, last.cached_tokens.as_dict()
+
+
+def holder_main(conn, model_dir: str, devices: str) -> None:
+    """The holder replica's process: answers (operation, argument) messages until "stop"."""
+    from replica.serve_replica import ServeReplica
+
+    torch.set_num_threads(1)
+    replica = ServeReplica(engine_config(model_dir, devices, "holder"), "tiny")
+    loop = asyncio.new_event_loop()
+    operations = {
+        "generate": lambda tokens: loop.run_until_complete(ask(replica, tokens, "holder-request")),
+        "export_pages": lambda request: loop.run_until_complete(replica.export_pages(request)),
+        "release_pages": replica.release_pages,
+        "read_pages": lambda keys: [(key, tokens, kv) for key, tokens, kv in
+                                    loop.run_until_complete(replica.engine.export_pages(keys))],
+        "num_leases": lambda _: None if replica.ipc_exporter is None else replica.ipc_exporter.num_leases,
+    }
+    while True:
+        operation, argument = conn.recv()
+        if operation == "stop":
+            break
+        try:
+            conn.send(("ok", operations[operation](argument)))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            conn.send(("error", repr(exc)))
+    replica.engine.shutdown()
+
+
+class PipeHandle:
+    """The holder's process as a handle: ``handle.export_pages.remote(request)`` is awaitable, like Serve's."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.calls: list[str] = []
+
+    def call(self, operation: str, argument=None):
+        with self.lock:
+            self.calls.append(operation)
+            self.conn.send((operation, argument))
+            status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"holder failed {operation}: {value}")
+        return value
+
+    def __getattr__(self, operation: str):
+        handle = self
+
+        class Method:
+            @staticmethod
+            def remote(argument):
+                # like a Ray call, it runs whether or not the caller awaits it
+                return asyncio.ensure_future(asyncio.to_thread(handle.call, operation, argument))
+
+        return Method
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+
+    @torch.inference_mode()
+    def generate(tokens: list[int]) -> list[int]:
+        out = model.generate(torch.tensor([tokens]), max_new_tokens=NUM_OUT, do_sample=False, pad_token_id=0)
+        return out[0, len(tokens):].tolist()
+
+    return generate
+
+
+@pytest.mark.parametrize("devices", DEVICES)
+def test_prefix_copied_from_a_replica_in_another_process(tiny_llama_dir, reference_tokens, devices):
+    from replica.serve_replica import ServeReplica
+
+    context = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = context.Pipe()
+    holder = context.Process(target=holder_main, args=(child_conn, tiny_llama_dir, devices), daemon=True)
+    holder.start()
+    handle = PipeHandle(parent_conn)
+    device = "cuda" if devices == "gpu" else "cpu"
+    client = ServePeerClient("unused", "unused", timeout_s=120, device=device, handle=handle)
+    receiver = ServeReplica(engine_config(tiny_llama_dir, devices, "receiver"), "tiny", peer_client=client)
+    try:
+        prefix = prompt(3 * PAGE_SIZE + 20, seed=1)
+        first, second = prefix + prompt(30, seed=2), prefix + prompt(25, seed=3)
+        handle.call("generate", first)
+        tokens, cached = asyncio.run(ask(receiver, second, "receiver-request", peer_hint="holder"))
+
+        assert tokens == reference_tokens(second)
+        assert cached == {"local": 0, "peer": 3 * PAGE_SIZE, "host": 0, "disk": 0}
+        transport = "cuda_ipc" if devices == "gpu" else "host"
+        assert client.transport_stats.pages == {"cuda_ipc": 0, "host": 0, transport: 3}
+        assert client.transport_stats.ipc_failures == 0
+
+        keys = receiver.engine.engine.page_keys(second)[:3]
+        held = handle.call("read_pages", keys)
+        copied = asyncio.run(receiver.engine.export_pages(keys))
+        assert [key for key, _, _ in copied] == [key for key, _, _ in held] == keys
+        assert all(torch.equal(mine, theirs) for (_, _, mine), (_, _, theirs) in zip(copied, held))
+
+        if devices == "gpu":  # the release is fire and forget: the lease goes soon after the copy
+            deadline = time.monotonic() + 10
+            while handle.call("num_leases") != 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert handle.call("num_leases") == 0
+            assert handle.calls.count("release_pages") == 1
+    finally:
+        receiver.engine.shutdown()
+        parent_conn.send(("stop", None))
+        holder.join(timeout=60)
+        if holder.is_alive():
+            holder.kill()
+
+
+class CpuHolderOfferingIpc:
+    """A handle whose holder answers a CUDA IPC bundle this process cannot open, then (asked again) a host bundle."""
+
+    def __init__(self, pages) -> None:
+        self.pages = pages
+        self.requests: list[PeerExportRequest] = []
+        self.released: list[str] = []
+        outer = self
+
+        class Export:
+            @staticmethod
+            def remote(request):
+                outer.requests.append(request)
+                return outer._answer(request)
+
+        class Release:
+            @staticmethod
+            def remote(request):
+                outer.released.append(request.lease_id)
+                return outer._released()
+
+        self.export_pages, self.release_pages = Export, Release
+
+    async def _released(self) -> bool:
+        return True
+
+    async def _answer(self, request):
+        if request.ipc_target is None:
+            return bundle_pages(self.pages)
+        handle = CudaIpcHandle(b"\0" * 64, 0, 0, b"", 0, None, False)
+        return CudaIpcBundle([key for key, _, _ in self.pages], [list(t) for _, t, _ in self.pages], "lease-1",
+                             "GPU-not-visible-here", handle, (len(self.pages), 1), "float32")
+
+
+def test_unopenable_ipc_bundle_falls_back_to_a_host_copy():
+    pages = [(bytes([index]) * 32, tuple(range(index, index + 4)), torch.full((2, 2, 4, 1, 2), float(index)))
+             for index in range(3)]
+    handle = CpuHolderOfferingIpc(pages)
+    client = ServePeerClient("unused", "unused", handle=handle)
+    assert client.ipc_target is None  # a CPU replica never offers CUDA IPC
+    client.ipc_target = IpcTarget("some-host", ("GPU-elsewhere",))  # as a GPU replica would
+
+    got = asyncio.run(client.fetch("holder", [key for key, _, _ in pages]))
+
+    assert [request.ipc_target for request in handle.requests] == [client.ipc_target, None]
+    assert handle.released == ["lease-1"]  # the holder's staging memory is not left pinned
+    assert [(key, tokens) for key, tokens, _ in got] == [(key, tokens) for key, tokens, _ in pages]
+    assert all(torch.equal(kv, expected) for (_, _, kv), (_, _, expected) in zip(got, pages))
+    assert client.transport_stats.pages == {"cuda_ipc": 0, "host": 3}
+    assert client.transport_stats.ipc_failures == 1
