@@ -7,8 +7,17 @@ page_size + offset), then attends each sequence's queries to its whole context r
     packed batch  T = | seq A chunk (q_len 3) | seq B (decode) | seq C (decode) |
     seq A context     | cached page 0 ...... | new tokens |     <- bottom-right causal: query i sees kv <= its position
 
-Sequences with more than one query token (prefill chunks) are attended one by one; all single-token queries (decodes)
-are batched into one padded SDPA call. Masks are built once per step (``PagedAttentionMetadata``) and shared by layers;
+Sequences with more than one query token (prefill chunks) are attended one by one. Single-token queries (decodes) read
+their context as views of runs of consecutive pages (no gather copy). Decodes whose contexts begin with the same pool
+slots — requests sharing a cached prefix — are attended together over that shared run: one matmul of all their queries
+against its keys and one against its values, so the shared prefix's K/V are read once per layer instead of once per
+request; each request's own pages are attended separately and the softmax spans both parts:
+
+    rows a, b, c   | shared prefix pages (same slots) | own pages |
+    scores         | [q_a; q_b; q_c] @ K_shared^T     | q_x @ K_own^T per row |  -> softmax per row over the concatenation
+    output         | P_shared @ V_shared (one matmul) + P_own @ V_own per row |
+
+Masks are built once per step (``PagedAttentionMetadata``) and shared by layers;
 sliding windows (Mistral, Gemma3) are applied on the paged read: key j is visible to query position p when
 ``p - window < j <= p``.
 """
@@ -64,6 +73,55 @@ class DecodeBatch:
             decode_row = self.rows[row]
             self._runs[cache_key] = slot_runs(decode_row.page_ids, decode_row.ctx_len, self.page_size, window)
         return self._runs[cache_key]
+
+    def plan(self, window: int | None) -> tuple[list[SharedRunGroup], list[int]]:
+        """Rows grouped by a shared leading run (see ``group_shared_runs``), and the rows attended alone."""
+        cache_key = ("plan", window)
+        if cache_key not in self._runs:
+            self._runs[cache_key] = group_shared_runs(
+                [self.runs(row, window) for row in range(len(self.rows))], min_shared=self.page_size
+            )
+        return self._runs[cache_key]
+
+
+@dataclass(frozen=True)
+class SharedRunGroup:
+    """Decode rows whose visible contexts all begin with the slots ``[start, start + length)``."""
+
+    rows: list[int]
+    start: int
+    length: int
+    private_runs: list[list[tuple[int, int]]]
+    """Per row (same order as ``rows``): the runs after the shared part (may be empty)."""
+
+
+def group_shared_runs(
+    runs_per_row: Sequence[list[tuple[int, int]]], min_shared: int
+) -> tuple[list[SharedRunGroup], list[int]]:
+    """Group rows whose first run starts at the same slot; the group shares the shortest of those first runs.
+
+    Same slot = same memory, so the shared keys and values are identical for every row of the group (positions were
+    applied when they were written). Groups sharing fewer than ``min_shared`` tokens, and rows alone, are returned as
+    single rows.
+    """
+    by_start: dict[int, list[int]] = {}
+    for row, runs in enumerate(runs_per_row):
+        if runs:
+            by_start.setdefault(runs[0][0], []).append(row)
+    groups: list[SharedRunGroup] = []
+    singles: list[int] = [row for row, runs in enumerate(runs_per_row) if not runs]
+    for start, rows in by_start.items():
+        length = min(runs_per_row[row][0][1] for row in rows)
+        if len(rows) < 2 or length < min_shared:
+            singles.extend(rows)
+            continue
+        private = []
+        for row in rows:
+            (_, first_len), *rest = runs_per_row[row]
+            head = [(start + length, first_len - length)] if first_len > length else []
+            private.append(head + list(rest))
+        groups.append(SharedRunGroup(rows, start, length, private))
+    return groups, sorted(singles)
 
 
 def slot_runs(page_ids: Sequence[int], ctx_len: int, page_size: int, window: int | None) -> list[tuple[int, int]]:
@@ -161,12 +219,48 @@ def paged_attention(
         group = num_heads // num_kv_heads
         # grouped-query trick: the `group` query heads sharing a kv head become that head's query rows
         queries = query[0].index_select(1, batch.q_indices).transpose(0, 1)  # [B, H, D]
-        outs = []
-        for row in range(len(batch.rows)):
-            q = queries[row].view(num_kv_heads, group, head_dim)
-            outs.append(_attend_runs(q, k_cache, v_cache, batch.runs(row, sliding_window), scaling))
+        queries = queries.reshape(len(batch.rows), num_kv_heads, group, head_dim)
+        outs: list[torch.Tensor | None] = [None] * len(batch.rows)
+        groups, singles = batch.plan(sliding_window)
+        for shared in groups:
+            group_out = _attend_shared(queries[shared.rows], k_cache, v_cache, shared, scaling)
+            for index, row in enumerate(shared.rows):
+                outs[row] = group_out[index]
+        for row in singles:
+            outs[row] = _attend_runs(queries[row], k_cache, v_cache, batch.runs(row, sliding_window), scaling)
         output.index_copy_(0, batch.q_indices, torch.stack(outs).reshape(len(outs), num_heads, head_dim))
     return output[None], None
+
+
+def _attend_shared(
+    queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shared: SharedRunGroup, scaling: float | None
+) -> torch.Tensor:
+    """Rows of one ``SharedRunGroup`` (queries ``[n, kv_heads, group, D]``) attending to the shared run plus their own
+    runs; returns ``[n, kv_heads, group, D]``."""
+    num_rows, num_kv_heads, group, head_dim = queries.shape
+    scale = scaling if scaling is not None else head_dim**-0.5
+    k_shared = k_cache[shared.start : shared.start + shared.length]  # [L, kv_heads, D]
+    v_shared = v_cache[shared.start : shared.start + shared.length]
+    stacked = queries.permute(1, 0, 2, 3).reshape(num_kv_heads, num_rows * group, head_dim)
+    shared_scores = torch.matmul(stacked, k_shared.permute(1, 2, 0)).view(num_kv_heads, num_rows, group, -1)
+    shared_probs = []
+    private_out = []
+    for index, runs in enumerate(shared.private_runs):
+        q = queries[index]
+        scores = torch.cat(
+            [shared_scores[:, index]] + [torch.matmul(q, k_cache[s : s + n].permute(1, 2, 0)) for s, n in runs], dim=-1
+        )
+        probs = torch.softmax(scores.float() * scale, dim=-1).to(q.dtype)
+        shared_probs.append(probs[..., : shared.length])
+        out = torch.zeros_like(q)
+        offset = shared.length
+        for start, length in runs:
+            out = out + torch.matmul(probs[..., offset : offset + length], v_cache[start : start + length].transpose(0, 1))
+            offset += length
+        private_out.append(out)
+    probs = torch.stack(shared_probs, dim=1).reshape(num_kv_heads, num_rows * group, shared.length)
+    out = torch.matmul(probs, v_shared.transpose(0, 1)).view(num_kv_heads, num_rows, group, head_dim)
+    return out.permute(1, 0, 2, 3) + torch.stack(private_out)
 
 
 def _attend_runs(

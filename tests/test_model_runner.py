@@ -78,3 +78,48 @@ def test_slot_runs_merge_consecutive_pages_and_apply_the_window():
     # a 100-token window only reads the last 100 slots: 36 in page 2, 64 in page 3 (consecutive: one run)
     assert slot_runs(pages, ctx_len, PS, 100) == [(2 * PS + 92, 100)]
     assert slot_runs([5], 1, PS, None) == [(5 * PS, 1)]
+
+
+def test_decodes_sharing_prefix_pages_are_attended_together(tiny):
+    """Three decodes whose contexts start with the same two cached pages (one of them continuing into the page right
+    after them, so its first run is longer), plus one unrelated decode: each equals its own forward pass."""
+    from replica.paged_attention import DecodeBatch, DecodeRow
+
+    runner = ModelRunner(tiny.served, num_pages=16, page_size=PS, device=torch.device("cpu"))
+    prefix = random_prompt(256, seed=21)
+    suffixes = [random_prompt(40 + 17 * i, seed=22 + i) for i in range(3)]
+    tables = [[4, 5, 6], [4, 5, 9], [4, 5, 1]]  # the first continues its shared run into page 6
+    runner.run([ChunkInput(prefix, 0, [4, 5], sample=False)])
+    for suffix, table in zip(suffixes, tables):
+        runner.run([ChunkInput(suffix, 256, table, sample=False)])
+    other = random_prompt(90, seed=30)
+    runner.run([ChunkInput(other, 0, [12], sample=False)])
+    batch = DecodeBatch([DecodeRow(i, 256 + len(s) + 1, t) for i, (s, t) in enumerate(zip(suffixes, tables))]
+                        + [DecodeRow(3, 91, [12])], PS, torch.arange(4))
+    groups, singles = batch.plan(None)
+    assert [(g.rows, g.start, g.length) for g in groups] == [([0, 1, 2], 4 * PS, 2 * PS)] and singles == [3]
+    steps = [ChunkInput([7 + i], 256 + len(s), t, sample=True) for i, (s, t) in enumerate(zip(suffixes, tables))]
+    logits = runner.run(steps + [ChunkInput([3], 90, [12], sample=True)])
+    for index, suffix in enumerate(suffixes):
+        expected = reference_last_logits(tiny, prefix + suffix + [7 + index])
+        torch.testing.assert_close(logits[index], expected, rtol=0, atol=2e-4)
+    torch.testing.assert_close(logits[3], reference_last_logits(tiny, other + [3]), rtol=0, atol=2e-4)
+
+
+def test_group_shared_runs():
+    from replica.paged_attention import group_shared_runs
+
+    runs = [
+        [(0, 300), (1000, 20)],   # shares [0, 256) with rows 1 and 3; its own part starts at 256
+        [(0, 256), (2000, 5)],
+        [(512, 400)],             # alone
+        [(0, 260)],
+        [(3000, 100)],            # same start as row 5 but they share under min_shared tokens
+        [(3000, 120)],
+    ]
+    groups, singles = group_shared_runs(runs, min_shared=128)
+    assert len(groups) == 1
+    group = groups[0]
+    assert (group.rows, group.start, group.length) == ([0, 1, 3], 0, 256)
+    assert group.private_runs == [[(256, 44), (1000, 20)], [(2000, 5)], [(256, 4)]]
+    assert singles == [2, 4, 5]
