@@ -75,11 +75,12 @@ class DecodeBatch:
         return self._runs[cache_key]
 
     def plan(self, window: int | None) -> tuple[list[SharedRunGroup], list[int]]:
-        """Rows grouped by a shared leading run (see ``group_shared_runs``), and the rows attended alone."""
+        """Rows grouped by a shared leading run (see ``group_shared_runs``), and the rows attended alone. Sharing one
+        page gains nothing measurable (benchmarks/decode_attention.py), so a group must share two or more."""
         cache_key = ("plan", window)
         if cache_key not in self._runs:
             self._runs[cache_key] = group_shared_runs(
-                [self.runs(row, window) for row in range(len(self.rows))], min_shared=self.page_size
+                [self.runs(row, window) for row in range(len(self.rows))], min_shared=2 * self.page_size
             )
         return self._runs[cache_key]
 
