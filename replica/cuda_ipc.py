@@ -35,8 +35,7 @@ from functools import lru_cache
 import torch
 
 from replica.page_keys import PageKey
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from replica.tiers.base import NAME_TO_TORCH_DTYPE, dtype_name
 
 
 @dataclass(frozen=True)
@@ -100,11 +99,17 @@ def gpu_uuid(device: torch.device | int) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+@lru_cache(maxsize=1)
+def visible_gpu_uuids() -> tuple[str, ...]:
+    """UUIDs of the GPUs this process can see, in its own device order (empty without CUDA)."""
+    return tuple(gpu_uuid(index) for index in range(torch.cuda.device_count()))
+
+
 def local_ipc_target() -> IpcTarget | None:
     """This process as a receiver of CUDA IPC bundles, or None without a GPU."""
     if not torch.cuda.is_available():
         return None
-    return IpcTarget(host_id(), tuple(gpu_uuid(index) for index in range(torch.cuda.device_count())))
+    return IpcTarget(host_id(), visible_gpu_uuids())
 
 
 class IpcExporter:
@@ -120,8 +125,6 @@ class IpcExporter:
         self._ids = itertools.count()
         self._prefix = f"{os.getpid()}-{id(self):x}"
         self._lock = threading.Lock()
-        self.num_exported = 0
-        self.num_expired = 0
 
     def can_serve(self, target: IpcTarget | None) -> bool:
         return target is not None and target.host_id == host_id() and self.gpu_uuid in target.gpu_uuids
@@ -141,8 +144,6 @@ class IpcExporter:
         lease_id = f"{self._prefix}-{next(self._ids)}"
         with self._lock:
             self._leases[lease_id] = (staging, time.monotonic() + self.lease_ttl_s)
-        self.num_exported += len(pages)
-        dtype = next(name for name, value in _DTYPES.items() if value == staging.dtype)
         return CudaIpcBundle(
             keys=[key for key, _, _ in pages],
             token_ids=[list(tokens) for _, tokens, _ in pages],
@@ -152,7 +153,7 @@ class IpcExporter:
                                  int(ref_offset), None if event_handle is None else bytes(event_handle),
                                  bool(event_sync)),
             shape=tuple(staging.shape),
-            dtype=dtype,
+            dtype=dtype_name(staging.dtype),
         )
 
     def release(self, lease_id: str) -> bool:
@@ -169,7 +170,6 @@ class IpcExporter:
             for lease_id in expired:
                 del self._leases[lease_id]
         if expired:
-            self.num_expired += len(expired)
             torch.cuda.ipc_collect()
 
 
@@ -179,13 +179,13 @@ def open_bundle(bundle: CudaIpcBundle, device: torch.device | None = None) -> li
     Raises if the holder's GPU is not visible here or the handle cannot be opened."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    uuids = [gpu_uuid(index) for index in range(torch.cuda.device_count())]
+    uuids = visible_gpu_uuids()
     if bundle.gpu_uuid not in uuids:
         raise RuntimeError(f"GPU {bundle.gpu_uuid} is not visible to this process")
     holder_index = uuids.index(bundle.gpu_uuid)
     if device is None:
         device = torch.device("cuda", holder_index)
-    dtype = _DTYPES[bundle.dtype]
+    dtype = NAME_TO_TORCH_DTYPE[bundle.dtype]
     shape = tuple(bundle.shape)
     stride = torch.empty(shape, dtype=dtype, device="meta").stride()
     handle = bundle.handle

@@ -248,17 +248,10 @@ def _attend_shared(
     private_out = []
     for index, runs in enumerate(shared.private_runs):
         q = queries[index]
-        scores = torch.cat(
-            [shared_scores[:, index]] + [torch.matmul(q, k_cache[s : s + n].permute(1, 2, 0)) for s, n in runs], dim=-1
-        )
+        scores = torch.cat([shared_scores[:, index], *_run_scores(q, k_cache, runs)], dim=-1)
         probs = torch.softmax(scores.float() * scale, dim=-1).to(q.dtype)
         shared_probs.append(probs[..., : shared.length])
-        out = torch.zeros_like(q)
-        offset = shared.length
-        for start, length in runs:
-            out = out + torch.matmul(probs[..., offset : offset + length], v_cache[start : start + length].transpose(0, 1))
-            offset += length
-        private_out.append(out)
+        private_out.append(_run_values(probs[..., shared.length :], v_cache, runs))
     probs = torch.stack(shared_probs, dim=1).reshape(num_kv_heads, num_rows * group, shared.length)
     out = torch.matmul(probs, v_shared.transpose(0, 1)).view(num_kv_heads, num_rows, group, head_dim)
     return out.permute(1, 0, 2, 3) + torch.stack(private_out)
@@ -274,16 +267,25 @@ def _attend_runs(
         v = v_cache[start : start + length].transpose(0, 1)
         return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scaling)[0]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    scores = torch.cat(
-        [torch.matmul(q, k_cache[start : start + length].permute(1, 2, 0)) for start, length in runs], dim=-1
-    )
-    probs = torch.softmax(scores.float() * scale, dim=-1).to(q.dtype)
+    probs = torch.softmax(torch.cat(_run_scores(q, k_cache, runs), dim=-1).float() * scale, dim=-1).to(q.dtype)
+    return _run_values(probs, v_cache, runs)
+
+
+def _run_scores(q: torch.Tensor, k_cache: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """``q @ K^T`` against the keys of each run, one ``[..., run_length]`` block per run."""
+    return [torch.matmul(q, k_cache[start : start + length].permute(1, 2, 0)) for start, length in runs]
+
+
+def _run_values(probs: torch.Tensor, v_cache: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """``probs @ V`` where ``probs`` covers the runs' keys in order; zeros when there are no runs."""
     out = None
     offset = 0
     for start, length in runs:
         part = torch.matmul(probs[..., offset : offset + length], v_cache[start : start + length].transpose(0, 1))
         out = part if out is None else out + part
         offset += length
+    if out is None:
+        return probs.new_zeros(*probs.shape[:-1], v_cache.shape[-1])
     return out
 
 

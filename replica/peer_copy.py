@@ -23,12 +23,11 @@ import torch
 
 from replica.cuda_ipc import CudaIpcBundle, IpcTarget, PeerRelease, local_ipc_target, open_bundle
 from replica.page_keys import PageKey
+from replica.tiers.base import NAME_TO_TORCH_DTYPE, dtype_name
 
 logger = logging.getLogger(__name__)
 
-_WIRE_VIEW = {torch.bfloat16: (torch.uint16, "bfloat16"), torch.float16: (torch.uint16, "float16"),
-              torch.float32: (torch.float32, "float32")}
-_FROM_WIRE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_WIRE_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.uint16, torch.float32: torch.float32}
 
 
 @dataclass(frozen=True)
@@ -49,12 +48,11 @@ def bundle_pages(pages: list[tuple[PageKey, tuple[int, ...], torch.Tensor]]) -> 
     if not pages:
         return PageBundle([], [], np.empty(0, dtype=np.float32), "float32")
     stacked = torch.stack([kv for _, _, kv in pages]).cpu()
-    view_dtype, name = _WIRE_VIEW[stacked.dtype]
     return PageBundle(
         keys=[key for key, _, _ in pages],
         token_ids=[list(tokens) for _, tokens, _ in pages],
-        kv=stacked.view(view_dtype).numpy(),
-        dtype=name,
+        kv=stacked.view(_WIRE_VIEW[stacked.dtype]).numpy(),
+        dtype=dtype_name(stacked.dtype),
     )
 
 
@@ -66,7 +64,7 @@ def unbundle_pages(bundle: PageBundle) -> list[tuple[PageKey, tuple[int, ...], t
         # Ray hands the array over read-only (zero copy); it is only read, then copied into the pool
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         tensor = torch.from_numpy(np.asarray(bundle.kv))
-    dtype = _FROM_WIRE[bundle.dtype]
+    dtype = NAME_TO_TORCH_DTYPE[bundle.dtype]
     if tensor.dtype != dtype:
         tensor = tensor.view(dtype)
     return [(key, tuple(tokens), tensor[index]) for index, (key, tokens) in enumerate(zip(bundle.keys, bundle.token_ids))]
