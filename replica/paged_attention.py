@@ -272,7 +272,7 @@ def _attend_runs(
 
 
 def _run_scores(q: torch.Tensor, k_cache: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """``q @ K^T`` against the keys of each run, one ``[..., run_length]`` block per run."""
+    """``q @ K^T`` against the keys of each run, one ``[..., run_length]`` score tensor per run."""
     return [torch.matmul(q, k_cache[start : start + length].permute(1, 2, 0)) for start, length in runs]
 
 
