@@ -22,9 +22,9 @@ import torch
 
 from replica.config import EngineConfig
 from replica.engine import build_engine
-from replica.outputs import EngineRequest
-from replica.sampling import SamplingParams
-from replica.tiny_models import write_tiny_model
+from common.types import EngineRequest
+from common.types import SamplingParams
+from bench.tiny_models import write_tiny_model
 
 
 def make_model(path: Path) -> Path:

@@ -30,8 +30,8 @@ from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
 from replica.kv_sources import PrefixFetcher, page_format_of
-from replica.outputs import EngineRequest
-from replica.sampling import SamplingParams
+from common.types import EngineRequest
+from common.types import SamplingParams
 
 
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")  # "cpu" for a dry run of the script itself
@@ -285,7 +285,7 @@ def check_ray_peer_copy() -> None:
         return
     import tempfile
 
-    from replica.tiny_models import write_tiny_model
+    from bench.tiny_models import write_tiny_model
 
     ray.init(num_cpus=4, num_gpus=1 if DEVICE == "cuda" else 0, include_dashboard=False)
     try:

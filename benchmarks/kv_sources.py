@@ -27,11 +27,11 @@ from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import build_engine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
-from replica.outputs import EngineRequest
+from common.types import EngineRequest
 from replica.peer_copy import bundle_pages, unbundle_pages
-from replica.sampling import SamplingParams
+from common.types import SamplingParams
 
-from replica.tiny_models import write_tiny_model
+from bench.tiny_models import write_tiny_model
 
 MODEL_DIR = Path(tempfile.gettempdir()) / "prefixserve-bench-llama-512x8"
 

@@ -53,8 +53,9 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
     PrefixCacheAffinityRouter,
 )
 
-from cluster.bench import absorb_chunk, parse_sse_data, percentile, usage_counts  # noqa: E402
-from cluster.bench_workloads import IdPromptFactory, seeded_rng  # noqa: E402
+from bench.client import absorb_chunk, parse_sse_data  # noqa: E402
+from bench.metrics import percentile, usage_counts  # noqa: E402
+from bench.workloads import IdPromptFactory, seeded_rng  # noqa: E402
 
 MODEL_NAME = "tiny-llama-256x4"
 PAGE_SIZE = 128
@@ -155,7 +156,7 @@ ROUTER_CASES = {
 def model_dir(args: argparse.Namespace) -> Path:
     path = Path(tempfile.gettempdir()) / f"prefixserve-router-compare-llama-{args.hidden_size}x{args.num_layers}"
     if not (path / "config.json").exists():
-        from replica.tiny_models import write_tiny_model
+        from bench.tiny_models import write_tiny_model
 
         write_tiny_model(path, arch="llama", hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=4,
                          num_kv_heads=2, vocab_size=args.vocab_size, max_position_embeddings=4096, seed=0)
@@ -251,7 +252,7 @@ class Record:
 
 
 async def send(client: Any, url: str, prompt: list[int], args: argparse.Namespace, record: Record) -> Record:
-    from cluster.bench import StreamResult
+    from bench.client import StreamResult
 
     payload = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}

@@ -78,7 +78,7 @@ setup_vllm_venv() {
 make_model() {
   if [[ -f "$MODEL_DIR/config.json" ]]; then return; fi
   log "writing the tiny Llama to $MODEL_DIR"
-  "$PROJECT_PY" -m replica.tiny_models --out "$MODEL_DIR" --arch llama --hidden-size 512 --num-layers 8 \
+  "$PROJECT_PY" -m bench.tiny_models --out "$MODEL_DIR" --arch llama --hidden-size 512 --num-layers 8 \
     --num-heads 8 --num-kv-heads 4 --vocab-size 8192
 }
 

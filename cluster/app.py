@@ -21,6 +21,7 @@ from ray.serve import Application
 from cluster.config import ServeConfig
 from cluster.openai_api import OpenAIIngress
 from replica.serve_replica import ServeReplica
+from router import ray_router
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +35,9 @@ REPLICA_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def request_router_config(config: ServeConfig) -> Any:
-    """The prefix-aware router's config, or None (Serve's default router) when router/ray_router.py is missing.
-
-    The router names a peer holding more of the prompt's pages (``peer_hint``) only when cross-replica prefix copy
-    is on."""
-    try:
-        from router.ray_router import router_config
-    except ImportError:
-        logger.warning("router.ray_router is not available; replicas use Serve's default request router")
-        return None
-    return router_config(enable_peer_hint=bool(config.enable_dp_cross_replica_prefix_copy))
+    """The prefix-aware router's config. The router names a peer holding more of the prompt's pages (``peer_hint``)
+    only when cross-replica prefix copy is on."""
+    return ray_router.router_config(enable_peer_hint=bool(config.enable_dp_cross_replica_prefix_copy))
 
 
 def replica_actor_options(config: ServeConfig) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The ``prefixserve`` command line (also ``python -m cluster``).
 
     prefixserve serve [flags]            start Ray (or join --ray-address), deploy the app, serve until Ctrl-C / SIGTERM
-    prefixserve make-tiny-model [flags]  write a tiny random-weight model (replica.tiny_models)
-    prefixserve bench [flags]            benchmark client (cluster.bench, when installed)
+    prefixserve make-tiny-model [flags]  write a tiny random-weight model (bench.tiny_models)
+    prefixserve bench [flags]            benchmark client (the bench package, when installed)
 
 Flags are parsed here and nowhere else; they become a ``ServeConfig``, whose validation messages name the remedy. A bad
 flag or combination prints one line, ``prefixserve serve: error: ...``, and exits with status 2 before Ray starts.
@@ -25,14 +25,14 @@ import time
 from pathlib import Path
 from typing import NoReturn, Sequence
 
-from cluster.config import DEFAULT_KV_CACHE_MEMORY, DTYPES, LOG_LEVELS, ServeConfig, parse_memory_size
+from cluster.config import DTYPES, LOG_LEVELS, ServeConfig, parse_memory_size
 
 APP_NAME = "prefixserve"
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 DELEGATED_COMMANDS = {
-    "make-tiny-model": ("replica.tiny_models", "write a tiny random-weight model and tokenizer (for tests)"),
-    "bench": ("cluster.bench", "benchmark a running server (shared-prefix workloads, TTFT, throughput)"),
+    "make-tiny-model": ("bench.tiny_models", "write a tiny random-weight model and tokenizer (for tests)"),
+    "bench": ("bench.cli", "benchmark a running server (shared-prefix workloads, TTFT, throughput)"),
 }
 
 logger = logging.getLogger("cluster.cli")
@@ -62,33 +62,45 @@ def memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def default(name: str):
+    """The default of ``ServeConfig.<name>``: flags restate no default of their own."""
+    for item in dataclasses.fields(ServeConfig):
+        if item.name == name:
+            return item.default
+    raise KeyError(name)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Every ``serve`` flag; dests are ServeConfig field names."""
+    """Every ``serve`` flag; dests are ServeConfig field names, defaults are ServeConfig's."""
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
                        help="Hugging Face folder, .gguf file or hub id; default: the bundled SmolLM2-135M-Instruct")
     model.add_argument("--served-model-name", default=None,
                        help="name clients send as 'model' (default: the model folder's name)")
-    model.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="weights and KV dtype; auto = bfloat16 on GPU, the checkpoint's (or float32) on CPU")
+    model.add_argument("--dtype", choices=DTYPES, default=default("dtype"),
+                       help="weights and KV dtype; auto = bfloat16 on GPU and on CPUs with native bf16 matmuls "
+                            "(AMX / AVX512-BF16), else float32")
+    model.add_argument("--enforce-eager", action="store_true", default=default("enforce_eager"),
+                       help="run the model eagerly: no torch.compile, no CUDA graphs")
     model.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
 
     parallel = parser.add_argument_group("devices and replicas")
     parallel.add_argument("--devices", choices=("cpu", "gpu"), default=None,
                           help="where replicas run (default: gpu when CUDA is visible here, else cpu)")
-    parallel.add_argument("--data-parallel-degree", type=int, default=1,
+    parallel.add_argument("--data-parallel-degree", type=int, default=default("data_parallel_degree"),
                           help="number of replicas, each a full model copy with its own KV cache (one GPU each)")
-    parallel.add_argument("--num-cpus-per-replica", type=float, default=1.0,
-                          help="Ray CPUs reserved per replica; its torch thread count is this rounded down")
+    parallel.add_argument("--num-cpus-per-replica", type=float, default=default("num_cpus_per_replica"),
+                          help="Ray CPUs reserved per replica; its torch thread count is this rounded down "
+                               "(default: this machine's CPUs shared out among the replicas, or 1 on a cluster)")
 
     cache = parser.add_argument_group("KV cache and prefix caching")
-    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="reuse the KV pages of earlier prompts that share a prefix (on by default)")
-    cache.add_argument("--kv-cache-page-size", dest="page_size", type=int, default=128,
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=default("enable_prefix_caching"), help="reuse the KV pages of earlier prompts that share a prefix (on by default)")
+    cache.add_argument("--kv-cache-page-size", dest="page_size", type=int, default=default("page_size"),
                        help="tokens per KV page; a multiple of 128")
-    cache.add_argument("--kv-cache-memory", type=memory_size, default=DEFAULT_KV_CACHE_MEMORY,
-                       help="KV page memory per replica: bytes or e.g. 2GiB, 512MiB (default 1GiB)")
+    cache.add_argument("--kv-cache-memory", type=memory_size, default=default("kv_cache_memory"),
+                       help="KV page memory per replica: bytes or e.g. 2GiB, 512MiB")
     cache.add_argument("--enable-dp-cross-replica-prefix-copy", action=argparse.BooleanOptionalAction, default=None,
                        help="copy cached pages from the replica that holds them instead of recomputing "
                             "(default: on with prefix caching)")
@@ -101,24 +113,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "(default: on with prefix caching)")
     cache.add_argument("--disk-cache-dir", default=None,
                        help="disk KV tier folder (default: ~/.cache/prefixserve/kv-pages)")
-    cache.add_argument("--disk-cache-budget", default="8GiB",
+    cache.add_argument("--disk-cache-budget", type=memory_size, default=default("disk_cache_budget"),
                        help="disk KV tier size budget; least recently used pages are deleted beyond it")
 
     sched = parser.add_argument_group("scheduling")
-    sched.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once per replica")
-    sched.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    sched.add_argument("--max-num-seqs", type=int, default=default("max_num_seqs"),
+                       help="most requests running at once per replica")
+    sched.add_argument("--max-num-batched-tokens", type=int, default=default("max_num_batched_tokens"),
                        help="token budget of one engine step (prefill chunks plus decode tokens)")
-    sched.add_argument("--lora-modules", nargs="+", default=(), metavar="ADAPTER",
-                       help="LoRA adapters (not implemented yet; needs --no-enable-prefix-caching)")
 
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0: all interfaces)")
-    server.add_argument("--port", type=int, default=8000, help="HTTP port")
+    server.add_argument("--host", default=default("host"), help="HTTP bind address (0.0.0.0: all interfaces)")
+    server.add_argument("--port", type=int, default=default("port"), help="HTTP port")
     server.add_argument("--api-key", default=os.environ.get("PREFIXSERVE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $PREFIXSERVE_API_KEY, else none)")
     server.add_argument("--ray-address", default=None,
                         help="join this Ray cluster ('auto', 'host:6379', 'ray://...'); default: start a local one")
-    server.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity")
+    server.add_argument("--log-level", choices=LOG_LEVELS, default=default("log_level"), help="log verbosity")
     return parser
 
 
@@ -144,7 +155,6 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     kwargs = {key: value for key, value in vars(args).items() if key != "command"}
     if kwargs.get("devices") is None:
         kwargs.pop("devices", None)
-    kwargs["lora_modules"] = tuple(kwargs.get("lora_modules") or ())
     for key in ("model", "disk_cache_dir"):  # replicas may run in another working directory
         if kwargs.get(key) and Path(kwargs[key]).expanduser().exists():
             kwargs[key] = str(Path(kwargs[key]).expanduser().resolve())

@@ -11,18 +11,16 @@ Memory sizes accept bytes or a suffixed string::
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from replica.config import PAGE_SIZE_MULTIPLE, EngineConfig
+from replica.config import DEVICES, DTYPES, EngineConfig, default_cache_dir, engine_default
 
-DEVICES = ("cpu", "gpu")
-DTYPES = ("auto", "float32", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 BUNDLED_MODEL_SERVED_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 _MEMORY_UNITS = {
     "": 1,
@@ -48,7 +46,7 @@ _MEMORY_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 # Serve config ``args`` keys that are spelled like the CLI flags rather than like the fields.
-_KEY_ALIASES = {"kv_cache_page_size": "page_size", "lora_adapters": "lora_modules"}
+_KEY_ALIASES = {"kv_cache_page_size": "page_size"}
 
 
 def parse_memory_size(value: int | str) -> int:
@@ -81,7 +79,10 @@ def num_visible_gpus() -> int:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Everything ``prefixserve serve`` needs. Every field mirrors one CLI flag (``page_size``: --kv-cache-page-size)."""
+    """Everything ``prefixserve serve`` needs. Every field mirrors one CLI flag (``page_size``: --kv-cache-page-size).
+
+    Settings a replica's engine also has take their defaults from ``EngineConfig`` and are validated there, once:
+    ``__post_init__`` builds the engine config every replica starts from (``engine_config``)."""
 
     model: str | None = None
     """Hugging Face folder, .gguf file, hub id, or None for the bundled SmolLM2-135M-Instruct."""
@@ -89,17 +90,19 @@ class ServeConfig:
     """"cpu" or "gpu"; defaults to gpu when CUDA is visible where the config is built."""
     data_parallel_degree: int = 1
     """Number of replicas, each a full copy of the model with its own KV cache."""
-    enable_prefix_caching: bool = True
-    page_size: int = 128
+    enable_prefix_caching: bool = engine_default("enable_prefix_caching")
+    page_size: int = engine_default("page_size")
     """Tokens per KV page, a multiple of 128."""
     enable_dp_cross_replica_prefix_copy: bool | None = None
     """Copy cached pages from the replica the router names (None: on exactly when prefix caching is on)."""
-    kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY
+    kv_cache_memory: int | str = engine_default("kv_cache_memory_bytes")
     """Bytes of KV pages per replica; a string like "2GiB" is converted to bytes on construction."""
-    dtype: str = "auto"
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048
+    dtype: str = engine_default("dtype")
+    max_num_seqs: int = engine_default("max_num_seqs")
+    max_model_len: int | None = engine_default("max_model_len")
+    max_num_batched_tokens: int = engine_default("max_num_batched_tokens")
+    enforce_eager: bool = engine_default("enforce_eager")
+    """No torch.compile / CUDA graphs: the model runs eagerly."""
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -111,16 +114,16 @@ class ServeConfig:
     prefixes between replicas on one machine when no Redis is configured."""
     disk_cache_dir: str | None = None
     """Folder of the disk tier (None: <prefixserve cache dir>/kv-pages)."""
-    disk_cache_budget: int | str = "8GiB"
+    disk_cache_budget: int | str = engine_default("disk_cache_budget_bytes")
     """Size budget of the disk tier; least recently used pages are deleted beyond it."""
     start_redis: bool = False
     """Start a local redis-server for the host tier (the CLI does; sets ``redis_url``)."""
     ray_address: str | None = None
     """Existing Ray cluster to join ("auto", "ray://...", "host:port"); None starts a local one."""
     log_level: str = "info"
-    lora_modules: tuple[str, ...] = ()
-    num_cpus_per_replica: float = 1.0
-    """Ray CPUs reserved per replica; its torch thread count is this rounded down (at least 1)."""
+    num_cpus_per_replica: float | None = None
+    """Ray CPUs reserved per replica; its torch thread count is this rounded down (at least 1). None: this machine's
+    CPUs shared out among the replicas when Ray is started here (DP=1 on 2 cores: 2), else 1."""
     served_model_name: str | None = None
     """Name clients put in ``model``; defaults to the model folder's name (or SmolLM2-135M-Instruct)."""
 
@@ -129,7 +132,8 @@ class ServeConfig:
             object.__setattr__(self, name, value)
 
         set_field("kv_cache_memory", parse_memory_size(self.kv_cache_memory))
-        set_field("lora_modules", tuple(self.lora_modules or ()))
+        if self.num_cpus_per_replica is None:
+            set_field("num_cpus_per_replica", default_cpus_per_replica(self.data_parallel_degree, self.ray_address))
         if self.enable_dp_cross_replica_prefix_copy is None:
             set_field("enable_dp_cross_replica_prefix_copy", self.enable_prefix_caching)
         if self.enable_disk_cache is None:
@@ -138,6 +142,7 @@ class ServeConfig:
         if self.served_model_name is None:
             set_field("served_model_name", default_served_model_name(self.model))
         self._validate()
+        object.__setattr__(self, "_engine_template", self.engine_config("replica-0"))
 
     def _validate(self) -> None:
         if self.devices not in DEVICES:
@@ -152,26 +157,11 @@ class ServeConfig:
                     f"{num_gpus} are visible; lower --data-parallel-degree, use --devices cpu, or join a cluster "
                     "with --ray-address"
                 )
-        if not isinstance(self.page_size, int) or self.page_size <= 0 or self.page_size % PAGE_SIZE_MULTIPLE:
-            raise ValueError(
-                f"--kv-cache-page-size must be a positive multiple of {PAGE_SIZE_MULTIPLE} tokens, got "
-                f"{self.page_size!r}; use 128, 256, ..."
-            )
         if self.enable_dp_cross_replica_prefix_copy and not self.enable_prefix_caching:
             raise ValueError(
                 "--enable-dp-cross-replica-prefix-copy copies prefix-cache pages, so it needs prefix caching; "
                 "drop it or drop --no-enable-prefix-caching"
             )
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}; try 1GiB")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens",
-                                                                       self.max_num_batched_tokens)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ValueError(f"--max-model-len must be an integer >= 2, got {self.max_model_len!r}")
         if not isinstance(self.port, int) or not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port!r}")
         if not self.host:
@@ -183,8 +173,6 @@ class ServeConfig:
                 f"--redis-url must start with {', '.join(_REDIS_SCHEMES)}, got {self.redis_url!r}; "
                 "e.g. redis://127.0.0.1:6379/0"
             )
-        if self.disk_cache_budget <= 0:
-            raise ValueError(f"--disk-cache-budget must be positive, got {self.disk_cache_budget}; try 8GiB")
         if self.start_redis and self.redis_url:
             raise ValueError("--start-redis starts its own redis-server; drop --redis-url or --start-redis")
         if not self.enable_prefix_caching:
@@ -197,13 +185,6 @@ class ServeConfig:
                     )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if self.lora_modules:
-            if self.enable_prefix_caching:
-                raise ValueError(
-                    "LoRA adapters cannot share prefix-cache pages (pages are not keyed by adapter); "
-                    "start with --no-enable-prefix-caching"
-                )
-            raise ValueError("LoRA serving is not implemented yet; remove --lora-modules")
         if not isinstance(self.num_cpus_per_replica, (int, float)) or self.num_cpus_per_replica <= 0:
             raise ValueError(f"--num-cpus-per-replica must be positive, got {self.num_cpus_per_replica!r}")
         if not self.served_model_name:
@@ -216,7 +197,10 @@ class ServeConfig:
         return max(1, int(self.num_cpus_per_replica))
 
     def engine_config(self, replica_id: str) -> EngineConfig:
-        """What the replica named ``replica_id`` builds its engine from."""
+        """What the replica named ``replica_id`` builds its engine from (validated when this config was built)."""
+        template = getattr(self, "_engine_template", None)
+        if template is not None:
+            return dataclasses.replace(template, replica_id=replica_id)
         return EngineConfig(
             model=self.model,
             devices=self.devices,
@@ -227,7 +211,7 @@ class ServeConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
-            lora_adapters=self.lora_modules,
+            enforce_eager=self.enforce_eager,
             num_threads=self.num_threads_per_replica,
             replica_id=replica_id,
             enable_peer_copy=bool(self.enable_dp_cross_replica_prefix_copy),
@@ -243,8 +227,6 @@ class ServeConfig:
             return None
         if self.disk_cache_dir:
             return self.disk_cache_dir
-        from replica.model_loader import default_cache_dir
-
         return str(default_cache_dir() / "kv-pages")
 
     @classmethod
@@ -260,8 +242,6 @@ class ServeConfig:
             key = _KEY_ALIASES.get(key, key)
             if key not in names:
                 raise ValueError(f"unknown prefixserve setting {raw_key!r}; known settings: {', '.join(sorted(names))}")
-            if key == "lora_modules" and isinstance(value, str):
-                value = (value,)
             kwargs[key] = value
         # A Serve config is always applied inside a running Ray cluster: its GPUs, not this process's, are the limit.
         kwargs.setdefault("ray_address", "auto")
@@ -283,3 +263,10 @@ def default_served_model_name(model: str | None) -> str:
     if path.exists():
         return path.stem if path.is_file() else (path.resolve().name or str(model))
     return str(model)
+
+
+def default_cpus_per_replica(data_parallel_degree: int, ray_address: str | None) -> float:
+    """CPUs per replica when not given: this machine's CPUs shared out when Ray starts here, else 1."""
+    if ray_address is not None or not isinstance(data_parallel_degree, int) or data_parallel_degree < 1:
+        return 1.0
+    return float(max(1, (os.cpu_count() or 1) // data_parallel_degree))

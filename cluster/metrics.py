@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from replica.outputs import EngineStats, RequestOutput
+from common.types import EngineStats, KVSourceStats, RequestOutput
 
 PREFIX = "prefixserve_"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
@@ -48,11 +48,11 @@ class ReplicaStatsCollector(Collector):
 
     def __init__(self) -> None:
         self._stats: list[EngineStats] = []
-        self._kv_sources: list[dict] = []
+        self._kv_sources: list[KVSourceStats] = []
 
-    def set(self, stats: Iterable[EngineStats], kv_sources: Iterable[dict] = ()) -> None:
+    def set(self, stats: Iterable[EngineStats], kv_sources: Iterable[KVSourceStats] = ()) -> None:
         self._stats = sorted(stats, key=lambda s: s.replica_id)
-        self._kv_sources = sorted(kv_sources, key=lambda d: d.get("replica_id", ""))
+        self._kv_sources = sorted(kv_sources, key=lambda report: report.replica_id)
 
     def collect(self):
         counters = {
@@ -88,8 +88,8 @@ class ReplicaStatsCollector(Collector):
                                          f"prompt pages from outside the replica: {documentation}",
                                          labels=["replica", "source"])
             for report in self._kv_sources:
-                for source, values in report.get("fetch", {}).items():
-                    family.add_metric([report["replica_id"], source], values[field_name])
+                for source, values in report.fetch.items():
+                    family.add_metric([report.replica_id, source.value], getattr(values, field_name))
             yield family
         tier_fields = {"pages_stored": "pages written", "bytes_stored": "KV bytes written",
                        "pages_dropped": "pages not written (queue full or store unreachable)",
@@ -99,21 +99,21 @@ class ReplicaStatsCollector(Collector):
             family = CounterMetricFamily(PREFIX + f"kv_tier_{field_name}", f"shared tier: {documentation}",
                                          labels=["replica", "tier"])
             for report in self._kv_sources:
-                for tier, values in report.get("tiers", {}).items():
-                    family.add_metric([report["replica_id"], tier], values[field_name])
+                for tier, tier_report in report.tiers.items():
+                    family.add_metric([report.replica_id, tier], getattr(tier_report.stats, field_name))
             yield family
         transport = CounterMetricFamily(PREFIX + "kv_peer_pages",
                                         "pages copied from a peer, by transport: cuda_ipc (device to device) | host",
                                         labels=["replica", "transport"])
         for report in self._kv_sources:
-            for name, value in report.get("peer_transport", {}).items():
-                transport.add_metric([report["replica_id"], name], value)
+            for name, value in report.peer_transport.items():
+                transport.add_metric([report.replica_id, name], value)
         yield transport
         available = GaugeMetricFamily(PREFIX + "kv_tier_available", "1 while the shared tier answers",
                                       labels=["replica", "tier"])
         for report in self._kv_sources:
-            for tier, values in report.get("tiers", {}).items():
-                available.add_metric([report["replica_id"], tier], values.get("available", 0))
+            for tier, tier_report in report.tiers.items():
+                available.add_metric([report.replica_id, tier], int(tier_report.available))
         yield available
 
 
@@ -157,7 +157,7 @@ class IngressMetrics:
         for source, value in cached.as_dict().items():
             self.cached_prompt_tokens.labels(replica, source).inc(value)
 
-    def render(self, replica_stats: Sequence[EngineStats], kv_sources: Sequence[dict] = ()) -> bytes:
+    def render(self, replica_stats: Sequence[EngineStats], kv_sources: Sequence[KVSourceStats] = ()) -> bytes:
         """Prometheus text exposition with ``replica_stats`` as the per-replica engine numbers and ``kv_sources``
         as each replica's ``kv_source_stats()``."""
         self.replica_stats.set(replica_stats, kv_sources)

@@ -26,8 +26,10 @@ import concurrent.futures
 import dataclasses
 import hmac
 import logging
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -62,15 +64,22 @@ from cluster.protocol import (
     sampling_params,
     sse,
 )
-from replica.engine import InvalidRequestError
-from replica.outputs import EngineRequest, EngineStats, RequestOutput
-from replica.page_keys import compute_page_keys
-from replica.serve_replica import ReplicaInfo
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+from common.errors import EngineDeadError, InvalidRequestError
+from common.page_keys import compute_page_keys
+from common.types import EngineRequest, EngineStats, KVSourceStats, ReplicaInfo, RequestOutput
 
 logger = logging.getLogger(__name__)
 
 BROADCAST_TIMEOUT_S = 30.0
 METRICS_TIMEOUT_S = 5.0
+
+UNAVAILABLE_ERRORS = (BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError,
+                      ActorUnavailableError, EngineDeadError)
+"""Errors meaning "no replica can serve this now": 503, the client may retry (Ray re-raises a replica's own error as a
+subclass of it, so ``isinstance`` sees through the wrapping)."""
 
 api = FastAPI(title="prefixserve", description="OpenAI-compatible API with prefix caching")
 
@@ -96,10 +105,20 @@ def replica_error(error: BaseException) -> APIError:
         message = getattr(error, "cause", None) or error
         return APIError(str(message).strip().splitlines()[-1] if str(message) else "invalid request")
     name = type(error).__name__
-    if "BackPressure" in name or "Unavailable" in name or "ActorDied" in name:
+    if isinstance(error, UNAVAILABLE_ERRORS):
         return APIError(f"no replica can take the request now ({name}); retry later", status=503, type="server_error")
     logger.exception("request failed in a replica", exc_info=error)
     return APIError(f"the request failed in a replica: {name}", status=500, type="server_error")
+
+
+def load_tokenizer(files: dict[str, bytes]) -> Any:
+    """A fast tokenizer from the files a replica sent (no torch: transformers' AutoTokenizer would import it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    with tempfile.TemporaryDirectory(prefix="prefixserve-tokenizer-") as folder:
+        for name, data in files.items():
+            (Path(folder) / Path(name).name).write_bytes(data)
+        return PreTrainedTokenizerFast.from_pretrained(folder)
 
 
 @serve.ingress(api)
@@ -107,16 +126,12 @@ class OpenAIIngress:
     """The ingress. ``replicas`` is the handle of the ServeReplica deployment; ``config`` the whole ServeConfig."""
 
     def __init__(self, replicas: Any, config: ServeConfig) -> None:
-        """Load the tokenizer from the resolved model folder (blocking, once, off the request path)."""
-        from transformers import AutoTokenizer
-
-        from replica.model_loader import resolve_model_dir
-
+        """The tokenizer comes with the replicas' ``ReplicaInfo``, asked once on first use."""
         logging.getLogger("cluster").setLevel(config.log_level.upper())
         self.replicas = replicas
         self.config = config
         self.served_model_name = config.served_model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.model))
+        self.tokenizer = None
         self.metrics = IngressMetrics()
         # One thread: a fast tokenizer is not safe to call from several threads at once ("Already borrowed").
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -150,7 +165,7 @@ class OpenAIIngress:
     @api.get("/metrics")
     async def metrics(self) -> Response:
         replica_stats: list[EngineStats] = []
-        kv_sources: list[dict] = []
+        kv_sources: list[KVSourceStats] = []
         try:
             results, sources = await asyncio.gather(
                 self.replicas.broadcast("stats").results_async(timeout_s=METRICS_TIMEOUT_S, return_exceptions=True),
@@ -159,7 +174,7 @@ class OpenAIIngress:
                 ),
             )
             replica_stats = [item for item in results if isinstance(item, EngineStats)]
-            kv_sources = [item for item in sources if isinstance(item, dict)]
+            kv_sources = [item for item in sources if isinstance(item, KVSourceStats)]
         except Exception:  # noqa: BLE001 - the ingress's own metrics are still worth serving
             logger.warning("could not read the replicas' stats for /metrics", exc_info=True)
         return Response(self.metrics.render(replica_stats, kv_sources), media_type=CONTENT_TYPE_LATEST)
@@ -309,10 +324,13 @@ class OpenAIIngress:
             async with self._info_lock:
                 if self._info is None:
                     try:
-                        self._info = await self.replicas.info.remote()
+                        info = await self.replicas.info.remote()
                     except Exception as error:  # noqa: BLE001 - no replica answered
                         raise APIError(f"no replica is ready yet ({type(error).__name__}); retry shortly",
                                        status=503, type="server_error") from None
+                    self.tokenizer = await asyncio.get_running_loop().run_in_executor(
+                        self._tokenize_pool, load_tokenizer, info.tokenizer_files)
+                    self._info = info
         return self._info
 
     def _check_api_key(self, request: Request) -> None:

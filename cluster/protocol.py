@@ -24,8 +24,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from replica.outputs import CachedTokens, RequestOutput
-from replica.sampling import SamplingParams
+from common.types import CachedTokens, RequestOutput
+from common.types import SamplingParams
 
 REPLICA_HEADER = "x-prefixserve-replica"
 TARGET_REPLICA_HEADER = "x-prefixserve-target-replica"

@@ -17,16 +17,14 @@ import uuid
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from replica.engine import LLMEngine
-from replica.events import KVEvent
+from common.errors import EngineDeadError, InvalidRequestError
+from common.events import KVEvent
+from common.types import EngineRequest, EngineStats, RequestOutput
+from replica.engine import AdmissionPlan, LLMEngine
 from replica.kv_sources import PrefixFetcher
-from replica.outputs import EngineRequest, EngineStats, RequestOutput
+from replica.page_record import PageRecord
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shutdown or a fatal error); the request could not complete."""
 
 
 class AsyncEngine:
@@ -63,15 +61,21 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shut down")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        self.engine.validate(request)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request_id = request.request_id
-        preloaded = await self._prefetch(request)
         self._request_to_sink[request_id] = (loop, queue)
-        self._submit(lambda: self._add(request, preloaded))
         finished = False
+        rejected = False
         try:
+            try:
+                plan = await self._call(lambda: self._admit(request))
+            except InvalidRequestError:
+                rejected = True  # nothing was queued (and another request may hold this id)
+                raise
+            if plan is not None:  # pages to fetch first: only this request waits for them
+                fetched = await self._fetch(plan)
+                self._submit(lambda: self._add(plan, fetched))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -83,37 +87,36 @@ class AsyncEngine:
                     return
         finally:
             self._request_to_sink.pop(request_id, None)
-            if not finished:
+            if not finished and not rejected:
                 self._submit(lambda: self.engine.abort(request_id))
+
+    def _admit(self, request: EngineRequest) -> AdmissionPlan | None:
+        """Engine thread: plan the request; queue it now unless pages are worth fetching first (then the plan)."""
+        plan = self.engine.plan(request)
+        if plan.missing and self.fetcher is not None and self.fetcher.enabled:
+            return plan
+        self.engine.add(plan)
+        return None
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def export_pages(self, keys: list[bytes], to_cpu: bool = True) -> list[tuple[bytes, tuple[int, ...], object]]:
+    async def export_pages(self, keys: list[bytes], to_cpu: bool = True) -> list[PageRecord]:
         """Copies of the leading pages of ``keys`` this replica holds (for a peer's copy), pinned while copied; on the
         CPU, or (``to_cpu=False``) on this replica's device."""
         return await self._call(lambda: self.engine.export_pages(list(keys), to_cpu=to_cpu))
 
-    async def _prefetch(self, request: EngineRequest) -> dict | None:
-        """Fetch the prompt pages the local cache misses from a peer / the shared tiers (page index -> FetchedPage).
-        Runs on the caller's event loop before the request reaches the engine; only this request waits for it."""
-        if self.fetcher is None or not self.fetcher.enabled or not self.engine.enable_prefix_caching:
-            return None
-        engine = self.engine
-        tokens = request.prompt_token_ids
-        keys = engine.page_keys(tokens, request.cache_salt)
-        page_size = engine.config.page_size
-        missing = engine.missing_pages(tokens, keys)
-        if not missing:
-            return None
-        token_slices = [tokens[i * page_size : (i + 1) * page_size] for i in missing]
-        peer_hint = request.peer_hint if engine.config.enable_peer_copy else None
+    async def _fetch(self, plan: AdmissionPlan) -> list[PageRecord]:
+        """The plan's missing pages from a peer / the shared tiers (verified), on the caller's event loop."""
+        request = plan.request
+        missing = plan.missing
+        peer_hint = request.peer_hint if self.engine.config.enable_peer_copy else None
         try:
-            pages = await self.fetcher.fetch(keys[missing.start : missing.stop], token_slices, peer_hint=peer_hint)
+            return await self.fetcher.fetch(plan.page_keys[missing.start : missing.stop],
+                                            plan.missing_token_ids(self.engine.config.page_size), peer_hint=peer_hint)
         except Exception:  # noqa: BLE001 - sources degrade to recompute, never fail the request
             logger.exception("fetching prefix pages failed; recomputing them")
-            return None
-        return {missing.start + offset: page for offset, page in enumerate(pages)} or None
+            return []
 
     def drain_kv_events(self) -> list[KVEvent]:
         events = []
@@ -155,11 +158,11 @@ class AsyncEngine:
         self._inbox.append(fn)
         self._wake.set()
 
-    def _add(self, request: EngineRequest, preloaded: dict | None) -> None:
+    def _add(self, plan: AdmissionPlan, fetched: list[PageRecord]) -> None:
         try:
-            self.engine.add_request(request, preloaded)
+            self.engine.add(plan, fetched)
         except Exception as exc:  # noqa: BLE001 - reported to the request's caller
-            self._deliver(request.request_id, exc)
+            self._deliver(plan.request.request_id, exc)
 
     def _run(self) -> None:
         while not self._stopped:

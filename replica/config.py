@@ -1,10 +1,28 @@
-"""Configuration of one replica's engine: a frozen dataclass validated on construction, remedy in every message."""
+"""Configuration of one replica's engine: a frozen dataclass validated on construction, remedy in every message.
+
+The defaults written here are the only ones: ``cluster.config.ServeConfig`` and the CLI read them from this class.
+Messages name the CLI flag, since that is where a user sets the value.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
 
 PAGE_SIZE_MULTIPLE = 128
+DEVICES = ("cpu", "gpu")
+DTYPES = ("auto", "float32", "bfloat16")
+CACHE_DIR_ENV = "PREFIXSERVE_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """The folder for converted models and the disk tier: ``$PREFIXSERVE_CACHE_DIR``, else ``~/.cache/prefixserve``."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "prefixserve"
 
 
 @dataclass(frozen=True)
@@ -16,7 +34,8 @@ class EngineConfig:
     devices: str = "cpu"
     """"cpu" or "gpu" (CUDA)."""
     dtype: str = "auto"
-    """"auto" (bfloat16 on GPU, the checkpoint's dtype or float32 on CPU), "float32" or "bfloat16"."""
+    """"auto" (bfloat16 on GPU and on CPUs with native bf16 matmuls (AMX / AVX512-BF16), else float32), "float32"
+    or "bfloat16"."""
     page_size: int = 128
     """Tokens per KV page; a multiple of 128."""
     kv_cache_memory_bytes: int = 1 << 30
@@ -30,11 +49,10 @@ class EngineConfig:
     max_model_len: int | None = None
     """Longest prompt + output; defaults to the model's ``max_position_embeddings``."""
     enable_prefix_caching: bool = True
-    lora_adapters: tuple[str, ...] = ()
-    """LoRA adapters to serve. Not supported together with prefix caching (pages are not keyed by adapter)."""
     num_threads: int = 1
-    """torch intra-op threads for this replica (one per replica on small CPU boxes)."""
-    seed: int = 0
+    """torch intra-op threads for this replica (the CPUs it owns)."""
+    enforce_eager: bool = False
+    """Run the model eagerly: no torch.compile, no CUDA graphs (debugging, or when compilation is unavailable)."""
     cache_dir: str | None = None
     """Where converted models are kept (default ~/.cache/prefixserve)."""
     replica_id: str = "replica-0"
@@ -45,32 +63,36 @@ class EngineConfig:
     disk_cache_dir: str | None = None
     """Shared disk tier (Arrow IPC files); None disables it."""
     disk_cache_budget_bytes: int = 8 << 30
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        if self.page_size <= 0 or self.page_size % PAGE_SIZE_MULTIPLE:
+        if not isinstance(self.page_size, int) or self.page_size <= 0 or self.page_size % PAGE_SIZE_MULTIPLE:
             raise ValueError(
                 f"--kv-cache-page-size must be a positive multiple of {PAGE_SIZE_MULTIPLE} tokens, got "
-                f"{self.page_size}; use 128, 256, ..."
+                f"{self.page_size!r}; use 128, 256, ..."
             )
-        if self.devices not in ("cpu", "gpu"):
-            raise ValueError(f"--devices must be 'cpu' or 'gpu', got {self.devices!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.devices not in DEVICES:
+            raise ValueError(f"--devices must be one of {', '.join(DEVICES)}, got {self.devices!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {self.num_pages}")
         if self.kv_cache_memory_bytes <= 0:
-            raise ValueError("the KV cache memory budget must be positive; raise --kv-cache-memory")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"--max-model-len must be at least 1, got {self.max_model_len}")
-        if self.lora_adapters and self.enable_prefix_caching:
-            raise ValueError(
-                "LoRA adapters cannot share prefix-cache pages (pages are not keyed by adapter); "
-                "start with --no-enable-prefix-caching"
-            )
+            raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory_bytes}; try 1GiB")
+        for flag, value in (("--max-num-seqs", self.max_num_seqs),
+                            ("--max-num-batched-tokens", self.max_num_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"--max-model-len must be an integer >= 2, got {self.max_model_len!r}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.disk_cache_budget_bytes <= 0:
+            raise ValueError(f"--disk-cache-budget must be positive, got {self.disk_cache_budget_bytes}; try 8GiB")
+
+
+def engine_default(name: str) -> Any:
+    """The default of ``EngineConfig.<name>`` (so the CLI and ServeConfig do not restate it)."""
+    for item in fields(EngineConfig):
+        if item.name == name:
+            return item.default
+    raise KeyError(name)

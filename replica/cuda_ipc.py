@@ -34,8 +34,10 @@ from functools import lru_cache
 
 import torch
 
-from replica.page_keys import PageKey
-from replica.tiers.base import NAME_TO_TORCH_DTYPE, dtype_name
+from common.page_keys import PageKey
+from common.page_format import dtype_name
+from common.types import CacheSource
+from replica.page_record import PageRecord
 
 
 @dataclass(frozen=True)
@@ -133,11 +135,11 @@ class IpcExporter:
     def num_leases(self) -> int:
         return len(self._leases)
 
-    def export(self, pages: list[tuple[PageKey, tuple[int, ...], torch.Tensor]]) -> CudaIpcBundle:
+    def export(self, pages: list[PageRecord]) -> CudaIpcBundle:
         """``pages`` (device tensors, any order of memory) -> a bundle over one new staging tensor, leased."""
         self._expire()
         with torch.cuda.device(self.device):
-            staging = torch.stack([kv for _, _, kv in pages]).contiguous()
+            staging = torch.stack([page.kv for page in pages]).contiguous()
             torch.cuda.current_stream().synchronize()  # the receiver reads it on another stream of another process
             share = staging.untyped_storage()._share_cuda_()
         _device, storage_handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync = share
@@ -145,8 +147,8 @@ class IpcExporter:
         with self._lock:
             self._leases[lease_id] = (staging, time.monotonic() + self.lease_ttl_s)
         return CudaIpcBundle(
-            keys=[key for key, _, _ in pages],
-            token_ids=[list(tokens) for _, tokens, _ in pages],
+            keys=[page.key for page in pages],
+            token_ids=[list(page.token_ids) for page in pages],
             lease_id=lease_id,
             gpu_uuid=self.gpu_uuid,
             handle=CudaIpcHandle(bytes(storage_handle), int(size_bytes), int(offset_bytes), bytes(ref_handle),
@@ -173,7 +175,7 @@ class IpcExporter:
             torch.cuda.ipc_collect()
 
 
-def open_bundle(bundle: CudaIpcBundle, device: torch.device | None = None) -> list[tuple[PageKey, tuple[int, ...], torch.Tensor]]:
+def open_bundle(bundle: CudaIpcBundle, device: torch.device | None = None) -> list[PageRecord]:
     """Receiver side: copy the bundle's pages into memory of this process, on ``device`` (default: the holder's GPU
     as this process numbers it). The holder's memory is unmapped before this returns; release the lease afterwards.
     Raises if the holder's GPU is not visible here or the handle cannot be opened."""
@@ -185,7 +187,7 @@ def open_bundle(bundle: CudaIpcBundle, device: torch.device | None = None) -> li
     holder_index = uuids.index(bundle.gpu_uuid)
     if device is None:
         device = torch.device("cuda", holder_index)
-    dtype = NAME_TO_TORCH_DTYPE[bundle.dtype]
+    dtype = getattr(torch, bundle.dtype)
     shape = tuple(bundle.shape)
     stride = torch.empty(shape, dtype=dtype, device="meta").stride()
     handle = bundle.handle
@@ -198,5 +200,5 @@ def open_bundle(bundle: CudaIpcBundle, device: torch.device | None = None) -> li
         copied = mapped.to(device, copy=True)
         torch.cuda.current_stream().synchronize()
     del mapped
-    return [(key, tuple(tokens), copied[index])
+    return [PageRecord(key, tuple(tokens), copied[index], CacheSource.PEER)
             for index, (key, tokens) in enumerate(zip(bundle.keys, bundle.token_ids))]

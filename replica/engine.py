@@ -1,5 +1,12 @@
 """The engine of one replica: requests in, one ``step()`` at a time, outputs out (synchronous; see async_engine).
 
+A request enters in two calls on the engine thread, so each thing is checked once and fetching waits on nobody:
+
+    plan(request)  -> AdmissionPlan: validated, page keys checked (count, page 0 re-hashed with this replica's
+                      fingerprint and salt), the reusable pages the local cache lacks (``missing``)
+    (the caller fetches ``missing`` from a peer / the shared tiers, off the engine thread: verified PageRecords)
+    add(plan, fetched) -> queued; the scheduler uses the fetched pages that still continue the local hit on admission
+
 A step: the scheduler picks chunks -> the model runner computes their KV into pages and returns logits for chunks that
 end at a sequence's last token -> a token is sampled for each -> finished requests are released -> newly full pages
 are committed to the prefix cache.
@@ -13,21 +20,37 @@ from dataclasses import dataclass
 
 import torch
 
+from common.errors import InvalidRequestError
+from common.page_keys import PageKey, compute_page_keys, hash_page
+from common.types import CachedTokens, EngineRequest, EngineStats, RequestOutput
 from replica.config import EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
 from replica.kv_manager import KVCacheManager
 from replica.model_runner import ChunkInput, ModelRunner
-from replica.outputs import CachedTokens, EngineRequest, EngineStats, RequestOutput
-from replica.page_keys import PageKey, compute_page_keys
+from replica.page_record import PageRecord
 from replica.sampling import sample_tokens
-from replica.scheduler import Scheduler, num_reusable_pages
+from replica.scheduler import PageImport, Scheduler, num_reusable_pages
 from replica.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 
-class InvalidRequestError(ValueError):
-    """The request can never be served as given (the HTTP layer answers 400 with this message)."""
+@dataclass(frozen=True)
+class AdmissionPlan:
+    """A validated request with its checked page keys, and what it could reuse from outside this replica::
+
+        page index   | 0 | 1 | 2 | 3 | 4 (last, partial) |
+        local cache  | x | x |                              missing = range(2, 4): pages 2..3 may come from a
+                                                            peer or a tier; page 4 is always computed
+    ``missing`` is empty with caching off. A hint: the cache may change before admission (the scheduler decides)."""
+
+    request: EngineRequest
+    page_keys: list[PageKey]
+    missing: range
+
+    def missing_token_ids(self, page_size: int) -> list[list[int]]:
+        tokens = self.request.prompt_token_ids
+        return [tokens[i * page_size : (i + 1) * page_size] for i in self.missing]
 
 
 @dataclass
@@ -74,10 +97,9 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             model_fingerprint=self.model_fingerprint,
-            import_page=self.runner.write_page,
         )
         self.page_sink = None
-        """Called with ``[(key, token_ids, kv view)]`` for pages newly computed and cached (the shared tiers)."""
+        """Called with the ``PageRecord``s (kv: views of pool pages) newly computed and cached (the shared tiers)."""
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
         self.num_requests_finished = 0
@@ -95,9 +117,11 @@ class LLMEngine:
         return wanted
 
     # ---- requests ------------------------------------------------------------------------------------------------
-    def validate(self, request: EngineRequest) -> None:
-        """Raise ``InvalidRequestError`` if the request can never be served."""
-        num_prompt = len(request.prompt_token_ids)
+    def plan(self, request: EngineRequest) -> AdmissionPlan:
+        """Validate the request (``InvalidRequestError`` if it can never be served), check or compute its page keys, and
+        find the reusable pages the local cache lacks. Changes nothing."""
+        tokens = request.prompt_token_ids
+        num_prompt = len(tokens)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty; send at least one token")
         if num_prompt >= self.max_model_len:
@@ -105,16 +129,20 @@ class LLMEngine:
                 f"the prompt has {num_prompt} tokens; this model serves at most {self.max_model_len} tokens "
                 f"(prompt + output), so shorten the prompt"
             )
-        bad = [t for t in request.prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        bad = [t for t in tokens if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         if request.request_id in self._tracked:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+        if not self.kv.enable_prefix_caching:
+            return AdmissionPlan(request, [], range(0))
+        keys = self._checked_page_keys(request)
+        num_reusable = num_reusable_pages(num_prompt, self.config.page_size)
+        return AdmissionPlan(request, keys, range(len(self.kv.match_prefix(keys[:num_reusable])), num_reusable))
 
-    def add_request(self, request: EngineRequest, preloaded: dict | None = None) -> None:
-        """Queue a request. ``preloaded`` maps page index -> FetchedPage (KV fetched from a peer or a shared tier);
-        pages that still extend the local hit when the request is admitted are used, the rest ignored."""
-        self.validate(request)
+    def add(self, plan: AdmissionPlan, fetched: list[PageRecord] | tuple[PageRecord, ...] = ()) -> None:
+        """Queue a planned request. ``fetched``: verified pages for ``plan.missing`` from its first index on."""
+        request = plan.request
         generator = None
         if request.sampling.seed is not None:
             generator = torch.Generator(device="cpu").manual_seed(request.sampling.seed)
@@ -125,10 +153,33 @@ class LLMEngine:
             arrival_index=next(self._arrivals),
             cache_salt=request.cache_salt,
             generator=generator,
-            preloaded=dict(preloaded or {}),
+            page_keys=list(plan.page_keys),
+            fetched=tuple(fetched),
+            first_fetched_index=plan.missing.start,
         )
         self._tracked[request.request_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, request.sampling.stop))
         self.scheduler.add(seq)
+
+    def add_request(self, request: EngineRequest) -> None:
+        """``add(plan(request))``: queue a request that fetches nothing from outside (tests, benchmarks)."""
+        self.add(self.plan(request))
+
+    def _checked_page_keys(self, request: EngineRequest) -> list[PageKey]:
+        """The ingress's keys when they fit this replica (one per full prompt page, page 0 equal to this replica's
+        hash of it, which folds in the fingerprint and salt); otherwise computed here."""
+        tokens = request.prompt_token_ids
+        page_size = self.config.page_size
+        keys = request.page_keys
+        num_full = len(tokens) // page_size
+        if keys is not None and len(keys) == num_full:
+            if num_full == 0 or keys[0] == hash_page(None, tokens[:page_size], page_size=page_size,
+                                                      model_fingerprint=self.model_fingerprint,
+                                                      salt=request.cache_salt):
+                return list(keys)
+        if keys is not None:
+            logger.warning("request %s came with page keys this replica does not make; recomputing them",
+                           request.request_id)
+        return self.page_keys(tokens, request.cache_salt)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         tracked = self._tracked.pop(request_id, None)
@@ -153,6 +204,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
+        self._import_pages(plan.imports)
         inputs = []
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -175,12 +227,22 @@ class LLMEngine:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             newly_cached.extend(self.scheduler.commit_computed_pages(chunk.seq))
         if newly_cached and self.page_sink is not None:
-            self.page_sink([(key, tokens, self.runner.read_page(page_id)) for page_id, key, tokens in newly_cached])
+            self.page_sink([PageRecord(page.key, page.token_ids, self.runner.read_page(page.page_id))
+                            for page in newly_cached])
         outputs = []
         for seq, token in zip(sampling_seqs, new_tokens):
             seq.output_token_ids.append(token)
             outputs.append(self._advance(seq))
         return [output for output in outputs if output is not None]
+
+    def _import_pages(self, imports: list[PageImport]) -> None:
+        """Write fetched pages into the pool pages the scheduler gave them, then register them in the prefix cache
+        (a page another request committed meanwhile is shared instead)."""
+        for item in imports:
+            page_id = item.seq.page_ids[item.page_index]
+            self.runner.write_page(page_id, item.page.kv)
+            result = self.kv.commit_page(page_id, item.page.key, item.page.token_ids)
+            item.seq.page_ids[item.page_index] = result.page_id
 
     def _advance(self, seq: Sequence) -> RequestOutput | None:
         tracked = self._tracked[seq.request_id]
@@ -205,7 +267,6 @@ class LLMEngine:
 
     def _output(self, tracked: _Tracked, new_ids: list[int], new_text: str, *, finished: bool) -> RequestOutput:
         seq = tracked.seq
-        sources = seq.cached_by_source
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_ids,
@@ -214,22 +275,12 @@ class LLMEngine:
             finish_reason=seq.finish_reason if finished else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
-            cached_tokens=CachedTokens(**{k: sources.get(k, 0) for k in ("local", "peer", "host", "disk")}),
+            cached_tokens=CachedTokens.of(seq.cached_by_source),
             replica_id=self.config.replica_id,
         )
 
-    def missing_pages(self, token_ids: list[int], page_keys: list[PageKey]) -> range:
-        """Indices of the prompt's reusable pages that the local cache lacks, from the first miss on (empty with
-        caching off). A hint only: the cache may change before the request is admitted."""
-        num_reusable = num_reusable_pages(len(token_ids), self.config.page_size)
-        if not self.enable_prefix_caching:
-            return range(0)
-        return range(len(self.kv.match_prefix(page_keys[:num_reusable])), num_reusable)
-
-    def export_pages(
-        self, keys: list[PageKey], *, to_cpu: bool = True
-    ) -> list[tuple[PageKey, tuple[int, ...], torch.Tensor]]:
-        """Copies of the leading run of ``keys`` held in this replica's cache: ``(key, token_ids, kv)``, on the CPU
+    def export_pages(self, keys: list[PageKey], *, to_cpu: bool = True) -> list[PageRecord]:
+        """Copies of the leading run of ``keys`` held in this replica's cache, on the CPU
         or (``to_cpu=False``) on this replica's device, for a device-to-device copy into a peer on the same GPU
         host. The pages are pinned (referenced) while they are copied. Runs on the engine thread between steps."""
         page_ids = self.kv.match_prefix(keys)
@@ -238,8 +289,8 @@ class LLMEngine:
             pages = []
             for key, page_id in zip(keys, page_ids):
                 kv = self.runner.read_page(page_id)
-                pages.append((key, self.kv.cache.page_to_token_ids[page_id],
-                              kv.to("cpu", copy=True) if to_cpu else kv.clone()))
+                pages.append(PageRecord(key, self.kv.cache.page_to_token_ids[page_id],
+                                        kv.to("cpu", copy=True) if to_cpu else kv.clone()))
             return pages
         finally:
             self.kv.release(page_ids)
@@ -277,11 +328,29 @@ class LLMEngine:
                 raise AssertionError(f"request {seq.request_id} has fewer pages than computed tokens need")
 
 
-def resolve_dtype(config: EngineConfig) -> torch.dtype:
-    """``auto`` is bfloat16 on GPU and float32 on CPU."""
-    if config.dtype == "auto":
-        return torch.bfloat16 if config.devices == "gpu" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU multiplies bfloat16 in hardware (AMX or AVX512-BF16), so bf16 matmuls beat float32; on
+    AVX2-only CPUs they are emulated and ~10x slower than float32."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
+    """The weights' and KV dtype, and why: ``auto`` is bfloat16 on GPU and on CPUs with native bf16, else float32."""
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype), f"--dtype {config.dtype}"
+    if config.devices == "gpu":
+        return torch.bfloat16, "auto: GPU"
+    if cpu_has_native_bf16():
+        return torch.bfloat16, "auto: this CPU has native bf16 matmuls (AMX / AVX512-BF16)"
+    return torch.float32, "auto: this CPU has no native bf16 matmuls"
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -292,7 +361,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         raise ValueError("--devices gpu was asked for but no CUDA device is visible; use --devices cpu")
     torch.set_num_threads(config.num_threads)
     model_dir = resolve_model_dir(config.model, config.cache_dir)
-    loaded = load_model(model_dir, resolve_dtype(config), config.devices)
+    dtype, reason = resolve_dtype(config)
+    logger.info("replica %s runs in %s (%s)", config.replica_id, str(dtype).removeprefix("torch."), reason)
+    loaded = load_model(model_dir, dtype, config.devices)
     device = "cuda" if config.devices == "gpu" else "cpu"
     return LLMEngine(
         config,

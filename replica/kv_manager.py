@@ -6,7 +6,8 @@ The scheduler talks only to this class (never to the free queue). Invariants, ch
 - a cached page may be free (evictable, hit brings it back) or in use (shared by every request that holds it);
 - when the pool hands out a free page that was cached, its key leaves the cache first (an eviction).
 
-With prefix caching off nothing is inserted, so nothing is ever matched and released pages are plain free pages.
+With prefix caching off the cache is a ``NullPrefixCache``: nothing is inserted, so nothing is ever matched and
+released pages are plain free pages.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from replica.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
-from replica.page_keys import PageKey
+from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
+from common.page_keys import PageKey
 from replica.page_pool import PagePool
-from replica.prefix_cache import PrefixCache
+from replica.prefix_cache import NullPrefixCache, PrefixCache
 
 
 @dataclass(frozen=True)
@@ -34,14 +35,17 @@ class CommitResult:
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True) -> None:
         self.page_size = page_size
-        self.enable_prefix_caching = enable_prefix_caching
         self.pool = PagePool(num_pages)
-        self.cache = PrefixCache()
+        self.cache = PrefixCache() if enable_prefix_caching else NullPrefixCache()
         self.num_evictions = 0
         self._events: list[KVEvent] = []
         self._event_seq = 0
 
     # ---- queries -------------------------------------------------------------------------------------------------
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.cache.enabled
+
     @property
     def num_pages(self) -> int:
         return self.pool.num_pages
@@ -60,8 +64,6 @@ class KVCacheManager:
 
     def match_prefix(self, page_keys: Sequence[PageKey]) -> list[int]:
         """Page ids of the longest cached prefix of ``page_keys`` (nothing when caching is off). Read-only."""
-        if not self.enable_prefix_caching:
-            return []
         return self.cache.match(page_keys)
 
     def num_free_after_acquiring(self, page_ids: Sequence[int]) -> int:
@@ -102,8 +104,6 @@ class KVCacheManager:
         If another page already holds ``key`` (two requests computed the same prefix at once), the caller should hold
         that page instead: it is acquired here and ``page_id`` is released, so the prefix is stored once.
         """
-        if not self.enable_prefix_caching:
-            return CommitResult(page_id, False)
         existing = self.cache.lookup(key)
         if existing is not None:
             if existing == page_id:
@@ -111,7 +111,8 @@ class KVCacheManager:
             self.pool.acquire(existing)
             self.pool.release(page_id, keep_contents=False)
             return CommitResult(existing, True)
-        self.cache.insert(key, page_id, token_ids)
+        if not self.cache.insert(key, page_id, token_ids):
+            return CommitResult(page_id, False)
         self._emit(PagesStored, (key,))
         return CommitResult(page_id, False, newly_cached=True)
 

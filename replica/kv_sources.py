@@ -9,8 +9,8 @@ Lookup order, for the leading pages the local cache does not hold (each source c
     3. disk tier (Arrow)                   | k5 |
     4. recompute                                     (whatever is left)
 
-Every page handed back has been verified against the request: same key, same token ids (the tiers also check the
-header: key format version, model fingerprint, dtype, page size). A failing source (peer gone, Redis down, bad file)
+Every page handed back has been verified here, once, against the request: same key, same token ids, same shape (the
+tiers also check the header: key format version, model fingerprint, dtype, page size). The engine uses it as is. A failing source (peer gone, Redis down, bad file)
 counts an error and the chain continues with the next one; nothing here raises for a missing or broken source.
 
 Pages this replica computes are written to the host and disk tiers asynchronously (the tiers' bounded queues).
@@ -19,50 +19,26 @@ Pages this replica computes are written to the host and disk tiers asynchronousl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-import torch
-
-from replica.page_keys import PageKey
-from replica.tiers.base import KVTier, PageFormat, StoredPage
+from common.page_format import PageFormat
+from common.page_keys import PageKey
+from common.types import FETCH_SOURCES, CacheSource, SourceStats
+from replica.page_record import PageRecord
+from replica.tiers.base import KVTier, StoredPage
 
 logger = logging.getLogger(__name__)
-
-SOURCES = ("peer", "host", "disk")
-
-
-@dataclass(frozen=True)
-class FetchedPage:
-    """A verified page of KV from outside the replica: ``kv`` is ``[layers, 2, page_size, kv_heads, head_dim]``."""
-
-    key: PageKey
-    token_ids: tuple[int, ...]
-    kv: torch.Tensor
-    source: str
 
 
 class PeerClient(Protocol):
     """Copies pages from another replica. ``fetch`` returns the leading pages the peer holds (verified by the caller);
     it may raise on any transport failure (the fetcher catches and falls back)."""
 
-    async def fetch(self, peer_id: str, keys: Sequence[PageKey]) -> list[tuple[PageKey, tuple[int, ...], torch.Tensor]]:
+    async def fetch(self, peer_id: str, keys: Sequence[PageKey]) -> list[PageRecord]:
         ...
-
-
-@dataclass
-class SourceStats:
-    pages: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    errors: int = 0
-
-
-@dataclass
-class FetchStats:
-    by_source: dict[str, SourceStats] = field(default_factory=lambda: {name: SourceStats() for name in SOURCES})
 
 
 class PrefixFetcher:
@@ -78,7 +54,7 @@ class PrefixFetcher:
         self.tiers = list(tiers)
         self.peer_client = peer_client
         self.own_replica_id = own_replica_id
-        self.stats = FetchStats()
+        self.source_to_stats: dict[CacheSource, SourceStats] = {source: SourceStats() for source in FETCH_SOURCES}
 
     @property
     def enabled(self) -> bool:
@@ -90,9 +66,9 @@ class PrefixFetcher:
         token_ids_per_page: Sequence[Sequence[int]],
         *,
         peer_hint: str | None = None,
-    ) -> list[FetchedPage]:
-        """The leading run of ``keys`` found in the sources, in order (peer, host, disk)."""
-        pages: list[FetchedPage] = []
+    ) -> list[PageRecord]:
+        """The leading run of ``keys`` found in the sources, in order (peer, host, disk), verified."""
+        pages: list[PageRecord] = []
         if self.peer_client is not None and peer_hint and peer_hint != self.own_replica_id:
             pages.extend(await self._fetch_from_peer(peer_hint, keys, token_ids_per_page))
         for tier in self.tiers:
@@ -102,8 +78,8 @@ class PrefixFetcher:
             pages.extend(await self._fetch_from_tier(tier, keys[start:], token_ids_per_page[start:]))
         return pages
 
-    async def _fetch_from_peer(self, peer_id, keys, token_ids_per_page) -> list[FetchedPage]:
-        stats = self.stats.by_source["peer"]
+    async def _fetch_from_peer(self, peer_id, keys, token_ids_per_page) -> list[PageRecord]:
+        stats = self.source_to_stats[CacheSource.PEER]
         started = time.perf_counter()
         try:
             raw = await self.peer_client.fetch(peer_id, keys)
@@ -112,16 +88,17 @@ class PrefixFetcher:
             logger.warning("peer copy from %s failed (%s); falling back to the shared tiers", peer_id, exc)
             return []
         pages = []
-        for (key, token_ids, kv), want_key, want_tokens in zip(raw, keys, token_ids_per_page):
-            if key != want_key or tuple(token_ids) != tuple(want_tokens) or tuple(kv.shape) != self.page_format.kv_shape:
+        for page, want_key, want_tokens in zip(raw, keys, token_ids_per_page):
+            if (page.key != want_key or tuple(page.token_ids) != tuple(want_tokens)
+                    or tuple(page.kv.shape) != self.page_format.kv_shape):
                 stats.errors += 1
                 logger.warning("peer %s returned a page that does not match the request; discarded", peer_id)
                 break
-            pages.append(FetchedPage(key, tuple(token_ids), kv, "peer"))
+            pages.append(page if page.source is CacheSource.PEER else dataclasses.replace(page, source=CacheSource.PEER))
         return self._account(stats, pages, started)
 
-    async def _fetch_from_tier(self, tier: KVTier, keys, token_ids_per_page) -> list[FetchedPage]:
-        stats = self.stats.by_source[tier.name]
+    async def _fetch_from_tier(self, tier: KVTier, keys, token_ids_per_page) -> list[PageRecord]:
+        stats = self.source_to_stats[tier.source]
         started = time.perf_counter()
         errors_before = tier.stats().errors
         try:
@@ -131,27 +108,24 @@ class PrefixFetcher:
             tensors = await asyncio.to_thread(tier.load, keys[:num_present], token_ids_per_page[:num_present])
         finally:
             stats.errors += tier.stats().errors - errors_before
-        pages = [FetchedPage(key, tuple(tokens), kv, tier.name)
+        pages = [PageRecord(key, tuple(tokens), kv, tier.source)
                  for key, tokens, kv in zip(keys, token_ids_per_page, tensors)]
         return self._account(stats, pages, started)
 
     @staticmethod
-    def _account(stats: SourceStats, pages: list[FetchedPage], started: float) -> list[FetchedPage]:
+    def _account(stats: SourceStats, pages: list[PageRecord], started: float) -> list[PageRecord]:
         stats.pages += len(pages)
-        stats.bytes += sum(page.kv.numel() * page.kv.element_size() for page in pages)
+        stats.bytes += sum(page.num_bytes for page in pages)
         stats.seconds += time.perf_counter() - started
         return pages
 
-    def store(self, pages: Sequence[tuple[PageKey, Sequence[int], torch.Tensor]]) -> None:
+    def store(self, pages: Sequence[PageRecord]) -> None:
         """Queue newly computed pages for every tier (non-blocking; tiers copy pool views before returning)."""
         if not self.tiers or not pages:
             return
-        stored = [StoredPage.from_format(self.page_format, key, tokens, kv.cpu()) for key, tokens, kv in pages]
+        stored = [StoredPage.from_format(self.page_format, page.key, page.token_ids, page.kv.cpu()) for page in pages]
         for tier in self.tiers:
             tier.store(stored)
-
-    def tier_stats(self) -> dict:
-        return {tier.name: tier.stats() for tier in self.tiers}
 
     def close(self) -> None:
         for tier in self.tiers:
@@ -160,7 +134,7 @@ class PrefixFetcher:
 
 def page_format_of(engine) -> PageFormat:
     """What a shared-tier page must match to be reused by ``engine`` (an ``LLMEngine``)."""
-    from replica.tiers.base import dtype_name
+    from common.page_format import dtype_name
 
     geometry = engine.runner.geometry
     return PageFormat(

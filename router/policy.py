@@ -30,8 +30,6 @@ The thresholds follow sgl-router's cache-aware policy: both an absolute and a re
 is given up, so a replica holding the prefix keeps it under moderate skew (recomputing a long prefix costs more than
 waiting behind a few requests) but not under a pile-up. Free pages are carried but not scored: a replica short of pages
 evicts its least recently used cached pages first and then queues requests, which shows up in ``load``.
-
-Counts of decisions by reason are kept for metrics (``decision_counts``).
 """
 
 from __future__ import annotations
@@ -41,9 +39,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from replica.page_keys import PageKey
+from common.page_keys import PageKey
 from router.index import PrefixIndex
-from router.stats import ReplicaLoad
+from common.routing_stats import ReplicaLoad
 
 
 class RoutingReason(str, enum.Enum):
@@ -108,7 +106,6 @@ class PrefixAwarePolicy:
         self.config = config or PolicyConfig()
         self._request_id_to_replica_id: dict[str, str] = {}
         self._replica_id_to_num_inflight: dict[str, int] = {}
-        self._reason_to_num_decisions: dict[str, int] = {reason.value: 0 for reason in RoutingReason}
 
     # ---- the decision ----------------------------------------------------------------------------------------------
     def choose(self, page_keys: Sequence[PageKey], candidates: Sequence[ReplicaLoad]) -> RoutingDecision:
@@ -132,7 +129,6 @@ class PrefixAwarePolicy:
             chosen = max(eligible, key=_new_prefix_preference)
         holder = max(scored, key=_preference)
         decision = self._explain(chosen, holder)
-        self._reason_to_num_decisions[decision.reason.value] += 1
         self.index.expect_keys(decision.replica_id, page_keys)
         return decision
 
@@ -182,11 +178,6 @@ class PrefixAwarePolicy:
         self._replica_id_to_num_inflight.pop(replica_id, None)
         for request_id in [r for r, owner in self._request_id_to_replica_id.items() if owner == replica_id]:
             del self._request_id_to_replica_id[request_id]
-
-    # ---- metrics ---------------------------------------------------------------------------------------------------
-    def decision_counts(self) -> dict[str, int]:
-        """Reason value -> number of decisions so far (a request retried by Serve counts once per attempt)."""
-        return dict(self._reason_to_num_decisions)
 
     # ---- internals -------------------------------------------------------------------------------------------------
     def _explain(self, chosen: _Scored, holder: _Scored) -> RoutingDecision:

@@ -15,8 +15,8 @@ Ray Serve 2.60 facts this relies on (read from ray/serve/_private/request_router
   gets. The hint written there names the replica believed to hold the most leading pages; when that is the chosen
   replica itself the replica must ignore it; it only matters if Serve falls back to another tier.
 - Replica ids are ``RunningReplica.replica_id.unique_id``; inside a replica the same string is
-  ``serve.get_replica_context().replica_id.unique_id``, and ``ReplicaID.to_full_id_str()`` is the replica's actor
-  name in namespace "serve" (how a replica can reach a peer named by ``peer_hint``; see ``replica_actor_name``).
+  ``serve.get_replica_context().replica_id.unique_id``; a replica reaches the peer named by ``peer_hint`` through its
+  own deployment's handle (a request carrying ``target_replica`` is routed to exactly that replica).
 - ``on_request_completed(replica_id, internal_request_id)`` fires when a sent request finishes, fails or is rejected;
   with the pending request's future (cancelled, or resolved to the replica actually used) it keeps the policy's
   in-flight counts exact.
@@ -32,10 +32,10 @@ from typing import Any, List, Optional, Sequence
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from replica.page_keys import PageKey
+from common.page_keys import PageKey
 from router.index import PrefixIndex
 from router.policy import PolicyConfig, PrefixAwarePolicy, RoutingDecision
-from router.stats import ReplicaLoad, RoutingStatsError, parse_routing_stats
+from common.routing_stats import ReplicaLoad, RoutingStatsError, parse_routing_stats
 
 logger = logging.getLogger(__name__)
 
@@ -168,11 +168,6 @@ class PrefixAwareRequestRouter(RequestRouter):
 # ---- small helpers (no Ray state) -----------------------------------------------------------------------------------
 def replica_id_of(replica: RunningReplica) -> str:
     return replica.replica_id.unique_id
-
-
-def replica_actor_name(peer_unique_id: str, own_replica_id: ReplicaID) -> str:
-    """Actor name (namespace "serve") of the replica ``peer_unique_id`` of the same deployment as ``own_replica_id``."""
-    return ReplicaID(peer_unique_id, deployment_id=own_replica_id.deployment_id).to_full_id_str()
 
 
 def engine_request_of(pending_request: Optional[PendingRequest]) -> tuple[str, Any, Any] | None:

@@ -149,7 +149,7 @@ def serve_http_port(ray_session) -> int:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     """A tiny random Llama (hidden 64, 2 layers, GQA 4/2 heads, vocab 1024) with a chat template, written once."""
-    from replica.tiny_models import write_tiny_model
+    from bench.tiny_models import write_tiny_model
 
     out = tmp_path_factory.mktemp("tiny-llama")
     write_tiny_model(out, arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=1024,

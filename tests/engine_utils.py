@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
-from replica.outputs import EngineRequest
-from replica.sampling import SamplingParams
+from common.types import EngineRequest
+from common.types import SamplingParams
 
 VOCAB = 512
 

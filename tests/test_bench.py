@@ -20,9 +20,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from cluster import bench
-from cluster import bench_workloads as wl
-from cluster.bench import RequestRecord
+import bench
+from bench import workloads as wl
+from bench.metrics import RequestRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,7 +134,7 @@ def test_invalid_workload_configs_name_the_fix(kwargs, remedy):
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
-    from replica.tiny_models import build_tokenizer
+    from bench.tiny_models import build_tokenizer
 
     return build_tokenizer(1024, 4096)
 
@@ -517,7 +517,7 @@ def prefixserve_process(model_dir: Path, caching: bool, timeout_s: float = 240.0
 
 @pytest.fixture(scope="module")
 def bench_model_dir(tmp_path_factory) -> Path:
-    from replica.tiny_models import write_tiny_model
+    from bench.tiny_models import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("bench-model"), hidden_size=64, num_layers=2, vocab_size=1024)
 

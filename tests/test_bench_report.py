@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from cluster import bench
-from cluster import bench_workloads as wl
+import bench
+from bench import workloads as wl
 
 REPORT_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "vs_vllm_report.py"
 

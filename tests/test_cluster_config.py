@@ -100,8 +100,6 @@ def test_memory_sizes(text, expected):
         (["--no-enable-prefix-caching", "--enable-dp-cross-replica-prefix-copy"], "--no-enable-prefix-caching"),
         (["--no-enable-prefix-caching", "--redis-url", "redis://h:1/0"], "--redis-url"),
         (["--no-enable-prefix-caching", "--disk-cache-dir", "/tmp/x"], "--disk-cache-dir"),
-        (["--lora-modules", "a"], "--no-enable-prefix-caching"),
-        (["--no-enable-prefix-caching", "--lora-modules", "a"], "not implemented"),
         (["--redis-url", "http://h"], "redis://"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
@@ -145,7 +143,7 @@ def test_serve_help_documents_every_flag():
                  "--no-enable-prefix-caching", "--kv-cache-page-size", "--enable-dp-cross-replica-prefix-copy",
                  "--no-enable-dp-cross-replica-prefix-copy", "--kv-cache-memory", "--dtype", "--max-num-seqs",
                  "--max-model-len", "--max-num-batched-tokens", "--host", "--port", "--api-key", "--redis-url",
-                 "--disk-cache-dir", "--ray-address", "--log-level", "--served-model-name", "--lora-modules",
+                 "--disk-cache-dir", "--ray-address", "--log-level", "--served-model-name",
                  "--num-cpus-per-replica"]:
         assert flag in text, flag
 

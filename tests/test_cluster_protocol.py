@@ -22,8 +22,8 @@ from cluster.protocol import (
     sampling_params,
     sse,
 )
-from replica.outputs import CachedTokens, EngineStats, RequestOutput
-from replica.sampling import SamplingParams
+from common.types import CachedTokens, EngineStats, RequestOutput
+from common.types import SamplingParams
 
 
 def completion(**body) -> CompletionRequest:

@@ -9,9 +9,9 @@ from engine_utils import TinyModel, greedy, random_prompt, run_to_completion
 from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import InvalidRequestError, LLMEngine, build_engine
-from replica.outputs import EngineRequest
-from replica.sampling import SamplingParams
-from replica.tiny_models import write_tiny_model
+from common.types import EngineRequest
+from common.types import SamplingParams
+from bench.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -186,18 +186,14 @@ def test_output_stops_at_max_model_len(tiny):
     [
         ({"page_size": 100}, "multiple of 128"),
         ({"page_size": 0}, "multiple of 128"),
-        ({"lora_adapters": ("a",)}, "--no-enable-prefix-caching"),
-        ({"devices": "tpu"}, "cpu' or 'gpu"),
-        ({"dtype": "float16"}, "float32 or bfloat16"),
+        ({"devices": "tpu"}, "one of cpu, gpu"),
+        ({"dtype": "float16"}, "auto, float32, bfloat16"),
+        ({"max_model_len": 1}, "--max-model-len"),
     ],
 )
 def test_config_errors_name_the_remedy(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
-
-
-def test_lora_allowed_with_caching_off():
-    assert EngineConfig(lora_adapters=("a",), enable_prefix_caching=False).lora_adapters == ("a",)
 
 
 def test_multimodal_switches_caching_off(tiny, caplog):
@@ -254,7 +250,7 @@ def test_async_engine_streams_and_aborts(tiny):
 
 def test_outputs_queued_for_a_slow_consumer_are_merged():
     from replica.async_engine import coalesce_pending
-    from replica.outputs import CachedTokens, RequestOutput
+    from common.types import CachedTokens, RequestOutput
 
     def out(tokens, text, finished=False, n=0):
         return RequestOutput("r", tokens, text, finished, "length" if finished else None, 10, n, CachedTokens(local=5))

@@ -14,7 +14,7 @@ from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
-from replica.outputs import EngineRequest
+from common.types import CacheSource, EngineRequest
 
 
 PREFIX_PAGES = 3
@@ -115,10 +115,10 @@ def test_every_source_gives_the_same_tokens_and_bit_identical_kv(tiny, prompts, 
         # recompute gives the same page contents up to float rounding of a different batch shape
         for key in keys:
             torch.testing.assert_close(page_kv(recompute, key), page_kv(holder, key), rtol=0, atol=1e-5)
-        sources = via_peer.fetcher.stats.by_source
-        assert (sources["peer"].pages, sources["peer"].errors) == (PREFIX_PAGES, 0)
-        assert via_host.fetcher.stats.by_source["host"].pages == PREFIX_PAGES
-        assert via_disk.fetcher.stats.by_source["disk"].pages == PREFIX_PAGES
+        sources = via_peer.fetcher.source_to_stats
+        assert (sources[CacheSource.PEER].pages, sources[CacheSource.PEER].errors) == (PREFIX_PAGES, 0)
+        assert via_host.fetcher.source_to_stats[CacheSource.HOST].pages == PREFIX_PAGES
+        assert via_disk.fetcher.source_to_stats[CacheSource.DISK].pages == PREFIX_PAGES
     finally:
         for engine in engines:
             engine.shutdown()
@@ -139,7 +139,7 @@ def test_peer_dying_during_copy_falls_back_to_the_shared_tier(tiny, prompts, red
         assert client.num_calls == 1
         assert tokens == tiny.generate(second, NUM_OUT)
         assert cached.as_dict() == {"local": 0, "peer": 0, "host": PREFIX_PAGES * 128, "disk": 0}
-        assert other.fetcher.stats.by_source["peer"].errors == 1
+        assert other.fetcher.source_to_stats[CacheSource.PEER].errors == 1
     finally:
         holder.shutdown()
         other.shutdown()

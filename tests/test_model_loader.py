@@ -1,4 +1,4 @@
-"""Tests of replica.model_loader and replica.tiny_models (CPU, one thread, no network)."""
+"""Tests of replica.model_loader and bench.tiny_models (CPU, one thread, no network)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from replica import model_loader, tiny_models
+from bench import tiny_models
+from bench.tiny_models import write_tiny_model
+from replica import model_loader
 from replica.model_loader import (
     LoadedModel,
     ModelNotFoundError,
@@ -25,7 +27,6 @@ from replica.model_loader import (
     load_model,
     resolve_model_dir,
 )
-from replica.tiny_models import write_tiny_model
 
 torch.set_num_threads(1)
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from replica.events import AllPagesCleared, PagesRemoved, PagesStored
+from common.events import AllPagesCleared, PagesRemoved, PagesStored
 from replica.kv_manager import KVCacheManager
-from replica.page_keys import compute_page_keys, hash_page
+from common.page_keys import compute_page_keys, hash_page
 from replica.page_pool import OutOfPagesError, PagePool
 from replica.prefix_cache import PrefixCache
 
@@ -79,7 +79,7 @@ def test_page_key_is_deterministic_across_processes():
     import sys
 
     code = (
-        "from replica.page_keys import compute_page_keys;"
+        "from common.page_keys import compute_page_keys;"
         "print(compute_page_keys(list(range(128)), page_size=128, model_fingerprint='test-model')[0].hex())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -22,9 +22,11 @@ import torch
 
 from replica.config import EngineConfig
 from replica.cuda_ipc import CudaIpcBundle, CudaIpcHandle, IpcTarget
-from replica.outputs import EngineRequest
+from common.types import EngineRequest
+from common.types import CacheSource
+from replica.page_record import PageRecord
 from replica.peer_copy import PeerExportRequest, ServePeerClient, bundle_pages
-from replica.sampling import SamplingParams
+from common.types import SamplingParams
 
 PAGE_SIZE = 128
 NUM_OUT = 8
@@ -66,7 +68,7 @@ def holder_main(conn, model_dir: str, devices: str) -> None:
         "generate": lambda tokens: loop.run_until_complete(ask(replica, tokens, "holder-request")),
         "export_pages": lambda request: loop.run_until_complete(replica.export_pages(request)),
         "release_pages": replica.release_pages,
-        "read_pages": lambda keys: [(key, tokens, kv) for key, tokens, kv in
+        "read_pages": lambda keys: [(page.key, page.token_ids, page.kv) for page in
                                     loop.run_until_complete(replica.engine.export_pages(keys))],
         "num_leases": lambda _: None if replica.ipc_exporter is None else replica.ipc_exporter.num_leases,
     }
@@ -153,8 +155,8 @@ def test_prefix_copied_from_a_replica_in_another_process(tiny_llama_dir, referen
         keys = receiver.engine.engine.page_keys(second)[:3]
         held = handle.call("read_pages", keys)
         copied = asyncio.run(receiver.engine.export_pages(keys))
-        assert [key for key, _, _ in copied] == [key for key, _, _ in held] == keys
-        assert all(torch.equal(mine, theirs) for (_, _, mine), (_, _, theirs) in zip(copied, held))
+        assert [page.key for page in copied] == [key for key, _, _ in held] == keys
+        assert all(torch.equal(mine.kv, theirs) for mine, (_, _, theirs) in zip(copied, held))
 
         if devices == "gpu":  # the release is fire and forget: the lease goes soon after the copy
             deadline = time.monotonic() + 10
@@ -200,23 +202,24 @@ class CpuHolderOfferingIpc:
         if request.ipc_target is None:
             return bundle_pages(self.pages)
         handle = CudaIpcHandle(b"\0" * 64, 0, 0, b"", 0, None, False)
-        return CudaIpcBundle([key for key, _, _ in self.pages], [list(t) for _, t, _ in self.pages], "lease-1",
+        return CudaIpcBundle([page.key for page in self.pages], [list(page.token_ids) for page in self.pages], "lease-1",
                              "GPU-not-visible-here", handle, (len(self.pages), 1), "float32")
 
 
 def test_unopenable_ipc_bundle_falls_back_to_a_host_copy():
-    pages = [(bytes([index]) * 32, tuple(range(index, index + 4)), torch.full((2, 2, 4, 1, 2), float(index)))
+    pages = [PageRecord(bytes([index]) * 32, tuple(range(index, index + 4)), torch.full((2, 2, 4, 1, 2), float(index)))
              for index in range(3)]
     handle = CpuHolderOfferingIpc(pages)
     client = ServePeerClient("unused", "unused", handle=handle)
     assert client.ipc_target is None  # a CPU replica never offers CUDA IPC
     client.ipc_target = IpcTarget("some-host", ("GPU-elsewhere",))  # as a GPU replica would
 
-    got = asyncio.run(client.fetch("holder", [key for key, _, _ in pages]))
+    got = asyncio.run(client.fetch("holder", [page.key for page in pages]))
 
     assert [request.ipc_target for request in handle.requests] == [client.ipc_target, None]
     assert handle.released == ["lease-1"]  # the holder's staging memory is not left pinned
-    assert [(key, tokens) for key, tokens, _ in got] == [(key, tokens) for key, tokens, _ in pages]
-    assert all(torch.equal(kv, expected) for (_, _, kv), (_, _, expected) in zip(got, pages))
+    assert [(page.key, page.token_ids) for page in got] == [(page.key, page.token_ids) for page in pages]
+    assert all(torch.equal(page.kv, expected.kv) for page, expected in zip(got, pages))
+    assert {page.source for page in got} == {CacheSource.PEER}
     assert client.transport_stats.pages == {"cuda_ipc": 0, "host": 3}
     assert client.transport_stats.ipc_failures == 1

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from replica.events import AllPagesCleared, PagesRemoved, PagesStored
-from router.index import IndexSnapshot, PrefixIndex, SyncResult
+from common.events import AllPagesCleared, PagesRemoved, PagesStored
+from common.routing_stats import IndexSnapshot
+from router.index import PrefixIndex, SyncResult
 
 
 def key(name: str) -> bytes:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from replica.events import PagesRemoved, PagesStored
+from common.events import PagesRemoved, PagesStored
 from router.index import PrefixIndex
 from router.policy import PolicyConfig, PrefixAwarePolicy, RoutingDecision, RoutingReason, tie_score
-from router.stats import ReplicaLoad
+from common.routing_stats import ReplicaLoad
 
 
 def key(name: str) -> bytes:
@@ -188,14 +188,6 @@ def test_only_candidates_are_considered():
     policy = make_policy(a=4, b=1)
     assert policy.choose(PROMPT, loads(b=0, c=0)) == RoutingDecision("b", 1, None, RoutingReason.PREFIX_HIT)
 
-
-def test_decision_counts():
-    policy = make_policy(a=4)
-    policy.choose(PROMPT, loads(a=0, b=0))
-    policy.choose(PROMPT, loads(a=9, b=0))
-    policy.choose([key("z")], loads(a=0, b=0))
-    policy.choose([key("y")], loads(a=0, b=0))
-    assert policy.decision_counts() == {"prefix_hit": 1, "balanced_away": 1, "no_match": 2}
 
 
 def test_no_candidates_is_an_error():

@@ -19,10 +19,10 @@ def make_app():
     """
     from ray import serve
 
-    from replica.events import PagesStored
-    from replica.outputs import EngineStats
+    from common.events import PagesStored
+    from common.types import EngineStats
     from router.ray_router import router_config
-    from router.stats import ReplicaEventLog
+    from replica.event_log import ReplicaEventLog
 
     @serve.deployment(
         num_replicas=2,
@@ -60,7 +60,7 @@ CHAIN_B = [key("b0"), key("b1")]
 def test_router_in_serve(ray_session):
     from ray import serve
 
-    from replica.outputs import EngineRequest
+    from common.types import EngineRequest
 
     handle = serve.run(make_app().bind(CHAIN_A, CHAIN_B), name="router-check", route_prefix=None)
     try:

@@ -7,16 +7,11 @@ import pickle
 import msgpack
 import pytest
 
-from replica.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
-from replica.outputs import EngineStats
-from router.index import IndexSnapshot, PrefixIndex
-from router.stats import (
-    ReplicaEventLog,
-    ReplicaLoad,
-    RoutingStatsError,
-    make_routing_stats,
-    parse_routing_stats,
-)
+from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
+from common.types import EngineStats
+from common.routing_stats import IndexSnapshot, ReplicaLoad, RoutingStatsError, make_routing_stats, parse_routing_stats
+from replica.event_log import ReplicaEventLog
+from router.index import PrefixIndex
 
 
 def key(name: str) -> bytes:

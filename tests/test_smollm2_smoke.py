@@ -7,8 +7,8 @@ import pytest
 from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import build_engine
-from replica.outputs import EngineRequest
-from replica.sampling import SamplingParams
+from common.types import EngineRequest
+from common.types import SamplingParams
 
 
 @pytest.mark.slow

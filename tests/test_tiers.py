@@ -14,9 +14,10 @@ import pytest
 import redis
 import torch
 
-from replica.page_keys import compute_page_keys
+from common.page_keys import compute_page_keys
 from replica.tiers.arrow_file import read_page_file, write_page_file
-from replica.tiers.base import PageFormat, StoredPage
+from common.page_format import PageFormat
+from replica.tiers.base import StoredPage
 from replica.tiers.circuit import BackoffPolicy
 from replica.tiers.codec import encode_blob
 from replica.tiers.disk_tier import DiskTier
@@ -35,9 +36,9 @@ def make_format(dtype: str = "bfloat16", **overrides) -> PageFormat:
 def make_kv(page_format: PageFormat, seed: int) -> torch.Tensor:
     """Random KV with awkward bit patterns (NaN, -0.0, inf, subnormal) so that only a bit-exact copy compares equal."""
     generator = torch.Generator().manual_seed(seed)
-    kv = torch.randn(page_format.kv_shape, generator=generator).to(page_format.torch_dtype)
+    kv = torch.randn(page_format.kv_shape, generator=generator).to(getattr(torch, page_format.dtype))
     flat = kv.view(-1)
-    flat[:4] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-40]).to(page_format.torch_dtype)
+    flat[:4] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-40]).to(getattr(torch, page_format.dtype))
     return kv
 
 

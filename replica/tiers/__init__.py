@@ -2,6 +2,6 @@
 (``disk_tier``), both behind the ``KVTier`` interface of ``base``. Import the tier modules directly; this package
 only re-exports the interface types so that importing it needs neither redis nor pyarrow."""
 
-from replica.tiers.base import KVTier, PageFormat, StoredPage, TierStats
+from replica.tiers.base import KVTier, StoredPage
 
-__all__ = ["KVTier", "PageFormat", "StoredPage", "TierStats"]
+__all__ = ["KVTier", "StoredPage"]

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from replica.tiers.base import PageFormat, StoredPage
+from common.page_format import PageFormat
+from replica.tiers.base import StoredPage
 from replica.tiers.codec import PageHeader, RejectedEntry, tensor_bytes, tensor_from_payload
 
 HEADER_METADATA_KEY = b"prefixserve.page"

@@ -22,65 +22,9 @@ from typing import Sequence
 
 import torch
 
-from replica.page_keys import KEY_FORMAT_VERSION, PageKey
-
-NAME_TO_TORCH_DTYPE: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-@dataclass(frozen=True)
-class PageFormat:
-    """Everything that must match before a stored page may be reused by this replica.
-
-    The page key already folds in ``key_format_version``, ``model_fingerprint`` and ``page_size``; ``dtype`` is not
-    part of the key, so tiers keep one namespace per dtype. The KV of one page has shape ``kv_shape``:
-    ``[num_layers, 2 (K, V), page_size, num_kv_heads, head_dim]``.
-    """
-
-    model_fingerprint: str
-    dtype: str
-    page_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    key_format_version: int = KEY_FORMAT_VERSION
-
-    def __post_init__(self) -> None:
-        if self.dtype not in NAME_TO_TORCH_DTYPE:
-            raise ValueError(f"unsupported KV dtype {self.dtype!r}; use one of {sorted(NAME_TO_TORCH_DTYPE)}")
-        for name in ("page_size", "num_layers", "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"PageFormat.{name} must be at least 1, got {getattr(self, name)}")
-        if not self.model_fingerprint:
-            raise ValueError("PageFormat.model_fingerprint must be non-empty; pass the loaded model's fingerprint")
-
-    @property
-    def kv_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return NAME_TO_TORCH_DTYPE[self.dtype]
-
-    @property
-    def page_num_bytes(self) -> int:
-        """Bytes of KV in one page (headers not included)."""
-        num_elements = 1
-        for dim in self.kv_shape:
-            num_elements *= dim
-        return num_elements * self.torch_dtype.itemsize
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The tier name of a torch dtype ("bfloat16"); ValueError for dtypes tiers do not store."""
-    for name, candidate in NAME_TO_TORCH_DTYPE.items():
-        if candidate == dtype:
-            return name
-    raise ValueError(f"unsupported KV dtype {dtype}; use one of {sorted(NAME_TO_TORCH_DTYPE)}")
-
+from common.page_format import PageFormat, dtype_name
+from common.page_keys import KEY_FORMAT_VERSION, PageKey
+from common.types import CacheSource, TierStats
 
 @dataclass(frozen=True, eq=False)
 class StoredPage:
@@ -143,29 +87,6 @@ class StoredPage:
         )
 
 
-@dataclass(frozen=True)
-class TierStats:
-    """Counters of one tier since it was created (a snapshot; see ``KVTier.stats``)."""
-
-    pages_loaded: int = 0
-    bytes_loaded: int = 0
-    """KV bytes of the pages returned by ``load`` (headers not included)."""
-    pages_stored: int = 0
-    bytes_stored: int = 0
-    pages_dropped: int = 0
-    """Pages given to ``store`` that were not written: queue full, tier unavailable or refused, write failed."""
-    discarded_corrupt: int = 0
-    """Entries deleted by ``load``: truncated, corrupt, foreign format, or other token ids than expected."""
-    pages_evicted: int = 0
-    """Entries this tier deleted to stay within its budget (disk tier; Redis evicts on its own)."""
-    errors: int = 0
-    """Failed operations against the store (connection refused, timeout, I/O error)."""
-    load_seconds: float = 0.0
-    """Wall time spent in ``load`` (caller's thread)."""
-    store_seconds: float = 0.0
-    """Wall time the background writer spent writing."""
-
-
 class StatsRecorder:
     """Thread-safe accumulator behind ``TierStats``; tiers call ``add`` from the caller's and the writer's thread."""
 
@@ -213,8 +134,13 @@ class KVTier(abc.ABC):
     - Once ``close`` is called, ``lookup``/``load`` return misses and ``store`` drops.
     """
 
-    name: str
-    """"host" (Redis) or "disk" (Arrow files): where reused tokens came from, as reported to users."""
+    source: CacheSource
+    """``CacheSource.HOST`` (Redis) or ``CacheSource.DISK`` (Arrow files): where reused tokens came from."""
+
+    @property
+    def name(self) -> str:
+        """The source's name ("host", "disk"), for metrics and logs."""
+        return self.source.value
 
     @property
     @abc.abstractmethod
@@ -235,7 +161,7 @@ class KVTier(abc.ABC):
         """The KV of the leading pages that are present and verified, stopping at the first miss.
 
         ``token_ids_per_page[i]`` are the tokens page ``keys[i]`` must hold. Each returned tensor is owned by the
-        caller (CPU, shape ``page_format.kv_shape``, dtype ``page_format.torch_dtype``, bit-identical to what was
+        caller (CPU, shape ``page_format.kv_shape``, dtype ``page_format.dtype``, bit-identical to what was
         stored). A corrupt, foreign or mismatching entry is deleted, counted in ``discarded_corrupt``, and ends the
         load. Raises ValueError if the two sequences differ in length or a page has not ``page_size`` tokens.
         """

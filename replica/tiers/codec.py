@@ -24,7 +24,8 @@ import msgpack
 import numpy as np
 import torch
 
-from replica.tiers.base import NAME_TO_TORCH_DTYPE, PageFormat, StoredPage
+from common.page_format import PageFormat
+from replica.tiers.base import StoredPage
 
 BLOB_MAGIC = b"PSKV"
 _BLOB_PREFIX = struct.Struct("<4sI")
@@ -147,7 +148,7 @@ def tensor_from_payload(header: PageHeader, payload: bytes | memoryview) -> torc
     if checksum(payload) != header.crc32:
         raise RejectedEntry("KV bytes fail their CRC-32")
     flat = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
-    return flat.view(NAME_TO_TORCH_DTYPE[header.dtype]).reshape(header.kv_shape)
+    return flat.view(getattr(torch, header.dtype)).reshape(header.kv_shape)
 
 
 def encode_blob(page: StoredPage) -> bytearray:

@@ -26,11 +26,12 @@ from typing import Sequence
 
 import torch
 
-from replica.page_keys import PageKey
+from common.page_format import PageFormat
+from common.page_keys import PageKey
+from common.types import CacheSource
 from replica.tiers.arrow_file import TEMP_SUFFIX, read_page_file, remove_quietly, write_page_file
 from replica.tiers.base import (
     QueuedWriteTier,
-    PageFormat,
     StatsRecorder,
     StoredPage,
     WarningThrottle,
@@ -64,7 +65,7 @@ class DiskTier(QueuedWriteTier):
     afterwards because of the files' state (I/O errors are counted in ``errors`` and answered with misses).
     """
 
-    name = "disk"
+    source = CacheSource.DISK
 
     def __init__(
         self,

@@ -27,10 +27,11 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from replica.page_keys import PageKey
+from common.page_format import PageFormat
+from common.page_keys import PageKey
+from common.types import CacheSource
 from replica.tiers.base import (
     QueuedWriteTier,
-    PageFormat,
     StatsRecorder,
     StoredPage,
     WarningThrottle,
@@ -55,7 +56,7 @@ class RedisTier(QueuedWriteTier):
     Raises: ValueError for a malformed ``url`` or bad arguments; nothing because of Redis' state.
     """
 
-    name = "host"
+    source = CacheSource.HOST
 
     def __init__(
         self,

@@ -8,8 +8,9 @@ no download and is deterministic for a given Python installation. It uses ChatML
     id 1  <|im_start|>    bos (never added automatically; the chat template writes it)
     id 2  <|im_end|>      eos (ends every chat turn)
 
-CLI: ``python -m replica.tiny_models --out DIR [--arch llama] [--hidden-size 512] ...`` (also wired as
-``prefixserve make-tiny-model``).
+CLI: ``python -m bench.tiny_models --out DIR [--arch llama] [--hidden-size 512] ...`` (also wired as
+``prefixserve make-tiny-model``). torch and transformers are imported only when a model is built, so the flags and
+``--help`` work without them.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import torch
-
 ARCHITECTURES = ("llama", "qwen2", "mistral")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")
+"""Weight dtypes, by their torch names."""
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # trained first, so their ids are 0, 1, 2
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
@@ -79,7 +79,7 @@ def write_tiny_model(
     )
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
-    model = build_random_model(config, seed=seed, dtype=DTYPES[dtype])
+    model = build_random_model(config, seed=seed, dtype=dtype)
     model.save_pretrained(out_path)
     build_tokenizer(vocab_size, max_position_embeddings, arch).save_pretrained(out_path)
     return out_path
@@ -156,13 +156,15 @@ def build_config(
     return MistralConfig(**common, sliding_window=sliding_window)
 
 
-def build_random_model(config, seed: int, dtype: torch.dtype):
-    """A causal LM for ``config`` with weights drawn after ``torch.manual_seed(seed)`` (in float32, then cast)."""
+def build_random_model(config, seed: int, dtype: str):
+    """A causal LM for ``config`` with weights drawn after ``torch.manual_seed(seed)`` (in float32, then cast to
+    ``dtype``, one of :data:`DTYPES`)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model.to(dtype).eval()
+    return model.to(getattr(torch, dtype)).eval()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -276,7 +278,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-position-embeddings", type=int, default=4096)
     parser.add_argument("--sliding-window", type=int, default=None, help="tokens; --arch mistral only")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     return parser
 
 

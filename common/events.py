@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replica.page_keys import PageKey
+from common.page_keys import PageKey
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,3 @@ def compute_page_keys(
             )
         )
     return keys
-
-
-def key_to_hex(key: PageKey) -> str:
-    return key.hex()

@@ -1,4 +1,5 @@
-"""Routing stats: what a replica returns from Ray Serve's ``record_routing_stats()``, and how a router reads it.
+"""The routing-stats wire format: what a replica returns from Ray Serve's ``record_routing_stats()`` (encoder) and
+how a router reads it (parser). The replica's side of the payload rule below is ``replica.event_log.ReplicaEventLog``.
 
 How it travels. The Serve controller calls each replica's ``record_routing_stats()`` every
 ``request_routing_stats_period_s`` (x0.9-1.1), keeps only the latest dict per replica, and, when a dict differs from
@@ -33,17 +34,12 @@ Wire format (format 1): a plain dict of str / int / None / bytes / lists, which 
 
 from __future__ import annotations
 
-import secrets
-from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from replica.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
-from replica.page_keys import KEY_NUM_BYTES, PageKey
-from router.index import IndexSnapshot
-
-if TYPE_CHECKING:  # replica.outputs imports torch (through replica.sampling); routers only read attributes
-    from replica.outputs import EngineStats
+from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
+from common.page_keys import KEY_NUM_BYTES, PageKey
+from common.types import EngineStats
 
 ROUTING_STATS_FORMAT = 1
 
@@ -54,6 +50,14 @@ _KIND_CLEARED = "cleared"
 
 class RoutingStatsError(ValueError):
     """A routing-stats dict that is not format 1 (the router ignores that replica's report and logs why)."""
+
+
+@dataclass(frozen=True)
+class IndexSnapshot:
+    """Every page key a replica had cached as of event ``seq`` (0: before its first event, numbered 1)."""
+
+    seq: int
+    keys: tuple[PageKey, ...]
 
 
 @dataclass(frozen=True)
@@ -184,127 +188,3 @@ def decode_event(item: Sequence[Any]) -> KVEvent:
     if kind == _KIND_CLEARED:
         return AllPagesCleared(seq=int(seq))
     raise RoutingStatsError(f"unknown KV event kind {kind!r}")
-
-
-# ---- the replica side -------------------------------------------------------------------------------------------------
-class ReplicaEventLog:
-    """A replica's bounded log of recent KV events and the payload rule in the module docstring.
-
-    The Serve replica owns one. Contract: the engine numbers its events ``first_seq``, ``first_seq + 1``, ...; call
-    ``append`` with every event drained from the engine, in order, before ``stats_payload``; ``snapshot_keys_fn``
-    must return the keys cached now (after the appended events; later is fine), and is called only when
-    ``snapshot_due``. Not thread-safe: call both from the replica's event loop.
-
-    Buffer order: oldest event first; events older than the oldest retained payload are trimmed at each payload, and
-    the oldest are dropped first when more than ``max_num_buffered_keys`` keys are buffered.
-    """
-
-    def __init__(
-        self,
-        replica_id: str,
-        *,
-        num_payloads_retained: int = 4,
-        snapshot_every_n_payloads: int = 20,
-        max_num_buffered_keys: int = 1 << 16,
-        first_seq: int = 1,
-        epoch: str | None = None,
-    ) -> None:
-        if num_payloads_retained < 1 or snapshot_every_n_payloads < 1 or max_num_buffered_keys < 1:
-            raise ValueError(
-                "num_payloads_retained, snapshot_every_n_payloads and max_num_buffered_keys must be >= 1 "
-                f"(got {num_payloads_retained}, {snapshot_every_n_payloads}, {max_num_buffered_keys})"
-            )
-        self.replica_id = replica_id
-        self.num_payloads_retained = num_payloads_retained
-        self.snapshot_every_n_payloads = snapshot_every_n_payloads
-        self.max_num_buffered_keys = max_num_buffered_keys
-        self.epoch = epoch or new_epoch()
-        self._first_seq = first_seq
-        self._events: deque[KVEvent] = deque()
-        self._num_buffered_keys = 0
-        self._last_seq = first_seq - 1
-        self._payload_last_seqs: deque[int] = deque(maxlen=num_payloads_retained + 1)
-        """``last_seq`` at each of the last R + 1 payloads (the current one included), oldest first."""
-        self._num_payloads = 0
-        self._snapshot_due = True
-
-    @property
-    def last_seq(self) -> int:
-        return self._last_seq
-
-    @property
-    def num_buffered_events(self) -> int:
-        return len(self._events)
-
-    @property
-    def snapshot_due(self) -> bool:
-        """Whether the next ``stats_payload`` will call ``snapshot_keys_fn`` (fetch the keys only then)."""
-        return self._snapshot_due or self._num_payloads % self.snapshot_every_n_payloads == 0
-
-    def request_snapshot(self) -> None:
-        """Make the next payload carry a snapshot."""
-        self._snapshot_due = True
-
-    def append(self, events: Iterable[KVEvent]) -> None:
-        """Record events in seq order. A seq that goes backwards starts a new epoch; one that skips ahead forces a
-        snapshot (routers will see the gap and need it)."""
-        for event in events:
-            if event.seq != self._last_seq + 1:
-                if event.seq <= self._last_seq:
-                    self._start_new_epoch()
-                else:
-                    self._snapshot_due = True
-            self._events.append(event)
-            self._num_buffered_keys += _num_keys(event)
-            self._last_seq = event.seq
-        self._drop_overflow()
-
-    def stats_payload(
-        self, engine_stats: EngineStats, snapshot_keys_fn: Callable[[], Iterable[PageKey]]
-    ) -> dict[str, Any]:
-        """The dict ``record_routing_stats()`` returns now. Calls ``snapshot_keys_fn`` only when a snapshot is due."""
-        snapshot_keys = list(snapshot_keys_fn()) if self.snapshot_due else None
-        self._snapshot_due = False
-        self._payload_last_seqs.append(self._last_seq)
-        self._num_payloads += 1
-        self._trim_published()
-        return make_routing_stats(
-            self.replica_id,
-            engine_stats,
-            list(self._events),
-            snapshot_keys,
-            epoch=self.epoch,
-            last_seq=self._last_seq,
-        )
-
-    # ---- internals -------------------------------------------------------------------------------------------------
-    def _trim_published(self) -> None:
-        """Keep the events appended since the payload R payloads ago (all that a router which saw it may lack)."""
-        if len(self._payload_last_seqs) <= self.num_payloads_retained:
-            return
-        oldest = self._payload_last_seqs[0]
-        while self._events and self._events[0].seq <= oldest:
-            self._num_buffered_keys -= _num_keys(self._events.popleft())
-
-    def _drop_overflow(self) -> None:
-        last_published = self._payload_last_seqs[-1] if self._payload_last_seqs else self._first_seq - 1
-        while self._num_buffered_keys > self.max_num_buffered_keys and len(self._events) > 1:
-            dropped = self._events.popleft()
-            self._num_buffered_keys -= _num_keys(dropped)
-            if dropped.seq > last_published:
-                self._snapshot_due = True
-
-    def _start_new_epoch(self) -> None:
-        self.epoch = new_epoch()
-        self._events.clear()
-        self._num_buffered_keys = 0
-        self._payload_last_seqs.clear()
-        self._snapshot_due = True
-
-
-def new_epoch() -> str:
-    return secrets.token_hex(8)
-
-
-def _num_keys(event: KVEvent) -> int:
-    return len(event.keys) if isinstance(event, (PagesStored, PagesRemoved)) else 1

@@ -1,0 +1,212 @@
+"""Typed values that cross a process boundary: requests in, streamed outputs and stats out (no torch here).
+
+    ingress --EngineRequest--> replica --RequestOutput*--> ingress        (one request)
+    ingress --broadcast--> replica: EngineStats, KVSourceStats              (/metrics)
+    ingress --info()--> replica: ReplicaInfo                                (once, at start-up)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from common.page_keys import PageKey
+
+
+class CacheSource(str, enum.Enum):
+    """Where a reused prompt page came from (the order a replica tries them in)."""
+
+    LOCAL = "local"
+    """The replica's own prefix cache."""
+    PEER = "peer"
+    """Copied from another replica (cross-replica prefix copy)."""
+    HOST = "host"
+    """The shared host-memory tier (Redis)."""
+    DISK = "disk"
+    """The shared disk tier (Arrow IPC files)."""
+
+
+FETCH_SOURCES = (CacheSource.PEER, CacheSource.HOST, CacheSource.DISK)
+"""The sources outside the replica, in the order they are asked."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Generation stops before any of these strings; they are not included in the output text."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be between 0 and 100, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if len(self.stop) > 16:
+            raise ValueError(f"at most 16 stop strings are allowed, got {len(self.stop)}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class EngineRequest:
+    """One generation request as the engine sees it: token ids in, tokens out."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
+    """Isolates a tenant's cache: folded into the key of page 0, so different salts never share pages."""
+    page_keys: list[PageKey] | None = None
+    """Keys of the prompt's full pages, computed once by the ingress. The replica checks their number and re-hashes
+    page 0 against its own fingerprint and salt (a wrong fingerprint or salt changes every key), then uses them."""
+    peer_hint: str | None = None
+    """Id of a replica that the router believes holds more of this prompt's pages (for peer copy)."""
+    target_replica: str | None = None
+    """Pin the request to this replica (operators, tests); the router still names the best holder in peer_hint."""
+
+
+@dataclass(frozen=True)
+class CachedTokens:
+    """Where a request's reused prompt tokens came from."""
+
+    local: int = 0
+    peer: int = 0
+    host: int = 0
+    disk: int = 0
+
+    @classmethod
+    def of(cls, by_source: dict[CacheSource, int]) -> "CachedTokens":
+        return cls(**{source.value: num for source, num in by_source.items()})
+
+    @property
+    def total(self) -> int:
+        return self.local + self.peer + self.host + self.disk
+
+    def as_dict(self) -> dict[str, int]:
+        return {"local": self.local, "peer": self.peer, "host": self.host, "disk": self.disk}
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A streamed increment of one request. The last one has ``finished=True`` and a ``finish_reason``."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    """"stop" (EOS, stop token or stop string), "length" (max_tokens or max_model_len) or "abort"."""
+    num_prompt_tokens: int
+    num_output_tokens: int
+    cached_tokens: CachedTokens
+    replica_id: str = ""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters of one replica's engine (monotonic counters are totals since start)."""
+
+    replica_id: str
+    num_prompt_tokens_queried: int
+    num_prompt_tokens_hit: int
+    num_pages_total: int
+    num_pages_free: int
+    num_pages_cached: int
+    num_pages_in_use: int
+    num_evictions: int
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+    num_requests_finished: int
+    page_size: int
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What the ingress needs to know about the replicas once, at start-up (every replica answers the same)."""
+
+    replica_id: str
+    served_model_name: str
+    model_fingerprint: str
+    """Folded into every page key: the ingress must compute keys with the replicas' fingerprint."""
+    max_model_len: int
+    page_size: int
+    enable_prefix_caching: bool
+    vocab_size: int
+    """Token ids in a prompt must be in ``[0, vocab_size)``."""
+    tokenizer_files: dict[str, bytes] = field(default_factory=dict)
+    """The tokenizer as ``save_pretrained`` writes it (file name -> bytes): the ingress loads it from these, so it
+    needs neither the model's folder on its node nor torch."""
+
+
+@dataclass
+class SourceStats:
+    """Prompt pages a replica obtained from one source outside itself (peer, host, disk), since start."""
+
+    pages: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    errors: int = 0
+    """Failed attempts (the request fell back to the next source)."""
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Counters of one tier since it was created (a snapshot; see ``KVTier.stats``)."""
+
+    pages_loaded: int = 0
+    bytes_loaded: int = 0
+    """KV bytes of the pages returned by ``load`` (headers not included)."""
+    pages_stored: int = 0
+    bytes_stored: int = 0
+    pages_dropped: int = 0
+    """Pages given to ``store`` that were not written: queue full, tier unavailable or refused, write failed."""
+    discarded_corrupt: int = 0
+    """Entries deleted by ``load``: truncated, corrupt, foreign format, or other token ids than expected."""
+    pages_evicted: int = 0
+    """Entries this tier deleted to stay within its budget (disk tier; Redis evicts on its own)."""
+    errors: int = 0
+    """Failed operations against the store (connection refused, timeout, I/O error)."""
+    load_seconds: float = 0.0
+    """Wall time spent in ``load`` (caller's thread)."""
+    store_seconds: float = 0.0
+    """Wall time the background writer spent writing."""
+
+
+@dataclass(frozen=True)
+class TierReport:
+    """One shared tier's counters and whether it answers now."""
+
+    stats: TierStats
+    available: bool
+
+
+@dataclass(frozen=True)
+class KVSourceStats:
+    """One replica's KV traffic with the world outside it, for /metrics."""
+
+    replica_id: str
+    fetch: dict[CacheSource, SourceStats] = field(default_factory=dict)
+    tiers: dict[str, TierReport] = field(default_factory=dict)
+    """By tier name ("host", "disk")."""
+    peer_transport: dict[str, int] = field(default_factory=dict)
+    """Pages copied from peers by transport: "cuda_ipc" (device to device) or "host"."""
