@@ -9,6 +9,8 @@
 #   benchmarks/vs_vllm.sh check-vllm   # start vLLM on the tiny model, send one request, stop (start-up time, RSS)
 #   benchmarks/vs_vllm.sh vllm|prefixserve   # one server kind only (caching on and off)
 #   benchmarks/vs_vllm.sh report       # rebuild the markdown from the raw results
+#   benchmarks/vs_vllm.sh vllm-client  # vLLM's own `vllm bench serve` (prefix_repetition) against each server in turn,
+#                                      # plus benchmarks/serving_overhead.py (short-request fixed cost, TPOT at batch 1)
 #
 # Knobs (environment): DTYPE (float32; or bfloat16: both servers use it for weights and KV), NUM_REQUESTS (40),
 # CONCURRENCY (4), PREFIX_LEN (1792), SUFFIX_LEN (256), OUTPUT_LEN (32),
@@ -160,7 +162,7 @@ start_prefixserve() {
   launch "$name" RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled -- \
     "$PROJECT_PY" -m cluster serve --model "$MODEL_DIR" --served-model-name tiny-llama --dtype "$DTYPE" \
       --kv-cache-page-size 128 --max-model-len 4096 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
-      --max-num-seqs "$MAX_NUM_SEQS" --data-parallel-degree 1 --num-cpus-per-replica 1 --devices cpu \
+      --max-num-seqs "$MAX_NUM_SEQS" --data-parallel-degree 1 --num-cpus-per-replica "${PREFIXSERVE_CPUS:-1}" --devices cpu \
       --kv-cache-memory "${KV_GIB}GiB" --no-enable-disk-cache --host 127.0.0.1 --port "$PREFIXSERVE_PORT" "$flag"
   wait_ready "$PREFIXSERVE_PORT" "$name"
   PORT="$PREFIXSERVE_PORT"
@@ -206,6 +208,38 @@ run_server() {
   stop_server
 }
 
+# vllm_client SERVER: vLLM's own benchmark client (prefix_repetition, the parameters) against the server on
+# $PORT, then benchmarks/serving_overhead.py; raw JSON under $RAW/vllm-client-SERVER*.json.
+vllm_client() {
+  local server="$1" cmd
+  log "$server $DTYPE: vllm bench serve (prefix_repetition)"
+  cmd=(env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_TARGET_DEVICE=cpu
+       "$VLLM_VENV/bin/python" "$HERE/vllm_wrapper.py" bench serve --backend openai
+       --base-url "http://127.0.0.1:$PORT" --model tiny-llama --tokenizer "$MODEL_DIR"
+       --dataset-name prefix_repetition --prefix-repetition-prefix-len "${VC_PREFIX_LEN:-1536}"
+       --prefix-repetition-suffix-len "${VC_SUFFIX_LEN:-256}" --prefix-repetition-num-prefixes 4
+       --prefix-repetition-output-len "${VC_OUTPUT_LEN:-64}" --num-prompts "${VC_NUM_PROMPTS:-48}"
+       --max-concurrency "$CONCURRENCY" --ignore-eos --seed 0 --save-result --result-dir "$RAW"
+       --result-filename "vllm-client-$server.json")
+  record "$RAW/vllm-client-commands.sh" "${cmd[@]}"
+  "${cmd[@]}" >"$LOGS/vllm-client-$server.txt" 2>&1 || { tail -n 30 "$LOGS/vllm-client-$server.txt" >&2; return 1; }
+  log "$server $DTYPE: serving_overhead.py"
+  cmd=("$PROJECT_PY" "$HERE/serving_overhead.py" --base-url "http://127.0.0.1:$PORT" --model tiny-llama
+       --json "$RAW/vllm-client-$server-overhead.json")
+  record "$RAW/vllm-client-commands.sh" "${cmd[@]}"
+  "${cmd[@]}" >"$LOGS/overhead-$server.txt"
+}
+
+run_vllm_client() {
+  local kind
+  mkdir -p "$RAW"; : >"$RAW/vllm-client-commands.sh"
+  for kind in ${VC_SERVERS:-prefixserve vllm}; do
+    "start_$kind" on
+    vllm_client "$kind"
+    stop_server
+  done
+}
+
 check_vllm() {
   setup_vllm_venv
   make_model
@@ -236,12 +270,13 @@ main() {
     vllm) setup_vllm_venv; make_model; run_server vllm on; run_server vllm off ;;
     prefixserve) make_model; run_server prefixserve on; run_server prefixserve off ;;
     report) report ;;
+    vllm-client) setup_vllm_venv; make_model; run_vllm_client ;;
     all)
       setup_vllm_venv; make_model
       run_server prefixserve on; run_server prefixserve off
       run_server vllm on; run_server vllm off
       report ;;
-    *) echo "usage: $0 [all|setup|model|check-vllm|vllm|prefixserve|report]" >&2; exit 2 ;;
+    *) echo "usage: $0 [all|setup|model|check-vllm|vllm|prefixserve|report|vllm-client]" >&2; exit 2 ;;
   esac
 }
 

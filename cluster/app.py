@@ -32,6 +32,14 @@ REPLICA_MAX_ONGOING_REQUESTS = 256
 INGRESS_MAX_ONGOING_REQUESTS = 4096
 REPLICA_HEALTH_CHECK_PERIOD_S = 10.0
 REPLICA_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
+SERVE_LATENCY_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+"""Ray Serve settings for both deployments' processes: our methods never block their event loop (engine work runs
+on the engine thread, tokenization on a tokenizer thread), so Serve's extra user-code thread and router loop only add
+cross-thread hops to every request and every streamed message. Measured with benchmarks/serving_overhead.py
+(BENCHMARKS.md): they cut TTFT and the time per streamed token by a third on 2 cores."""
 
 
 def request_router_config(config: ServeConfig) -> Any:
@@ -41,7 +49,8 @@ def request_router_config(config: ServeConfig) -> Any:
 
 
 def replica_actor_options(config: ServeConfig) -> dict[str, Any]:
-    options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
+    options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica,
+                               "runtime_env": {"env_vars": dict(SERVE_LATENCY_ENV)}}
     if config.devices == "gpu":
         options["num_gpus"] = 1
     return options
@@ -70,7 +79,7 @@ def build_app(config: ServeConfig, router_config: Any = None) -> Application:
         name=INGRESS_DEPLOYMENT_NAME,
         num_replicas=1,
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": dict(SERVE_LATENCY_ENV)}},
     )
     # The template's replica id is replaced by each replica's Serve id in ServeReplica.__init__.
     return ingress.bind(replicas.bind(config.engine_config("replica-0"), config.served_model_name), config)

@@ -87,7 +87,8 @@ class LLMEngine:
                 f"the KV budget of {config.kv_cache_memory_bytes} bytes holds {num_pages} page(s); "
                 "raise --kv-cache-memory (at least two pages are needed)"
             )
-        self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size, device=self.device)
+        self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size, device=self.device,
+                                  enforce_eager=config.enforce_eager)
         self.model_fingerprint = self.runner.fingerprint
         self.vocab_size = model.config.get_text_config().vocab_size
         self.max_model_len = self._resolve_max_model_len(model.config, num_pages)

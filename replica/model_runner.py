@@ -1,5 +1,6 @@
-"""Model runner: runs a transformers decoder-only causal LM on one packed batch per step, its attention reading and
-writing the page pool (``replica.paged_attention``).
+"""Model runner: runs a decoder-only causal LM on one packed batch per step, its attention reading and writing the
+page pool (``replica.paged_attention``). Llama-family models run as compact model code (``replica.llama``) compiled
+with inductor (``replica.compile``), others as transformers' modeling code (see ``ModelRunner``).
 
 One step's batch packs every scheduled chunk into a single row ``[1, T]``::
 
@@ -8,18 +9,24 @@ One step's batch packs every scheduled chunk into a single row ``[1, T]``::
     slot_mapping | pageA[0]*ps+40.. | ... |          (where each new token's K/V is written)
     logits rows  |        ^A   |   ^B   |   ^C   |   (only rows that sample a token, via logits_to_keep)
 
-The same code runs on CUDA tensors with ``device="cuda"``.
+The same code runs on CUDA tensors with ``device="cuda"`` (compact model in eager mode; compilation is CPU only).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
 
+from replica.attention_op import forward_context
+from replica.compile import CompiledEntry, cached_compiled_forward
+from replica.llama import CompactCausalLM, unsupported_reason
 from replica.page_pool import allocate_kv_tensor, bytes_per_page
 from replica.paged_attention import (
     DecodeBatch,
@@ -29,6 +36,8 @@ from replica.paged_attention import (
     register_paged_attention,
     slot_runs,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,14 +87,52 @@ def compute_model_fingerprint(model: torch.nn.Module, kv_dtype: torch.dtype) -> 
     return digest.hexdigest()
 
 
+BACKENDS = ("compiled", "eager", "transformers")
+ENFORCE_EAGER_ENV = "PREFIXSERVE_ENFORCE_EAGER"
+"""Set to 1 to run every runner of the process without compilation (e.g. a quick test run)."""
+COMPILED_DTYPES = (torch.bfloat16, torch.float32)
+"""Dtypes whose forward is compiled by default on CPU (see benchmarks/forward_step.py for the measurements)."""
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, *, num_pages: int, page_size: int, device: torch.device) -> None:
+    """Runs one packed step of a causal LM over the page pool.
+
+    Three ways to run the forward pass (``self.backend``):
+
+    - ``"compiled"``: the compact Llama-family model (``replica.llama``) compiled with inductor (``replica.compile``),
+      attention as the opaque op ``prefixserve::paged_attention``. Compiled at construction (``startup_seconds``),
+      shared in the process by every runner of a model with the same weights. CPU only, dtypes in
+      ``COMPILED_DTYPES``; one graph serves every step (no recompilation after start-up).
+    - ``"eager"``: the same compact model without compilation (``enforce_eager=True``, other devices or dtypes).
+    - ``"transformers"``: transformers' own modeling code with ``paged_attention`` registered as its attention
+      function, for architectures the compact model does not cover (``fallback_reason`` says why).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_pages: int,
+        page_size: int,
+        device: torch.device,
+        enforce_eager: bool = False,
+        backend: str | None = None,
+        compile_options: dict | None = None,
+    ) -> None:
+        """``enforce_eager`` (or the environment variable ``PREFIXSERVE_ENFORCE_EAGER=1``) turns compilation off.
+        ``backend`` forces one of ``BACKENDS`` (benchmarks, tests; it overrides ``enforce_eager``); by default the
+        compact model is compiled on CPU for the dtypes in ``COMPILED_DTYPES`` and run eagerly otherwise, and models
+        it does not cover run on transformers. ``compile_options`` replaces the dtype's
+        ``replica.compile.INDUCTOR_OPTIONS``."""
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        enforce_eager = enforce_eager or os.environ.get(ENFORCE_EAGER_ENV, "") not in ("", "0")
+        start = time.perf_counter()
         self.model = model
-        self.device = device
+        self.device = torch.device(device)
         self.page_size = page_size
         self.dtype = next(model.parameters()).dtype
         self.geometry = kv_geometry(model.config)
-        model.set_attn_implementation(register_paged_attention())
         self.kv_cache = allocate_kv_tensor(
             num_layers=self.geometry.num_layers,
             num_pages=num_pages,
@@ -93,9 +140,64 @@ class ModelRunner:
             num_kv_heads=self.geometry.num_kv_heads,
             head_dim=self.geometry.head_dim,
             dtype=self.dtype,
-            device=device,
+            device=self.device,
         )
         self.fingerprint = compute_model_fingerprint(model, self.dtype)
+        self.fallback_reason = unsupported_reason(model) if backend != "transformers" else "asked for"
+        if backend in ("compiled", "eager") and self.fallback_reason is not None:
+            raise ValueError(f"backend {backend!r} cannot run this model: {self.fallback_reason}")
+        if backend is None:
+            if self.fallback_reason is not None:
+                backend = "transformers"
+            elif not enforce_eager and self.device.type == "cpu" and self.dtype in COMPILED_DTYPES:
+                backend = "compiled"
+            else:
+                backend = "eager"
+        self.backend = backend
+        self._compiled: CompiledEntry | None = None
+        self._compact: CompactCausalLM | None = None
+        if backend == "transformers":
+            model.set_attn_implementation(register_paged_attention())
+        elif backend == "compiled":
+            self._compiled = cached_compiled_forward(model, lambda: CompactCausalLM(model), compile_options)
+            self._warm_up()
+        else:
+            self._compact = CompactCausalLM(model)
+        self.startup_seconds = time.perf_counter() - start
+        logger.info("model runner: %s forward ready in %.1f s", self.backend, self.startup_seconds)
+
+    @property
+    def num_compiles(self) -> int:
+        """Graphs compiled so far by this runner's compiled forward (shared with runners of the same model)."""
+        return self._compiled.forward.num_compiles if self._compiled is not None else 0
+
+    def _warm_up(self) -> None:
+        """Compile the graphs every later step uses (module docstring of replica.compile) with throwaway steps on
+        pages 0 and 1 (then cleared); a no-op when another runner of this model already did."""
+        entry = self._compiled
+        with entry.lock:
+            if entry.warmed_up:
+                return
+            if entry.failed:
+                self._fall_back_to_eager()
+                return
+            try:
+                other_page = 1 if self.kv_cache.shape[2] > 1 else 0
+                with entry.forward.compiling():
+                    self.run([ChunkInput([0], 0, [0], sample=True), ChunkInput([0], 0, [other_page], sample=True)])
+            except Exception:  # no C++ compiler, an unsupported op...: serve eagerly rather than not at all
+                logger.exception("compiling the forward pass failed; running the compact model eagerly")
+                entry.failed = True
+                self._fall_back_to_eager()
+            else:
+                entry.warmed_up = True
+            finally:
+                self.kv_cache.zero_()
+
+    def _fall_back_to_eager(self) -> None:
+        self.backend = "eager"
+        self._compact = self._compiled.forward.module
+        self._compiled = None
 
     @staticmethod
     def pages_for_budget(config, *, page_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -122,7 +224,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: Seq[ChunkInput]) -> torch.Tensor:
         """Compute the chunks' KV into their pages; returns float32 logits [num sampling chunks, vocab] in order."""
-        input_ids, positions, slots, sample_rows = [], [], [], []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
         prefills: list[PrefillSlice] = []
         decode_rows: list[tuple[int, int, Seq[int]]] = []
         ps = self.page_size
@@ -132,7 +237,13 @@ class ModelRunner:
             ctx_len = chunk.start_pos + num_new
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, ctx_len))
-            slots.extend(chunk.page_ids[pos // ps] * ps + pos % ps for pos in range(chunk.start_pos, ctx_len))
+            pos = chunk.start_pos
+            while pos < ctx_len:  # one range of slots per page
+                page_index = pos // ps
+                end = min(ctx_len, (page_index + 1) * ps)
+                base = (chunk.page_ids[page_index] - page_index) * ps
+                slots.extend(range(base + pos, base + end))
+                pos = end
             if num_new == 1:
                 decode_rows.append((offset, ctx_len, chunk.page_ids))
             else:
@@ -140,23 +251,36 @@ class ModelRunner:
             offset += num_new
             if chunk.sample:
                 sample_rows.append(offset - 1)
+        num_padding = 0
+        if self.backend == "compiled" and offset == 1:  # one graph for every step: T >= 2 (replica.compile)
+            input_ids.append(input_ids[0])
+            positions.append(positions[0])
+            num_padding = 1
         metadata = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             prefills=prefills,
             decode=self._decode_batch(decode_rows),
+            num_padding=num_padding,
         )
-        logits_to_keep = torch.tensor(sample_rows or [offset - 1], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
-            use_cache=False,
-            logits_to_keep=logits_to_keep,
-            paged_metadata=metadata,
-        )
+        logits_index = torch.tensor(sample_rows or [offset - 1], dtype=torch.long, device=self.device)
+        if self.backend == "transformers":
+            out = self.model(
+                input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
+                position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+                use_cache=False,
+                logits_to_keep=logits_index,
+                paged_metadata=metadata,
+            )
+            logits = out.logits[0].float()
+        else:
+            ids_pos = torch.tensor([input_ids, positions], dtype=torch.long, device=self.device)
+            forward = self._compiled.forward if self.backend == "compiled" else self._compact
+            with forward_context(metadata):
+                logits = forward(ids_pos, logits_index)
         if not sample_rows:
-            return out.logits.new_empty(0, out.logits.shape[-1]).float()
-        return out.logits[0].float()
+            return logits.new_empty(0, logits.shape[-1])
+        return logits
 
     def _prefill_slice(self, offset: int, num_new: int, ctx_len: int, page_ids: Seq[int]) -> PrefillSlice:
         if ctx_len == num_new:

@@ -17,8 +17,10 @@ request; each request's own pages are attended separately and the softmax spans 
     scores         | [q_a; q_b; q_c] @ K_shared^T     | q_x @ K_own^T per row |  -> softmax per row over the concatenation
     output         | P_shared @ V_shared (one matmul) + P_own @ V_own per row |
 
-Masks are built once per step (``PagedAttentionMetadata``) and shared by layers;
-sliding windows (Mistral, Gemma3) are applied on the paged read: key j is visible to query position p when
+``attend`` is the whole computation, token-major; it is called by ``paged_attention`` (transformers' attention
+function interface) and by the custom op ``prefixserve::paged_attention`` (``replica.attention_op``) that the compact,
+compiled model code uses (``replica.llama``). Masks are built once per step (``PagedAttentionMetadata``) and shared by
+layers; sliding windows (Mistral, Gemma3) are applied on the paged read: key j is visible to query position p when
 ``p - window < j <= p``.
 """
 
@@ -151,9 +153,12 @@ class PagedAttentionMetadata:
     kv_cache: torch.Tensor
     """The pool's KV tensor [layers, 2, num_pages, page_size, kv_heads, head_dim]."""
     slot_mapping: torch.Tensor
-    """[T] pool slot for each packed token."""
+    """[T - num_padding] pool slot for each packed token."""
     prefills: list[PrefillSlice]
     decode: DecodeBatch | None
+    num_padding: int = 0
+    """Trailing packed rows that are padding (not in ``slot_mapping``: their K/V are not written); they attend to
+    nothing and their output rows are zeros."""
     _mask_cache: dict = field(default_factory=dict)
 
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
@@ -188,24 +193,45 @@ def paged_attention(
     """transformers attention function: query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
     if paged_metadata is None:
         raise RuntimeError("paged attention called without paged_metadata; run the model through ModelRunner")
-    meta = paged_metadata
-    num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    output = attend(
+        paged_metadata, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        scaling, sliding_window,
+    )
+    return output[None], None
+
+
+def attend(
+    meta: PagedAttentionMetadata,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One layer's attention for the packed batch, token-major: query [T, H, D], key/value [T, KVH, D] (RoPE
+    applied, K/V not repeated for GQA) -> a new tensor [T, H, D]. Writes key/value into the pool at
+    ``meta.slot_mapping`` first."""
+    num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    layer_cache = meta.kv_cache[module.layer_idx]
+    layer_cache = meta.kv_cache[layer_idx]
     k_cache = layer_cache[0].view(-1, num_kv_heads, head_dim)
     v_cache = layer_cache[1].view(-1, num_kv_heads, head_dim)
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    num_real = num_tokens - meta.num_padding
+    k_cache.index_copy_(0, meta.slot_mapping, key[:num_real] if meta.num_padding else key)
+    v_cache.index_copy_(0, meta.slot_mapping, value[:num_real] if meta.num_padding else value)
 
     output = query.new_empty(num_tokens, num_heads, head_dim)
+    if meta.num_padding:
+        output[num_tokens - meta.num_padding :].zero_()
     for index, part in enumerate(meta.prefills):
-        q = query[:, :, part.q_start : part.q_start + part.q_len]
+        q = query[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
         if part.kv_start is not None:
             k = k_cache[part.kv_start : part.kv_start + part.ctx_len].transpose(0, 1)[None]
             v = v_cache[part.kv_start : part.kv_start + part.ctx_len].transpose(0, 1)[None]
         elif part.kv_slots is None:
-            k = key[:, :, part.q_start : part.q_start + part.q_len]
-            v = value[:, :, part.q_start : part.q_start + part.q_len]
+            k = key[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
+            v = value[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
         else:
             k = k_cache.index_select(0, part.kv_slots).transpose(0, 1)[None]
             v = v_cache.index_select(0, part.kv_slots).transpose(0, 1)[None]
@@ -219,7 +245,7 @@ def paged_attention(
         batch = meta.decode
         group = num_heads // num_kv_heads
         # grouped-query trick: the `group` query heads sharing a kv head become that head's query rows
-        queries = query[0].index_select(1, batch.q_indices).transpose(0, 1)  # [B, H, D]
+        queries = query.index_select(0, batch.q_indices)  # [B, H, D]
         queries = queries.reshape(len(batch.rows), num_kv_heads, group, head_dim)
         outs: list[torch.Tensor | None] = [None] * len(batch.rows)
         groups, singles = batch.plan(sliding_window)
@@ -230,7 +256,7 @@ def paged_attention(
         for row in singles:
             outs[row] = _attend_runs(queries[row], k_cache, v_cache, batch.runs(row, sliding_window), scaling)
         output.index_copy_(0, batch.q_indices, torch.stack(outs).reshape(len(outs), num_heads, head_dim))
-    return output[None], None
+    return output
 
 
 def _attend_shared(
@@ -263,9 +289,18 @@ def _attend_runs(
     """One query token (as [kv_heads, group, D]) attending to every key in ``runs`` (all visible)."""
     if len(runs) == 1:
         start, length = runs[0]
-        k = k_cache[start : start + length].transpose(0, 1)
-        v = v_cache[start : start + length].transpose(0, 1)
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scaling)[0]
+        k = k_cache[start : start + length].transpose(0, 1)[None]
+        v = v_cache[start : start + length].transpose(0, 1)[None]
+        if q.dtype == torch.bfloat16 and q.shape[1] > 1:
+            # CPU flash attention on bfloat16 runs ~25% faster with one query per head (grouped-query heads mapped
+            # by enable_gqa) than with the group's queries stacked per KV head; float32 the other way round
+            # (32 row-layers of a 1024-token context, 1 thread: 11 vs 14.5 ms bf16, 17.6 vs 12.8 ms fp32)
+            num_kv_heads, group, head_dim = q.shape
+            out = F.scaled_dot_product_attention(
+                q.reshape(1, num_kv_heads * group, 1, head_dim), k, v, scale=scaling, enable_gqa=True
+            )
+            return out.view(num_kv_heads, group, head_dim)
+        return F.scaled_dot_product_attention(q[None], k, v, scale=scaling)[0]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     probs = torch.softmax(torch.cat(_run_scores(q, k_cache, runs), dim=-1).float() * scale, dim=-1).to(q.dtype)
     return _run_values(probs, v_cache, runs)

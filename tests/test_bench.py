@@ -485,7 +485,7 @@ def prefixserve_process(model_dir: Path, caching: bool, timeout_s: float = 240.0
     port = free_port()
     command = [
         sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--devices", "cpu",
-        "--data-parallel-degree", "1", "--kv-cache-page-size", "128", "--kv-cache-memory", "64MiB",
+        "--data-parallel-degree", "1", "--kv-cache-page-size", "128", "--kv-cache-memory", "64MiB", "--dtype", "float32",
         "--port", str(port), "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
     ]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}

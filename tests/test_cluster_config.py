@@ -177,15 +177,16 @@ def test_make_tiny_model_delegates(tmp_path, capsys):
 
 def test_build_app_wires_replicas_router_and_ingress():
     """The application graph, inspected without starting Ray."""
-    from cluster.app import app_builder, build_app
+    from cluster.app import SERVE_LATENCY_ENV, app_builder, build_app
 
     app = build_app(ServeConfig(devices="cpu", data_parallel_degree=3, num_cpus_per_replica=0.5,
                                 enable_dp_cross_replica_prefix_copy=False, served_model_name="m"))
     ingress = app._bound_deployment
     replicas = ingress.init_args[0]._bound_deployment
-    assert (ingress.name, ingress.ray_actor_options) == ("OpenAIIngress", {"num_cpus": 0})
+    serve_env = {"runtime_env": {"env_vars": SERVE_LATENCY_ENV}}
+    assert (ingress.name, ingress.ray_actor_options) == ("OpenAIIngress", {"num_cpus": 0, **serve_env})
     assert (replicas.name, replicas.num_replicas, replicas.ray_actor_options) == (
-        "PrefixServeReplica", 3, {"num_cpus": 0.5})
+        "PrefixServeReplica", 3, {"num_cpus": 0.5, **serve_env})
     assert replicas.max_ongoing_requests >= 64  # continuous batching needs many requests in one replica
     router = replicas._deployment_config.request_router_config
     assert router.request_router_class.endswith("PrefixAwareRequestRouter")

@@ -32,7 +32,7 @@ def make_config(model_dir: str, **overrides):
 
     settings = dict(model=model_dir, devices="cpu", data_parallel_degree=2, page_size=PAGE_SIZE,
                     kv_cache_memory="32MiB", num_cpus_per_replica=0.5, served_model_name=MODEL, max_model_len=2048,
-                    max_num_batched_tokens=1024, api_key=API_KEY, enable_disk_cache=False)
+                    max_num_batched_tokens=1024, api_key=API_KEY, enable_disk_cache=False, dtype="float32")
     settings.update(overrides)
     return ServeConfig(**settings)
 

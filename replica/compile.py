@@ -1,0 +1,173 @@
+"""``torch.compile`` (inductor) of the compact model's forward pass, and a process-wide cache of compiled forwards.
+
+Shapes: a step's forward takes ``ids_pos [2, T]`` (token ids; positions) and ``logits_index [S]``. ONE graph covers
+every step, with T and S dynamic (at least 2 each):
+
+- a lone decode (T = 1) is padded by the runner with a copy of its token that writes no K/V and attends to nothing
+  (``PagedAttentionMetadata.num_padding``): one more row through the GEMMs costs nothing measurable, since the
+  weights are read once either way, and a static T = 1 graph would double the compile time;
+- a single sampled row (S = 1) is repeated, for the same reason.
+
+The graph is compiled at start-up by the runner's warm-up step; afterwards no step recompiles (``num_compiles``;
+tests/test_compiled_runner.py runs a mixed workload and checks it).
+
+Inductor options per dtype (``INDUCTOR_OPTIONS``): for bfloat16, ``freezing`` makes the weights graph constants, so
+GEMMs become oneDNN linear calls on weights packed once (AMX where the CPU has it). Dynamo reads ``freezing`` while
+it traces, so the options are patched around the warm-up calls (``CompiledForward.compiling``) and inside the
+backend; no process-wide inductor setting is changed. Frozen graphs hold packed mkldnn constants, which inductor's
+FX graph cache cannot pickle: every distinct bfloat16 model is compiled in full once per process (~20-30 s for the
+512 x 8 tiny Llama). float32 is compiled without freezing (weights are graph inputs, GEMMs stay aten/MKL), which is
+faster at batch 1-2 and lets the FX graph cache on disk serve later compiles of the same architecture (~2 s).
+
+Each ``CompiledForward`` compiles its own copy of the forward's code object: dynamo keys its cache (and its
+recompile limit) on the code object, so runners of different models never share, evict or exceed each other's
+entries; frozen parameters are also guarded by identity.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import types
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+INDUCTOR_OPTIONS = {
+    torch.bfloat16: {"freezing": True},
+    torch.float32: {"freezing": False},
+}
+"""Inductor options per weight dtype (others: ``DEFAULT_OPTIONS``). Measured on the AMX Xeon, 512 x 8 tiny Llama
+(benchmarks/forward_step.py, BENCHMARKS.md): freezing speeds bfloat16 decode up 1.3-1.5x over unfrozen compilation
+(oneDNN/AMX on packed weights instead of aten's per-call path); for float32 it is faster at batch >= 4 (oneDNN packed
+vs MKL sgemm, ~15%) but slower at batch 1-2 (MKL's small-M path wins, ~15%) and slower on long prefills, and a
+frozen graph cannot be cached on disk (packed mkldnn constants do not pickle) while an unfrozen one is, so a float32
+engine starts in ~2 s once the graph is in inductor's cache instead of ~20 s."""
+DEFAULT_OPTIONS = {"freezing": False}
+MAX_TOKENS = 1 << 20
+"""Upper bound of the dynamic token dimension (dynamo needs one)."""
+_code_copies = iter(range(1 << 62))
+
+
+def _fresh_method(module: nn.Module) -> Callable:
+    """``module.forward`` bound to a private copy of its code object (a dynamo cache of its own)."""
+    function = type(module).forward
+    code = function.__code__.replace(co_name=f"{function.__code__.co_name}_compiled_{next(_code_copies)}")
+    copy = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
+    return types.MethodType(copy, module)
+
+
+class CompiledForward:
+    """``module(ids_pos, logits_index)`` compiled with inductor; see the module docstring for the shapes."""
+
+    def __init__(self, module: nn.Module, options: dict) -> None:
+        self.module = module
+        self.options = dict(options)
+        self.num_compiles = 0
+        self._compiled = torch.compile(_fresh_method(module), backend=self._backend, fullgraph=True, dynamic=False)
+
+    def _backend(self, graph_module: torch.fx.GraphModule, example_inputs):
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        self.num_compiles += 1
+        with inductor_config.patch(self.options):
+            return compile_fx(graph_module, example_inputs)
+
+    @contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Patch the inductor options for the duration of warm-up calls. Dynamo itself reads ``freezing`` while it
+        traces (frozen weights become graph constants guarded by identity, not graph inputs), so the option must be
+        set around the call that compiles, not only inside the backend. Steady-state calls don't patch anything (a
+        recompile there would still be correct, just without frozen weights)."""
+        from torch._inductor import config as inductor_config
+
+        with inductor_config.patch(self.options):
+            yield
+
+    def __call__(self, ids_pos: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+        if ids_pos.shape[1] < 2:
+            raise ValueError("the compiled forward takes two tokens or more (the runner pads a lone decode)")
+        num_rows = logits_index.shape[0]
+        if num_rows == 1:
+            logits_index = logits_index.repeat(2)
+        torch._dynamo.mark_dynamic(ids_pos, 1, min=2, max=MAX_TOKENS)
+        torch._dynamo.mark_dynamic(logits_index, 0, min=2, max=MAX_TOKENS)
+        logits = self._compiled(ids_pos, logits_index)
+        return logits[:1] if num_rows == 1 else logits
+
+
+@dataclass
+class CompiledEntry:
+    forward: CompiledForward
+    signature: tuple
+    weights: list[torch.Tensor]
+    """The source model's parameters the graphs were frozen with (compared with a new model's by value)."""
+    warmed_up: bool = False
+    failed: bool = False
+    """Compilation raised: runners of this model run it eagerly."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+CACHE_MAX_ENTRIES = 8
+CACHE_MAX_BYTES = 2 << 30
+"""The cache keeps at most this many entries and, beyond the newest, this many bytes of source weights alive."""
+_cache: "OrderedDict[int, CompiledEntry]" = OrderedDict()
+_cache_lock = threading.Lock()
+_entry_ids = iter(range(1 << 62))
+
+
+def _signature(model: nn.Module, options: dict) -> tuple:
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "_attn_implementation", "_attn_implementation_autoset"):
+        config.pop(volatile, None)
+    params = tuple((name, tuple(p.shape), p.dtype, str(p.device)) for name, p in model.named_parameters())
+    return (
+        type(model).__name__, json.dumps(config, sort_keys=True, default=str), params, torch.get_num_threads(),
+        tuple(sorted(options.items())),
+    )
+
+
+def _same_weights(weights: list[torch.Tensor], model: nn.Module) -> bool:
+    return all(
+        (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()) or torch.equal(a, b)
+        for a, b in zip(weights, model.parameters())
+    )
+
+
+def cached_compiled_forward(
+    source: nn.Module, build: Callable[[], nn.Module], options: dict | None = None
+) -> CompiledEntry:
+    """The compiled forward for ``source`` (built by ``build()`` on first use). Shared by every runner whose model has
+    the same architecture, config, thread count (inductor bakes it into its kernels), options and weight values —
+    the same model object, a deep copy, or the same checkpoint loaded again — so a process that builds many engines
+    (the test suite) compiles once per distinct model. Recently used entries are kept within ``CACHE_MAX_ENTRIES`` /
+    ``CACHE_MAX_BYTES`` (each holds its model's weights alive). Weights must not be modified in place after a runner
+    is built."""
+    if options is None:
+        options = INDUCTOR_OPTIONS.get(next(source.parameters()).dtype, DEFAULT_OPTIONS)
+    options = dict(options)
+    signature = _signature(source, options)
+    with _cache_lock:
+        for key, entry in reversed(_cache.items()):
+            if entry.signature == signature and _same_weights(entry.weights, source):
+                _cache.move_to_end(key)
+                return entry
+        entry = CompiledEntry(CompiledForward(build(), options), signature, [p.detach() for p in source.parameters()])
+        _cache[next(_entry_ids)] = entry
+        while len(_cache) > 1 and (
+            len(_cache) > CACHE_MAX_ENTRIES
+            or sum(p.numel() * p.element_size() for e in _cache.values() for p in e.weights) > CACHE_MAX_BYTES
+        ):
+            _cache.popitem(last=False)
+    return entry
+
+
+def clear_cache() -> None:
+    """Forget every cached compiled forward (runners holding one keep it)."""
+    with _cache_lock:
+        _cache.clear()

@@ -1,0 +1,185 @@
+"""The compiled forward (replica/llama.py + replica/attention_op.py + replica/compile.py): no recompilation in steady
+state, the same logits as the eager compact model and as transformers, greedy tokens equal to transformers'
+generate (float32), the compile cache shared only by models with equal weights, and the backend choice
+(enforce_eager, fallback to transformers for what the compact model does not cover).
+
+tests/test_model_runner.py and tests/test_engine_equivalence.py run the default (compiled) runner for Llama, Qwen2 and
+Mistral; ``PREFIXSERVE_ENFORCE_EAGER=1`` runs them eagerly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
+
+from engine_utils import VOCAB, TinyModel, random_prompt
+from replica.model_runner import ChunkInput, ModelRunner
+
+PS = 128
+CPU = torch.device("cpu")
+
+
+def runner(model, **kwargs) -> ModelRunner:
+    kwargs.setdefault("num_pages", 32)
+    return ModelRunner(model, page_size=PS, device=CPU, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return TinyModel("llama", seed=3)
+
+
+class Seq:
+    """A sequence fed to the runner step by step: its tokens so far and its page table."""
+
+    def __init__(self, prompt: list[int], pages: list[int]) -> None:
+        self.tokens = list(prompt)
+        self.pages = pages
+        self.done = 0  # tokens whose K/V are in the pages
+
+    def chunk(self, n: int | None = None, sample: bool = True) -> ChunkInput:
+        n = len(self.tokens) - self.done if n is None else n
+        chunk = ChunkInput(self.tokens[self.done : self.done + n], self.done, self.pages, sample)
+        self.done += n
+        return chunk
+
+    def decode(self, token: int) -> ChunkInput:
+        self.tokens.append(token)
+        return self.chunk(1)
+
+
+def mixed_workload():
+    """Steps of every kind an engine schedules: prefill chunks with and without sampling, chunks continuing a cached
+    context, lone decodes, decode batches of 2..5, prefill and decodes in one step, a one-token prompt."""
+    a = Seq(random_prompt(300, seed=40), [0, 1, 2, 3])
+    b = Seq(random_prompt(5, seed=41), [4])
+    c = Seq(random_prompt(1, seed=42), [5])
+    d = Seq(random_prompt(140, seed=43), [9, 6])  # scattered pages
+    e = Seq(random_prompt(200, seed=44), [10, 11, 12])
+    yield [a.chunk(128, sample=False)]
+    yield [a.chunk(), b.chunk()]
+    yield [a.decode(7), b.decode(8)]
+    yield [a.decode(9)]
+    yield [c.chunk()]
+    yield [a.decode(10), b.decode(11), c.decode(12), d.chunk(40)]
+    yield [d.chunk(100, sample=False), a.decode(13)]
+    yield [a.decode(14), b.decode(15), c.decode(16), d.decode(17), e.chunk(64, sample=False)]
+    yield [e.chunk(), b.decode(18)]
+    yield [a.decode(19), b.decode(20), c.decode(21), d.decode(22), e.decode(23)]
+    yield [e.decode(24)]
+    yield [b.decode(25), c.decode(26)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steady_state_never_recompiles_and_matches_eager(llama, dtype):
+    import torch._dynamo.utils
+
+    model = llama.served if dtype == torch.float32 else copy.deepcopy(llama.served).to(dtype)
+    compiled = runner(model, backend="compiled")  # explicit: PREFIXSERVE_ENFORCE_EAGER=1 must not turn it off
+    eager = runner(model, enforce_eager=True)
+    assert compiled.backend == "compiled" and eager.backend == "eager" and eager.num_compiles == 0
+    assert compiled.num_compiles == 1  # one graph for every step shape (replica/compile.py)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    atol = 1e-4 if dtype == torch.float32 else 0.1  # bfloat16: fused kernels round differently
+    num_steps = 0
+    for chunks in mixed_workload():
+        got = compiled.run(chunks)
+        expected = eager.run(chunks)
+        assert got.dtype == torch.float32 and got.shape == expected.shape == (sum(c.sample for c in chunks), VOCAB)
+        torch.testing.assert_close(got, expected, rtol=0, atol=atol)
+        if dtype == torch.bfloat16:  # the same greedy token wherever the eager top two are not within rounding
+            top2 = expected.topk(2).values
+            clear = top2[:, 0] - top2[:, 1] > 2 * atol
+            assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
+        num_steps += 1
+    assert num_steps == 12
+    assert compiled.num_compiles == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before
+    torch.testing.assert_close(compiled.kv_cache.float(), eager.kv_cache.float(), rtol=0, atol=atol / 10)
+
+
+def test_compiled_forward_is_shared_only_by_equal_weights(llama):
+    # bfloat16: the graphs are frozen (weights baked in as constants), the case where sharing would be wrong
+    model = copy.deepcopy(llama.served).to(torch.bfloat16)
+    first = runner(model, backend="compiled")
+    twin = runner(copy.deepcopy(model), backend="compiled")  # same values: the cached graphs, no compile
+    assert twin._compiled is first._compiled and twin.startup_seconds < 1.0
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.mul_(1.5)
+    different = runner(other, backend="compiled")
+    assert different._compiled is not first._compiled and different.num_compiles == 1
+    prompt = random_prompt(150, seed=50)
+    got = different.run([ChunkInput(prompt, 0, [0, 1], sample=True)])
+    expected = runner(other, backend="eager").run([ChunkInput(prompt, 0, [0, 1], sample=True)])
+    error = (got - expected).abs().max()
+    stale_error = (first.run([ChunkInput(prompt, 0, [0, 1], sample=True)]) - expected).abs().max()
+    assert error < 0.1 and stale_error > 5 * error  # the first model's frozen weights would be far off
+
+
+def test_enforce_eager_by_argument_and_environment(llama, monkeypatch):
+    monkeypatch.delenv("PREFIXSERVE_ENFORCE_EAGER", raising=False)
+    assert runner(llama.served).backend == "compiled"
+    assert runner(llama.served, enforce_eager=True).backend == "eager"
+    monkeypatch.setenv("PREFIXSERVE_ENFORCE_EAGER", "1")
+    from_env = runner(llama.served)
+    assert from_env.backend == "eager" and from_env.num_compiles == 0
+
+
+def test_models_the_compact_code_does_not_cover_keep_the_transformers_path():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    fallback = runner(model)
+    assert fallback.backend == "transformers" and "dynamic" in fallback.fallback_reason
+    with pytest.raises(ValueError, match="cannot run this model"):
+        runner(model, backend="compiled")
+
+
+def qwen3_config():
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
+
+
+def gemma3_config():
+    # one sliding layer with a window shorter than the prompts, one full layer; each with its own rope
+    return Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                            sliding_window=96, layer_types=["sliding_attention", "full_attention"],
+                            query_pre_attn_scalar=16, final_logit_softcapping=0.5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "compiled"])
+@pytest.mark.parametrize("make_config", [qwen3_config, gemma3_config], ids=["qwen3", "gemma3"])
+def test_qwen3_and_gemma3_logits_and_greedy_tokens_match_transformers(make_config, backend):
+    torch.manual_seed(0)
+    config = make_config()
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+    with torch.no_grad():  # random Gemma norms are zeros (weight + 1): give every norm some spread
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.3)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    reference.generation_config.eos_token_id = None
+    run = runner(model, backend=backend)
+    assert run.backend == backend
+    prompt = random_prompt(230, seed=60)
+    seq = Seq(prompt, [3, 7])
+    run.run([seq.chunk(100, sample=False)])
+    logits = run.run([seq.chunk()])
+    with torch.inference_mode():
+        expected = reference(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(logits[0], expected, rtol=0, atol=2e-4)
+        generated = []
+        for _ in range(5):
+            generated.append(int(logits[0].argmax()))
+            logits = run.run([seq.decode(generated[-1])])
+        expected_tokens = reference.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
+                                             pad_token_id=0)[0, len(prompt):].tolist()
+    assert generated == expected_tokens
