@@ -92,7 +92,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                           help="number of replicas, each a full model copy with its own KV cache (one GPU each)")
     parallel.add_argument("--num-cpus-per-replica", type=float, default=default("num_cpus_per_replica"),
                           help="Ray CPUs reserved per replica; its torch thread count is this rounded down "
-                               "(default: this machine's CPUs shared out among the replicas, or 1 on a cluster)")
+                               "(default: this machine's CPUs but one, shared out among the replicas; 1 on a cluster)")
 
     cache = parser.add_argument_group("KV cache and prefix caching")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

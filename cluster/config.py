@@ -123,7 +123,7 @@ class ServeConfig:
     log_level: str = "info"
     num_cpus_per_replica: float | None = None
     """Ray CPUs reserved per replica; its torch thread count is this rounded down (at least 1). None: this machine's
-    CPUs shared out among the replicas when Ray is started here (DP=1 on 2 cores: 2), else 1."""
+    CPUs but one shared out among the replicas when Ray is started here (``default_cpus_per_replica``), else 1."""
     served_model_name: str | None = None
     """Name clients put in ``model``; defaults to the model folder's name (or SmolLM2-135M-Instruct)."""
 
@@ -266,7 +266,9 @@ def default_served_model_name(model: str | None) -> str:
 
 
 def default_cpus_per_replica(data_parallel_degree: int, ray_address: str | None) -> float:
-    """CPUs per replica when not given: this machine's CPUs shared out when Ray starts here, else 1."""
+    """CPUs per replica when not given and Ray starts here: this machine's CPUs but one (the HTTP proxy, the ingress
+    and Serve's own actors need a core: with DP=1 on 2 cores, 2 engine threads made every request slower than 1,
+    benchmarks/serving_overhead.py in BENCHMARKS.md) shared out among the replicas, at least 1; on a cluster, 1."""
     if ray_address is not None or not isinstance(data_parallel_degree, int) or data_parallel_degree < 1:
         return 1.0
-    return float(max(1, (os.cpu_count() or 1) // data_parallel_degree))
+    return float(max(1, ((os.cpu_count() or 1) - 1) // data_parallel_degree))

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -74,6 +75,13 @@ class DecodeBatch:
         if cache_key not in self._runs:
             decode_row = self.rows[row]
             self._runs[cache_key] = slot_runs(decode_row.page_ids, decode_row.ctx_len, self.page_size, window)
+        return self._runs[cache_key]
+
+    def gather_plan(self, rows: list[int], window: int | None) -> "GatherPlan":
+        """Slots and padding mask of ``rows``' visible contexts (see ``_attend_gathered``), built once per step."""
+        cache_key = ("gather", tuple(rows), window)
+        if cache_key not in self._runs:
+            self._runs[cache_key] = gather_plan([self.runs(row, window) for row in rows], self.q_indices.device)
         return self._runs[cache_key]
 
     def plan(self, window: int | None) -> tuple[list[SharedRunGroup], list[int]]:
@@ -253,10 +261,57 @@ def attend(
             group_out = _attend_shared(queries[shared.rows], k_cache, v_cache, shared, scaling)
             for index, row in enumerate(shared.rows):
                 outs[row] = group_out[index]
-        for row in singles:
-            outs[row] = _attend_runs(queries[row], k_cache, v_cache, batch.runs(row, sliding_window), scaling)
+        if singles:
+            gathered = _attend_gathered(queries[singles], k_cache, v_cache, batch.gather_plan(singles, sliding_window),
+                                        scaling)
+            for index, row in enumerate(singles):
+                outs[row] = gathered[index]
         output.index_copy_(0, batch.q_indices, torch.stack(outs).reshape(len(outs), num_heads, head_dim))
     return output
+
+
+def _attend_gathered(
+    queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: "GatherPlan", scaling: float | None
+) -> torch.Tensor:
+    """Decode rows (queries ``[n, kv_heads, group, D]``) attending to their own contexts, all in one SDPA call: each
+    row's visible K/V slots are gathered into one contiguous ``[n, L_max, kv_heads, D]`` tensor (one copy per layer;
+    attending run by run copied each run's strided view inside every matmul, which cost more than the attention),
+    shorter rows padded and masked::
+
+        row 0 | slots of run 0 | slots of run 1 |          | <- mask False on the padding
+        row 1 | slots of its only run                      |
+    """
+    num_rows, num_kv_heads, group, head_dim = queries.shape
+    k = k_cache.index_select(0, plan.slots).view(num_rows, plan.max_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, plan.slots).view(num_rows, plan.max_len, num_kv_heads, head_dim).transpose(1, 2)
+    q = queries.reshape(num_rows, num_kv_heads * group, 1, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling, enable_gqa=group > 1)
+    return out.view(num_rows, num_kv_heads, group, head_dim)
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """Pool slots of several decode rows' visible contexts, row-major and padded to ``max_len`` (padding: slot 0,
+    masked), for ``_attend_gathered``; built once per step and window."""
+
+    slots: torch.Tensor
+    """[n * max_len] pool slot of each gathered key."""
+    mask: torch.Tensor | None
+    """[n, 1, 1, max_len] True where the key is real; None when no row is padded."""
+    max_len: int
+
+
+def gather_plan(runs_per_row: Sequence[list[tuple[int, int]]], device: torch.device) -> GatherPlan:
+    lengths = [sum(length for _, length in runs) for runs in runs_per_row]
+    max_len = max(lengths)
+    slots = np.zeros((len(runs_per_row), max_len), dtype=np.int64)
+    for row, runs in enumerate(runs_per_row):
+        if runs:
+            slots[row, : lengths[row]] = np.concatenate([np.arange(start, start + length) for start, length in runs])
+    mask = None
+    if min(lengths) < max_len:
+        mask = torch.from_numpy(np.arange(max_len)[None, :] < np.array(lengths)[:, None]).to(device)[:, None, None, :]
+    return GatherPlan(torch.from_numpy(slots.reshape(-1)).to(device), mask, max_len)
 
 
 def _attend_shared(
