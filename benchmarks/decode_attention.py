@@ -1,5 +1,5 @@
-"""Decode attention over pages, per layer: each request attended alone over its page runs vs requests sharing prefix
-pages attended together over the shared run (replica/paged_attention.py). Both variants are timed alternately in one
+"""Decode attention over pages, per layer: each request attended over its own gathered K/V (the path of rows that share
+no prefix) vs requests sharing prefix pages attended together over the shared run (replica/paged_attention.py). Both variants are timed alternately in one
 process, so machine noise hits them alike; the outputs are compared.
 
     PYTHONPATH=. .venv/bin/python benchmarks/decode_attention.py
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from replica.paged_attention import _attend_runs, _attend_shared, group_shared_runs
+from replica.paged_attention import _attend_gathered, _attend_shared, gather_plan, group_shared_runs
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE = 4, 2, 64, 128  # the tiny Llama 512 x 8 of the other benchmarks (8 heads / 4 KV heads)
 
@@ -26,8 +26,10 @@ def case(num_rows: int, shared_len: int, own_len: int, rounds: int = 30) -> tupl
     groups, singles = group_shared_runs(runs, min_shared=PAGE)
     assert len(groups) == 1 and not singles
 
+    alone_plan = gather_plan(runs, torch.device("cpu"))
+
     def alone():
-        return torch.stack([_attend_runs(queries[row], k_cache, v_cache, runs[row], None) for row in range(num_rows)])
+        return _attend_gathered(queries, k_cache, v_cache, alone_plan, None)
 
     def together():
         return _attend_shared(queries, k_cache, v_cache, groups[0], None)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 from cluster.config import DTYPES, LOG_LEVELS, ServeConfig, parse_memory_size
+from replica.config import field_default
 
 APP_NAME = "prefixserve"
 EXIT_USAGE = 2
@@ -64,10 +65,7 @@ def memory_size(text: str) -> int:
 
 def default(name: str):
     """The default of ``ServeConfig.<name>``: flags restate no default of their own."""
-    for item in dataclasses.fields(ServeConfig):
-        if item.name == name:
-            return item.default
-    raise KeyError(name)
+    return field_default(ServeConfig, name)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -96,7 +94,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
     cache = parser.add_argument_group("KV cache and prefix caching")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=default("enable_prefix_caching"), help="reuse the KV pages of earlier prompts that share a prefix (on by default)")
+                       default=default("enable_prefix_caching"),
+                       help="reuse the KV pages of earlier prompts that share a prefix (on by default)")
     cache.add_argument("--kv-cache-page-size", dest="page_size", type=int, default=default("page_size"),
                        help="tokens per KV page; a multiple of 128")
     cache.add_argument("--kv-cache-memory", type=memory_size, default=default("kv_cache_memory"),

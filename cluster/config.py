@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from replica.config import DEVICES, DTYPES, EngineConfig, default_cache_dir, engine_default
+from replica.config import DEVICES, DTYPES, EngineConfig, default_cache_dir, field_default
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 BUNDLED_MODEL_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -90,18 +90,18 @@ class ServeConfig:
     """"cpu" or "gpu"; defaults to gpu when CUDA is visible where the config is built."""
     data_parallel_degree: int = 1
     """Number of replicas, each a full copy of the model with its own KV cache."""
-    enable_prefix_caching: bool = engine_default("enable_prefix_caching")
-    page_size: int = engine_default("page_size")
+    enable_prefix_caching: bool = field_default(EngineConfig, "enable_prefix_caching")
+    page_size: int = field_default(EngineConfig, "page_size")
     """Tokens per KV page, a multiple of 128."""
     enable_dp_cross_replica_prefix_copy: bool | None = None
     """Copy cached pages from the replica the router names (None: on exactly when prefix caching is on)."""
-    kv_cache_memory: int | str = engine_default("kv_cache_memory_bytes")
+    kv_cache_memory: int | str = field_default(EngineConfig, "kv_cache_memory_bytes")
     """Bytes of KV pages per replica; a string like "2GiB" is converted to bytes on construction."""
-    dtype: str = engine_default("dtype")
-    max_num_seqs: int = engine_default("max_num_seqs")
-    max_model_len: int | None = engine_default("max_model_len")
-    max_num_batched_tokens: int = engine_default("max_num_batched_tokens")
-    enforce_eager: bool = engine_default("enforce_eager")
+    dtype: str = field_default(EngineConfig, "dtype")
+    max_num_seqs: int = field_default(EngineConfig, "max_num_seqs")
+    max_model_len: int | None = field_default(EngineConfig, "max_model_len")
+    max_num_batched_tokens: int = field_default(EngineConfig, "max_num_batched_tokens")
+    enforce_eager: bool = field_default(EngineConfig, "enforce_eager")
     """No torch.compile / CUDA graphs: the model runs eagerly."""
     host: str = "127.0.0.1"
     port: int = 8000
@@ -114,7 +114,7 @@ class ServeConfig:
     prefixes between replicas on one machine when no Redis is configured."""
     disk_cache_dir: str | None = None
     """Folder of the disk tier (None: <prefixserve cache dir>/kv-pages)."""
-    disk_cache_budget: int | str = engine_default("disk_cache_budget_bytes")
+    disk_cache_budget: int | str = field_default(EngineConfig, "disk_cache_budget_bytes")
     """Size budget of the disk tier; least recently used pages are deleted beyond it."""
     start_redis: bool = False
     """Start a local redis-server for the host tier (the CLI does; sets ``redis_url``)."""

@@ -90,9 +90,9 @@ class EngineConfig:
             raise ValueError(f"--disk-cache-budget must be positive, got {self.disk_cache_budget_bytes}; try 8GiB")
 
 
-def engine_default(name: str) -> Any:
-    """The default of ``EngineConfig.<name>`` (so the CLI and ServeConfig do not restate it)."""
-    for item in fields(EngineConfig):
+def field_default(config_class: type, name: str) -> Any:
+    """The default of ``config_class.<name>`` (a dataclass), so that ServeConfig and the CLI do not restate it."""
+    for item in fields(config_class):
         if item.name == name:
             return item.default
     raise KeyError(name)

@@ -75,7 +75,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
-        self.enable_prefix_caching = config.enable_prefix_caching and not multimodal
+        enable_prefix_caching = config.enable_prefix_caching and not multimodal
         if multimodal and config.enable_prefix_caching:
             logger.warning("multimodal model: prefix caching is switched off (image tokens are not keyed)")
         dtype = next(model.parameters()).dtype
@@ -92,7 +92,7 @@ class LLMEngine:
         self.model_fingerprint = self.runner.fingerprint
         self.vocab_size = model.config.get_text_config().vocab_size
         self.max_model_len = self._resolve_max_model_len(model.config, num_pages)
-        self.kv = KVCacheManager(num_pages, config.page_size, enable_prefix_caching=self.enable_prefix_caching)
+        self.kv = KVCacheManager(num_pages, config.page_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -104,6 +104,11 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
         self.num_requests_finished = 0
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Off when the config says so or the model is multimodal (the cache is then a ``NullPrefixCache``)."""
+        return self.kv.enable_prefix_caching
 
     def _resolve_max_model_len(self, model_config, num_pages: int) -> int:
         text_config = model_config.get_text_config()
@@ -135,7 +140,7 @@ class LLMEngine:
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         if request.request_id in self._tracked:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
-        if not self.kv.enable_prefix_caching:
+        if not self.enable_prefix_caching:
             return AdmissionPlan(request, [], range(0))
         keys = self._checked_page_keys(request)
         num_reusable = num_reusable_pages(num_prompt, self.config.page_size)

@@ -10,8 +10,9 @@ Lookup order, for the leading pages the local cache does not hold (each source c
     4. recompute                                     (whatever is left)
 
 Every page handed back has been verified here, once, against the request: same key, same token ids, same shape (the
-tiers also check the header: key format version, model fingerprint, dtype, page size). The engine uses it as is. A failing source (peer gone, Redis down, bad file)
-counts an error and the chain continues with the next one; nothing here raises for a missing or broken source.
+tiers also check the header: key format version, model fingerprint, dtype, page size); the engine uses it as is. A
+failing source (peer gone, Redis down, bad file) counts an error and the chain continues with the next one; nothing
+here raises for a missing or broken source.
 
 Pages this replica computes are written to the host and disk tiers asynchronously (the tiers' bounded queues).
 """

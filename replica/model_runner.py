@@ -237,13 +237,8 @@ class ModelRunner:
             ctx_len = chunk.start_pos + num_new
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, ctx_len))
-            pos = chunk.start_pos
-            while pos < ctx_len:  # one range of slots per page
-                page_index = pos // ps
-                end = min(ctx_len, (page_index + 1) * ps)
-                base = (chunk.page_ids[page_index] - page_index) * ps
-                slots.extend(range(base + pos, base + end))
-                pos = end
+            for first_slot, length in slot_runs(chunk.page_ids, ctx_len, ps, None, start=chunk.start_pos):
+                slots.extend(range(first_slot, first_slot + length))
             if num_new == 1:
                 decode_rows.append((offset, ctx_len, chunk.page_ids))
             else:

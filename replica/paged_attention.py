@@ -135,13 +135,16 @@ def group_shared_runs(
     return groups, sorted(singles)
 
 
-def slot_runs(page_ids: Sequence[int], ctx_len: int, page_size: int, window: int | None) -> list[tuple[int, int]]:
-    """Split token range [lo, ctx_len) into runs of consecutive pool slots (lo = ctx_len - window, or 0).
+def slot_runs(
+    page_ids: Sequence[int], ctx_len: int, page_size: int, window: int | None, start: int = 0
+) -> list[tuple[int, int]]:
+    """Split token range [lo, ctx_len) into runs of consecutive pool slots (lo = ``start``, or ctx_len - window when
+    that is later).
 
         pages   | 7 | 8 | 9 | 2 | 3 |     ctx_len = 4.5 pages
         runs    |  slots 7*ps .. 10*ps  | 2*ps .. 3*ps + half |
     """
-    lo = max(0, ctx_len - window) if window is not None else 0
+    lo = max(start, ctx_len - window) if window is not None else start
     runs: list[tuple[int, int]] = []
     pos = lo
     while pos < ctx_len:
@@ -336,29 +339,6 @@ def _attend_shared(
     probs = torch.stack(shared_probs, dim=1).reshape(num_kv_heads, num_rows * group, shared.length)
     out = torch.matmul(probs, v_shared.transpose(0, 1)).view(num_kv_heads, num_rows, group, head_dim)
     return out.permute(1, 0, 2, 3) + torch.stack(private_out)
-
-
-def _attend_runs(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: list[tuple[int, int]], scaling: float | None
-) -> torch.Tensor:
-    """One query token (as [kv_heads, group, D]) attending to every key in ``runs`` (all visible)."""
-    if len(runs) == 1:
-        start, length = runs[0]
-        k = k_cache[start : start + length].transpose(0, 1)[None]
-        v = v_cache[start : start + length].transpose(0, 1)[None]
-        if q.dtype == torch.bfloat16 and q.shape[1] > 1:
-            # CPU flash attention on bfloat16 runs ~25% faster with one query per head (grouped-query heads mapped
-            # by enable_gqa) than with the group's queries stacked per KV head; float32 the other way round
-            # (32 row-layers of a 1024-token context, 1 thread: 11 vs 14.5 ms bf16, 17.6 vs 12.8 ms fp32)
-            num_kv_heads, group, head_dim = q.shape
-            out = F.scaled_dot_product_attention(
-                q.reshape(1, num_kv_heads * group, 1, head_dim), k, v, scale=scaling, enable_gqa=True
-            )
-            return out.view(num_kv_heads, group, head_dim)
-        return F.scaled_dot_product_attention(q[None], k, v, scale=scaling)[0]
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    probs = torch.softmax(torch.cat(_run_scores(q, k_cache, runs), dim=-1).float() * scale, dim=-1).to(q.dtype)
-    return _run_values(probs, v_cache, runs)
 
 
 def _run_scores(q: torch.Tensor, k_cache: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
