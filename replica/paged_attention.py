@@ -17,6 +17,12 @@ request; each request's own pages are attended separately and the softmax spans 
     scores         | [q_a; q_b; q_c] @ K_shared^T     | q_x @ K_own^T per row |  -> softmax per row over the concatenation
     output         | P_shared @ V_shared (one matmul) + P_own @ V_own per row |
 
+On CPU (``_attend_segments``) no context is gathered and no mask is built: every query row's context is a few runs
+of consecutive pool slots, each run is attended in place by ATen's flash kernel (which also returns each row's
+log-sum-exp), and the parts are merged exactly by their log-sum-exp; rows sharing a prefix run attend it in one call.
+The gathered/masked SDPA path below is the device-generic one (GPU, and CPU prefill chunks longer than a sliding
+window).
+
 ``attend`` is the whole computation, token-major; it is called by ``paged_attention`` (transformers' attention
 function interface) and by the custom op ``prefixserve::paged_attention`` (``replica.attention_op``) that the compact,
 compiled model code uses (``replica.llama``). Masks are built once per step (``PagedAttentionMetadata``) and shared by
@@ -34,6 +40,8 @@ import torch
 import torch.nn.functional as F
 
 ATTENTION_NAME = "prefixserve_paged"
+_CPU_SEGMENTS = True
+"""CPU steps use ``_attend_segments``; False runs the device-generic path on CPU too (tests compare the two)."""
 
 
 @dataclass
@@ -48,6 +56,9 @@ class PrefillSlice:
     the context lies in consecutive pages (then ``kv_start`` is set)."""
     kv_start: int | None = None
     """First pool slot when the context's pages are consecutive: K/V are read as a view, with no gather copy."""
+    context_runs: list[tuple[int, int]] = field(default_factory=list)
+    """``(first_slot, num_tokens)`` runs of the context before the chunk (cached or computed by earlier chunks): the
+    CPU path attends the chunk's queries to each run in place (see ``_attend_segments``)."""
 
 
 @dataclass
@@ -175,7 +186,7 @@ class PagedAttentionMetadata:
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
         """Bool mask [q_len, ctx_len] (True = visible) for prefill slice ``index``; None means plain causal."""
         part = self.prefills[index]
-        if part.kv_slots is None and part.kv_start is None and window is None:
+        if part.ctx_len == part.q_len and window is None:
             return None
         cache_key = ("prefill", index, window)
         if cache_key not in self._mask_cache:
@@ -232,25 +243,15 @@ def attend(
     k_cache.index_copy_(0, meta.slot_mapping, key[:num_real] if meta.num_padding else key)
     v_cache.index_copy_(0, meta.slot_mapping, value[:num_real] if meta.num_padding else value)
 
+    if query.device.type == "cpu" and _CPU_SEGMENTS:
+        return _attend_segments(meta, query, key, value, k_cache, v_cache, scaling, sliding_window)
     output = query.new_empty(num_tokens, num_heads, head_dim)
     if meta.num_padding:
         output[num_tokens - meta.num_padding :].zero_()
     for index, part in enumerate(meta.prefills):
-        q = query[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
-        if part.kv_start is not None:
-            k = k_cache[part.kv_start : part.kv_start + part.ctx_len].transpose(0, 1)[None]
-            v = v_cache[part.kv_start : part.kv_start + part.ctx_len].transpose(0, 1)[None]
-        elif part.kv_slots is None:
-            k = key[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
-            v = value[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
-        else:
-            k = k_cache.index_select(0, part.kv_slots).transpose(0, 1)[None]
-            v = v_cache.index_select(0, part.kv_slots).transpose(0, 1)[None]
-        mask = meta.prefill_mask(index, sliding_window)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=num_kv_heads != num_heads
+        output[part.q_start : part.q_start + part.q_len] = _attend_prefill_masked(
+            meta, index, query, key, value, k_cache, v_cache, scaling, sliding_window
         )
-        output[part.q_start : part.q_start + part.q_len] = out[0].transpose(0, 1)
 
     if meta.decode is not None:
         batch = meta.decode
@@ -271,6 +272,160 @@ def attend(
                 outs[row] = gathered[index]
         output.index_copy_(0, batch.q_indices, torch.stack(outs).reshape(len(outs), num_heads, head_dim))
     return output
+
+
+def _attend_prefill_masked(
+    meta: PagedAttentionMetadata,
+    index: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Prefill slice ``index`` attended with SDPA over its whole context and a bottom-right causal (and window) mask;
+    returns ``[q_len, H, D]``."""
+    part = meta.prefills[index]
+    q = query[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
+    if part.kv_start is not None:
+        k = k_cache[part.kv_start : part.kv_start + part.ctx_len].transpose(0, 1)[None]
+        v = v_cache[part.kv_start : part.kv_start + part.ctx_len].transpose(0, 1)[None]
+    elif part.kv_slots is None and part.ctx_len == part.q_len:
+        k = key[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
+        v = value[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
+    else:
+        slots = part.kv_slots if part.kv_slots is not None else _run_slots(part.context_runs, part, meta.slot_mapping)
+        k = k_cache.index_select(0, slots).transpose(0, 1)[None]
+        v = v_cache.index_select(0, slots).transpose(0, 1)[None]
+    mask = meta.prefill_mask(index, window)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+    )
+    return out[0].transpose(0, 1)
+
+
+def _run_slots(runs: list[tuple[int, int]], part: PrefillSlice, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Pool slots of a prefill slice's whole context: its context runs, then the chunk's own slots."""
+    context = [torch.arange(start, start + length, device=slot_mapping.device) for start, length in runs]
+    return torch.cat([*context, slot_mapping[part.q_start : part.q_start + part.q_len]])
+
+
+_flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+"""ATen's CPU flash-attention kernel: reads strided (in-pool) K/V without copying them and returns the log-sum-exp
+of each query row's scores with the output, so parts of one softmax computed separately can be merged exactly."""
+
+
+def _attend_segments(
+    meta: PagedAttentionMetadata,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """The CPU path of ``attend``: every query row's context is split into segments that each lie in consecutive pool
+    slots, each segment is attended in place by one flash-attention call (no gather, no mask), and each row's segments
+    are merged by their log-sum-exp (the softmax over the whole context, computed in parts)::
+
+        prefill chunk   | context run 0 | context run 1 | own tokens (causal) |   -> 3 calls, merged per query row
+        decode rows a,b | shared run (one call for a and b) | a's own run | b's own run |
+
+    Grouped-query attention needs no K/V copy for the pool's runs: the ``group`` query heads of one kv head are that
+    head's query rows. Only a chunk's own tokens (causal by position) repeat their K/V per query head.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    by_kv_head = query.view(num_tokens, num_kv_heads, group, head_dim)
+    outs: list[torch.Tensor] = []  # [r, kv_heads, group, D] each
+    lses: list[torch.Tensor] = []  # [r, kv_heads, group] float32 each
+    rows: list[torch.Tensor] = []  # [r] packed positions each
+    num_covered = 0
+    masked: list[tuple[PrefillSlice, torch.Tensor]] = []
+
+    def attend_run(q_rows: torch.Tensor, start: int, length: int, positions: torch.Tensor) -> None:
+        """Queries ``[r, kv_heads, group, D]`` against pool slots [start, start + length)."""
+        num_rows = q_rows.shape[0]
+        q = q_rows.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_rows * group, head_dim)
+        k = k_cache[start : start + length].transpose(0, 1)[None]
+        v = v_cache[start : start + length].transpose(0, 1)[None]
+        out, lse = _flash_attention_cpu(q, k, v, 0.0, False, scale=scaling)
+        outs.append(out[0].view(num_kv_heads, num_rows, group, head_dim).permute(1, 0, 2, 3))
+        lses.append(lse[0].view(num_kv_heads, num_rows, group).permute(1, 0, 2))
+        rows.append(positions)
+
+    for index, part in enumerate(meta.prefills):
+        lo, hi = part.q_start, part.q_start + part.q_len
+        if window is not None and part.ctx_len > window:
+            masked.append((part, _attend_prefill_masked(meta, index, query, key, value, k_cache, v_cache, scaling,
+                                                        window)))
+            continue
+        positions = torch.arange(lo, hi)
+        q = query[lo:hi].transpose(0, 1)[None]
+        k, v = key[lo:hi], value[lo:hi]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out, lse = _flash_attention_cpu(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, True, scale=scaling)
+        outs.append(out[0].transpose(0, 1).view(part.q_len, num_kv_heads, group, head_dim))
+        lses.append(lse[0].transpose(0, 1).view(part.q_len, num_kv_heads, group))
+        rows.append(positions)
+        for start, length in part.context_runs:
+            attend_run(by_kv_head[lo:hi], start, length, positions)
+        num_covered += part.q_len
+
+    if meta.decode is not None:
+        batch = meta.decode
+        q_indices = batch.q_indices
+        groups, singles = batch.plan(window)
+        for shared in groups:
+            members = torch.tensor(shared.rows)
+            positions = q_indices.index_select(0, members)
+            attend_run(by_kv_head.index_select(0, positions), shared.start, shared.length, positions)
+            for row, runs in zip(shared.rows, shared.private_runs):
+                for start, length in runs:
+                    attend_run(by_kv_head[batch.rows[row].q_index][None], start, length, q_indices[row : row + 1])
+        for row in singles:
+            for start, length in batch.runs(row, window):
+                attend_run(by_kv_head[batch.rows[row].q_index][None], start, length, q_indices[row : row + 1])
+        num_covered += len(batch.rows)
+
+    output = _merge_segments(outs, lses, rows, num_covered, query.new_zeros(num_tokens, num_heads, head_dim))
+    for part, out in masked:
+        output[part.q_start : part.q_start + part.q_len] = out
+    return output
+
+
+def _merge_segments(
+    outs: list[torch.Tensor],
+    lses: list[torch.Tensor],
+    rows: list[torch.Tensor],
+    num_covered: int,
+    output: torch.Tensor,
+) -> torch.Tensor:
+    """Combine per-segment attention outputs into ``output`` (zeros ``[T, H, D]``, returned): row p's output is the
+    sum of its segments' outputs weighted by ``exp(lse_segment - lse_total)``. Rows no segment covers stay zero."""
+    if not outs:
+        return output
+    num_tokens = output.shape[0]
+    out = torch.cat(outs)
+    lse = torch.cat(lses)
+    positions = torch.cat(rows)
+    num_kv_heads, group, head_dim = out.shape[1:]
+    if out.shape[0] == num_covered:  # every row in exactly one segment: nothing to merge
+        output.view(num_tokens, num_kv_heads, group, head_dim).index_copy_(0, positions, out)
+        return output
+    top = lse.new_full((num_tokens, num_kv_heads, group), float("-inf"))
+    top.scatter_reduce_(0, positions[:, None, None].expand_as(lse), lse, "amax")
+    weight = torch.exp(lse - top.index_select(0, positions))
+    total = lse.new_zeros(num_tokens, num_kv_heads, group).index_add_(0, positions, weight)
+    merged = lse.new_zeros(num_tokens, num_kv_heads, group, head_dim)
+    merged.index_add_(0, positions, out.float() * weight[..., None])
+    merged /= total.clamp_min(1e-30)[..., None]
+    return output.copy_(merged.view(output.shape))
 
 
 def _attend_gathered(
