@@ -1,7 +1,13 @@
-"""Engine step costs under a prefix_repetition-like load, in process (no HTTP): 4 requests of 1536 shared-prefix +
-256 own tokens decoding together, and a step that adds a new request's 256-token suffix against a cached prefix.
+"""Engine step costs under a prefix_repetition-like load, in process (no HTTP), CPU time of the engine thread (so a
+busy box inflates them less than wall time): a cold 1792-token prefill; a batch-4 decode step, 4 requests of
+1536-token prefixes (one each) + 256 own tokens; a step that adds a new request's 256-token suffix against a cached
+prefix to those 4 decodes; and a batch-8 decode step where pairs of requests share their prefixes.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/engine_steps.py --model DIR [--dtype bfloat16] [--threads 1]
+With ``--compare-generic`` every measurement is repeated, alternating, with the device-generic attention path (SDPA over
+gathered K/V with masks) instead of the CPU in-place path, and the two are printed side by side.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/engine_steps.py --model DIR [--dtype bfloat16] [--rounds 3]
+        [--compare-generic] [--enforce-eager]
 """
 
 from __future__ import annotations
@@ -12,9 +18,12 @@ import time
 
 import torch
 
+import replica.paged_attention as paged_attention
 from common.types import EngineRequest, SamplingParams
 from replica.config import EngineConfig
 from replica.engine import build_engine
+
+MEASUREMENTS = ("cold prefill 1792", "decode b4", "decode b4 + suffix prefill 256", "decode b8 (pairs share)")
 
 
 def main() -> None:
@@ -22,6 +31,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compare-generic", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -29,27 +40,68 @@ def main() -> None:
                                        enforce_eager=args.enforce_eager))
     rng = random.Random(0)
     prefixes = [[rng.randrange(100, 8000) for _ in range(1536)] for _ in range(4)]
+    counter = iter(range(10**9))
 
-    def request(index: int, prefix: int) -> EngineRequest:
-        prompt = prefixes[prefix] + [rng.randrange(100, 8000) for _ in range(256)]
-        return EngineRequest(f"r{index}", prompt, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    def add(prompt: list[int], max_tokens: int = 4000) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        engine.add_request(EngineRequest(f"r{next(counter)}", prompt, params))
 
-    for index in range(4):
-        engine.add_request(request(index, index))
-    started = time.perf_counter()
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
-        engine.step()
-    print(f"4 cold prefills of 1792 tokens: {time.perf_counter() - started:.2f} s")
-    for _ in range(5):
-        engine.step()
-    started = time.perf_counter()
-    for _ in range(20):
-        engine.step()
-    print(f"decode step, batch 4, context ~1800: {(time.perf_counter() - started) * 50:.1f} ms")
-    engine.add_request(request(10, 0))
-    started = time.perf_counter()
-    engine.step()
-    print(f"step with a 256-token suffix prefill (1536 cached) + 4 decodes: {(time.perf_counter() - started) * 1000:.1f} ms")
+    def suffixed(prefix: int) -> list[int]:
+        return prefixes[prefix] + [rng.randrange(100, 8000) for _ in range(256)]
+
+    def cpu_ms(fn) -> float:
+        started = time.thread_time()
+        fn()
+        return (time.thread_time() - started) * 1000
+
+    def prefill_all() -> None:
+        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                              for s in engine.scheduler.running):
+            engine.step()
+
+    def drain() -> None:
+        for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+            engine.abort(seq.request_id)
+        while engine.has_work():
+            engine.step()
+
+    def one_round() -> dict[str, float]:
+        out = {}
+        add([rng.randrange(100, 8000) for _ in range(1792)], max_tokens=1)
+        out[MEASUREMENTS[0]] = cpu_ms(engine.step)
+        drain()
+        for prefix in range(4):
+            add(suffixed(prefix))
+        prefill_all()
+        for _ in range(3):
+            engine.step()
+        out[MEASUREMENTS[1]] = min(cpu_ms(engine.step) for _ in range(8))
+        add(suffixed(0))
+        out[MEASUREMENTS[2]] = cpu_ms(engine.step)
+        for prefix in (1, 2, 3):
+            add(suffixed(prefix))
+        prefill_all()
+        out[MEASUREMENTS[3]] = min(cpu_ms(engine.step) for _ in range(8))
+        drain()
+        return out
+
+    paths = {"in place": True, "generic": False} if args.compare_generic else {"in place": True}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+    for round_index in range(args.rounds + 1):  # round 0 warms up (first use of each shape)
+        for name, flag in paths.items():
+            paged_attention._CPU_SEGMENTS = flag
+            measured = one_round()
+            if round_index:
+                results[name].append(measured)
+    header = " | ".join(f"{name} (best of {args.rounds})" for name in paths)
+    print(f"| step ({args.dtype}, CPU ms of the engine thread) | {header} |" + (" in place / generic |"
+                                                                              if args.compare_generic else ""))
+    print("|---|" + "---|" * (len(paths) + (1 if args.compare_generic else 0)))
+    for measurement in MEASUREMENTS:
+        best = {name: min(r[measurement] for r in rounds) for name, rounds in results.items()}
+        cells = " | ".join(f"{best[name]:.1f}" for name in paths)
+        ratio = f" {best['in place'] / best['generic']:.2f}x |" if args.compare_generic else ""
+        print(f"| {measurement} | {cells} |{ratio}")
 
 
 if __name__ == "__main__":

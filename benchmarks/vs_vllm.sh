@@ -10,7 +10,8 @@
 #   benchmarks/vs_vllm.sh vllm|prefixserve   # one server kind only (caching on and off)
 #   benchmarks/vs_vllm.sh report       # rebuild the markdown from the raw results
 #   benchmarks/vs_vllm.sh vllm-client  # vLLM's own `vllm bench serve` (prefix_repetition) against each server in turn,
-#                                      # plus benchmarks/serving_overhead.py (short-request fixed cost, TPOT at batch 1)
+#                                      # plus benchmarks/serving_overhead.py (short-request fixed cost, TPOT at batch 1);
+#                                      # VC_CACHING=off: both servers without prefix caching (cold TTFT)
 #
 # Knobs (environment): DTYPE (float32; or bfloat16: both servers use it for weights and KV), NUM_REQUESTS (40),
 # CONCURRENCY (4), PREFIX_LEN (1792), SUFFIX_LEN (256), OUTPUT_LEN (32),
@@ -211,8 +212,9 @@ run_server() {
 # vllm_client SERVER: vLLM's own benchmark client (prefix_repetition, the parameters) against the server on
 # $PORT, then benchmarks/serving_overhead.py; raw JSON under $RAW/vllm-client-SERVER*.json.
 vllm_client() {
-  local server="$1" cmd
-  log "$server $DTYPE: vllm bench serve (prefix_repetition)"
+  local server="$1" cmd tag=""
+  [[ "${VC_CACHING:-on}" == off ]] && tag="-caching-off"
+  log "$server $DTYPE: vllm bench serve (prefix_repetition, caching ${VC_CACHING:-on})"
   cmd=(env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_TARGET_DEVICE=cpu
        "$VLLM_VENV/bin/python" "$HERE/vllm_wrapper.py" bench serve --backend openai
        --base-url "http://127.0.0.1:$PORT" --model tiny-llama --tokenizer "$MODEL_DIR"
@@ -220,21 +222,21 @@ vllm_client() {
        --prefix-repetition-suffix-len "${VC_SUFFIX_LEN:-256}" --prefix-repetition-num-prefixes 4
        --prefix-repetition-output-len "${VC_OUTPUT_LEN:-64}" --num-prompts "${VC_NUM_PROMPTS:-48}"
        --max-concurrency "$CONCURRENCY" --ignore-eos --seed 0 --save-result --result-dir "$RAW"
-       --result-filename "vllm-client-$server.json")
+       --result-filename "vllm-client-$server$tag.json")
   record "$RAW/vllm-client-commands.sh" "${cmd[@]}"
-  "${cmd[@]}" >"$LOGS/vllm-client-$server.txt" 2>&1 || { tail -n 30 "$LOGS/vllm-client-$server.txt" >&2; return 1; }
+  "${cmd[@]}" >"$LOGS/vllm-client-$server$tag.txt" 2>&1 || { tail -n 30 "$LOGS/vllm-client-$server$tag.txt" >&2; return 1; }
   log "$server $DTYPE: serving_overhead.py"
   cmd=("$PROJECT_PY" "$HERE/serving_overhead.py" --base-url "http://127.0.0.1:$PORT" --model tiny-llama
-       --json "$RAW/vllm-client-$server-overhead.json")
+       --json "$RAW/vllm-client-$server$tag-overhead.json")
   record "$RAW/vllm-client-commands.sh" "${cmd[@]}"
-  "${cmd[@]}" >"$LOGS/overhead-$server.txt"
+  "${cmd[@]}" >"$LOGS/overhead-$server$tag.txt"
 }
 
 run_vllm_client() {
   local kind
   mkdir -p "$RAW"; : >"$RAW/vllm-client-commands.sh"
   for kind in ${VC_SERVERS:-prefixserve vllm}; do
-    "start_$kind" on
+    "start_$kind" "${VC_CACHING:-on}"
     vllm_client "$kind"
     stop_server
   done
