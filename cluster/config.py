@@ -117,7 +117,11 @@ class ServeConfig:
     disk_cache_budget: int | str = field_default(EngineConfig, "disk_cache_budget_bytes")
     """Size budget of the disk tier; least recently used pages are deleted beyond it."""
     start_redis: bool = False
-    """Start a local redis-server for the host tier (the CLI does; sets ``redis_url``)."""
+    """Start a local redis-server for the host tier (the CLI does: loopback only, a generated password; sets
+    ``redis_url``)."""
+    kv_tier_key_file: str | None = field_default(EngineConfig, "kv_tier_key_file")
+    """File holding the cluster key that names, seals and authenticates shared-tier pages (None: this machine's
+    ``<cache dir>/kv-tier.key``, created on first use)."""
     ray_address: str | None = None
     """Existing Ray cluster to join ("auto", "ray://...", "host:port"); None starts a local one."""
     log_level: str = "info"
@@ -218,6 +222,7 @@ class ServeConfig:
             redis_url=self.redis_url,
             disk_cache_dir=self.resolved_disk_cache_dir,
             disk_cache_budget_bytes=int(self.disk_cache_budget),
+            kv_tier_key_file=self.kv_tier_key_file,
         )
 
     @property
@@ -252,7 +257,22 @@ class ServeConfig:
         values = dataclasses.asdict(self)
         if values["api_key"]:
             values["api_key"] = "***"
+        if values["redis_url"]:
+            values["redis_url"] = redact_url(values["redis_url"])
         return values
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ***, for logs and messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
 def default_served_model_name(model: str | None) -> str:
