@@ -27,6 +27,7 @@ Anything else under a page's name (a symlink, FIFO, device, a corrupt or tampere
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
 import logging
 import os
@@ -71,6 +72,8 @@ EVICTION_BATCH = 32
 class IndexedPage:
     page_id: str
     size: int
+    last_used: int
+    parent: str | None
 
 
 class PageIndex:
@@ -121,11 +124,21 @@ class PageIndex:
         """The least recently used pages that no page names as its parent (chain tails), skipping ``protected``."""
         marks = ",".join("?" * len(protected)) or "''"
         rows = cursor.execute(
-            f"SELECT id, size FROM pages AS p WHERE id NOT IN ({marks}) AND NOT EXISTS "
+            f"SELECT id, size, last_used, parent FROM pages AS p WHERE id NOT IN ({marks}) AND NOT EXISTS "
             f"(SELECT 1 FROM pages AS c WHERE c.parent = p.id) ORDER BY last_used, id LIMIT ?",
             (*protected, limit),
         ).fetchall()
-        return [IndexedPage(page_id, size) for page_id, size in rows]
+        return [IndexedPage(*row) for row in rows]
+
+    @staticmethod
+    def if_leaf(cursor: sqlite3.Cursor, page_id: str | None, protected: Sequence[str]) -> IndexedPage | None:
+        """Page ``page_id`` if it exists, is not ``protected`` and has no children left."""
+        if page_id is None or page_id in protected:
+            return None
+        row = cursor.execute(
+            "SELECT id, size, last_used, parent FROM pages AS p WHERE id = ? AND NOT EXISTS "
+            "(SELECT 1 FROM pages AS c WHERE c.parent = p.id)", (page_id,)).fetchone()
+        return IndexedPage(*row) if row else None
 
     def close(self) -> None:
         with self._lock:
@@ -319,7 +332,6 @@ class DiskTier(QueuedWriteTier):
         start_time = time.perf_counter()
         touched: list[str] = []
         written: list[tuple[StoredPage, str, str, int]] = []  # page, id, temp path, size
-        num_failed = 0
         for page in pages:
             page_id = self.page_id(page.key)
             path = self._path_of(page_id)
@@ -331,7 +343,6 @@ class DiskTier(QueuedWriteTier):
                 size, temp_path = write_page_file(path, page, self._tier_key, fsync=self._fsync, keep_temp=True)
             except OSError as exc:
                 self._count_error("write", f"writing {path} failed: {exc}")
-                num_failed += 1
                 continue
             written.append((page, page_id, temp_path, size))
         num_stored, num_evicted = len(touched), 0
@@ -346,10 +357,12 @@ class DiskTier(QueuedWriteTier):
                 if total + needed > self._budget_bytes:
                     total, num_evicted = self._evict(cursor, total, max(0, self._evict_to_bytes - needed), protected)
                 for page, page_id, temp_path, size in written:
-                    if total + size > self._budget_bytes or os.path.lexists(self._path_of(page_id)):
-                        remove_quietly(temp_path)  # does not fit, or another process wrote it meanwhile
-                        num_failed += total + size > self._budget_bytes
-                        num_stored += total + size <= self._budget_bytes
+                    if os.path.lexists(self._path_of(page_id)):  # another process wrote it meanwhile
+                        remove_quietly(temp_path)
+                        num_stored += 1
+                        continue
+                    if total + size > self._budget_bytes:  # does not fit even after eviction: dropped
+                        remove_quietly(temp_path)
                         continue
                     os.replace(temp_path, self._path_of(page_id))
                     parent_id = self.page_id(page.parent_key) if page.parent_key else None
@@ -359,7 +372,6 @@ class DiskTier(QueuedWriteTier):
                     num_stored += 1
         except (OSError, sqlite3.Error) as exc:
             self._count_error("index", f"adding pages to the index failed: {exc}")
-            num_failed = len(pages) - num_stored
         finally:
             for _, _, temp_path, _ in written:
                 remove_quietly(temp_path)  # renamed ones are gone already
@@ -373,19 +385,30 @@ class DiskTier(QueuedWriteTier):
 
     def _evict(self, cursor: sqlite3.Cursor, total: int, target: int, protected: Sequence[str]) -> tuple[int, int]:
         """Delete chain tails, least recently used first, until ``total <= target`` (inside the write transaction);
-        returns the new total and the number of pages deleted."""
+        returns the new total and the number of pages deleted.
+
+        Strict LRU over the current leaves: the oldest ``EVICTION_BATCH`` leaves go into a heap; deleting one may turn
+        its parent into a leaf, which joins the heap. Leaves not fetched are newer than every fetched one, so the heap
+        is right until the fetched batch is used up; then the leaves are listed again."""
         num_evicted = 0
         while total > target:
-            leaves = PageIndex.leaves(cursor, protected, EVICTION_BATCH)
-            if not leaves:
+            batch = PageIndex.leaves(cursor, protected, EVICTION_BATCH)
+            if not batch:
                 break
-            for leaf in leaves:
-                if total <= target:
-                    break
-                cursor.execute("DELETE FROM pages WHERE id = ?", (leaf.page_id,))
-                remove_quietly(self._path_of(leaf.page_id))
-                total -= leaf.size
+            heap = [(leaf.last_used, leaf.page_id, leaf.size, leaf.parent) for leaf in batch]
+            heapq.heapify(heap)
+            num_fetched_left = len(batch)
+            fetched = {leaf.page_id for leaf in batch}
+            while heap and num_fetched_left and total > target:
+                _, page_id, size, parent = heapq.heappop(heap)
+                num_fetched_left -= page_id in fetched
+                cursor.execute("DELETE FROM pages WHERE id = ?", (page_id,))
+                remove_quietly(self._path_of(page_id))
+                total -= size
                 num_evicted += 1
+                promoted = PageIndex.if_leaf(cursor, parent, protected)
+                if promoted is not None:
+                    heapq.heappush(heap, (promoted.last_used, promoted.page_id, promoted.size, promoted.parent))
         return total, num_evicted
 
     # ---- bookkeeping --------------------------------------------------------------------------------------------
@@ -395,8 +418,16 @@ class DiskTier(QueuedWriteTier):
         return os.path.join(self._root, dtype, storage_id[:2], storage_id + PAGE_SUFFIX)
 
     def _make_folder(self, folder: str) -> None:
-        """Create ``folder`` (and its parents under root) with mode 0700."""
-        os.makedirs(folder, mode=FOLDER_MODE, exist_ok=True)
+        """Create ``folder`` and its parents under root, each with mode 0700 (``os.makedirs`` gives parents the
+        default mode)."""
+        relative = os.path.relpath(folder, self._root)
+        path = self._root
+        for part in relative.split(os.sep):
+            path = os.path.join(path, part)
+            try:
+                os.mkdir(path, FOLDER_MODE)
+            except FileExistsError:
+                pass
 
     def _prepare_root(self) -> bool:
         """Create root 0700, or check an existing one: owned by this user (else refused), tightened to 0700."""
