@@ -162,7 +162,8 @@ class PrefixFetcher:
         """The engine's page sink: pages it just computed and cached. Written only with ``write_policy="all"`` (a page
         computed once is not yet worth sharing; see the module docstring)."""
         if self.write_policy == "all":
-            self.store(pages)
+            for page in pages:  # pages of several requests: parents unknown here
+                self._store_one(page, None)
 
     def share_local_hits(self, keys: Sequence[PageKey], export: Callable[[list[PageKey]], list[PageRecord]]) -> int:
         """A request is reusing the leading pages ``keys`` (page 0 on) from the local cache: write the ones the tiers
