@@ -187,6 +187,10 @@ class ServeConfig:
                         f"{flag} shares prefix-cache pages, so it needs prefix caching; drop {flag} or drop "
                         "--no-enable-prefix-caching"
                     )
+        if self.kv_tier_key_file is not None and self.enable_prefix_caching:
+            problem = key_file_problem(self.kv_tier_key_file)
+            if problem:
+                raise ValueError(f"--kv-tier-key-file {self.kv_tier_key_file}: {problem}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if not isinstance(self.num_cpus_per_replica, (int, float)) or self.num_cpus_per_replica <= 0:
@@ -260,6 +264,25 @@ class ServeConfig:
         if values["redis_url"]:
             values["redis_url"] = redact_url(values["redis_url"])
         return values
+
+
+MIN_KEY_FILE_BYTES = 32  # replica.tiers.seal.MIN_SECRET_BYTES (not imported: the ingress imports no torch)
+
+
+def key_file_problem(path: str) -> str | None:
+    """Why ``path`` cannot be the cluster key file (missing, not a regular file, too short), or None."""
+    import stat as stat_module
+
+    try:
+        info = os.stat(os.path.expanduser(path))
+    except OSError as error:
+        return f"cannot read it ({error.strerror}); create one with `python -c 'import secrets; " \
+               f"print(secrets.token_hex(32))' > {path}; chmod 600 {path}`"
+    if not stat_module.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if info.st_size < MIN_KEY_FILE_BYTES:
+        return f"it holds {info.st_size} bytes; a key needs at least {MIN_KEY_FILE_BYTES} (e.g. secrets.token_hex(32))"
+    return None
 
 
 def redact_url(url: str) -> str:

@@ -11,7 +11,7 @@ over the destination with ``os.replace``, so a reader sees either no file or a w
 Safe read: the file is opened with ``O_NOFOLLOW | O_NONBLOCK`` and ``fstat``-ed before a byte is read, so a symlink,
 a FIFO, a device or a socket planted under a page's name is rejected at once (never followed, never blocked on), and
 a file larger than a page can be is rejected before it is read. The bytes are read with ``readinto`` into one buffer
-that Arrow parses in place; the KV is decrypted from there straight into the returned tensor.
+(reused by the thread) that Arrow parses in place; the KV is decrypted from there straight into the returned tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import errno
 import os
 import stat
 import tempfile
+import threading
 from typing import Sequence
 
 import pyarrow as pa
@@ -75,8 +76,21 @@ class NotRegularFile(RejectedEntry):
     """A symlink, FIFO, device, socket or folder where a page file should be."""
 
 
-def read_file_safely(path: str, max_bytes: int) -> bytearray:
-    """The bytes of the regular file ``path`` (at most ``max_bytes``).
+_scratch = threading.local()
+
+
+def scratch_buffer(num_bytes: int) -> bytearray:
+    """This thread's reusable read buffer of at least ``num_bytes`` (a fresh 1 MiB buffer per page costs page faults
+    on every read)."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or len(buffer) < num_bytes:
+        buffer = _scratch.buffer = bytearray(num_bytes)
+    return buffer
+
+
+def read_file_safely(path: str, max_bytes: int, into: bytearray | None = None) -> memoryview:
+    """The bytes of the regular file ``path`` (at most ``max_bytes``), read into ``into`` (``max_bytes`` long; a new
+    buffer if None) and returned as a view of it.
 
     Raises FileNotFoundError if there is nothing there, NotRegularFile for a symlink / FIFO / device / socket /
     folder, RejectedEntry for a file larger than ``max_bytes``, OSError for other I/O failures.
@@ -98,15 +112,14 @@ def read_file_safely(path: str, max_bytes: int) -> bytearray:
             raise NotRegularFile(f"not a regular file (mode {stat.filemode(info.st_mode)})")
         if info.st_size > max_bytes:
             raise RejectedEntry(f"{info.st_size} bytes, a page file has at most {max_bytes}")
-        data = bytearray(info.st_size)
-        view = memoryview(data)
+        view = memoryview(into if into is not None else bytearray(info.st_size))[: info.st_size]
         num_read = 0
         while num_read < info.st_size:
             chunk = os.readv(fd, [view[num_read:]])
             if chunk == 0:
                 break  # shrank meanwhile: the parser below rejects a short file
             num_read += chunk
-        return data if num_read == info.st_size else data[:num_read]
+        return view[:num_read]
     finally:
         os.close(fd)
 
@@ -123,7 +136,8 @@ def read_page_file(path: str, page_format: PageFormat, tier_key: TierKey, key: b
     RejectedEntry if it is oversized, truncated, corrupt, tampered, foreign, or holds other tokens, and OSError for
     other I/O failures.
     """
-    data = read_file_safely(path, max_file_bytes(page_format))
+    max_bytes = max_file_bytes(page_format)
+    data = read_file_safely(path, max_bytes, into=scratch_buffer(max_bytes))  # valid until this thread's next read
     try:
         reader = ipc.open_file(pa.BufferReader(pa.py_buffer(data)))
         metadata = reader.schema.metadata or {}

@@ -64,6 +64,8 @@ PAGE_SUFFIX = ".arrow"
 STALE_TEMP_AGE_S = 3600.0
 """Temporary files older than this are leftovers of a crashed writer and are deleted at start-up."""
 FOLDER_MODE = 0o700
+TOUCH_WAIT_MS = 100
+"""How long a load waits for the index's write lock to mark its pages recently used before it skips that."""
 EVICTION_BATCH = 32
 """Leaves deleted per eviction query (then the leaves are listed again: a parent may have become one)."""
 
@@ -86,6 +88,7 @@ class PageIndex:
     def __init__(self, path: str, busy_timeout_s: float = 10.0) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         os.close(fd)
+        self._busy_timeout_ms = int(busy_timeout_s * 1000)
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
@@ -97,11 +100,19 @@ class PageIndex:
             cursor.execute("CREATE INDEX IF NOT EXISTS pages_by_last_used ON pages(last_used)")
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[sqlite3.Cursor]:
-        """One write transaction (exclusive across processes); rolled back if the block raises."""
+    def write(self, busy_timeout_ms: int | None = None) -> Iterator[sqlite3.Cursor]:
+        """One write transaction (exclusive across processes); rolled back if the block raises. Waits up to
+        ``busy_timeout_ms`` (default: the index's) for another process's transaction, then raises
+        ``sqlite3.OperationalError``."""
         with self._lock:
             cursor = self._conn.cursor()
-            cursor.execute("BEGIN IMMEDIATE")
+            if busy_timeout_ms is not None:
+                cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            try:
+                cursor.execute("BEGIN IMMEDIATE")
+            finally:
+                if busy_timeout_ms is not None:
+                    cursor.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
             try:
                 yield cursor
             except BaseException:
@@ -319,10 +330,12 @@ class DiskTier(QueuedWriteTier):
         """Mark pages most recently used, in order (so a chain's parents stay older than its children)."""
         if not page_ids:
             return
-        try:
-            with self._index.write() as cursor:
+        try:  # a reader never waits long for a writer's eviction: the recency update is only a hint
+            with self._index.write(busy_timeout_ms=TOUCH_WAIT_MS) as cursor:
                 cursor.executemany("UPDATE pages SET last_used = ? WHERE id = ?",
                                    [(self._next_use_ns(), page_id) for page_id in page_ids])
+        except sqlite3.OperationalError:
+            pass  # locked by another process: skip it (the pages stay a little older)
         except sqlite3.Error as exc:
             self._count_error("index", f"updating the index failed: {exc}")
 

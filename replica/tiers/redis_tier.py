@@ -98,6 +98,7 @@ class RedisTier(QueuedWriteTier):
             socket_connect_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
+            socket_read_size=1 << 20,  # pages are ~1 MiB: read them in few large chunks, not 64 KiB ones
         )
         self._breaker = CircuitBreaker(backoff, clock)
         self._needs_handshake = True
