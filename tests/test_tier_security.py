@@ -383,3 +383,104 @@ def test_redis_server_dies_when_its_parent_is_sigkilled():
         assert process_gone(redis_pid), "redis-server outlived its SIGKILLed parent"
     finally:
         parent.kill()
+
+
+def test_a_tier_that_hangs_costs_the_request_its_timeout_not_more(tmp_path):
+    """A tier call that does not come back (a hung NFS mount, a stuck socket) is abandoned after tier_timeout_s."""
+    import asyncio
+
+    from replica.kv_sources import PrefixFetcher
+
+    class HangingDiskTier(DiskTier):
+        def lookup(self, keys):
+            time.sleep(3)
+            return len(keys)
+
+    tier = HangingDiskTier(tmp_path / "kv", make_format(), budget_bytes=1 << 30, tier_key=TierKey(SECRET))
+    try:
+        pages = chain_pages(tier.page_format, 2, seed=30)
+        fetcher = PrefixFetcher(tier.page_format, tiers=[tier], tier_timeout_s=0.3)
+        async def timed_fetch():
+            started = time.monotonic()
+            fetched = await fetcher.fetch(keys_of(pages), tokens_of(pages))
+            return fetched, time.monotonic() - started  # (asyncio.run then waits for the abandoned thread)
+
+        fetched, elapsed = asyncio.run(timed_fetch())
+        assert fetched == [] and elapsed < 2
+        assert fetcher.source_to_stats[tier.source].errors == 1
+    finally:
+        tier.close()
+
+
+def write_tls_files(folder: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for 127.0.0.1 signed by it (PEM files): ca.pem, server.pem, server.key."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    import ipaddress
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "prefixserve test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(1).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(hours=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(2)
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = folder / "ca.pem", folder / "server.pem", folder / "server.key"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return paths
+
+
+def test_redis_url_with_tls_and_a_password_works(tmp_path):
+    from conftest import REDIS_SERVER_BINARY, find_free_port
+
+    if REDIS_SERVER_BINARY is None:
+        pytest.skip("redis-server is not installed")
+    ca, cert, key = write_tls_files(tmp_path)
+    port = find_free_port()
+    server = subprocess.Popen(
+        [REDIS_SERVER_BINARY, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server.stdin.write((
+        f"port 0\ntls-port {port}\nbind 127.0.0.1\ntls-cert-file {cert}\ntls-key-file {key}\n"
+        f"tls-ca-cert-file {ca}\ntls-auth-clients no\nrequirepass tls-test-pw\nsave \"\"\nappendonly no\n"
+    ).encode())
+    server.stdin.close()
+    url = f"rediss://:tls-test-pw@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(url, socket_timeout=1).ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and server.poll() is None, "TLS redis-server did not start"
+                time.sleep(0.1)
+        tier = RedisTier(url, make_format(), tier_key=TierKey(SECRET))
+        plain = RedisTier(f"redis://:tls-test-pw@127.0.0.1:{port}/0", make_format(), tier_key=TierKey(SECRET))
+        try:
+            pages = chain_pages(tier.page_format, 2, seed=40)
+            tier.store(pages)
+            assert tier.flush(timeout=10)
+            assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages)
+            assert tier.stats().errors == 0
+            assert plain.lookup(keys_of(pages)) == 0 and not plain.available  # no TLS: no answer
+        finally:
+            tier.close()
+            plain.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
