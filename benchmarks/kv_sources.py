@@ -4,7 +4,11 @@ Then TTFT of a request whose prefix lives on the other replica with peer copy on
 and with no shared tier at all (recompute).
 
 Usage (needs a redis-server binary; the script starts its own on a free port):
-    python benchmarks/kv_sources.py [--prefix-len 2048] [--rounds 5] [--dtype bfloat16]
+    python benchmarks/kv_sources.py [--prefix-len 2048] [--rounds 5] [--dtype bfloat16] [--tiers-only]
+
+--tiers-only times only the Redis and disk rows (no Ray, no peer, no TTFT table). The tiers are built through
+``build_tiers`` with whatever page codec the checked-out code has, so running this same file with PYTHONPATH pointing
+at two checkouts compares them.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ def main(argv=None) -> int:
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tiers-only", action="store_true", help="only the Redis and disk rows (no Ray)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if not (MODEL_DIR / "config.json").exists():
@@ -105,15 +110,18 @@ def main(argv=None) -> int:
                                   stdout=subprocess.DEVNULL)
     disk_dir = tempfile.mkdtemp(prefix="prefixserve-bench-disk-")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if not args.tiers_only:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         time.sleep(0.5)
         redis_url = f"redis://127.0.0.1:{port}/0"
-        holder = Holder.remote(engine_config(args, "holder"))
+        holder = None if args.tiers_only else Holder.remote(engine_config(args, "holder"))
         reader = build_engine(engine_config(args, "reader"))
         page_format = page_format_of(reader)
         host, disk = build_tiers(page_format, redis_url=redis_url, disk_cache_dir=disk_dir, disk_budget_bytes=4 << 30)
         results = {"recompute": [], "peer": [], "host": [], "disk": []}
+        if args.tiers_only:
+            del results["peer"]
         for r in range(args.rounds):
             prefix = tokens(args.prefix_len, seed=r)
             keys = reader.page_keys(prefix)
@@ -125,19 +133,19 @@ def main(argv=None) -> int:
                 reader.step()
             results["recompute"].append(time.perf_counter() - start)
             pages = reader.export_pages(keys)
-            stored = [(k, t, kv) for k, t, kv in pages]
-            PrefixFetcher(page_format, tiers=[host, disk]).store(stored)
+            PrefixFetcher(page_format, tiers=[host, disk]).store(pages)
             host.flush(30)
             disk.flush(30)
-            ray.get(holder.compute.remote(prefix))
             page_id = 0
-            # peer: export on the holder process, object store, unbundle, write into the reader's pool
-            start = time.perf_counter()
-            got = unbundle_pages(ray.get(holder.export.remote(keys)))
-            for _, _, kv in got:
-                reader.runner.write_page(page_id, kv)
-            results["peer"].append(time.perf_counter() - start)
-            assert len(got) == len(keys)
+            if not args.tiers_only:
+                ray.get(holder.compute.remote(prefix))
+                # peer: export on the holder process, object store, unbundle, write into the reader's pool
+                start = time.perf_counter()
+                got = unbundle_pages(ray.get(holder.export.remote(keys)))
+                for page in got:
+                    reader.runner.write_page(page_id, page.kv)
+                results["peer"].append(time.perf_counter() - start)
+                assert len(got) == len(keys)
             for name, tier in (("host", host), ("disk", disk)):
                 start = time.perf_counter()
                 loaded = tier.load(keys, slices)
@@ -151,8 +159,16 @@ def main(argv=None) -> int:
         print(f"\n| source ({args.prefix_len}-token prefix, {len(keys)} pages, {args.dtype}) | median | min | "
               f"speed-up vs recompute |")
         print("|---|---|---|---|")
+        num_bytes = len(keys) * page_format.page_num_bytes
+        print(f"\n{len(keys)} pages = {num_bytes / 2**20:.1f} MiB; effective GB/s = bytes / median time "
+              "(fetch + verify + decode + write into the pool)")
         for name, values in results.items():
-            print(f"| {name} | {med(values) * 1000:.1f} ms | {min(values) * 1000:.1f} ms | {base / med(values):.1f}x |")
+            print(f"| {name} | {med(values) * 1000:.1f} ms | {min(values) * 1000:.1f} ms | {base / med(values):.1f}x |"
+                  f" {num_bytes / med(values) / 1e9:.2f} GB/s |")
+        if args.tiers_only:
+            host.close()
+            disk.close()
+            return 0
 
         # TTFT of a request whose prefix lives on the other replica
         def make(peer: bool, tiers: bool, rid: str) -> AsyncEngine:
@@ -189,7 +205,8 @@ def main(argv=None) -> int:
         host.close()
         disk.close()
     finally:
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
         redis_proc.terminate()
         shutil.rmtree(disk_dir, ignore_errors=True)
     return 0

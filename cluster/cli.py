@@ -104,9 +104,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="copy cached pages from the replica that holds them instead of recomputing "
                             "(default: on with prefix caching)")
     cache.add_argument("--redis-url", default=None,
-                       help="shared host-memory KV tier, e.g. redis://127.0.0.1:6379/0 (default: off)")
+                       help="shared host-memory KV tier, e.g. redis://:PASSWORD@127.0.0.1:6379/0, or rediss://... "
+                            "for TLS (default: off)")
     cache.add_argument("--start-redis", action="store_true",
-                       help="start a local redis-server (bounded, LRU) for the host tier and stop it on exit")
+                       help="start a local redis-server for the host tier (loopback only, a generated password, "
+                            "bounded, LRU); it is stopped on exit and dies with this process")
+    cache.add_argument("--kv-tier-key-file", default=None,
+                       help="file with the cluster key (>= 32 bytes, e.g. `python -c 'import secrets; "
+                            "print(secrets.token_hex(32))'`) that names, encrypts and authenticates shared-tier pages; "
+                            "every node sharing a tier needs the same file (default: <cache dir>/kv-tier.key, "
+                            "created on first use)")
     cache.add_argument("--enable-disk-cache", action=argparse.BooleanOptionalAction, default=None,
                        help="shared disk KV tier (Arrow IPC files) that replicas on one machine share "
                             "(default: on with prefix caching)")
@@ -154,7 +161,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     kwargs = {key: value for key, value in vars(args).items() if key != "command"}
     if kwargs.get("devices") is None:
         kwargs.pop("devices", None)
-    for key in ("model", "disk_cache_dir"):  # replicas may run in another working directory
+    for key in ("model", "disk_cache_dir", "kv_tier_key_file"):  # replicas may run in another working directory
         if kwargs.get(key) and Path(kwargs[key]).expanduser().exists():
             kwargs[key] = str(Path(kwargs[key]).expanduser().resolve())
     return ServeConfig(**kwargs)
@@ -212,7 +219,7 @@ def run_serve(config: ServeConfig) -> int:
         if config.start_redis:
             redis = start_local_redis()
             config = dataclasses.replace(config, redis_url=redis.url, start_redis=False)
-            print(f"prefixserve: started redis-server for the host tier at {redis.url}", flush=True)
+            print(f"prefixserve: started redis-server for the host tier at {redis.redacted_url}", flush=True)
         ray.init(address=config.ray_address, logging_level=config.log_level.upper())
         started = True
         # ray.init installs a SIGTERM handler that aborts the process; take SIGTERM back for a clean shutdown.
@@ -242,15 +249,22 @@ def run_serve(config: ServeConfig) -> int:
 
 
 class LocalRedis:
-    """A redis-server this CLI started: no persistence, bounded memory with LRU eviction (what the host tier needs)."""
+    """A redis-server this CLI started: loopback only, a generated password, no persistence, bounded memory with LRU
+    eviction (what the host tier needs). It dies with the process that started it, even on SIGKILL."""
 
-    def __init__(self, port: int, process: subprocess.Popen) -> None:
+    def __init__(self, port: int, password: str, process: subprocess.Popen) -> None:
         self.port = port
+        self.password = password
         self.process = process
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The URL replicas connect with (holds the password: do not log it; ``redacted_url`` is for logs)."""
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    @property
+    def redacted_url(self) -> str:
+        return f"redis://:***@127.0.0.1:{self.port}/0"
 
     def stop(self) -> None:
         self.process.terminate()
@@ -258,28 +272,70 @@ class LocalRedis:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            self.process.wait()
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child between fork and exec: ask the kernel to SIGKILL this process when its parent dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``; the signal fires when the *thread* that forked exits, so start children from the
+    main thread). Exits at once if the parent is already gone."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(126)
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def redis_config(port: int, password: str, maxmemory: str) -> str:
+    """The redis-server configuration of ``start_local_redis`` (fed on stdin: the password never shows in ``ps``)."""
+    return "\n".join([
+        f"port {port}",
+        "bind 127.0.0.1 -::1",
+        "protected-mode yes",
+        f"requirepass {password}",
+        'save ""',
+        "appendonly no",
+        f"maxmemory {maxmemory}",
+        "maxmemory-policy allkeys-lru",
+        "",
+    ])
 
 
 def start_local_redis(maxmemory: str = "2gb", timeout_s: float = 10.0) -> LocalRedis:
+    """Start redis-server on a free loopback port with a fresh random password; it dies with this process."""
+    import secrets
+
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("--start-redis needs redis-server: apt-get install -y redis-server")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    password = secrets.token_hex(24)
+    parent_pid = os.getpid()
     process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [binary, "-"],  # "-": read the configuration from stdin
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: die_with_parent(parent_pid),
     )
+    process.stdin.write(redis_config(port, password, maxmemory).encode())
+    process.stdin.close()
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and process.poll() is None:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return LocalRedis(port, process)
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+                sock.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+                if b"+PONG" in sock.recv(64) or b"+PONG" in sock.recv(64):
+                    return LocalRedis(port, password, process)
         except OSError:
             time.sleep(0.05)
     process.kill()
+    process.wait()
     raise RuntimeError(f"redis-server did not start on port {port}")
 
 

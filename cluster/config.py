@@ -117,7 +117,11 @@ class ServeConfig:
     disk_cache_budget: int | str = field_default(EngineConfig, "disk_cache_budget_bytes")
     """Size budget of the disk tier; least recently used pages are deleted beyond it."""
     start_redis: bool = False
-    """Start a local redis-server for the host tier (the CLI does; sets ``redis_url``)."""
+    """Start a local redis-server for the host tier (the CLI does: loopback only, a generated password; sets
+    ``redis_url``)."""
+    kv_tier_key_file: str | None = field_default(EngineConfig, "kv_tier_key_file")
+    """File holding the cluster key that names, seals and authenticates shared-tier pages (None: this machine's
+    ``<cache dir>/kv-tier.key``, created on first use)."""
     ray_address: str | None = None
     """Existing Ray cluster to join ("auto", "ray://...", "host:port"); None starts a local one."""
     log_level: str = "info"
@@ -183,6 +187,10 @@ class ServeConfig:
                         f"{flag} shares prefix-cache pages, so it needs prefix caching; drop {flag} or drop "
                         "--no-enable-prefix-caching"
                     )
+        if self.kv_tier_key_file is not None and self.enable_prefix_caching:
+            problem = key_file_problem(self.kv_tier_key_file)
+            if problem:
+                raise ValueError(f"--kv-tier-key-file {self.kv_tier_key_file}: {problem}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if not isinstance(self.num_cpus_per_replica, (int, float)) or self.num_cpus_per_replica <= 0:
@@ -218,6 +226,7 @@ class ServeConfig:
             redis_url=self.redis_url,
             disk_cache_dir=self.resolved_disk_cache_dir,
             disk_cache_budget_bytes=int(self.disk_cache_budget),
+            kv_tier_key_file=self.kv_tier_key_file,
         )
 
     @property
@@ -252,7 +261,41 @@ class ServeConfig:
         values = dataclasses.asdict(self)
         if values["api_key"]:
             values["api_key"] = "***"
+        if values["redis_url"]:
+            values["redis_url"] = redact_url(values["redis_url"])
         return values
+
+
+MIN_KEY_FILE_BYTES = 32  # replica.tiers.seal.MIN_SECRET_BYTES (not imported: the ingress imports no torch)
+
+
+def key_file_problem(path: str) -> str | None:
+    """Why ``path`` cannot be the cluster key file (missing, not a regular file, too short), or None."""
+    import stat as stat_module
+
+    try:
+        info = os.stat(os.path.expanduser(path))
+    except OSError as error:
+        return f"cannot read it ({error.strerror}); create one with `python -c 'import secrets; " \
+               f"print(secrets.token_hex(32))' > {path}; chmod 600 {path}`"
+    if not stat_module.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if info.st_size < MIN_KEY_FILE_BYTES:
+        return f"it holds {info.st_size} bytes; a key needs at least {MIN_KEY_FILE_BYTES} (e.g. secrets.token_hex(32))"
+    return None
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ***, for logs and messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
 def default_served_model_name(model: str | None) -> str:

@@ -32,7 +32,7 @@ class AsyncEngine:
         self.engine = engine
         self.fetcher = fetcher
         if fetcher is not None and fetcher.tiers and engine.enable_prefix_caching:
-            engine.page_sink = fetcher.store
+            engine.page_sink = fetcher.on_computed
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._stopped = False
@@ -93,6 +93,8 @@ class AsyncEngine:
     def _admit(self, request: EngineRequest) -> AdmissionPlan | None:
         """Engine thread: plan the request; queue it now unless pages are worth fetching first (then the plan)."""
         plan = self.engine.plan(request)
+        if self.fetcher is not None and self.fetcher.tiers:  # pages reused from the local cache: worth sharing
+            self.fetcher.share_local_hits(plan.page_keys[: plan.missing.start], self.engine.export_pages)
         if plan.missing and self.fetcher is not None and self.fetcher.enabled:
             return plan
         self.engine.add(plan)
@@ -113,7 +115,8 @@ class AsyncEngine:
         peer_hint = request.peer_hint if self.engine.config.enable_peer_copy else None
         try:
             return await self.fetcher.fetch(plan.page_keys[missing.start : missing.stop],
-                                            plan.missing_token_ids(self.engine.config.page_size), peer_hint=peer_hint)
+                                            plan.missing_token_ids(self.engine.config.page_size), peer_hint=peer_hint,
+                                            parent_key=plan.page_keys[missing.start - 1] if missing.start else None)
         except Exception:  # noqa: BLE001 - sources degrade to recompute, never fail the request
             logger.exception("fetching prefix pages failed; recomputing them")
             return []
@@ -229,7 +232,7 @@ def build_async_engine(config, peer_client=None) -> AsyncEngine:
     tiers = []
     if engine.enable_prefix_caching:
         tiers = build_tiers(page_format, redis_url=config.redis_url, disk_cache_dir=config.disk_cache_dir,
-                            disk_budget_bytes=config.disk_cache_budget_bytes)
+                            disk_budget_bytes=config.disk_cache_budget_bytes, key_file=config.kv_tier_key_file)
     fetcher = PrefixFetcher(
         page_format,
         tiers=tiers,

@@ -63,6 +63,9 @@ class EngineConfig:
     disk_cache_dir: str | None = None
     """Shared disk tier (Arrow IPC files); None disables it."""
     disk_cache_budget_bytes: int = 8 << 30
+    kv_tier_key_file: str | None = None
+    """The cluster key that names, seals and authenticates shared-tier pages (``replica.tiers.seal``); None: this
+    machine's ``<cache dir>/kv-tier.key``, created on first use."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size <= 0 or self.page_size % PAGE_SIZE_MULTIPLE:

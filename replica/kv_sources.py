@@ -14,22 +14,33 @@ tiers also check the header: key format version, model fingerprint, dtype, page 
 failing source (peer gone, Redis down, bad file) counts an error and the chain continues with the next one; nothing
 here raises for a missing or broken source.
 
-Pages this replica computes are written to the host and disk tiers asynchronously (the tiers' bounded queues).
+What goes to the shared tiers (``write_policy``): only pages worth sharing. With "reused" (the default) a page is
+written when a second request uses it: a local prefix-cache hit (``share_local_hits``, the engine's pool copy of the
+page) or a copy from a peer. A page computed once and never reused (every request's unique tail, its output) is not
+written. A page this fetcher wrote or read from a tier is not written again for ``rewrite_after_s`` (after that a
+reuse writes it again, which refreshes its recency in the tier). With "all", every newly computed page is written
+(the behaviour before; ``benchmarks/tier_writes.py`` compares the two). Writes are asynchronous (the tiers' bounded
+queues). Each tier call runs on a worker thread under ``tier_timeout_s``; past it the request recomputes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
+import threading
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from common.page_format import PageFormat
 from common.page_keys import PageKey
 from common.types import FETCH_SOURCES, CacheSource, SourceStats
 from replica.page_record import PageRecord
 from replica.tiers.base import KVTier, StoredPage
+from replica.tiers.seal import TierKey
+
+WRITE_POLICIES = ("reused", "all")
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +61,24 @@ class PrefixFetcher:
         tiers: Sequence[KVTier] = (),
         peer_client: PeerClient | None = None,
         own_replica_id: str = "",
+        write_policy: str = "reused",
+        tier_timeout_s: float = 5.0,
+        rewrite_after_s: float = 30.0,
+        max_known_pages: int = 65536,
     ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
         self.page_format = page_format
         self.tiers = list(tiers)
         self.peer_client = peer_client
         self.own_replica_id = own_replica_id
+        self.write_policy = write_policy
+        self.tier_timeout_s = tier_timeout_s
+        self.rewrite_after_s = rewrite_after_s
+        self.max_known_pages = max_known_pages
         self.source_to_stats: dict[CacheSource, SourceStats] = {source: SourceStats() for source in FETCH_SOURCES}
+        self._known_lock = threading.Lock()
+        self._key_to_known_until: collections.OrderedDict[PageKey, float] = collections.OrderedDict()
 
     @property
     def enabled(self) -> bool:
@@ -67,16 +90,23 @@ class PrefixFetcher:
         token_ids_per_page: Sequence[Sequence[int]],
         *,
         peer_hint: str | None = None,
+        parent_key: PageKey | None = None,
     ) -> list[PageRecord]:
-        """The leading run of ``keys`` found in the sources, in order (peer, host, disk), verified."""
+        """The leading run of ``keys`` found in the sources, in order (peer, host, disk), verified. ``parent_key``:
+        the key of the page before ``keys[0]`` (None if ``keys[0]`` is page 0); pages copied from a peer are being
+        reused, so they are written to the tiers."""
         pages: list[PageRecord] = []
         if self.peer_client is not None and peer_hint and peer_hint != self.own_replica_id:
             pages.extend(await self._fetch_from_peer(peer_hint, keys, token_ids_per_page))
+            if pages and self.tiers:
+                self._store_chain([page for page in pages if not self._is_known(page.key)], parent_key, pages)
         for tier in self.tiers:
             if len(pages) == len(keys):
                 break
             start = len(pages)
-            pages.extend(await self._fetch_from_tier(tier, keys[start:], token_ids_per_page[start:]))
+            loaded = await self._fetch_from_tier(tier, keys[start:], token_ids_per_page[start:])
+            self._mark_known(page.key for page in loaded)
+            pages.extend(loaded)
         return pages
 
     async def _fetch_from_peer(self, peer_id, keys, token_ids_per_page) -> list[PageRecord]:
@@ -102,13 +132,20 @@ class PrefixFetcher:
         stats = self.source_to_stats[tier.source]
         started = time.perf_counter()
         errors_before = tier.stats().errors
+        timed_out = False
         try:
-            num_present = await asyncio.to_thread(tier.lookup, keys)
+            num_present = await asyncio.wait_for(asyncio.to_thread(tier.lookup, keys), self.tier_timeout_s)
             if num_present == 0:
                 return []
-            tensors = await asyncio.to_thread(tier.load, keys[:num_present], token_ids_per_page[:num_present])
+            tensors = await asyncio.wait_for(
+                asyncio.to_thread(tier.load, keys[:num_present], token_ids_per_page[:num_present]),
+                self.tier_timeout_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+            logger.warning("the %s tier did not answer within %.1f s; recomputing", tier.name, self.tier_timeout_s)
+            return []
         finally:
-            stats.errors += tier.stats().errors - errors_before
+            stats.errors += tier.stats().errors - errors_before + timed_out
         pages = [PageRecord(key, tuple(tokens), kv, tier.source)
                  for key, tokens, kv in zip(keys, token_ids_per_page, tensors)]
         return self._account(stats, pages, started)
@@ -120,13 +157,75 @@ class PrefixFetcher:
         stats.seconds += time.perf_counter() - started
         return pages
 
-    def store(self, pages: Sequence[PageRecord]) -> None:
-        """Queue newly computed pages for every tier (non-blocking; tiers copy pool views before returning)."""
-        if not self.tiers or not pages:
-            return
-        stored = [StoredPage.from_format(self.page_format, page.key, page.token_ids, page.kv.cpu()) for page in pages]
+    # ---- writing to the tiers ----------------------------------------------------------------------------------
+    def on_computed(self, pages: Sequence[PageRecord]) -> None:
+        """The engine's page sink: pages it just computed and cached. Written only with ``write_policy="all"`` (a page
+        computed once is not yet worth sharing; see the module docstring)."""
+        if self.write_policy == "all":
+            for page in pages:  # pages of several requests: parents unknown here
+                self._store_one(page, None)
+
+    def share_local_hits(self, keys: Sequence[PageKey], export: Callable[[list[PageKey]], list[PageRecord]]) -> int:
+        """A request is reusing the leading pages ``keys`` (page 0 on) from the local cache: write the ones the tiers
+        may lack. ``export(keys)`` copies them out of the pool (the engine's ``export_pages``, on the engine thread).
+        Returns how many pages were queued."""
+        if not self.tiers or not keys:
+            return 0
+        wanted = [key for key in keys if not self._is_known(key)]
+        if not wanted:
+            return 0
+        pages = export(wanted)
+        index_of = {key: index for index, key in enumerate(keys)}
+        queued = 0
+        for page in pages:
+            index = index_of[page.key]
+            queued += self._store_one(page, keys[index - 1] if index else None)
+        return queued
+
+    def store(self, pages: Sequence[PageRecord], parent_key: PageKey | None = None) -> None:
+        """Queue ``pages`` (consecutive pages of one chain, ``parent_key`` before the first) for every tier,
+        unconditionally (non-blocking; tiers copy pool views before returning)."""
+        self._store_chain(pages, parent_key, pages)
+
+    def _store_chain(self, pages: Sequence[PageRecord], parent_key: PageKey | None,
+                     chain: Sequence[PageRecord]) -> None:
+        """Store ``pages``, a subset of the consecutive ``chain`` whose first page follows ``parent_key``."""
+        index_of = {page.key: index for index, page in enumerate(chain)}
+        for page in pages:
+            index = index_of[page.key]
+            self._store_one(page, chain[index - 1].key if index else parent_key)
+
+    def _store_one(self, page: PageRecord, parent_key: PageKey | None) -> bool:
+        if not self.tiers:
+            return False
+        stored = StoredPage.from_format(self.page_format, page.key, page.token_ids, page.kv.cpu(),
+                                        parent_key=parent_key)
+        accepted = False
         for tier in self.tiers:
-            tier.store(stored)
+            accepted |= tier.store([stored]) == 1
+        if accepted:
+            self._mark_known([page.key])
+        return accepted
+
+    def _is_known(self, key: PageKey) -> bool:
+        """True if this fetcher wrote or read ``key`` to / from a tier within the last ``rewrite_after_s``."""
+        with self._known_lock:
+            until = self._key_to_known_until.get(key)
+            if until is None:
+                return False
+            if until < time.monotonic():
+                del self._key_to_known_until[key]
+                return False
+            return True
+
+    def _mark_known(self, keys) -> None:
+        until = time.monotonic() + self.rewrite_after_s
+        with self._known_lock:
+            for key in keys:
+                self._key_to_known_until[key] = until
+                self._key_to_known_until.move_to_end(key)
+            while len(self._key_to_known_until) > self.max_known_pages:
+                self._key_to_known_until.popitem(last=False)
 
     def close(self) -> None:
         for tier in self.tiers:
@@ -149,15 +248,23 @@ def page_format_of(engine) -> PageFormat:
 
 
 def build_tiers(page_format: PageFormat, *, redis_url: str | None, disk_cache_dir: str | None,
-                disk_budget_bytes: int) -> list[KVTier]:
-    """The shared tiers the flags ask for, host (Redis) before disk."""
+                disk_budget_bytes: int, tier_key: TierKey | None = None,
+                key_file: str | None = None) -> list[KVTier]:
+    """The shared tiers the flags ask for, host (Redis) before disk, sealed under ``tier_key`` (default: the key in
+    ``key_file``, or the machine's default key file, created on first use; see ``replica.tiers.seal``)."""
     tiers: list[KVTier] = []
+    if not (redis_url or disk_cache_dir):
+        return tiers
+    if tier_key is None:
+        from replica.tiers.seal import resolve_key
+
+        tier_key = resolve_key(key_file)
     if redis_url:
         from replica.tiers.redis_tier import RedisTier
 
-        tiers.append(RedisTier(redis_url, page_format))
+        tiers.append(RedisTier(redis_url, page_format, tier_key=tier_key))
     if disk_cache_dir:
         from replica.tiers.disk_tier import DiskTier
 
-        tiers.append(DiskTier(disk_cache_dir, page_format, disk_budget_bytes))
+        tiers.append(DiskTier(disk_cache_dir, page_format, disk_budget_bytes, tier_key=tier_key))
     return tiers

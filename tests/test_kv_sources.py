@@ -15,6 +15,7 @@ from replica.config import EngineConfig
 from replica.engine import LLMEngine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
 from common.types import CacheSource, EngineRequest
+from replica.tiers.seal import TierKey
 
 
 PREFIX_PAGES = 3
@@ -42,11 +43,18 @@ class LocalPeerClient:
         return await self.peers[peer_id].export_pages(list(keys))
 
 
-def make_async_engine(tiny, replica_id, *, redis_url=None, disk_dir=None, peer_client=None):
+TIER_KEY = TierKey.generate()  # the "cluster key" every engine of this module shares
+
+
+def make_async_engine(tiny, replica_id, *, redis_url=None, disk_dir=None, peer_client=None, write_policy="all"):
+    """An engine with the given sources. ``write_policy="all"`` (every computed page written) keeps the fault tests
+    independent of the write policy, which ``test_only_reused_pages_are_written`` checks."""
     engine = LLMEngine(EngineConfig(num_pages=32, replica_id=replica_id), copy.deepcopy(tiny.served))
     page_format = page_format_of(engine)
-    tiers = build_tiers(page_format, redis_url=redis_url, disk_cache_dir=disk_dir, disk_budget_bytes=1 << 30)
-    fetcher = PrefixFetcher(page_format, tiers=tiers, peer_client=peer_client, own_replica_id=replica_id)
+    tiers = build_tiers(page_format, redis_url=redis_url, disk_cache_dir=disk_dir, disk_budget_bytes=1 << 30,
+                        tier_key=TIER_KEY)
+    fetcher = PrefixFetcher(page_format, tiers=tiers, peer_client=peer_client, own_replica_id=replica_id,
+                            write_policy=write_policy)
     return AsyncEngine(engine, fetcher)
 
 
@@ -182,7 +190,7 @@ def test_redis_down_mid_run_recomputes_and_recovers(tiny, prompts, redis_process
         reader.shutdown()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "corrupt"])
+@pytest.mark.parametrize("damage", ["truncate", "corrupt", "flip_one_bit"])
 def test_damaged_disk_page_is_discarded_and_recomputed(tiny, prompts, tmp_path, damage):
     first, second = prompts
     disk = str(tmp_path / "disk")
@@ -197,6 +205,11 @@ def test_damaged_disk_page_is_discarded_and_recomputed(tiny, prompts, tmp_path, 
         with open(path, "r+b") as handle:
             if damage == "truncate":
                 handle.truncate(size // 2)
+            elif damage == "flip_one_bit":  # tampering inside the sealed KV: only the AES-GCM tag notices
+                handle.seek(size // 2)
+                byte = handle.read(1)[0]
+                handle.seek(size // 2)
+                handle.write(bytes([byte ^ 0x01]))
             else:
                 handle.seek(size // 2)
                 handle.write(bytes(64))
@@ -247,3 +260,56 @@ def test_redis_entry_with_other_tokens_is_discarded(tiny, prompts, redis_server)
     finally:
         holder.shutdown()
         reader.shutdown()
+
+
+def test_only_reused_pages_are_written(tiny, prompts, tmp_path, redis_server):
+    """Default policy: a page computed once is not written; a local hit (second use) writes the reused pages, once;
+    a reader on another replica then gets them from each tier with the same greedy output."""
+    first, second = prompts
+    disk = str(tmp_path / "disk")
+    redis_url = redis_server[:-1] + "5"
+    holder = make_async_engine(tiny, "A", redis_url=redis_url, disk_dir=disk, write_policy="reused")
+    readers = [make_async_engine(tiny, "B", redis_url=redis_url), make_async_engine(tiny, "C", disk_dir=disk)]
+    try:
+        host, disk_tier = holder.fetcher.tiers
+        asyncio.run(ask(holder, first, "a1"))
+        flush(holder)
+        assert host.stats().pages_stored == disk_tier.stats().pages_stored == 0  # used once: nothing written
+        assert not os.path.exists(os.path.join(disk, "bfloat16")) and not os.path.exists(os.path.join(disk, "float32"))
+
+        asyncio.run(ask(holder, second, "a2"))  # reuses the 3 prefix pages from the local cache
+        flush(holder)
+        assert host.stats().pages_stored == disk_tier.stats().pages_stored == PREFIX_PAGES
+        asyncio.run(ask(holder, second, "a3"))  # reused again within rewrite_after_s: not written again
+        flush(holder)
+        assert host.stats().pages_stored == disk_tier.stats().pages_stored == PREFIX_PAGES
+        keys = holder.engine.page_keys(second)[:PREFIX_PAGES]
+        assert host.lookup(keys) == disk_tier.lookup(keys) == PREFIX_PAGES
+
+        expected = tiny.generate(second, NUM_OUT)
+        for reader, source in zip(readers, ("host", "disk")):
+            tokens, cached = asyncio.run(ask(reader, second, "r"))
+            assert tokens == expected, source
+            assert cached.as_dict()[source] == PREFIX_PAGES * 128, source
+    finally:
+        holder.shutdown()
+        for reader in readers:
+            reader.shutdown()
+
+
+def test_pages_copied_from_a_peer_are_written(tiny, prompts, tmp_path):
+    first, second = prompts
+    holder = make_async_engine(tiny, "A", write_policy="reused")
+    copier = make_async_engine(tiny, "B", disk_dir=str(tmp_path / "disk"), peer_client=LocalPeerClient({"A": holder}),
+                               write_policy="reused")
+    try:
+        asyncio.run(ask(holder, first, "a"))
+        tokens, cached = asyncio.run(ask(copier, second, "b", peer_hint="A"))
+        assert tokens == tiny.generate(second, NUM_OUT) and cached.peer == PREFIX_PAGES * 128
+        flush(copier)
+        tier = copier.fetcher.tiers[0]
+        assert tier.stats().pages_stored == PREFIX_PAGES  # the peer pages; not the request's own computed tail
+        assert tier.lookup(holder.engine.page_keys(second)) == PREFIX_PAGES
+    finally:
+        holder.shutdown()
+        copier.shutdown()

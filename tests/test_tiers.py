@@ -22,6 +22,7 @@ from replica.tiers.circuit import BackoffPolicy
 from replica.tiers.codec import encode_blob
 from replica.tiers.disk_tier import DiskTier
 from replica.tiers.redis_tier import RedisTier
+from replica.tiers.seal import TierKey
 
 PAGE_SIZE = 128
 
@@ -101,8 +102,10 @@ def open_tiers():
 def make_tier(request, tmp_path, open_tiers):
     """``make_tier(kind, page_format, **kwargs)``: a Redis tier (own key prefix) or a disk tier (own folder)."""
     prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    tier_key = TierKey.generate()  # one cluster key per test: its tiers share pages
 
     def make(kind: str, page_format: PageFormat, **kwargs):
+        kwargs.setdefault("tier_key", tier_key)
         if kind == "redis":
             tier = RedisTier(request.getfixturevalue("redis_server"), page_format, key_prefix=prefix, **kwargs)
         else:
@@ -117,10 +120,10 @@ def make_tier(request, tmp_path, open_tiers):
 def plant_entry(tier, key: bytes, page: StoredPage) -> None:
     """Write ``page`` (any header) where ``tier`` looks for ``key``, bypassing the tier's own checks."""
     if isinstance(tier, RedisTier):
-        redis.Redis.from_url(tier.url).set(tier.redis_key(key), bytes(encode_blob(page)))
+        redis.Redis.from_url(tier.url).set(tier.redis_key(key), bytes(encode_blob(page, tier.tier_key)))
     else:
         os.makedirs(os.path.dirname(tier.page_path(key)), exist_ok=True)
-        write_page_file(tier.page_path(key), page)
+        write_page_file(tier.page_path(key), page, tier.tier_key)
 
 
 def entry_exists(tier, key: bytes) -> bool:
@@ -267,7 +270,7 @@ def test_redis_garbage_and_truncated_values_are_discarded(make_tier):
     pages = make_pages(page_format, 3)
     client = redis.Redis.from_url(tier.url)
     client.set(tier.redis_key(pages[0].key), b"not a page at all")
-    client.set(tier.redis_key(pages[1].key), bytes(encode_blob(pages[1]))[:-100])
+    client.set(tier.redis_key(pages[1].key), bytes(encode_blob(pages[1], tier.tier_key))[:-100])
     client.set(tier.redis_key(pages[2].key), b"")
 
     for page in pages:
@@ -286,7 +289,7 @@ def corrupt_empty(path, data):
 
 
 def corrupt_payload_byte(path, data):
-    position = len(data) // 2  # inside the KV bytes: only the CRC notices
+    position = len(data) // 2  # inside the sealed KV bytes: only the AES-GCM tag notices
     return data[:position] + bytes([data[position] ^ 0x01]) + data[position + 1 :]
 
 
@@ -334,7 +337,7 @@ def test_damaged_arrow_file_is_a_miss_deleted_and_counted(make_tier, corrupt):
 def test_disk_budget_evicts_the_least_recently_used_file(tmp_path, open_tiers):
     page_format = make_format()
     a, b, c, d = make_pages(page_format, 4)
-    file_size = write_page_file(str(tmp_path / "probe.arrow"), a)
+    file_size, _ = write_page_file(str(tmp_path / "probe.arrow"), a, TierKey.generate())
     tier = DiskTier(tmp_path / "kv", page_format, budget_bytes=int(3.5 * file_size))
     open_tiers.append(tier)
     for page in (a, b, c):
@@ -353,13 +356,14 @@ def test_disk_budget_evicts_the_least_recently_used_file(tmp_path, open_tiers):
 
 def test_disk_tier_rescans_its_folder_on_start(tmp_path, open_tiers):
     page_format = make_format()
-    first = DiskTier(tmp_path / "kv", page_format, budget_bytes=1 << 30)
+    tier_key = TierKey.generate()
+    first = DiskTier(tmp_path / "kv", page_format, budget_bytes=1 << 30, tier_key=tier_key)
     open_tiers.append(first)
     pages = make_pages(page_format, 3)
     first.store(pages)
     first.flush(timeout=10)
 
-    second = DiskTier(tmp_path / "kv", page_format, budget_bytes=1 << 30)
+    second = DiskTier(tmp_path / "kv", page_format, budget_bytes=1 << 30, tier_key=tier_key)
     open_tiers.append(second)
 
     assert second.total_bytes_estimate == first.total_bytes_estimate > 3 * page_format.page_num_bytes
@@ -370,17 +374,18 @@ def test_threads_writing_the_same_page_leave_one_whole_file(tmp_path):
     page_format = make_format()
     page = make_pages(page_format, 1)[0]
     path = str(tmp_path / "page.arrow")
-    write_page_file(path, page)
+    tier_key = TierKey.generate()
+    write_page_file(path, page, tier_key)
     read_failures = []
 
     def write_repeatedly():
         for _ in range(15):
-            write_page_file(path, page)
+            write_page_file(path, page, tier_key)
 
     def read_repeatedly():
         for _ in range(30):
             try:
-                read_page_file(path, page_format, page.key, page.token_ids)
+                read_page_file(path, page_format, tier_key, page.key, page.token_ids)
             except Exception as exc:  # a torn file would show up here
                 read_failures.append(exc)
 
@@ -392,11 +397,14 @@ def test_threads_writing_the_same_page_leave_one_whole_file(tmp_path):
 
     assert read_failures == []
     assert os.listdir(tmp_path) == ["page.arrow"]
-    assert_bit_identical([read_page_file(path, page_format, page.key, page.token_ids)], [page])
+    assert_bit_identical([read_page_file(path, page_format, tier_key, page.key, page.token_ids)], [page])
+
+
+SHARED_SECRET = b"0123456789abcdef0123456789abcdef-test-only"
 
 
 def _store_in_child(root, page_format, page):
-    tier = DiskTier(root, page_format, budget_bytes=1 << 30)
+    tier = DiskTier(root, page_format, budget_bytes=1 << 30, tier_key=TierKey(SHARED_SECRET))
     tier.store([page])
     tier.flush(timeout=10)
     tier.close()
@@ -414,7 +422,7 @@ def test_two_processes_storing_the_same_page_leave_one_readable_file(tmp_path, o
         child.join(timeout=30)
 
     assert [child.exitcode for child in children] == [0, 0]
-    tier = DiskTier(tmp_path, page_format, budget_bytes=1 << 30)
+    tier = DiskTier(tmp_path, page_format, budget_bytes=1 << 30, tier_key=TierKey(SHARED_SECRET))
     open_tiers.append(tier)
     folder = os.path.dirname(tier.page_path(page.key))
     assert os.listdir(folder) == [os.path.basename(tier.page_path(page.key))]

@@ -15,6 +15,7 @@ and lossy by design: a full queue or an unreachable store drops pages and counts
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -42,6 +43,9 @@ class StoredPage:
     dtype: str
     page_size: int
     key_format_version: int = KEY_FORMAT_VERSION
+    parent_key: PageKey | None = None
+    """The key of the page before this one in its chain (None for page 0 or when unknown): the disk tier evicts a
+    chain's tail before its parents."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, bytes) or not self.key:
@@ -59,11 +63,13 @@ class StoredPage:
 
     @classmethod
     def from_format(
-        cls, page_format: PageFormat, key: PageKey, token_ids: Sequence[int], kv: torch.Tensor
+        cls, page_format: PageFormat, key: PageKey, token_ids: Sequence[int], kv: torch.Tensor,
+        parent_key: PageKey | None = None,
     ) -> "StoredPage":
         """A page with the header fields of ``page_format``."""
         return cls(
             key=key,
+            parent_key=parent_key,
             token_ids=tuple(token_ids),
             kv=kv,
             model_fingerprint=page_format.model_fingerprint,
@@ -212,15 +218,7 @@ def prepare_pages_for_store(page_format: PageFormat, pages: Sequence[StoredPage]
         elif not owns_storage(kv):
             kv = kv.clone(memory_format=torch.contiguous_format)
         if kv is not page.kv:
-            page = StoredPage(
-                key=page.key,
-                token_ids=page.token_ids,
-                kv=kv,
-                model_fingerprint=page.model_fingerprint,
-                dtype=page.dtype,
-                page_size=page.page_size,
-                key_format_version=page.key_format_version,
-            )
+            page = dataclasses.replace(page, kv=kv)
         prepared.append(page)
     return prepared
 

@@ -1,86 +1,91 @@
-"""Byte encoding of one stored page: a msgpack header plus the raw KV bytes. No pickle anywhere.
+"""Byte encoding of one stored page: a msgpack header plus the sealed KV bytes. No pickle anywhere.
 
-The header says what the bytes are (key, token ids, key format, model, dtype, page size, shape, length, CRC-32), so a
-reader can reject anything it should not reuse. The KV travels as its raw little-endian bytes; bfloat16 has no numpy
-dtype, so tensors are viewed as uint8 on the way out and viewed back as their dtype on the way in (bit-exact).
+The header says what the bytes are (key format, model, dtype, page size, shape, length, the keyed digest of the token
+ids, the key id and nonce), so a reader can reject anything it should not reuse before decrypting. It holds no token
+ids and no page key (see ``seal``). The KV travels as its raw little-endian bytes, AES-GCM-encrypted with the header
+and the page key as associated data; bfloat16 has no numpy dtype, so tensors are viewed as uint8 on the way out and
+viewed back as their dtype on the way in (bit-exact). Decryption writes straight into the tensor handed back (one
+pass over the bytes, no intermediate copy).
 
 A Redis value ("blob") is laid out as::
 
-    | b"PSKV" | header length: u32 little-endian | header (msgpack map) | KV bytes (header.num_bytes) |
+    | b"PSK2" | header length: u32 little-endian | header (msgpack map) | sealed KV (header.num_bytes + 16-byte tag) |
       0        4                                 8                     8 + header length
 
-The disk tier keeps the same header in the Arrow schema metadata and the KV bytes in a binary column.
+The disk tier keeps the same header in the Arrow schema metadata and the sealed KV bytes in a binary column.
 """
 
 from __future__ import annotations
 
 import struct
 import sys
-import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
 import msgpack
-import numpy as np
 import torch
 
 from common.page_format import PageFormat
 from replica.tiers.base import StoredPage
+from replica.tiers.seal import NONCE_BYTES, TAG_BYTES, SealError, TierKey, new_nonce
 
-BLOB_MAGIC = b"PSKV"
+BLOB_MAGIC = b"PSK2"
 _BLOB_PREFIX = struct.Struct("<4sI")
-HEADER_LAYOUT_VERSION = 1
-"""Version of this header/blob layout (independent of the page key format)."""
+HEADER_LAYOUT_VERSION = 2
+"""Version of this header/blob layout (independent of the page key format). 2: sealed (keyed names, token digest,
+AES-GCM payload)."""
+MAX_HEADER_BYTES = 4096
+"""A header is ~250 bytes; anything longer is rejected before it is parsed."""
 
 
 class RejectedEntry(Exception):
-    """A stored entry that must not be reused: undecodable, corrupt, foreign, or holding other tokens."""
+    """A stored entry that must not be reused: undecodable, corrupt, tampered, foreign, or holding other tokens."""
 
 
 @dataclass(frozen=True)
 class PageHeader:
     """What a stored page says about itself."""
 
-    key: bytes
-    token_ids: tuple[int, ...]
     key_format_version: int
     model_fingerprint: str
     dtype: str
     page_size: int
     kv_shape: tuple[int, ...]
     num_bytes: int
-    crc32: int
+    key_id: bytes
+    nonce: bytes
+    token_digest: bytes
     byteorder: str = sys.byteorder
     layout_version: int = HEADER_LAYOUT_VERSION
 
     @classmethod
-    def of_page(cls, page: StoredPage, payload: memoryview) -> "PageHeader":
+    def of_page(cls, page: StoredPage, tier_key: TierKey, num_bytes: int) -> "PageHeader":
         return cls(
-            key=page.key,
-            token_ids=page.token_ids,
             key_format_version=page.key_format_version,
             model_fingerprint=page.model_fingerprint,
             dtype=page.dtype,
             page_size=page.page_size,
             kv_shape=tuple(page.kv.shape),
-            num_bytes=payload.nbytes,
-            crc32=checksum(payload),
+            num_bytes=num_bytes,
+            key_id=tier_key.key_id,
+            nonce=new_nonce(),
+            token_digest=tier_key.token_digest(page.token_ids),
         )
 
     def pack(self) -> bytes:
         return msgpack.packb(
             {
                 "layout_version": self.layout_version,
-                "key": self.key,
-                "token_ids": list(self.token_ids),
                 "key_format_version": self.key_format_version,
                 "model_fingerprint": self.model_fingerprint,
                 "dtype": self.dtype,
                 "page_size": self.page_size,
                 "kv_shape": list(self.kv_shape),
                 "num_bytes": self.num_bytes,
-                "crc32": self.crc32,
                 "byteorder": self.byteorder,
+                "key_id": self.key_id,
+                "nonce": self.nonce,
+                "token_digest": self.token_digest,
             },
             use_bin_type=True,
         )
@@ -88,29 +93,36 @@ class PageHeader:
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> "PageHeader":
         """Decode a header; RejectedEntry if it is not a well-formed header of this layout."""
+        if len(data) > MAX_HEADER_BYTES:
+            raise RejectedEntry(f"header of {len(data)} bytes (at most {MAX_HEADER_BYTES})")
         try:
-            fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            fields = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER_BYTES,
+                                     max_str_len=MAX_HEADER_BYTES, max_array_len=16, max_map_len=32)
             if fields.get("layout_version") != HEADER_LAYOUT_VERSION:
                 raise RejectedEntry(f"header layout version {fields.get('layout_version')!r}")
-            return cls(
-                key=bytes(fields["key"]),
-                token_ids=tuple(fields["token_ids"]),
+            header = cls(
                 key_format_version=int(fields["key_format_version"]),
                 model_fingerprint=str(fields["model_fingerprint"]),
                 dtype=str(fields["dtype"]),
                 page_size=int(fields["page_size"]),
                 kv_shape=tuple(int(d) for d in fields["kv_shape"]),
                 num_bytes=int(fields["num_bytes"]),
-                crc32=int(fields["crc32"]),
                 byteorder=str(fields["byteorder"]),
+                key_id=bytes(fields["key_id"]),
+                nonce=bytes(fields["nonce"]),
+                token_digest=bytes(fields["token_digest"]),
             )
         except RejectedEntry:
             raise
         except Exception as exc:  # msgpack raises many types on garbage; all mean "not our header"
             raise RejectedEntry(f"undecodable header: {type(exc).__name__}: {exc}") from exc
+        if len(header.nonce) != NONCE_BYTES:
+            raise RejectedEntry(f"nonce of {len(header.nonce)} bytes")
+        return header
 
-    def check(self, page_format: PageFormat, key: bytes, token_ids: Sequence[int]) -> None:
-        """RejectedEntry unless this header describes page ``key`` holding ``token_ids`` in ``page_format``."""
+    def check(self, page_format: PageFormat, tier_key: TierKey, token_ids: Sequence[int]) -> None:
+        """RejectedEntry unless this header describes a page of ``page_format`` sealed under ``tier_key`` holding
+        ``token_ids`` (compared as keyed digests)."""
         expected = (
             ("key_format_version", page_format.key_format_version),
             ("model_fingerprint", page_format.model_fingerprint),
@@ -119,19 +131,19 @@ class PageHeader:
             ("kv_shape", page_format.kv_shape),
             ("num_bytes", page_format.page_num_bytes),
             ("byteorder", sys.byteorder),
-            ("key", key),
+            ("key_id", tier_key.key_id),
         )
         for name, want in expected:
             got = getattr(self, name)
             if got != want:
                 raise RejectedEntry(f"foreign entry: {name} is {got!r}, expected {want!r}")
-        if self.token_ids != tuple(token_ids):
+        if self.token_digest != tier_key.token_digest(token_ids):
             raise RejectedEntry("stored token ids differ from the request's")
 
 
-def checksum(payload: bytes | memoryview) -> int:
-    """CRC-32 of the KV bytes (~2.4 GB/s here): catches bit rot and foreign writers, not adversaries."""
-    return zlib.crc32(payload)
+def associated_data(header_bytes: bytes, page_key: bytes) -> bytes:
+    """What the AES-GCM tag authenticates besides the KV: the exact header bytes and the page key."""
+    return bytes(header_bytes) + b"\x00" + page_key
 
 
 def tensor_bytes(kv: torch.Tensor) -> memoryview:
@@ -141,29 +153,51 @@ def tensor_bytes(kv: torch.Tensor) -> memoryview:
     return memoryview(kv.reshape(-1).view(torch.uint8).numpy())
 
 
-def tensor_from_payload(header: PageHeader, payload: bytes | memoryview) -> torch.Tensor:
-    """A new tensor (owned, writable) holding ``payload``; RejectedEntry on a length or checksum mismatch."""
-    if len(payload) != header.num_bytes:
-        raise RejectedEntry(f"truncated entry: {len(payload)} KV bytes, header says {header.num_bytes}")
-    if checksum(payload) != header.crc32:
-        raise RejectedEntry("KV bytes fail their CRC-32")
-    flat = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
+def sealed_size(page_format: PageFormat) -> int:
+    """Bytes of one page's sealed KV (KV + tag)."""
+    return page_format.page_num_bytes + TAG_BYTES
+
+
+def new_header(page: StoredPage, tier_key: TierKey) -> tuple[PageHeader, bytes]:
+    """A fresh header for ``page`` (new nonce) and its packed bytes."""
+    header = PageHeader.of_page(page, tier_key, page.kv.numel() * page.kv.element_size())
+    return header, header.pack()
+
+
+def seal_page(page: StoredPage, tier_key: TierKey, header: PageHeader, header_bytes: bytes, out) -> None:
+    """Encrypt ``page.kv`` into ``out`` (a writable buffer of ``header.num_bytes + TAG_BYTES`` bytes)."""
+    tier_key.seal_into(header.nonce, tensor_bytes(page.kv), associated_data(header_bytes, page.key), out)
+
+
+def open_payload(header_bytes: bytes | memoryview, page_format: PageFormat, tier_key: TierKey, key: bytes,
+                 token_ids: Sequence[int], sealed: bytes | memoryview) -> torch.Tensor:
+    """The verified KV of a sealed entry, as a new tensor (owned, writable, decrypted straight into it);
+    RejectedEntry if it must not be reused."""
+    header = PageHeader.unpack(header_bytes)
+    header.check(page_format, tier_key, token_ids)
+    if len(sealed) != header.num_bytes + TAG_BYTES:
+        raise RejectedEntry(f"truncated entry: {len(sealed)} sealed bytes, header says {header.num_bytes + TAG_BYTES}")
+    flat = torch.empty(header.num_bytes, dtype=torch.uint8)
+    try:
+        tier_key.open_into(header.nonce, sealed, associated_data(bytes(header_bytes), key), flat.numpy())
+    except SealError as exc:
+        raise RejectedEntry(str(exc)) from None
     return flat.view(getattr(torch, header.dtype)).reshape(header.kv_shape)
 
 
-def encode_blob(page: StoredPage) -> bytearray:
-    """One page as a single byte string (Redis value). Copies the KV once."""
-    payload = tensor_bytes(page.kv)
-    header_bytes = PageHeader.of_page(page, payload).pack()
-    blob = bytearray(_BLOB_PREFIX.size + len(header_bytes) + payload.nbytes)
+def encode_blob(page: StoredPage, tier_key: TierKey) -> bytearray:
+    """One page as a single byte string (Redis value). One pass over the KV (encrypting into the blob)."""
+    header, header_bytes = new_header(page, tier_key)
+    start = _BLOB_PREFIX.size + len(header_bytes)
+    blob = bytearray(start + header.num_bytes + TAG_BYTES)
     _BLOB_PREFIX.pack_into(blob, 0, BLOB_MAGIC, len(header_bytes))
-    start = _BLOB_PREFIX.size
-    blob[start : start + len(header_bytes)] = header_bytes
-    blob[start + len(header_bytes) :] = payload
+    blob[_BLOB_PREFIX.size : start] = header_bytes
+    seal_page(page, tier_key, header, header_bytes, memoryview(blob)[start:])
     return blob
 
 
-def decode_blob(blob: bytes, page_format: PageFormat, key: bytes, token_ids: Sequence[int]) -> torch.Tensor:
+def decode_blob(blob: bytes, page_format: PageFormat, tier_key: TierKey, key: bytes,
+                token_ids: Sequence[int]) -> torch.Tensor:
     """The verified KV of a blob written by ``encode_blob``; RejectedEntry if it must not be reused."""
     view = memoryview(blob)
     if len(view) < _BLOB_PREFIX.size:
@@ -172,8 +206,7 @@ def decode_blob(blob: bytes, page_format: PageFormat, key: bytes, token_ids: Seq
     if magic != BLOB_MAGIC:
         raise RejectedEntry(f"not a prefixserve page (magic {magic!r})")
     header_end = _BLOB_PREFIX.size + header_len
-    if header_end > len(view):
+    if header_len > MAX_HEADER_BYTES or header_end > len(view):
         raise RejectedEntry("truncated entry: header runs past the end")
-    header = PageHeader.unpack(view[_BLOB_PREFIX.size : header_end])
-    header.check(page_format, key, token_ids)
-    return tensor_from_payload(header, view[header_end:])
+    return open_payload(view[_BLOB_PREFIX.size : header_end], page_format, tier_key, key, token_ids,
+                        view[header_end:])

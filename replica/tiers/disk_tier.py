@@ -1,35 +1,50 @@
-"""The disk tier: one Arrow IPC file per page under a folder shared by every replica (and process) on the machine.
+"""The disk tier: one sealed Arrow IPC file per page under a folder shared by every replica (and process) on a machine.
 
-Layout::
+Layout (folders 0700, files 0600; only this user's processes read or write the tier)::
 
-    root/FORMAT.json                               {"key_format_version": 1}: claimed by the first tier to open root
-    root/{dtype}/{key hex[:2]}/{key hex}.arrow     one page (see ``arrow_file``), content-addressed by page key
-    root/{dtype}/{key hex[:2]}/.{name}.*.tmp       a write in progress (renamed into place when whole)
+    root/FORMAT.json                        {"key_format_version": 1}: claimed by the first tier to open root
+    root/index.sqlite                       which pages exist: id, parent id, size, last use (see ``PageIndex``)
+    root/{dtype}/{id[:2]}/{id}.arrow        one page (see ``arrow_file``); id = keyed storage id (see ``seal``)
+    root/{dtype}/{id[:2]}/.{name}.*.tmp     a write in progress (renamed into place inside an index transaction)
 
-Eviction order: least recently used first, by file modification time, which is set when a page is written and
-refreshed (``os.utime``) every time it is loaded. The tier keeps an estimate of the bytes under ``root`` (scanned at
-start, updated on its own writes and deletes); when a write takes it past ``budget_bytes``, the writer thread rescans
-``root`` (other processes write there too) and deletes the oldest files until the total is at most
-``evict_to_fraction * budget_bytes``.
+One budget for everyone sharing root: every process takes the index's write lock (SQLite ``BEGIN IMMEDIATE``, a file
+lock) to add pages, and inside that one transaction sums the sizes of the indexed pages, evicts until the new pages
+fit, renames them into place and indexes them. So the page files in root never exceed ``budget_bytes`` of the
+process that wrote last, whatever the number of writers (only the temporary files of writes in progress, at most one
+write batch per process, are outside the count).
+
+Eviction order: chain tails first. Only *leaves* are candidates (pages no indexed page names as its parent), least
+recently used first; a parent becomes a candidate once its last child is gone. So a page still reachable from its
+chain's page 0 is never left without its parent (the pages a load can no longer reach are not kept while reachable
+ones are deleted). A load touches its pages in chain order (parents older than children), and the parents of pages
+being written are never evicted by that write.
+
+Reads: only regular files are read (``arrow_file.read_file_safely``), and a load gives up at ``load_timeout_s``.
+Anything else under a page's name (a symlink, FIFO, device, a corrupt or tampered file) is deleted and counted in
+``discarded_corrupt``; a file and index row without each other (a crash between the two) are dropped at start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import json
 import logging
 import os
+import sqlite3
+import stat
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from common.page_format import PageFormat
 from common.page_keys import PageKey
 from common.types import CacheSource
-from replica.tiers.arrow_file import TEMP_SUFFIX, read_page_file, remove_quietly, write_page_file
+from replica.tiers.arrow_file import TEMP_SUFFIX, NotRegularFile, read_page_file, remove_quietly, write_page_file
 from replica.tiers.base import (
     QueuedWriteTier,
     StatsRecorder,
@@ -38,31 +53,118 @@ from replica.tiers.base import (
     check_load_args,
 )
 from replica.tiers.codec import RejectedEntry
+from replica.tiers.seal import TierKey
 from replica.tiers.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 
 FORMAT_MARKER_NAME = "FORMAT.json"
+INDEX_NAME = "index.sqlite"
 PAGE_SUFFIX = ".arrow"
 STALE_TEMP_AGE_S = 3600.0
 """Temporary files older than this are leftovers of a crashed writer and are deleted at start-up."""
+FOLDER_MODE = 0o700
+TOUCH_WAIT_MS = 100
+"""How long a load waits for the index's write lock to mark its pages recently used before it skips that."""
+EVICTION_BATCH = 32
+"""Leaves deleted per eviction query (then the leaves are listed again: a parent may have become one)."""
 
 
 @dataclass(frozen=True)
-class PageFile:
-    """One page file found by a scan of ``root``."""
-
-    path: str
+class IndexedPage:
+    page_id: str
     size: int
-    mtime_ns: int
+    last_used: int
+    parent: str | None
+
+
+class PageIndex:
+    """The SQLite index every process sharing root uses: ``pages(id, parent, size, last_used)``.
+
+    Thread-safe (one connection behind a lock). ``write()`` is a ``BEGIN IMMEDIATE`` transaction: it holds the
+    database's write lock, across processes, until it commits.
+    """
+
+    def __init__(self, path: str, busy_timeout_s: float = 10.0) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        self._busy_timeout_ms = int(busy_timeout_s * 1000)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
+        self._conn.execute("PRAGMA synchronous=OFF")  # a cache: after a crash, start-up reconciles with the files
+        with self.write() as cursor:
+            cursor.execute("CREATE TABLE IF NOT EXISTS pages (id TEXT PRIMARY KEY, parent TEXT, "
+                           "size INTEGER NOT NULL, last_used INTEGER NOT NULL) WITHOUT ROWID")
+            cursor.execute("CREATE INDEX IF NOT EXISTS pages_by_parent ON pages(parent)")
+            cursor.execute("CREATE INDEX IF NOT EXISTS pages_by_last_used ON pages(last_used)")
+
+    @contextlib.contextmanager
+    def write(self, busy_timeout_ms: int | None = None) -> Iterator[sqlite3.Cursor]:
+        """One write transaction (exclusive across processes); rolled back if the block raises. Waits up to
+        ``busy_timeout_ms`` (default: the index's) for another process's transaction, then raises
+        ``sqlite3.OperationalError``."""
+        with self._lock:
+            cursor = self._conn.cursor()
+            if busy_timeout_ms is not None:
+                cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            try:
+                cursor.execute("BEGIN IMMEDIATE")
+            finally:
+                if busy_timeout_ms is not None:
+                    cursor.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
+            try:
+                yield cursor
+            except BaseException:
+                cursor.execute("ROLLBACK")
+                raise
+            cursor.execute("COMMIT")
+
+    def total_bytes(self, cursor: sqlite3.Cursor | None = None) -> int:
+        if cursor is not None:
+            return cursor.execute("SELECT COALESCE(SUM(size), 0) FROM pages").fetchone()[0]
+        with self._lock:
+            return self._conn.execute("SELECT COALESCE(SUM(size), 0) FROM pages").fetchone()[0]
+
+    def page_ids(self) -> set[str]:
+        with self._lock:
+            return {row[0] for row in self._conn.execute("SELECT id FROM pages")}
+
+    @staticmethod
+    def leaves(cursor: sqlite3.Cursor, protected: Sequence[str], limit: int) -> list[IndexedPage]:
+        """The least recently used pages that no page names as its parent (chain tails), skipping ``protected``."""
+        marks = ",".join("?" * len(protected)) or "''"
+        rows = cursor.execute(
+            f"SELECT id, size, last_used, parent FROM pages AS p WHERE id NOT IN ({marks}) AND NOT EXISTS "
+            f"(SELECT 1 FROM pages AS c WHERE c.parent = p.id) ORDER BY last_used, id LIMIT ?",
+            (*protected, limit),
+        ).fetchall()
+        return [IndexedPage(*row) for row in rows]
+
+    @staticmethod
+    def if_leaf(cursor: sqlite3.Cursor, page_id: str | None, protected: Sequence[str]) -> IndexedPage | None:
+        """Page ``page_id`` if it exists, is not ``protected`` and has no children left."""
+        if page_id is None or page_id in protected:
+            return None
+        row = cursor.execute(
+            "SELECT id, size, last_used, parent FROM pages AS p WHERE id = ? AND NOT EXISTS "
+            "(SELECT 1 FROM pages AS c WHERE c.parent = p.id)", (page_id,)).fetchone()
+        return IndexedPage(*row) if row else None
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
 
 
 class DiskTier(QueuedWriteTier):
-    """Shared disk KV tier of Arrow IPC files (see the module docstring for layout and eviction order).
+    """Shared disk KV tier of sealed Arrow IPC files (see the module docstring for layout, budget and eviction order).
 
-    Mutates: files under ``root_dir`` only (pages it writes, rejects or evicts; the format marker; stale temp files).
-    Raises: OSError from the constructor if ``root_dir`` cannot be created, ValueError for bad arguments; nothing
-    afterwards because of the files' state (I/O errors are counted in ``errors`` and answered with misses).
+    Mutates: files under ``root_dir`` only (pages it writes, rejects or evicts; the index; the format marker; stale
+    temp files). Raises: OSError from the constructor if ``root_dir`` cannot be created, ValueError for bad arguments;
+    nothing afterwards because of the files' state (I/O errors are counted in ``errors`` and answered with misses).
+
+    ``tier_key`` seals and names the pages; every process sharing root must use the same key to share pages (one
+    built without a key generates its own: private to this instance).
     """
 
     source = CacheSource.DISK
@@ -73,29 +175,36 @@ class DiskTier(QueuedWriteTier):
         page_format: PageFormat,
         budget_bytes: int,
         *,
+        tier_key: TierKey | None = None,
         queue_size: int = 256,
         fsync: bool = False,
         evict_to_fraction: float = 0.9,
         write_batch_pages: int = 16,
+        load_timeout_s: float = 2.0,
     ) -> None:
         if budget_bytes < 1:
             raise ValueError(f"the disk tier budget must be positive, got {budget_bytes} bytes")
         if not 0.0 <= evict_to_fraction <= 1.0:
             raise ValueError(f"evict_to_fraction must be within [0, 1], got {evict_to_fraction}")
+        if load_timeout_s <= 0:
+            raise ValueError(f"load_timeout_s must be positive, got {load_timeout_s}")
         self._root = os.fspath(root_dir)
         self._page_format = page_format
+        self._tier_key = tier_key or TierKey.generate()
         self._budget_bytes = budget_bytes
         self._evict_to_bytes = int(budget_bytes * evict_to_fraction)
         self._fsync = fsync
+        self._load_timeout_s = load_timeout_s
         self._stats = StatsRecorder()
         self._throttle = WarningThrottle()
-        self._lock = threading.Lock()
-        self._total_bytes = 0
-        self._last_mtime_ns = 0
+        self._clock_lock = threading.Lock()
+        self._last_use_ns = 0
         self._closed = False
-        os.makedirs(self._root, exist_ok=True)
-        self._refused = not self._claim_format()
-        self._total_bytes = sum(page_file.size for page_file in self._scan(remove_stale_temps=True))
+        self._index: PageIndex | None = None
+        self._refused = not self._prepare_root() or not self._claim_format()
+        if not self._refused:
+            self._index = PageIndex(os.path.join(self._root, INDEX_NAME))
+            self._reconcile()
         if budget_bytes < page_format.page_num_bytes:
             logger.warning(
                 "disk KV tier at %s: the budget (%d bytes) is smaller than one page (%d bytes); nothing will stay",
@@ -118,24 +227,31 @@ class DiskTier(QueuedWriteTier):
         return self._page_format
 
     @property
+    def tier_key(self) -> TierKey:
+        """The key that names and seals this tier's pages."""
+        return self._tier_key
+
+    @property
     def available(self) -> bool:
         return not self._closed and not self._refused
 
     @property
     def refused(self) -> bool:
-        """True if ``root`` holds another key format version: the tier is disabled for good."""
+        """True if ``root`` is unusable (another key format version, or a folder another user owns)."""
         return self._refused
 
     @property
     def total_bytes_estimate(self) -> int:
-        """Bytes of page files under ``root`` as this tier believes (exact after a scan)."""
-        with self._lock:
-            return self._total_bytes
+        """Bytes of the indexed page files under ``root`` (every process's; exact)."""
+        return self._index.total_bytes() if self._index is not None else 0
+
+    def page_id(self, key: PageKey) -> str:
+        """The index id of page ``key``: dtype / keyed storage id."""
+        return f"{self._page_format.dtype}/{self._tier_key.storage_id(key)}"
 
     def page_path(self, key: PageKey) -> str:
         """Where page ``key`` lives (whether or not it exists)."""
-        key_hex = key.hex()
-        return os.path.join(self._root, self._page_format.dtype, key_hex[:2], key_hex + PAGE_SUFFIX)
+        return self._path_of(self.page_id(key))
 
     def lookup(self, keys: Sequence[PageKey]) -> int:
         """One ``stat`` per key until the first missing file."""
@@ -143,24 +259,30 @@ class DiskTier(QueuedWriteTier):
             return 0
         count = 0
         for key in keys:
-            if not os.path.exists(self.page_path(key)):
+            if not os.path.lexists(self.page_path(key)):
                 break
             count += 1
         return count
 
     def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Read, verify and touch each page in order; stop at the first missing or rejected one."""
+        """Read, verify and touch each page in order; stop at the first missing or rejected one, or at the timeout."""
         check_load_args(self._page_format, keys, token_ids_per_page)
         if not self.available:
             return []
         start_time = time.perf_counter()
+        deadline = start_time + self._load_timeout_s
         loaded: list[torch.Tensor] = []
         try:
             for key, token_ids in zip(keys, token_ids_per_page):
+                if time.perf_counter() > deadline:
+                    self._count_error("timeout", f"a load passed its {self._load_timeout_s} s limit; "
+                                                 f"{len(loaded)} of {len(keys)} pages read")
+                    break
                 kv = self._load_one(key, token_ids)
                 if kv is None:
                     break
                 loaded.append(kv)
+            self._touch([self.page_id(key) for key in keys[: len(loaded)]])
         finally:
             self._record_load(len(loaded), start_time)
         return loaded
@@ -170,87 +292,170 @@ class DiskTier(QueuedWriteTier):
             return
         self._writer.close(timeout)
         self._closed = True
+        if self._index is not None:
+            self._index.close()
 
     # ---- reading ------------------------------------------------------------------------------------------------
 
     def _load_one(self, key: PageKey, token_ids: Sequence[int]) -> torch.Tensor | None:
-        path = self.page_path(key)
+        page_id = self.page_id(key)
+        path = self._path_of(page_id)
         try:
-            kv = read_page_file(path, self._page_format, key, token_ids)
+            return read_page_file(path, self._page_format, self._tier_key, key, token_ids)
         except FileNotFoundError:
             return None
         except RejectedEntry as exc:
-            self._discard(path, str(exc))
+            self._discard(page_id, str(exc))
             return None
         except OSError as exc:
             self._count_error("read", f"reading {path} failed: {exc}")
             return None
-        self._touch(path)
-        return kv
 
-    def _discard(self, path: str, reason: str) -> None:
+    def _discard(self, page_id: str, reason: str) -> None:
+        """Delete a rejected entry and its index row (whatever it is: a bad file, a symlink, a FIFO, a device)."""
+        path = self._path_of(page_id)
         self._stats.add(discarded_corrupt=1)
         if self._throttle.should_warn("discard"):
             logger.warning("disk KV tier: discarding %s: %s", path, reason)
-        size = file_size(path)
-        if remove_quietly(path):
-            self._adjust_total(-size)
-
-    def _touch(self, path: str) -> None:
-        """Mark ``path`` most recently used."""
-        now_ns = self._next_mtime_ns()
         try:
-            os.utime(path, ns=(now_ns, now_ns))
-        except OSError:
-            pass  # evicted by another process meanwhile: the caller already holds its bytes
+            with self._index.write() as cursor:
+                cursor.execute("DELETE FROM pages WHERE id = ?", (page_id,))
+                remove_quietly(path)
+        except IsADirectoryError:
+            self._count_error("discard", f"{path} is a folder; remove it by hand")
+        except (OSError, sqlite3.Error) as exc:
+            self._count_error("discard", f"discarding {path} failed: {exc}")
+
+    def _touch(self, page_ids: Sequence[str]) -> None:
+        """Mark pages most recently used, in order (so a chain's parents stay older than its children)."""
+        if not page_ids:
+            return
+        try:  # a reader never waits long for a writer's eviction: the recency update is only a hint
+            with self._index.write(busy_timeout_ms=TOUCH_WAIT_MS) as cursor:
+                cursor.executemany("UPDATE pages SET last_used = ? WHERE id = ?",
+                                   [(self._next_use_ns(), page_id) for page_id in page_ids])
+        except sqlite3.OperationalError:
+            pass  # locked by another process: skip it (the pages stay a little older)
+        except sqlite3.Error as exc:
+            self._count_error("index", f"updating the index failed: {exc}")
 
     # ---- writing and eviction (writer thread) -------------------------------------------------------------------
 
     def _write_pages(self, pages: list[StoredPage]) -> None:
         start_time = time.perf_counter()
-        num_stored = 0
+        touched: list[str] = []
+        written: list[tuple[StoredPage, str, str, int]] = []  # page, id, temp path, size
         for page in pages:
-            num_stored += self._write_one(page)
+            page_id = self.page_id(page.key)
+            path = self._path_of(page_id)
+            if os.path.lexists(path):
+                touched.append(page_id)
+                continue
+            try:
+                self._make_folder(os.path.dirname(path))
+                size, temp_path = write_page_file(path, page, self._tier_key, fsync=self._fsync, keep_temp=True)
+            except OSError as exc:
+                self._count_error("write", f"writing {path} failed: {exc}")
+                continue
+            written.append((page, page_id, temp_path, size))
+        num_stored, num_evicted = len(touched), 0
+        try:
+            with self._index.write() as cursor:
+                cursor.executemany("UPDATE pages SET last_used = ? WHERE id = ?",
+                                   [(self._next_use_ns(), page_id) for page_id in touched])
+                protected = sorted({self.page_id(page.parent_key) for page, *_ in written if page.parent_key}
+                                   | {page_id for _, page_id, _, _ in written})
+                total = self._index.total_bytes(cursor)
+                needed = sum(size for *_, size in written)
+                if total + needed > self._budget_bytes:
+                    total, num_evicted = self._evict(cursor, total, max(0, self._evict_to_bytes - needed), protected)
+                for page, page_id, temp_path, size in written:
+                    if os.path.lexists(self._path_of(page_id)):  # another process wrote it meanwhile
+                        remove_quietly(temp_path)
+                        num_stored += 1
+                        continue
+                    if total + size > self._budget_bytes:  # does not fit even after eviction: dropped
+                        remove_quietly(temp_path)
+                        continue
+                    os.replace(temp_path, self._path_of(page_id))
+                    parent_id = self.page_id(page.parent_key) if page.parent_key else None
+                    cursor.execute("INSERT OR REPLACE INTO pages (id, parent, size, last_used) VALUES (?, ?, ?, ?)",
+                                   (page_id, parent_id, size, self._next_use_ns()))
+                    total += size
+                    num_stored += 1
+        except (OSError, sqlite3.Error) as exc:
+            self._count_error("index", f"adding pages to the index failed: {exc}")
+        finally:
+            for _, _, temp_path, _ in written:
+                remove_quietly(temp_path)  # renamed ones are gone already
         self._stats.add(
             pages_stored=num_stored,
             bytes_stored=num_stored * self._page_format.page_num_bytes,
             pages_dropped=len(pages) - num_stored,
+            pages_evicted=num_evicted,
             store_seconds=time.perf_counter() - start_time,
         )
-        self._evict_if_over_budget()
 
-    def _write_one(self, page: StoredPage) -> bool:
-        """Write one page unless it is already there (then only touch it); False if it could not be written."""
-        path = self.page_path(page.key)
-        if os.path.exists(path):
-            self._touch(path)
-            return True
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            size = write_page_file(path, page, mtime_ns=self._next_mtime_ns(), fsync=self._fsync)
-        except OSError as exc:
-            self._count_error("write", f"writing {path} failed: {exc}")
-            return False
-        self._adjust_total(size)
-        return True
+    def _evict(self, cursor: sqlite3.Cursor, total: int, target: int, protected: Sequence[str]) -> tuple[int, int]:
+        """Delete chain tails, least recently used first, until ``total <= target`` (inside the write transaction);
+        returns the new total and the number of pages deleted.
 
-    def _evict_if_over_budget(self) -> None:
-        if self.total_bytes_estimate <= self._budget_bytes:
-            return
-        page_files = sorted(self._scan(), key=lambda f: (f.mtime_ns, f.path))
-        total_bytes = sum(f.size for f in page_files)
+        Strict LRU over the current leaves: the oldest ``EVICTION_BATCH`` leaves go into a heap; deleting one may turn
+        its parent into a leaf, which joins the heap. Leaves not fetched are newer than every fetched one, so the heap
+        is right until the fetched batch is used up; then the leaves are listed again."""
         num_evicted = 0
-        if total_bytes > self._budget_bytes:
-            for page_file in page_files:
-                if total_bytes <= self._evict_to_bytes:
-                    break
-                num_evicted += remove_quietly(page_file.path)
-                total_bytes -= page_file.size
-        with self._lock:
-            self._total_bytes = total_bytes
-        self._stats.add(pages_evicted=num_evicted)
+        while total > target:
+            batch = PageIndex.leaves(cursor, protected, EVICTION_BATCH)
+            if not batch:
+                break
+            heap = [(leaf.last_used, leaf.page_id, leaf.size, leaf.parent) for leaf in batch]
+            heapq.heapify(heap)
+            num_fetched_left = len(batch)
+            fetched = {leaf.page_id for leaf in batch}
+            while heap and num_fetched_left and total > target:
+                _, page_id, size, parent = heapq.heappop(heap)
+                num_fetched_left -= page_id in fetched
+                cursor.execute("DELETE FROM pages WHERE id = ?", (page_id,))
+                remove_quietly(self._path_of(page_id))
+                total -= size
+                num_evicted += 1
+                promoted = PageIndex.if_leaf(cursor, parent, protected)
+                if promoted is not None:
+                    heapq.heappush(heap, (promoted.last_used, promoted.page_id, promoted.size, promoted.parent))
+        return total, num_evicted
 
     # ---- bookkeeping --------------------------------------------------------------------------------------------
+
+    def _path_of(self, page_id: str) -> str:
+        dtype, storage_id = page_id.split("/", 1)
+        return os.path.join(self._root, dtype, storage_id[:2], storage_id + PAGE_SUFFIX)
+
+    def _make_folder(self, folder: str) -> None:
+        """Create ``folder`` and its parents under root, each with mode 0700 (``os.makedirs`` gives parents the
+        default mode)."""
+        relative = os.path.relpath(folder, self._root)
+        path = self._root
+        for part in relative.split(os.sep):
+            path = os.path.join(path, part)
+            try:
+                os.mkdir(path, FOLDER_MODE)
+            except FileExistsError:
+                pass
+
+    def _prepare_root(self) -> bool:
+        """Create root 0700, or check an existing one: owned by this user (else refused), tightened to 0700."""
+        os.makedirs(self._root, mode=FOLDER_MODE, exist_ok=True)
+        info = os.stat(self._root)
+        if info.st_uid != os.getuid():
+            logger.error("disk KV tier at %s REFUSED: the folder belongs to uid %d, not to this user (%d); other "
+                         "users could read or plant pages. Use a folder of your own (--disk-cache-dir).",
+                         self._root, info.st_uid, os.getuid())
+            return False
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            logger.warning("disk KV tier at %s: the folder was mode %o; setting it to 0700",
+                           self._root, stat.S_IMODE(info.st_mode))
+            os.chmod(self._root, FOLDER_MODE)
+        return True
 
     def _claim_format(self) -> bool:
         """Record this tier's key format version in ``root`` if none is there; False if another one is."""
@@ -260,7 +465,7 @@ class DiskTier(QueuedWriteTier):
             create_file_exclusively(marker_path, json.dumps(wanted).encode())
         try:
             with open(marker_path, "rb") as marker:
-                found = json.loads(marker.read())
+                found = json.loads(marker.read(4096))
         except (OSError, ValueError) as exc:
             found = f"<unreadable: {exc}>"
         if found == wanted:
@@ -274,45 +479,43 @@ class DiskTier(QueuedWriteTier):
         )
         return False
 
-    def _scan(self, *, remove_stale_temps: bool = False) -> list[PageFile]:
-        """Every page file under ``root`` (all dtypes); optionally delete temp files left by crashed writers."""
-        page_files = []
+    def _reconcile(self) -> None:
+        """Make the index and the files agree (a crash may leave one without the other); drop stale temp files.
+        Runs under the index's write lock, so no other process adds pages meanwhile."""
         stale_before = time.time() - STALE_TEMP_AGE_S
-        for folder, _, names in os.walk(self._root):
-            for name in names:
-                path = os.path.join(folder, name)
-                try:
-                    stat = os.stat(path)
-                except OSError:
-                    continue  # deleted meanwhile
-                if name.endswith(PAGE_SUFFIX) and not name.startswith("."):
-                    page_files.append(PageFile(path, stat.st_size, stat.st_mtime_ns))
-                elif remove_stale_temps and name.endswith(TEMP_SUFFIX) and stat.st_mtime < stale_before:
-                    remove_quietly(path)
-        return page_files
+        with self._index.write() as cursor:
+            indexed = {row[0] for row in cursor.execute("SELECT id FROM pages")}
+            on_disk = set()
+            for folder, _, names in os.walk(self._root):
+                for name in names:
+                    path = os.path.join(folder, name)
+                    try:
+                        info = os.lstat(path)
+                    except OSError:
+                        continue
+                    if name.endswith(PAGE_SUFFIX) and not name.startswith("."):
+                        page_id = os.path.relpath(path, self._root)
+                        parts = page_id.split(os.sep)
+                        page_id = f"{parts[0]}/{name[: -len(PAGE_SUFFIX)]}" if len(parts) == 3 else ""
+                        if page_id in indexed and stat.S_ISREG(info.st_mode):
+                            on_disk.add(page_id)
+                        else:
+                            remove_quietly(path)  # written by a crashed process, or not a regular file
+                    elif name.endswith(TEMP_SUFFIX) and info.st_mtime < stale_before:
+                        remove_quietly(path)
+            missing = indexed - on_disk
+            cursor.executemany("DELETE FROM pages WHERE id = ?", [(page_id,) for page_id in missing])
 
-    def _next_mtime_ns(self) -> int:
+    def _next_use_ns(self) -> int:
         """Wall-clock nanoseconds, strictly increasing within this tier (so LRU order has no ties)."""
-        with self._lock:
-            self._last_mtime_ns = max(time.time_ns(), self._last_mtime_ns + 1)
-            return self._last_mtime_ns
-
-    def _adjust_total(self, delta: int) -> None:
-        with self._lock:
-            self._total_bytes = max(0, self._total_bytes + delta)
+        with self._clock_lock:
+            self._last_use_ns = max(time.time_ns(), self._last_use_ns + 1)
+            return self._last_use_ns
 
     def _count_error(self, kind: str, message: str) -> None:
         self._stats.add(errors=1)
         if self._throttle.should_warn(kind):
             logger.warning("disk KV tier: %s", message)
-
-
-def file_size(path: str) -> int:
-    """Size of ``path`` in bytes, 0 if it is gone."""
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def create_file_exclusively(path: str, content: bytes) -> bool:

@@ -3,7 +3,13 @@
 Layout in Redis (``prefix`` defaults to ``"prefixserve:"``)::
 
     {prefix}format                  -> b"1"   the page-key format version; claimed by the first replica (SET NX)
-    {prefix}{dtype}:{page key hex}  -> blob   one page: msgpack header + raw KV bytes (see ``codec``)
+    {prefix}{dtype}:{storage id}    -> blob   one page: msgpack header + sealed KV bytes (see ``codec``, ``seal``)
+
+Access: give the server a password (``redis://:PASSWORD@host:port/db``, or a user: ``redis://USER:PASSWORD@...``) and,
+off the machine, TLS (``rediss://host:port/db?ssl_ca_certs=/path/ca.pem``; ``ssl_certfile`` / ``ssl_keyfile`` for client
+certificates). Page names are keyed digests and the KV is encrypted under the cluster key, so a reader of the server
+learns neither prompts nor which prompts were served; one who can write can only delete or plant entries that then
+fail authentication (a miss, counted in ``discarded_corrupt``).
 
 Eviction order: Redis' own. Run the server with a memory bound and an LRU policy, e.g.
 ``redis-server --maxmemory 4gb --maxmemory-policy allkeys-lru`` (the tier warns once if the policy would refuse
@@ -39,6 +45,7 @@ from replica.tiers.base import (
 )
 from replica.tiers.circuit import BackoffPolicy, CircuitBreaker
 from replica.tiers.codec import RejectedEntry, decode_blob, encode_blob
+from replica.tiers.seal import TierKey
 from replica.tiers.writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
@@ -54,6 +61,9 @@ class RedisTier(QueuedWriteTier):
 
     Mutates: only keys under ``key_prefix`` (page entries it writes or rejects, and the format marker).
     Raises: ValueError for a malformed ``url`` or bad arguments; nothing because of Redis' state.
+
+    ``tier_key`` seals and names the pages (every replica sharing the server must hold the same key to share pages;
+    one built without a key generates its own: private to this instance).
     """
 
     source = CacheSource.HOST
@@ -64,6 +74,7 @@ class RedisTier(QueuedWriteTier):
         page_format: PageFormat,
         *,
         key_prefix: str = "prefixserve:",
+        tier_key: TierKey | None = None,
         queue_size: int = 256,
         socket_timeout_s: float = 0.5,
         backoff: BackoffPolicy = BackoffPolicy(),
@@ -74,6 +85,7 @@ class RedisTier(QueuedWriteTier):
         if load_batch_pages < 1:
             raise ValueError(f"load_batch_pages must be at least 1, got {load_batch_pages}")
         self._page_format = page_format
+        self._tier_key = tier_key or TierKey.generate()
         self._key_prefix = key_prefix
         self._marker_key = f"{key_prefix}format"
         self._page_key_prefix = f"{key_prefix}{page_format.dtype}:"
@@ -86,6 +98,7 @@ class RedisTier(QueuedWriteTier):
             socket_connect_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
+            socket_read_size=1 << 20,  # pages are ~1 MiB: read them in few large chunks, not 64 KiB ones
         )
         self._breaker = CircuitBreaker(backoff, clock)
         self._needs_handshake = True
@@ -107,6 +120,11 @@ class RedisTier(QueuedWriteTier):
     @property
     def page_format(self) -> PageFormat:
         return self._page_format
+
+    @property
+    def tier_key(self) -> TierKey:
+        """The key that names and seals this tier's pages."""
+        return self._tier_key
 
     @property
     def available(self) -> bool:
@@ -162,7 +180,7 @@ class RedisTier(QueuedWriteTier):
 
     def redis_key(self, key: PageKey) -> str:
         """The Redis key of page ``key`` in this tier's namespace."""
-        return self._page_key_prefix + key.hex()
+        return self._page_key_prefix + self._tier_key.storage_id(key)
 
     def _load_batch(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         values = self._run(lambda client: client.mget([self.redis_key(key) for key in keys]), default=None)
@@ -171,7 +189,7 @@ class RedisTier(QueuedWriteTier):
             if value is None:
                 break
             try:
-                loaded.append(decode_blob(value, self._page_format, key, token_ids))
+                loaded.append(decode_blob(value, self._page_format, self._tier_key, key, token_ids))
             except RejectedEntry as exc:
                 self._discard(key, str(exc))
                 break
@@ -180,13 +198,13 @@ class RedisTier(QueuedWriteTier):
     def _discard(self, key: PageKey, reason: str) -> None:
         self._stats.add(discarded_corrupt=1)
         if self._throttle.should_warn("discard"):
-            logger.warning("Redis KV tier at %s: discarding page %s: %s", self._where, key.hex(), reason)
+            logger.warning("Redis KV tier at %s: discarding page %s: %s", self._where, self.redis_key(key), reason)
         self._run(lambda client: client.delete(self.redis_key(key)), default=0)
 
     def _write_pages(self, pages: list[StoredPage]) -> None:
         """Writer thread: one pipelined SET per page, one round trip for the batch."""
         start_time = time.perf_counter()
-        entries = [(self.redis_key(page.key), encode_blob(page)) for page in pages]
+        entries = [(self.redis_key(page.key), encode_blob(page, self._tier_key)) for page in pages]
 
         def write(client: redis.Redis) -> bool:
             pipe = client.pipeline(transaction=False)
@@ -231,11 +249,15 @@ class RedisTier(QueuedWriteTier):
         self._stats.add(errors=1)
         self._needs_handshake = True
         if self._breaker.record_failure():
+            hint = ""
+            if isinstance(exc, redis.AuthenticationError) or "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+                hint = " (authentication failed: put the password in --redis-url, redis://:PASSWORD@host:port/db)"
             logger.warning(
-                "Redis KV tier at %s is unreachable (%s: %s); answering misses and dropping writes until it is back",
+                "Redis KV tier at %s is unreachable (%s: %s)%s; answering misses and dropping writes until it is back",
                 self._where,
                 type(exc).__name__,
                 exc,
+                hint,
             )
 
     def _handshake(self) -> None:
