@@ -270,13 +270,15 @@ class PagePool:
         """Free queue == pages with reference count 0; no negative counts; free pages sit at their priority."""
         if any(count < 0 for count in self.refcounts):
             raise AssertionError("negative reference count")
+        self.expire()
         zero = {page_id for page_id, count in enumerate(self.refcounts) if count == 0}
         queued = list(self._unkept) + [page_id for level in self._levels.values() for page_id in level]
         if len(queued) != len(set(queued)) or zero != set(queued):
             raise AssertionError(f"free queue {sorted(queued)} differs from pages with refcount 0 {sorted(zero)}")
         for priority, level in self._levels.items():
             for page_id in level:
-                if self.priority_of(page_id) != priority and page_id in self._page_to_retention:
+                retention = self._page_to_retention.get(page_id)
+                if (retention.priority if retention is not None else 0) != priority:
                     raise AssertionError(f"free page {page_id} queued at priority {priority}")
         if len(self._page_to_retention) > self.max_retained_pages:
             raise AssertionError("more retained pages than the budget")

@@ -279,3 +279,44 @@ def test_retained_pages_never_block_a_request_that_needs_the_whole_pool():
     assert [chunk.seq for chunk in out.chunks] == [big] and len(big.page_ids) == 4
     assert kv.kv_cache_metrics().evictions == {("capacity", 100): 3}
     kv.check_integrity([big.page_ids])
+
+
+# ---- wire format: prompt_cache_retention and cache_control ---------------------------------------------------------
+def test_prompt_cache_retention_values():
+    from cluster.protocol import APIError, CompletionRequest, parse_request, request_retention
+
+    def parse(value):
+        return request_retention(parse_request(CompletionRequest, {"prompt": "x", "prompt_cache_retention": value}))
+
+    assert parse(None) is None and parse("in_memory") is None and parse("in-memory") is None
+    assert parse("24h") == Retention(priority=50, ttl_s=86400.0)
+    assert parse({"priority": 80, "ttl": "10m"}) == Retention(priority=80, ttl_s=600.0)
+    assert parse({"ttl": 30}) == Retention(priority=50, ttl_s=30.0)
+    assert parse({"priority": 0}) is None
+    for bad in ("forever", {"priority": 101}, {"priority": 1.5}, {"ttl": "-5m"}, {"ttl": "25h"}, {"pin": True}, 7):
+        with pytest.raises(APIError) as error:
+            parse(bad)
+        assert error.value.status == 400 and error.value.param == "prompt_cache_retention"
+
+
+def test_cache_control_breakpoints_on_messages_and_parts():
+    from cluster.protocol import (APIError, ChatCompletionRequest, breakpoint_retention, cache_breakpoints,
+                                  chat_messages, messages_up_to, parse_request)
+
+    body = {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "A"},
+                                       {"type": "text", "text": "B", "cache_control": {"type": "ephemeral"}},
+                                       {"type": "text", "text": "C"}]},
+        {"role": "user", "content": "hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+        {"role": "user", "content": "tail"}]}
+    request = parse_request(ChatCompletionRequest, body)
+    points = cache_breakpoints(request)
+    assert [(p.message_index, p.part_index, p.ttl_s) for p in points] == [(0, 1, 300.0), (1, None, 3600.0)]
+    messages = chat_messages(request)
+    assert messages_up_to(messages, request, points[0]) == [{"role": "system", "content": "AB"}]
+    assert messages_up_to(messages, request, points[1]) == messages[:2]
+    assert breakpoint_retention(request, 300, 3600.0, None) == Retention(priority=50, ttl_s=3600.0, num_tokens=300)
+    bad = parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x",
+                                                              "cache_control": {"type": "ephemeral", "ttl": "1y"}}]})
+    with pytest.raises(APIError):
+        cache_breakpoints(bad)
