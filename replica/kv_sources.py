@@ -124,7 +124,8 @@ class PrefixFetcher:
         """Queue newly computed pages for every tier (non-blocking; tiers copy pool views before returning)."""
         if not self.tiers or not pages:
             return
-        stored = [StoredPage.from_format(self.page_format, page.key, page.token_ids, page.kv.cpu()) for page in pages]
+        stored = [StoredPage.from_format(self.page_format, page.key, page.token_ids, page.kv.cpu(),
+                                         page.retention_priority, page.retain_until) for page in pages]
         for tier in self.tiers:
             tier.store(stored)
 

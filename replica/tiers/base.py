@@ -15,6 +15,7 @@ and lossy by design: a full queue or an unreachable store drops pages and counts
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -42,6 +43,11 @@ class StoredPage:
     dtype: str
     page_size: int
     key_format_version: int = KEY_FORMAT_VERSION
+    retention_priority: int = 0
+    """Retention priority of the page in the replica that computed it (0: plain LRU); tiers that honour it evict
+    lower priorities first while ``retain_until`` has not passed."""
+    retain_until: float = 0.0
+    """Wall-clock time (``time.time()``) until which ``retention_priority`` holds (``math.inf``: pinned)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, bytes) or not self.key:
@@ -59,10 +65,13 @@ class StoredPage:
 
     @classmethod
     def from_format(
-        cls, page_format: PageFormat, key: PageKey, token_ids: Sequence[int], kv: torch.Tensor
+        cls, page_format: PageFormat, key: PageKey, token_ids: Sequence[int], kv: torch.Tensor,
+        retention_priority: int = 0, retain_until: float = 0.0,
     ) -> "StoredPage":
         """A page with the header fields of ``page_format``."""
         return cls(
+            retention_priority=retention_priority,
+            retain_until=retain_until,
             key=key,
             token_ids=tuple(token_ids),
             kv=kv,
@@ -212,15 +221,7 @@ def prepare_pages_for_store(page_format: PageFormat, pages: Sequence[StoredPage]
         elif not owns_storage(kv):
             kv = kv.clone(memory_format=torch.contiguous_format)
         if kv is not page.kv:
-            page = StoredPage(
-                key=page.key,
-                token_ids=page.token_ids,
-                kv=kv,
-                model_fingerprint=page.model_fingerprint,
-                dtype=page.dtype,
-                page_size=page.page_size,
-                key_format_version=page.key_format_version,
-            )
+            page = dataclasses.replace(page, kv=kv)
         prepared.append(page)
     return prepared
 

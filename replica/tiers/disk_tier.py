@@ -6,7 +6,8 @@ Layout::
     root/{dtype}/{key hex[:2]}/{key hex}.arrow     one page (see ``arrow_file``), content-addressed by page key
     root/{dtype}/{key hex[:2]}/.{name}.*.tmp       a write in progress (renamed into place when whole)
 
-Eviction order: least recently used first, by file modification time, which is set when a page is written and
+Eviction order: pages this process stored with a retention (``StoredPage.retention_priority`` until
+``retain_until``) go after every lower-priority page; otherwise least recently used first, by file modification time, which is set when a page is written and
 refreshed (``os.utime``) every time it is loaded. The tier keeps an estimate of the bytes under ``root`` (scanned at
 start, updated on its own writes and deletes); when a write takes it past ``budget_bytes``, the writer thread rescans
 ``root`` (other processes write there too) and deletes the oldest files until the total is at most
@@ -92,6 +93,8 @@ class DiskTier(QueuedWriteTier):
         self._lock = threading.Lock()
         self._total_bytes = 0
         self._last_mtime_ns = 0
+        self._path_to_retention: dict[str, tuple[int, float]] = {}
+        """Retention of the retained pages this process stored: path -> (priority, retain_until wall-clock)."""
         self._closed = False
         os.makedirs(self._root, exist_ok=True)
         self._refused = not self._claim_format()
@@ -222,6 +225,9 @@ class DiskTier(QueuedWriteTier):
     def _write_one(self, page: StoredPage) -> bool:
         """Write one page unless it is already there (then only touch it); False if it could not be written."""
         path = self.page_path(page.key)
+        if page.retention_priority > 0:
+            with self._lock:
+                self._path_to_retention[path] = (page.retention_priority, page.retain_until)
         if os.path.exists(path):
             self._touch(path)
             return True
@@ -237,7 +243,15 @@ class DiskTier(QueuedWriteTier):
     def _evict_if_over_budget(self) -> None:
         if self.total_bytes_estimate <= self._budget_bytes:
             return
-        page_files = sorted(self._scan(), key=lambda f: (f.mtime_ns, f.path))
+        now = time.time()
+        with self._lock:
+            retention = dict(self._path_to_retention)
+
+        def rank(page_file: PageFile) -> int:
+            priority, until = retention.get(page_file.path, (0, 0.0))
+            return priority if until > now else 0
+
+        page_files = sorted(self._scan(), key=lambda f: (rank(f), f.mtime_ns, f.path))
         total_bytes = sum(f.size for f in page_files)
         num_evicted = 0
         if total_bytes > self._budget_bytes:
@@ -246,8 +260,11 @@ class DiskTier(QueuedWriteTier):
                     break
                 num_evicted += remove_quietly(page_file.path)
                 total_bytes -= page_file.size
+                retention.pop(page_file.path, None)
         with self._lock:
             self._total_bytes = total_bytes
+            self._path_to_retention = {path: value for path, value in self._path_to_retention.items()
+                                       if path in retention and value[1] > now}
         self._stats.add(pages_evicted=num_evicted)
 
     # ---- bookkeeping --------------------------------------------------------------------------------------------
