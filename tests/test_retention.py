@@ -320,3 +320,43 @@ def test_cache_control_breakpoints_on_messages_and_parts():
                                                               "cache_control": {"type": "ephemeral", "ttl": "1y"}}]})
     with pytest.raises(APIError):
         cache_breakpoints(bad)
+
+
+# ---- disk tier: retained pages are evicted after plain ones until their retention ends ----------------------------
+def test_disk_tier_evicts_retained_pages_last_until_they_expire(tmp_path, monkeypatch):
+    import dataclasses
+    import os
+    import time as time_module
+
+    import torch
+
+    from common.page_format import PageFormat
+    from replica.tiers.arrow_file import write_page_file
+    from replica.tiers.base import StoredPage
+    from replica.tiers.disk_tier import DiskTier
+
+    page_format = PageFormat(model_fingerprint=FP, dtype="float32", page_size=PAGE, num_layers=1, num_kv_heads=1,
+                             head_dim=4)
+    tokens = list(range(5 * PAGE))
+    pages = [StoredPage.from_format(page_format, key, tokens[i * PAGE:(i + 1) * PAGE],
+                                    torch.full(page_format.kv_shape, float(i)))
+             for i, key in enumerate(keys_for(tokens))]
+    wall = [time_module.time()]
+    monkeypatch.setattr("replica.tiers.disk_tier.time.time", lambda: wall[0])
+    size = write_page_file(str(tmp_path / "probe.arrow"), pages[0])
+    tier = DiskTier(tmp_path / "kv", page_format, budget_bytes=int(3.5 * size), evict_to_fraction=1.0)
+    try:
+        retained = dataclasses.replace(pages[0], retention_priority=80, retain_until=wall[0] + 60)
+        for page in (retained, pages[1], pages[2], pages[3]):  # the retained page is the oldest file
+            tier.store([page])
+            tier.flush(timeout=10)
+            wall[0] += 1
+        present = [i for i, page in enumerate(pages) if os.path.exists(tier.page_path(page.key))]
+        assert present == [0, 2, 3]  # plain LRU page 1 went, not the older retained page 0
+        wall[0] += 120  # the retention has ended: page 0 is plain LRU again (and the oldest)
+        tier.store([pages[4]])
+        tier.flush(timeout=10)
+        present = [i for i, page in enumerate(pages) if os.path.exists(tier.page_path(page.key))]
+        assert present == [2, 3, 4]
+    finally:
+        tier.close()
