@@ -121,11 +121,18 @@ def test_retained_prefixes_survive_a_flood_and_the_ttl_expires(client, admin):
     assert usage_of(client, pinned + [11])[0] == 0
 
 
+def chat_with_breakpoint(num_words: int, question: str) -> list[dict]:
+    system_text = " ".join(f"rule{index}" for index in range(num_words))
+    return [{"role": "system", "content": [{"type": "text", "text": system_text,
+                                            "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
+            {"role": "user", "content": question}]
+
+
 def test_cache_control_breakpoint_retains_the_prefix_up_to_it(client, admin):
-    system_text = " ".join(f"rule{index}" for index in range(300))
-    messages = [{"role": "system", "content": [{"type": "text", "text": system_text,
-                                                "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
-                {"role": "user", "content": "first question"}]
+    # a breakpoint whose prefix alone is more than the retention budget (8 pages) is refused, clearly
+    with pytest.raises(openai.BadRequestError, match="retention-budget"):
+        client.chat.completions.create(model=MODEL, messages=chat_with_breakpoint(300, "q"), max_tokens=1)
+    messages = chat_with_breakpoint(70, "first question")
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
     assert first.usage.prompt_tokens_details.cache_write_tokens >= 2 * PAGE
     entries = [entry for entry in admin.get("/admin/prefixes").json()["data"]
