@@ -133,6 +133,8 @@ def main(argv=None) -> int:
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--pinned-every", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the model (default: eager, so prompts of new lengths pay no compilation)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     model_dir = make_model(Path(args.model_dir))
@@ -140,7 +142,8 @@ def main(argv=None) -> int:
     for mode in ("lru", "retention"):
         config = EngineConfig(model=str(model_dir), dtype=args.dtype, num_pages=args.num_pages, page_size=PAGE,
                               max_model_len=2048, max_num_batched_tokens=2048, num_threads=1,
-                              kv_cache_retention_budget=args.retention_budget, replica_id=mode)
+                              kv_cache_retention_budget=args.retention_budget, replica_id=mode,
+                              enforce_eager=not args.compile)
         engines[mode] = build_engine(config)
     requests = workload(args)
     # warm-up (compilation, allocator): a few requests on each engine, not measured
@@ -161,7 +164,8 @@ def main(argv=None) -> int:
     print(f"pool {args.num_pages} pages of {PAGE} tokens, retention budget {args.retention_budget}; "
           f"{args.num_systems} system prompts x {args.system_len} tokens (+{args.suffix_len}-token question), "
           f"1 in {args.pinned_every} requests; flood {args.flood_len}-token unique prompts; {args.num_requests} "
-          f"requests per run, {args.rounds} runs per mode, {args.dtype}, concurrency 1")
+          f"requests per run, {args.rounds} runs per mode, {args.dtype}, "
+          f"{'compiled' if args.compile else 'eager'}, concurrency 1")
     print()
     print("| mode | pinned cached-token rate | pinned TTFT p50 ms | pinned TTFT p99 ms | flood cached rate "
           "| flood TTFT p50 ms | evictions (reason/priority) |")

@@ -23,7 +23,7 @@ import torch
 
 from common.errors import InvalidRequestError
 from common.page_keys import PageKey, compute_page_keys, hash_page
-from common.types import CacheSource, CachedTokens, EngineRequest, EngineStats, PinPrefix, PrefixReport, RequestOutput
+from common.types import CachedTokens, EngineRequest, EngineStats, PinPrefix, PrefixReport, RequestOutput
 from replica.config import EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
 from replica.kv_manager import KVCacheManager
@@ -246,21 +246,24 @@ class LLMEngine:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             newly_cached.extend(self.scheduler.commit_computed_pages(chunk.seq))
         if newly_cached and self.page_sink is not None:
-            self.page_sink([PageRecord(page.key, page.token_ids, self.runner.read_page(page.page_id),
-                                       *self._tier_retention(page.page_id)) for page in newly_cached])
+            records = []
+            for page in newly_cached:
+                priority, until = self._tier_retention(page.page_id)
+                records.append(PageRecord(page.key, page.token_ids, self.runner.read_page(page.page_id),
+                                          retention_priority=priority, retain_until=until))
+            self.page_sink(records)
         outputs = []
         for seq, token in zip(sampling_seqs, new_tokens):
             seq.output_token_ids.append(token)
             outputs.append(self._advance(seq))
         return [output for output in outputs if output is not None]
 
-    def _tier_retention(self, page_id: int) -> tuple:
-        """(source, priority, wall-clock end) of a page's retention, for the shared tiers."""
+    def _tier_retention(self, page_id: int) -> tuple[int, float]:
+        """(priority, wall-clock end) of a page's retention, for the shared tiers ((0, 0.0): none)."""
         retention = self.kv.pool.retention_of(page_id)
         if retention is None:
-            return CacheSource.LOCAL, 0, 0.0
-        until = retention.expires_at - self.kv.clock() + time.time()
-        return CacheSource.LOCAL, retention.priority, until
+            return 0, 0.0
+        return retention.priority, retention.expires_at - self.kv.clock() + time.time()
 
     def _import_pages(self, imports: list[PageImport]) -> None:
         """Write fetched pages into the pool pages the scheduler gave them, then register them in the prefix cache

@@ -360,3 +360,41 @@ def test_disk_tier_evicts_retained_pages_last_until_they_expire(tmp_path, monkey
         assert present == [2, 3, 4]
     finally:
         tier.close()
+
+
+# ---- the engine: a retained prefix is reused after a flood, with greedy output equal to the reference ---------------
+def test_engine_retained_prefix_survives_flood_and_output_matches_reference():
+    import math
+
+    from common.types import EngineRequest
+    from tests.engine_utils import TinyModel, greedy, random_prompt
+
+    model = TinyModel("llama")
+    engine = model.engine(num_pages=8, kv_cache_retention_budget=0.5, enforce_eager=True)
+    sunk = []
+    engine.page_sink = sunk.extend
+    system = random_prompt(2 * PAGE, seed=1)
+
+    def run(request_id, prompt, retention=None):
+        engine.add_request(EngineRequest(request_id, prompt, greedy(3), retention=retention))
+        tokens, final = [], None
+        while engine.has_work():
+            for output in engine.step():
+                tokens.extend(output.new_token_ids)
+                final = output
+            engine.check_integrity()
+        return tokens, final
+
+    first_prompt = system + random_prompt(40, seed=2)
+    _, first = run("first", first_prompt, Retention(priority=90, ttl_s=None, num_tokens=2 * PAGE))
+    assert (first.cached_tokens.total, first.cache_write_tokens) == (0, 2 * PAGE)
+    assert [(record.retention_priority, record.retain_until) for record in sunk] == [(90, math.inf)] * 2
+    for index in range(4):  # 4 x 3 pages of unique prompts through an 8-page pool
+        _, flood = run(f"flood{index}", random_prompt(3 * PAGE + 1, seed=100 + index))
+        assert flood.cache_write_tokens == 3 * PAGE
+    prompt = system + random_prompt(50, seed=3)
+    tokens, final = run("again", prompt)
+    assert final.cached_tokens.total == 2 * PAGE
+    assert tokens == model.generate(prompt, 3)
+    assert engine.stats().kv_cache.evictions[("capacity", 0)] > 0
+    assert ("capacity", 90) not in engine.stats().kv_cache.evictions
