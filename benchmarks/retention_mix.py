@@ -11,12 +11,13 @@ pool (``--num-pages``) is too small for the flood to leave the system prompts al
                ``prompt_cache_retention``), budget --retention-budget of the pool
 
 Requests run one at a time (concurrency 1), so TTFT is the engine time from add to the first token (prefill, plus
-nothing queued). Modes alternate (lru, retention, retention, lru, ...) on two engines built from the same weights;
-each run starts from an empty cache. Reported per mode: the cached-token rate and TTFT p50 / p99 of the pinned
+nothing queued). Two engines built from the same weights run the workload in lockstep, request by request (lru
+first on even requests, retention first on odd ones), so load from outside the benchmark hits both modes alike; each
+round starts from empty caches. Reported per mode: the cached-token rate and TTFT p50 / p99 of the pinned
 traffic, the flood's TTFT p50 and cached rate, and evictions by reason / priority.
 
 Usage:
-    python benchmarks/retention_mix.py [--rounds 2] [--dtype float32] [--json out.json]
+    PYTHONPATH=. python benchmarks/retention_mix.py [--rounds 1] [--num-requests 60] [--dtype float32] [--json out.json]
 """
 
 from __future__ import annotations
@@ -77,21 +78,31 @@ def first_token(engine, request: EngineRequest) -> tuple[float, int, int]:
     return ttft, cached, len(request.prompt_token_ids)
 
 
-def run(engine, requests, mode: str, run_index: int, system_len: int) -> dict:
-    assert engine.reset_prefix_cache()
-    before = engine.kv.kv_cache_metrics().evictions
-    results: dict[str, list[tuple[float, int, int]]] = {"pinned": [], "flood": []}
-    for index, (kind, prompt, system) in enumerate(requests):
-        retention = None
-        if mode == "retention" and kind == "pinned":  # the system prompt is the retained prefix (a breakpoint)
-            retention = Retention(priority=80, ttl_s=600.0, num_tokens=system_len)
-        request = EngineRequest(f"{mode}-{run_index}-{index}", prompt,
-                                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), retention=retention)
-        results[kind].append(first_token(engine, request))
-    after = engine.kv.kv_cache_metrics().evictions
-    evictions = {f"{reason}/p{priority}": count - before.get((reason, priority), 0)
-                 for (reason, priority), count in after.items() if count - before.get((reason, priority), 0)}
-    return {"results": results, "evictions": evictions}
+def run_lockstep(engines: dict, requests, round_index: int, system_len: int) -> dict[str, dict]:
+    """Run the workload on both engines request by request (lru then retention for even requests, the other way for
+    odd ones), so that load from outside hits both modes at the same moments."""
+    for engine in engines.values():
+        assert engine.reset_prefix_cache()
+    before = {mode: engine.kv.kv_cache_metrics().evictions for mode, engine in engines.items()}
+    results = {mode: {"pinned": [], "flood": []} for mode in engines}
+    for index, (kind, prompt, _system) in enumerate(requests):
+        modes = ("lru", "retention") if index % 2 == 0 else ("retention", "lru")
+        for mode in modes:
+            retention = None
+            if mode == "retention" and kind == "pinned":  # the system prompt is the retained prefix (a breakpoint)
+                retention = Retention(priority=80, ttl_s=600.0, num_tokens=system_len)
+            request = EngineRequest(f"{mode}-{round_index}-{index}", prompt,
+                                    SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                                    retention=retention)
+            results[mode][kind].append(first_token(engines[mode], request))
+    runs = {}
+    for mode, engine in engines.items():
+        after = engine.kv.kv_cache_metrics().evictions
+        evictions = {f"{reason}/p{priority}": count - before[mode].get((reason, priority), 0)
+                     for (reason, priority), count in after.items()
+                     if count - before[mode].get((reason, priority), 0)}
+        runs[mode] = {"results": results[mode], "evictions": evictions}
+    return runs
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -132,7 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--flood-len", type=int, default=384)
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--pinned-every", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--compile", action="store_true",
                         help="compile the model (default: eager, so prompts of new lengths pay no compilation)")
     parser.add_argument("--json", default=None)
@@ -152,19 +163,17 @@ def main(argv=None) -> int:
             first_token(engine, EngineRequest(f"warm-{mode}-{index}", tokens(args.flood_len, 999 + index),
                                               SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
     runs: dict[str, list[dict]] = {"lru": [], "retention": []}
-    order = []
     for round_index in range(args.rounds):
-        order += ["lru", "retention"] if round_index % 2 == 0 else ["retention", "lru"]
-    for run_index, mode in enumerate(order):
         started = time.perf_counter()
-        runs[mode].append(run(engines[mode], requests, mode, run_index, args.system_len))
-        print(f"run {run_index} {mode}: {time.perf_counter() - started:.1f} s", flush=True)
+        for mode, result in run_lockstep(engines, requests, round_index, args.system_len).items():
+            runs[mode].append(result)
+        print(f"round {round_index}: {time.perf_counter() - started:.1f} s", flush=True)
     summaries = {mode: summarize(mode_runs) for mode, mode_runs in runs.items()}
     print()
     print(f"pool {args.num_pages} pages of {PAGE} tokens, retention budget {args.retention_budget}; "
           f"{args.num_systems} system prompts x {args.system_len} tokens (+{args.suffix_len}-token question), "
           f"1 in {args.pinned_every} requests; flood {args.flood_len}-token unique prompts; {args.num_requests} "
-          f"requests per run, {args.rounds} runs per mode, {args.dtype}, "
+          f"requests per round, {args.rounds} round(s) in lockstep, {args.dtype}, "
           f"{'compiled' if args.compile else 'eager'}, concurrency 1")
     print()
     print("| mode | pinned cached-token rate | pinned TTFT p50 ms | pinned TTFT p99 ms | flood cached rate "
