@@ -31,6 +31,7 @@ from cluster.protocol import (
     parse_request,
     parse_ttl,
 )
+from common.errors import InvalidRequestError
 from common.page_keys import compute_page_keys
 from common.types import RETENTION_MAX_PRIORITY, EngineRequest, PinPrefix, PrefixReport, Retention, SamplingParams
 
@@ -179,6 +180,10 @@ async def _warm(ingress: Any, token_ids: list[int], keys: list[bytes], salt: str
         async for output in stream:
             if output.finished:
                 break
+    except InvalidRequestError as error:  # e.g. the prefix alone is more than the retention budget
+        message = str(getattr(error, "cause", None) or error).strip().splitlines()
+        raise APIError(f"the prefix is pinned but the replica refused to compute it: "
+                       f"{message[-1] if message else 'invalid request'}") from None
     except Exception as error:  # noqa: BLE001 - the pin stands; only the warm-up failed
         raise APIError(f"the prefix is pinned but computing it failed: {type(error).__name__}", status=500,
                        type="server_error") from None
