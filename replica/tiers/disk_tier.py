@@ -8,10 +8,10 @@ Layout::
 
 Eviction order: pages this process stored with a retention (``StoredPage.retention_priority`` until
 ``retain_until``) go after every lower-priority page; otherwise least recently used first, by file modification
-time, which is set when a page is written and refreshed (``os.utime``) every time it is loaded. The tier keeps an estimate of the bytes under ``root`` (scanned at
-start, updated on its own writes and deletes); when a write takes it past ``budget_bytes``, the writer thread rescans
-``root`` (other processes write there too) and deletes the oldest files until the total is at most
-``evict_to_fraction * budget_bytes``.
+time, which is set when a page is written and refreshed (``os.utime``) every time it is loaded. The tier keeps an
+estimate of the bytes under ``root`` (scanned at start, updated on its own writes and deletes); when a write takes it
+past ``budget_bytes``, the writer thread rescans ``root`` (other processes write there too) and deletes the oldest
+files until the total is at most ``evict_to_fraction * budget_bytes``.
 """
 
 from __future__ import annotations
