@@ -100,6 +100,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="tokens per KV page; a multiple of 128")
     cache.add_argument("--kv-cache-memory", type=memory_size, default=default("kv_cache_memory"),
                        help="KV page memory per replica: bytes or e.g. 2GiB, 512MiB")
+    cache.add_argument("--kv-cache-retention-budget", type=float, default=default("kv_cache_retention_budget"),
+                       help="fraction of each replica's KV pages that retained prefixes (retention priority + TTL, "
+                            "admin pins) may hold at once; the rest stays plain LRU (default 0.5)")
     cache.add_argument("--enable-dp-cross-replica-prefix-copy", action=argparse.BooleanOptionalAction, default=None,
                        help="copy cached pages from the replica that holds them instead of recomputing "
                             "(default: on with prefix caching)")

@@ -103,6 +103,8 @@ class ServeConfig:
     max_num_batched_tokens: int = field_default(EngineConfig, "max_num_batched_tokens")
     enforce_eager: bool = field_default(EngineConfig, "enforce_eager")
     """No torch.compile / CUDA graphs: the model runs eagerly."""
+    kv_cache_retention_budget: float = field_default(EngineConfig, "kv_cache_retention_budget")
+    """Fraction of each replica's pages that may hold a retention (priority + TTL) at once."""
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -227,6 +229,7 @@ class ServeConfig:
             disk_cache_dir=self.resolved_disk_cache_dir,
             disk_cache_budget_bytes=int(self.disk_cache_budget),
             kv_tier_key_file=self.kv_tier_key_file,
+            kv_cache_retention_budget=float(self.kv_cache_retention_budget),
         )
 
     @property

@@ -26,6 +26,12 @@ Names (all prefixed ``prefixserve_``)::
     kv_tier_{pages_stored,bytes_stored,pages_dropped,discarded_corrupt,errors}_total{replica,tier}  counter
     kv_tier_available{replica,tier}        gauge      1 while the shared tier answers
     kv_peer_pages_total{replica,transport} counter    transport = cuda_ipc (device to device) | host
+    kv_page_lifetime_seconds{replica}      histogram  cached -> evicted (like vLLM's --kv-cache-metrics)
+    kv_page_idle_before_evict_seconds{replica}  histogram  last use -> evicted
+    kv_page_reuse_gap_seconds{replica}     histogram  last use -> next prefix hit
+    kv_page_evictions_total{replica,reason,priority}  counter  reason = capacity | ttl | reset
+    kv_retained_pages{replica,kind}        gauge      kind = retained (priority > 0, TTL not expired) | budget
+    kv_retention_demotions_total{replica,reason}      counter  retention ended: ttl | budget | unpin | reset
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from common.types import EngineStats, KVSourceStats, RequestOutput
@@ -77,7 +83,40 @@ class ReplicaStatsCollector(Collector):
             running.add_metric([stats.replica_id], stats.num_running)
             waiting.add_metric([stats.replica_id], stats.num_waiting)
         yield from (pages, running, waiting)
+        yield from self._collect_kv_cache_metrics()
         yield from self._collect_kv_sources()
+
+    def _collect_kv_cache_metrics(self):
+        """Page-time histograms, evictions by reason and priority, retention gauges (``EngineStats.kv_cache``)."""
+        reports = [(stats.replica_id, stats.kv_cache) for stats in self._stats if stats.kv_cache is not None]
+        histograms = {"kv_page_lifetime_seconds": ("seconds a page stayed cached, until evicted", "lifetime"),
+                      "kv_page_idle_before_evict_seconds": ("seconds since a page's last use when evicted",
+                                                            "idle_before_evict"),
+                      "kv_page_reuse_gap_seconds": ("seconds between a cached page's uses", "reuse_gap")}
+        for name, (documentation, attribute) in histograms.items():
+            family = HistogramMetricFamily(PREFIX + name, documentation, labels=["replica"])
+            for replica_id, metrics in reports:
+                histogram = getattr(metrics, attribute)
+                cumulative, buckets = 0, []
+                for bound, count in zip(list(histogram.bounds) + [float("inf")], histogram.counts):
+                    cumulative += count
+                    buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+                family.add_metric([replica_id], buckets, histogram.total)
+            yield family
+        evictions = CounterMetricFamily(PREFIX + "kv_page_evictions", "cached pages evicted, by reason and priority",
+                                        labels=["replica", "reason", "priority"])
+        demotions = CounterMetricFamily(PREFIX + "kv_retention_demotions", "page retentions ended, by reason",
+                                        labels=["replica", "reason"])
+        retained = GaugeMetricFamily(PREFIX + "kv_retained_pages", "pages holding a retention, and the budget",
+                                     labels=["replica", "kind"])
+        for replica_id, metrics in reports:
+            for (reason, priority), count in sorted(metrics.evictions.items()):
+                evictions.add_metric([replica_id, reason, str(priority)], count)
+            for reason, count in sorted(metrics.retention_demotions.items()):
+                demotions.add_metric([replica_id, reason], count)
+            retained.add_metric([replica_id, "retained"], metrics.num_retained_pages)
+            retained.add_metric([replica_id, "budget"], metrics.max_retained_pages)
+        yield from (evictions, demotions, retained)
 
     def _collect_kv_sources(self):
         """Pages, bytes and seconds obtained per path (peer copy, host tier, disk tier), and the tiers' health."""

@@ -8,6 +8,7 @@ Endpoints::
     GET  /health                200 while the ingress is up
     GET  /metrics               Prometheus text (cluster/metrics.py)
     POST /reset_prefix_cache    drops every replica's cached pages (DeploymentHandle.broadcast reaches each replica)
+    GET  /admin/prefixes, POST /admin/prefixes/pin, POST /admin/prefixes/unpin   retained prefixes (cluster/admin_api.py)
 
 A generation request, here: authenticate -> parse and validate (APIError -> 400) -> tokenize and compute page keys
 (on one tokenizer thread: CPU work stays off the event loop) -> ``replicas.options(stream=True).generate.remote(request)``,
@@ -39,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster import admin_api
 from cluster.config import ServeConfig
 from cluster.metrics import IngressMetrics
 from cluster.protocol import (
@@ -51,7 +53,11 @@ from cluster.protocol import (
     CompletionRequest,
     Kind,
     Usage,
+    breakpoint_retention,
+    cache_breakpoints,
     chat_messages,
+    messages_up_to,
+    request_retention,
     check_token_ids,
     check_unsupported,
     chunk_body,
@@ -194,6 +200,18 @@ class OpenAIIngress:
                                                type="server_error"))
         return JSONResponse({"status": "ok", "num_replicas": len(results), "all_reset": all(bool(r) for r in results)})
 
+    @api.get("/admin/prefixes")
+    async def admin_list_prefixes(self, request: Request) -> Response:
+        return await admin_api.list_prefixes(self, request)
+
+    @api.post("/admin/prefixes/pin")
+    async def admin_pin_prefix(self, request: Request) -> Response:
+        return await admin_api.pin_prefix(self, request)
+
+    @api.post("/admin/prefixes/unpin")
+    async def admin_unpin_prefix(self, request: Request) -> Response:
+        return await admin_api.unpin_prefix(self, request)
+
     # ---- generation ------------------------------------------------------------------------------------------------
     async def _serve_generation(self, http_request: Request, kind: Kind) -> Response:
         try:
@@ -236,8 +254,12 @@ class OpenAIIngress:
                 token_ids = self.tokenizer(prompt).input_ids
             default_max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
         else:
-            token_ids = self._apply_chat_template(chat_messages(request))
+            messages = chat_messages(request)
+            token_ids = self._apply_chat_template(messages)
             default_max_tokens = None
+        retention = request_retention(request)
+        if kind == "chat" and info.enable_prefix_caching:
+            retention = self._breakpoint_retention(request, messages, token_ids, retention)
         sampling = sampling_params(
             request, prompt_len=len(token_ids), max_model_len=info.max_model_len, default_max_tokens=default_max_tokens
         )
@@ -252,11 +274,29 @@ class OpenAIIngress:
             sampling=sampling,
             cache_salt=request.cache_salt,
             page_keys=page_keys,
+            retention=retention if info.enable_prefix_caching else None,
         )
 
-    def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def _breakpoint_retention(self, request: Any, messages: list[dict[str, str]], token_ids: list[int],
+                              retention: Any) -> Any:
+        """With ``cache_control`` breakpoints: retain the prompt up to the last one (its token length is where the
+        rendered messages up to the breakpoint stop agreeing with the whole prompt), with the longest TTL given."""
+        breakpoints = cache_breakpoints(request)
+        if not breakpoints:
+            return retention
+        head = self._apply_chat_template(messages_up_to(messages, request, breakpoints[-1]),
+                                         add_generation_prompt=False)
+        prefix_len = 0
+        for own, whole in zip(head, token_ids):
+            if own != whole:
+                break
+            prefix_len += 1
+        return breakpoint_retention(request, prefix_len, max(b.ttl_s for b in breakpoints), retention)
+
+    def _apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
         except Exception as error:  # noqa: BLE001 - no template, or the template refused the messages
             raise APIError(f"the chat template could not render the messages: {error}", param="messages") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids

@@ -10,7 +10,11 @@ Usage in every response (and in the last SSE chunk when ``stream_options.include
     "usage": {"prompt_tokens": 300, "completion_tokens": 8, "total_tokens": 308,
               "prompt_tokens_details": {"cached_tokens": 256,
                                         "cached_tokens_by_source": {"local": 256, "peer": 0, "host": 0, "disk": 0},
-                                        "computed_tokens": 44}}
+                                        "computed_tokens": 44,
+                                        "cache_write_tokens": 0}}
+
+``cache_write_tokens``: prompt tokens this request computed and wrote into the prefix cache (whole new pages), like
+Anthropic's ``cache_creation_input_tokens``.
 
 Every response body and chunk also carries ``"replica_id"`` (and the ingress sets the ``x-prefixserve-replica`` header).
 """
@@ -25,7 +29,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.types import CachedTokens, RequestOutput
-from common.types import SamplingParams
+from common.types import RETENTION_DEFAULT_PRIORITY, Retention, SamplingParams
 
 REPLICA_HEADER = "x-prefixserve-replica"
 TARGET_REPLICA_HEADER = "x-prefixserve-target-replica"
@@ -87,6 +91,9 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     """Isolates a tenant's prefix cache: requests with different salts never share pages."""
+    prompt_cache_retention: Union[str, dict[str, Any], None] = None
+    """OpenAI's "in_memory" (default: plain LRU) | "24h", or prefixserve's {"priority": 0..100, "ttl": "5m"|seconds}
+    (``request_retention``)."""
     logprobs: Any = None
     user: str | None = None
 
@@ -104,6 +111,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
+    cache_control: dict[str, Any] | None = None
+    """Anthropic-style cache breakpoint after this message: {"type": "ephemeral", "ttl": "5m" | "1h"}."""
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -176,6 +185,113 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
     return messages
 
 
+# ---- retention (prompt_cache_retention, cache_control) ---------------------------------------------------------------
+TTL_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+CACHE_CONTROL_DEFAULT_TTL_S = 300.0
+"""Anthropic's default for ``cache_control`` without a ttl (5 minutes)."""
+
+
+def parse_ttl(value: Any, *, param: str) -> float:
+    """A TTL in seconds from a number or a string like "30s", "5m", "1h", "24h"; APIError(400) otherwise."""
+    seconds: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and len(value) <= 16 and value[-1:] in TTL_UNITS:
+        try:
+            seconds = float(value[:-1]) * TTL_UNITS[value[-1]]
+        except ValueError:
+            seconds = None
+    if seconds is None or not seconds > 0:
+        raise APIError(f"invalid ttl {value!r}: give seconds (a positive number) or a string like \"5m\", \"1h\"",
+                       param=param)
+    return seconds
+
+
+def _retention(priority: Any, ttl_s: float | None, num_tokens: int | None, param: str) -> Retention:
+    try:
+        return Retention(priority=priority, ttl_s=ttl_s, num_tokens=num_tokens)
+    except ValueError as error:
+        raise APIError(str(error), param=param) from None
+
+
+def request_retention(request: _SamplingFields) -> Retention | None:
+    """The retention asked by ``prompt_cache_retention`` for the whole prompt (None: plain LRU, today's behaviour)."""
+    value = request.prompt_cache_retention
+    param = "prompt_cache_retention"
+    if value is None or value in ("in_memory", "in-memory"):
+        return None
+    if value == "24h":
+        return _retention(RETENTION_DEFAULT_PRIORITY, 24 * 3600.0, None, param)
+    if not isinstance(value, dict):
+        raise APIError(f"prompt_cache_retention must be \"in_memory\", \"24h\" or an object "
+                       f"{{\"priority\": 0..100, \"ttl\": \"5m\"}}, got {value!r}", param=param)
+    unknown = set(value) - {"priority", "ttl"}
+    if unknown:
+        raise APIError(f"unknown prompt_cache_retention fields {sorted(unknown)}; use priority and ttl", param=param)
+    ttl = value.get("ttl", CACHE_CONTROL_DEFAULT_TTL_S)
+    retention = _retention(value.get("priority", RETENTION_DEFAULT_PRIORITY), parse_ttl(ttl, param=param), None,
+                           param)
+    return retention if retention.priority > 0 else None
+
+
+@dataclass(frozen=True)
+class CacheBreakpoint:
+    """An Anthropic-style ``cache_control`` on message ``message_index`` (after its content part ``part_index``, or
+    after the whole message when None): the prompt up to there is a prefix to keep cached."""
+
+    message_index: int
+    part_index: int | None
+    ttl_s: float
+
+
+MAX_CACHE_BREAKPOINTS = 4
+"""As Anthropic allows."""
+
+
+def cache_breakpoints(request: ChatCompletionRequest) -> list[CacheBreakpoint]:
+    """Every ``cache_control`` on a message or a content part, in prompt order; APIError(400) for a malformed one."""
+    found = []
+    for message_index, message in enumerate(request.messages):
+        if isinstance(message.content, list):
+            for part_index, part in enumerate(message.content):
+                control = part.get("cache_control") if isinstance(part, dict) else None
+                if control is not None:
+                    found.append(CacheBreakpoint(message_index, part_index, _cache_control_ttl(control)))
+        if message.cache_control is not None:
+            found.append(CacheBreakpoint(message_index, None, _cache_control_ttl(message.cache_control)))
+    if len(found) > MAX_CACHE_BREAKPOINTS:
+        raise APIError(f"at most {MAX_CACHE_BREAKPOINTS} cache_control breakpoints are allowed, got {len(found)}",
+                       param="messages")
+    return found
+
+
+def _cache_control_ttl(control: Any) -> float:
+    if not isinstance(control, dict) or control.get("type") != "ephemeral":
+        raise APIError('cache_control must be {"type": "ephemeral", "ttl": "5m" | "1h"}', param="messages")
+    return parse_ttl(control.get("ttl", "5m"), param="messages")
+
+
+def messages_up_to(messages: list[dict[str, str]], request: ChatCompletionRequest,
+                   breakpoint: CacheBreakpoint) -> list[dict[str, str]]:
+    """The chat messages (as ``chat_messages`` gives them) that end at ``breakpoint``: a breakpoint on a content part
+    keeps that message's text parts up to and including it."""
+    head = [dict(message) for message in messages[: breakpoint.message_index + 1]]
+    if breakpoint.part_index is not None:
+        parts = request.messages[breakpoint.message_index].content
+        head[-1]["content"] = "".join(part["text"] for part in parts[: breakpoint.part_index + 1])
+    return head
+
+
+def breakpoint_retention(request: ChatCompletionRequest, prefix_len: int, ttl_s: float,
+                         whole: Retention | None) -> Retention:
+    """The retention of a prompt whose last cache breakpoint ends after ``prefix_len`` tokens; a
+    ``prompt_cache_retention`` object given too sets the priority (and a longer TTL)."""
+    priority = whole.priority if whole is not None else RETENTION_DEFAULT_PRIORITY
+    if whole is not None and whole.ttl_s is not None:
+        ttl_s = max(ttl_s, whole.ttl_s)
+    return _retention(priority, ttl_s, prefix_len, "messages")
+
+
 def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
     """APIError(400) unless every id of a token-id prompt is in ``[0, vocab_size)``."""
     bad = [token for token in token_ids if not 0 <= token < vocab_size]
@@ -242,10 +358,12 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached: CachedTokens
+    cache_write_tokens: int = 0
 
     @classmethod
     def of(cls, output: RequestOutput) -> "Usage":
-        return cls(output.num_prompt_tokens, output.num_output_tokens, output.cached_tokens)
+        return cls(output.num_prompt_tokens, output.num_output_tokens, output.cached_tokens,
+                   output.cache_write_tokens)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -256,6 +374,7 @@ class Usage:
                 "cached_tokens": self.cached.total,
                 "cached_tokens_by_source": self.cached.as_dict(),
                 "computed_tokens": self.prompt_tokens - self.cached.total,
+                "cache_write_tokens": self.cache_write_tokens,
             },
         }
 

@@ -66,6 +66,44 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+RETENTION_MAX_PRIORITY = 100
+RETENTION_DEFAULT_PRIORITY = 50
+"""Priority given when a request asks for retention without naming one (Anthropic-style ``cache_control``)."""
+RETENTION_MAX_TTL_S = 24 * 3600.0
+"""Longest TTL a request may ask for (OpenAI's ``prompt_cache_retention: "24h"``); admin pins may have none."""
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long and how firmly to keep a prompt's prefix cached (the pages fully inside its first ``num_tokens``).
+
+    Pages with a higher ``priority`` are evicted only after every lower-priority page; among equals, least recently used
+    first. Priority 0 is plain LRU (today's behaviour). After ``ttl_s`` seconds without a hit, a page drops back to
+    priority 0 (each hit restarts the clock). ``ttl_s`` None: kept until unpinned (admin pins only)."""
+
+    priority: int = RETENTION_DEFAULT_PRIORITY
+    ttl_s: float | None = 300.0
+    num_tokens: int | None = None
+    """Prefix length in tokens the retention covers (a cache breakpoint); None: the whole prompt."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or not (
+                0 <= self.priority <= RETENTION_MAX_PRIORITY):
+            raise ValueError(f"retention priority must be an integer in [0, {RETENTION_MAX_PRIORITY}], "
+                             f"got {self.priority!r}")
+        if self.ttl_s is not None and (isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float))
+                                       or not 0 < self.ttl_s <= RETENTION_MAX_TTL_S):
+            raise ValueError(f"retention ttl must be a number of seconds in (0, {RETENTION_MAX_TTL_S:.0f}], "
+                             f"got {self.ttl_s!r}")
+        if self.num_tokens is not None and (not isinstance(self.num_tokens, int) or self.num_tokens < 0):
+            raise ValueError(f"retention num_tokens must be an integer >= 0, got {self.num_tokens!r}")
+
+    def num_pages(self, num_prompt_tokens: int, page_size: int) -> int:
+        """Full pages of the prompt the retention covers (a breakpoint inside a page leaves that page out)."""
+        limit = num_prompt_tokens if self.num_tokens is None else min(self.num_tokens, num_prompt_tokens)
+        return limit // page_size
+
+
 @dataclass
 class EngineRequest:
     """One generation request as the engine sees it: token ids in, tokens out."""
@@ -82,6 +120,8 @@ class EngineRequest:
     """Id of a replica that the router believes holds more of this prompt's pages (for peer copy)."""
     target_replica: str | None = None
     """Pin the request to this replica (operators, tests); the router still names the best holder in peer_hint."""
+    retention: Retention | None = None
+    """Keep the prompt's prefix cached with this priority and TTL (None: plain LRU, today's behaviour)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +159,8 @@ class RequestOutput:
     num_output_tokens: int
     cached_tokens: CachedTokens
     replica_id: str = ""
+    cache_write_tokens: int = 0
+    """Prompt tokens this request computed and wrote into the prefix cache (full pages new to the cache)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +180,59 @@ class EngineStats:
     num_waiting: int
     num_requests_finished: int
     page_size: int
+    kv_cache: "KVCacheMetrics | None" = None
+    """Page lifetime, idle-before-evict, reuse gaps, evictions by reason and priority (None from older replicas)."""
+
+
+PAGE_TIME_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 4 * 3600.0)
+"""Upper bounds in seconds of the page-time histograms (the last bucket, +Inf, is implied)."""
+
+
+@dataclass
+class TimeHistogram:
+    """A fixed-bucket histogram of durations; ``counts[i]`` counts values <= ``bounds[i]`` and > the bound before
+    (``counts[-1]``: above the last bound). Not cumulative; the Prometheus renderer accumulates."""
+
+    bounds: tuple[float, ...] = PAGE_TIME_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(PAGE_TIME_BUCKETS) + 1))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        index = 0
+        while index < len(self.bounds) and seconds > self.bounds[index]:
+            index += 1
+        self.counts[index] += 1
+        self.total += seconds
+        self.count += 1
+
+    def copy(self) -> "TimeHistogram":
+        return TimeHistogram(self.bounds, list(self.counts), self.total, self.count)
+
+
+@dataclass
+class KVCacheMetrics:
+    """What vLLM's ``--kv-cache-metrics`` reports, for one replica since start (a snapshot when sent).
+
+    lifetime: cached (committed) -> evicted; idle_before_evict: last use -> evicted; reuse_gap: last use -> next hit.
+    ``evictions``: (reason, priority) -> pages; reason = capacity (room for new tokens) | ttl (its retention expired,
+    then room was needed) | reset (reset_prefix_cache). ``priority`` is the page's retention priority (0: plain LRU)."""
+
+    lifetime: TimeHistogram = field(default_factory=TimeHistogram)
+    idle_before_evict: TimeHistogram = field(default_factory=TimeHistogram)
+    reuse_gap: TimeHistogram = field(default_factory=TimeHistogram)
+    evictions: dict[tuple[str, int], int] = field(default_factory=dict)
+    num_retained_pages: int = 0
+    """Pages whose retention (priority > 0, TTL not expired) holds now."""
+    max_retained_pages: int = 0
+    """The replica's retention budget in pages (--kv-cache-retention-budget)."""
+    retention_demotions: dict[str, int] = field(default_factory=dict)
+    """Pages whose retention ended, by why: ttl | budget (a higher priority needed the room) | unpin."""
+
+    def copy(self) -> "KVCacheMetrics":
+        return KVCacheMetrics(self.lifetime.copy(), self.idle_before_evict.copy(), self.reuse_gap.copy(),
+                              dict(self.evictions), self.num_retained_pages, self.max_retained_pages,
+                              dict(self.retention_demotions))
 
 
 @dataclass(frozen=True)
@@ -210,3 +305,38 @@ class KVSourceStats:
     """By tier name ("host", "disk")."""
     peer_transport: dict[str, int] = field(default_factory=dict)
     """Pages copied from peers by transport: "cuda_ipc" (device to device) or "host"."""
+
+
+@dataclass(frozen=True)
+class PinPrefix:
+    """Admin: keep the prefix with these page keys cached on every replica (pages cached later are retained too)."""
+
+    page_keys: tuple[PageKey, ...]
+    priority: int = RETENTION_MAX_PRIORITY
+    ttl_s: float | None = None
+    """None: until unpinned."""
+    label: str = ""
+    """The start of the prompt text, for listings."""
+
+
+@dataclass(frozen=True)
+class PrefixReport:
+    """One retained prefix as one replica sees it (the admin endpoint merges the replicas' reports)."""
+
+    replica_id: str
+    prefix_id: str
+    source: str
+    """"admin" or "request"."""
+    label: str
+    priority: int
+    ttl_s: float | None
+    num_pages: int
+    num_pages_resident: int
+    """Leading pages of the prefix in this replica's cache now."""
+    num_pages_retained: int
+    """... of which hold a retention now."""
+    num_requests: int
+    num_hits: int
+    cached_tokens: int
+    idle_s: float
+    """Seconds since a request last used it here."""

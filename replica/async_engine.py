@@ -130,6 +130,15 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         return await self._call(self.engine.reset_prefix_cache)
 
+    async def pin_prefix(self, pin) -> tuple[int, int]:
+        return await self._call(lambda: self.engine.pin_prefix(pin))
+
+    async def unpin_prefix(self, prefix_id: str) -> bool:
+        return await self._call(lambda: self.engine.unpin_prefix(prefix_id))
+
+    async def prefix_reports(self) -> list:
+        return await self._call(self.engine.prefix_reports)
+
     async def cached_page_keys(self) -> list[bytes]:
         return await self._call(self.engine.kv.cached_keys)
 

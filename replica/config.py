@@ -66,6 +66,9 @@ class EngineConfig:
     kv_tier_key_file: str | None = None
     """The cluster key that names, seals and authenticates shared-tier pages (``replica.tiers.seal``); None: this
     machine's ``<cache dir>/kv-tier.key``, created on first use."""
+    kv_cache_retention_budget: float = 0.5
+    """Fraction of the page pool that may hold a retention (priority + TTL) at once, so that retained prefixes can
+    never fill the pool: at least the rest is always plain LRU."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size <= 0 or self.page_size % PAGE_SIZE_MULTIPLE:
@@ -89,6 +92,10 @@ class EngineConfig:
             raise ValueError(f"--max-model-len must be an integer >= 2, got {self.max_model_len!r}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if not isinstance(self.kv_cache_retention_budget, (int, float)) or not (
+                0.0 <= self.kv_cache_retention_budget <= 1.0):
+            raise ValueError(f"--kv-cache-retention-budget must be a fraction in [0, 1], got "
+                             f"{self.kv_cache_retention_budget!r}; try 0.5")
         if self.disk_cache_budget_bytes <= 0:
             raise ValueError(f"--disk-cache-budget must be positive, got {self.disk_cache_budget_bytes}; try 8GiB")
 

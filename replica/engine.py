@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from common.errors import InvalidRequestError
 from common.page_keys import PageKey, compute_page_keys, hash_page
-from common.types import CachedTokens, EngineRequest, EngineStats, RequestOutput
+from common.types import CachedTokens, EngineRequest, EngineStats, PinPrefix, PrefixReport, RequestOutput
 from replica.config import EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
 from replica.kv_manager import KVCacheManager
@@ -70,6 +71,7 @@ class LLMEngine:
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         device: torch.device | str = "cpu",
         multimodal: bool = False,
+        clock=time.monotonic,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -92,7 +94,8 @@ class LLMEngine:
         self.model_fingerprint = self.runner.fingerprint
         self.vocab_size = model.config.get_text_config().vocab_size
         self.max_model_len = self._resolve_max_model_len(model.config, num_pages)
-        self.kv = KVCacheManager(num_pages, config.page_size, enable_prefix_caching=enable_prefix_caching)
+        self.kv = KVCacheManager(num_pages, config.page_size, enable_prefix_caching=enable_prefix_caching,
+                                 max_retained_pages=int(num_pages * config.kv_cache_retention_budget), clock=clock)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -140,6 +143,13 @@ class LLMEngine:
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         if request.request_id in self._tracked:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+        retention = request.retention
+        if retention is not None and self.enable_prefix_caching:
+            num_retained = retention.num_pages(num_prompt, self.config.page_size)
+            if num_retained > self.kv.pool.max_retained_pages:
+                raise InvalidRequestError(
+                    f"the retained prefix covers {num_retained} pages; this replica retains at most "
+                    f"{self.kv.pool.max_retained_pages} (--kv-cache-retention-budget); retain a shorter prefix")
         if not self.enable_prefix_caching:
             return AdmissionPlan(request, [], range(0))
         keys = self._checked_page_keys(request)
@@ -162,6 +172,9 @@ class LLMEngine:
             page_keys=list(plan.page_keys),
             fetched=tuple(fetched),
             first_fetched_index=plan.missing.start,
+            retention=request.retention if self.enable_prefix_caching else None,
+            num_retained_pages=(request.retention.num_pages(len(request.prompt_token_ids), self.config.page_size)
+                                if request.retention is not None and self.enable_prefix_caching else 0),
         )
         self._tracked[request.request_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, request.sampling.stop))
         self.scheduler.add(seq)
@@ -233,13 +246,24 @@ class LLMEngine:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             newly_cached.extend(self.scheduler.commit_computed_pages(chunk.seq))
         if newly_cached and self.page_sink is not None:
-            self.page_sink([PageRecord(page.key, page.token_ids, self.runner.read_page(page.page_id))
-                            for page in newly_cached])
+            records = []
+            for page in newly_cached:
+                priority, until = self._tier_retention(page.page_id)
+                records.append(PageRecord(page.key, page.token_ids, self.runner.read_page(page.page_id),
+                                          retention_priority=priority, retain_until=until))
+            self.page_sink(records)
         outputs = []
         for seq, token in zip(sampling_seqs, new_tokens):
             seq.output_token_ids.append(token)
             outputs.append(self._advance(seq))
         return [output for output in outputs if output is not None]
+
+    def _tier_retention(self, page_id: int) -> tuple[int, float]:
+        """(priority, wall-clock end) of a page's retention, for the shared tiers ((0, 0.0): none)."""
+        retention = self.kv.pool.retention_of(page_id)
+        if retention is None:
+            return 0, 0.0
+        return retention.priority, retention.expires_at - self.kv.clock() + time.time()
 
     def _import_pages(self, imports: list[PageImport]) -> None:
         """Write fetched pages into the pool pages the scheduler gave them, then register them in the prefix cache
@@ -249,6 +273,7 @@ class LLMEngine:
             self.runner.write_page(page_id, item.page.kv)
             result = self.kv.commit_page(page_id, item.page.key, item.page.token_ids)
             item.seq.page_ids[item.page_index] = result.page_id
+            self.scheduler.retain_pages(item.seq, [result.page_id], item.page_index)
 
     def _advance(self, seq: Sequence) -> RequestOutput | None:
         tracked = self._tracked[seq.request_id]
@@ -283,6 +308,7 @@ class LLMEngine:
             num_output_tokens=len(seq.output_token_ids),
             cached_tokens=CachedTokens.of(seq.cached_by_source),
             replica_id=self.config.replica_id,
+            cache_write_tokens=seq.num_cache_write_tokens,
         )
 
     def export_pages(self, keys: list[PageKey], *, to_cpu: bool = True) -> list[PageRecord]:
@@ -295,8 +321,10 @@ class LLMEngine:
             pages = []
             for key, page_id in zip(keys, page_ids):
                 kv = self.runner.read_page(page_id)
+                priority, until = self._tier_retention(page_id)
                 pages.append(PageRecord(key, self.kv.cache.page_to_token_ids[page_id],
-                                        kv.to("cpu", copy=True) if to_cpu else kv.clone()))
+                                        kv.to("cpu", copy=True) if to_cpu else kv.clone(),
+                                        retention_priority=priority, retain_until=until))
             return pages
         finally:
             self.kv.release(page_ids)
@@ -304,6 +332,18 @@ class LLMEngine:
     # ---- management ----------------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    def pin_prefix(self, pin: PinPrefix) -> tuple[int, int]:
+        """Admin: retain a prefix here (see ``KVCacheManager.pin_prefix``); (pages cached here, pages retained)."""
+        if not self.enable_prefix_caching:
+            return 0, 0
+        return self.kv.pin_prefix(pin)
+
+    def unpin_prefix(self, prefix_id: str) -> bool:
+        return self.kv.unpin_prefix(prefix_id)
+
+    def prefix_reports(self) -> list[PrefixReport]:
+        return self.kv.prefix_reports(self.config.replica_id)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -320,6 +360,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_requests_finished=self.num_requests_finished,
             page_size=self.config.page_size,
+            kv_cache=self.kv.kv_cache_metrics(),
         )
 
     def check_integrity(self) -> None:

@@ -8,17 +8,24 @@ The scheduler talks only to this class (never to the free queue). Invariants, ch
 
 With prefix caching off the cache is a ``NullPrefixCache``: nothing is inserted, so nothing is ever matched and
 released pages are plain free pages.
+
+Retention (priority + TTL, see page_pool) is given to cached pages with ``retain``; the manager also keeps the page-time
+metrics of vLLM's ``--kv-cache-metrics`` (``KVCacheMetrics``): lifetime (cached -> evicted), idle before eviction (last
+use -> evicted), reuse gap (last use -> next hit), and evictions by reason (capacity | ttl | reset) and priority.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from common.page_keys import PageKey
+from common.types import KVCacheMetrics, PinPrefix, PrefixReport
 from replica.page_pool import PagePool
 from replica.prefix_cache import NullPrefixCache, PrefixCache
+from replica.retention import RetentionRegistry
 
 
 @dataclass(frozen=True)
@@ -33,11 +40,19 @@ class CommitResult:
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
+                 max_retained_pages: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """``max_retained_pages``: the retention budget (None: the whole pool). ``clock``: seconds (tests pass a
+        fake one)."""
         self.page_size = page_size
-        self.pool = PagePool(num_pages)
+        self.clock = clock
+        self.pool = PagePool(num_pages, max_retained_pages=max_retained_pages, clock=clock)
         self.cache = PrefixCache() if enable_prefix_caching else NullPrefixCache()
         self.num_evictions = 0
+        self.metrics = KVCacheMetrics(max_retained_pages=self.pool.max_retained_pages)
+        self._page_to_cached_at: dict[int, float] = {}
+        self._page_to_last_use: dict[int, float] = {}
+        self.registry = RetentionRegistry(page_size, clock)
         self._events: list[KVEvent] = []
         self._event_seq = 0
 
@@ -75,18 +90,24 @@ class KVCacheManager:
 
     # ---- mutations -----------------------------------------------------------------------------------------------
     def acquire(self, page_ids: Sequence[int]) -> None:
-        """Pin pages found by ``match_prefix`` (one reference each)."""
+        """Pin pages found by ``match_prefix`` (one reference each); a hit restarts a retained page's TTL."""
+        now = self.clock()
         for page_id in page_ids:
+            last_use = self._page_to_last_use.get(page_id)
+            if last_use is not None:
+                self.metrics.reuse_gap.observe(now - last_use)
+                self._page_to_last_use[page_id] = now
             self.pool.acquire(page_id)
 
     def allocate(self, num_pages: int) -> list[int]:
         """Fresh pages for new tokens. Cached pages taken from the free queue are evicted from the cache."""
         page_ids = self.pool.allocate(num_pages)
         evicted = []
-        for page_id in page_ids:
-            key = self.cache.remove(page_id)
+        for taken in self.pool.last_taken:
+            key = self.cache.remove(taken.page_id)
             if key is not None:
                 evicted.append(key)
+                self._observe_eviction(taken.page_id, "ttl" if taken.expired else "capacity", taken.priority)
         if evicted:
             self.num_evictions += len(evicted)
             self._emit(PagesRemoved, tuple(evicted))
@@ -95,8 +116,67 @@ class KVCacheManager:
     def release(self, page_ids: Sequence[int]) -> None:
         """Drop one reference on each page, last page first, so that a request's deepest pages are reused before its
         leading ones (which are the likeliest to be shared)."""
+        now = self.clock()
         for page_id in reversed(page_ids):
+            if page_id in self._page_to_last_use:
+                self._page_to_last_use[page_id] = now
             self.pool.release(page_id, keep_contents=self.cache.key_of(page_id) is not None)
+
+    def retain(self, page_ids: Sequence[int], priority: int, ttl_s: float | None) -> int:
+        """Give the cached pages among ``page_ids`` this retention (see ``PagePool.retain``); returns how many
+        took it (the budget may refuse some)."""
+        return sum(1 for page_id in page_ids
+                   if self.cache.key_of(page_id) is not None and self.pool.retain(page_id, priority, ttl_s))
+
+    def unretain(self, page_ids: Sequence[int]) -> int:
+        return sum(1 for page_id in page_ids if self.pool.unretain(page_id))
+
+    def pin_prefix(self, pin: PinPrefix) -> tuple[int, int]:
+        """Admin pin: remember it (pages cached later get it) and retain the pages cached now. Returns (pages of the
+        prefix cached here, pages that took the retention)."""
+        self.registry.add(pin.page_keys, priority=pin.priority, ttl_s=pin.ttl_s, source="admin", label=pin.label)
+        page_ids = self.match_prefix(pin.page_keys)
+        return len(page_ids), self.retain(page_ids, pin.priority, pin.ttl_s)
+
+    def unpin_prefix(self, prefix_id: str) -> bool:
+        """Forget a listed prefix and end the retention of its pages that no other listed prefix shares."""
+        entry = self.registry.remove(prefix_id)
+        if entry is None:
+            return False
+        still = self.registry.keys_still_pinned()
+        page_ids = self.match_prefix(entry.keys)
+        self.unretain([page_id for page_id, key in zip(page_ids, entry.keys) if key not in still])
+        return True
+
+    def prefix_reports(self, replica_id: str) -> list[PrefixReport]:
+        now = self.clock()
+        reports = []
+        for entry in self.registry.entries():
+            page_ids = self.match_prefix(entry.keys)
+            reports.append(PrefixReport(
+                replica_id=replica_id, prefix_id=entry.prefix_id, source=entry.source, label=entry.label,
+                priority=entry.priority, ttl_s=entry.ttl_s, num_pages=len(entry.keys),
+                num_pages_resident=len(page_ids),
+                num_pages_retained=sum(1 for page_id in page_ids if self.pool.retention_of(page_id) is not None),
+                num_requests=entry.num_requests, num_hits=entry.num_hits, cached_tokens=entry.cached_tokens,
+                idle_s=round(now - entry.last_used_at, 3)))
+        return reports
+
+    def kv_cache_metrics(self) -> KVCacheMetrics:
+        """A snapshot of the page-time metrics and retention gauges."""
+        self.metrics.num_retained_pages = self.pool.num_retained
+        self.metrics.retention_demotions = dict(self.pool.demotions)
+        return self.metrics.copy()
+
+    def _observe_eviction(self, page_id: int, reason: str, priority: int) -> None:
+        now = self.clock()
+        cached_at = self._page_to_cached_at.pop(page_id, None)
+        last_use = self._page_to_last_use.pop(page_id, None)
+        if cached_at is not None:
+            self.metrics.lifetime.observe(now - cached_at)
+        if last_use is not None:
+            self.metrics.idle_before_evict.observe(now - last_use)
+        self.metrics.evictions[(reason, priority)] = self.metrics.evictions.get((reason, priority), 0) + 1
 
     def commit_page(self, page_id: int, key: PageKey, token_ids: Sequence[int]) -> CommitResult:
         """Register a newly filled full page under ``key``.
@@ -113,6 +193,12 @@ class KVCacheManager:
             return CommitResult(existing, True)
         if not self.cache.insert(key, page_id, token_ids):
             return CommitResult(page_id, False)
+        now = self.clock()
+        self._page_to_cached_at[page_id] = now
+        self._page_to_last_use[page_id] = now
+        pin = self.registry.pin_for(key)
+        if pin is not None:
+            self.pool.retain(page_id, *pin)
         self._emit(PagesStored, (key,))
         return CommitResult(page_id, False, newly_cached=True)
 
@@ -121,6 +207,10 @@ class KVCacheManager:
         use, like other servers' reset endpoints."""
         if self.num_pages_in_use:
             return False
+        for page_id in list(self.cache.page_to_key):
+            self._observe_eviction(page_id, "reset", self.pool.priority_of(page_id))
+        self.pool.clear_retention()
+        self.registry.clear_requests()
         self.cache.clear()
         self._emit_cleared()
         return True

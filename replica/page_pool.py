@@ -1,21 +1,35 @@
-"""Page pool: page ids, reference counts and the free queue of one replica.
+"""Page pool: page ids, reference counts, retention (priority + TTL) and the free queue of one replica.
 
-Eviction order: the free queue holds every page with reference count 0, least recently released at the head.
-``allocate`` takes pages from the head, so a cached page released long ago is reused (its KV overwritten) first and a
-cached page released just now is reused last. Pages that hold nothing worth keeping (never filled, or not in the prefix
-cache) are put at the head on release, so they are reused before any cached page. A prefix-cache hit takes a page out
-of the middle of the queue in O(1) (``acquire``).
+Eviction order: the free queue holds every page with reference count 0. ``allocate`` takes pages
 
-    free queue:  head -> [ 7 (no key) | 3 (cached, old) | 5 (cached) | 1 (cached, newest) ] <- tail
-                 allocate(2) returns [7, 3]
+1. that hold nothing worth keeping (never filled, or not in the prefix cache), most recently released first;
+2. then cached pages by retention priority, lowest first (0 = plain LRU, what every page has unless a request or an
+   admin pin retains it), and within one priority least recently released first.
+
+So a page whose retention has not expired is never evicted while a page of lower priority is free. A retained page
+whose TTL passes without a hit drops to priority 0 at the head of that level (it is the first cached page to go; its
+eviction is counted with reason "ttl"). A prefix-cache hit takes a page out of the middle of the queue in O(1)
+(``acquire``) and restarts its TTL.
+
+    free queue:  head -> [ 7 (no key) | 3 (p0, old) | 5 (p0) | 1 (p0, newest) | 4 (p50) | 2 (p100) ] <- tail
+                 allocate(2) returns [7, 3]; page 2 goes last
+
+Retention is soft: a retained page is still a free page (it counts in ``num_free``), so pins can never starve a running
+request or deadlock the scheduler; they only decide the order. At most ``max_retained_pages`` pages hold a retention at
+once (the budget flag): a new retention beyond it replaces the lowest-priority one held (if lower), else is refused.
 
 The KV tensor itself (``[layers, 2, num_pages, page_size, kv_heads, head_dim]``) is allocated by ``allocate_kv_tensor``;
-the pool only manages ids, so its logic is unit tested without touching memory.
+the pool only manages ids, so its logic is unit tested without touching memory (and with a fake clock).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
+import math
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -24,65 +38,250 @@ class OutOfPagesError(RuntimeError):
     """Raised by ``allocate`` when fewer pages are free than asked for (the scheduler checks first)."""
 
 
-class PagePool:
-    """Page ids 0..num_pages-1 with reference counts and an LRU free queue (see the module docstring)."""
+@dataclass
+class PageRetention:
+    """A page's retention: its priority until ``expires_at`` (``math.inf``: until released by ``unretain``)."""
 
-    def __init__(self, num_pages: int) -> None:
+    priority: int
+    ttl_s: float | None
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class TakenPage:
+    """A page ``allocate`` handed out, with what it was before (for the eviction metrics)."""
+
+    page_id: int
+    priority: int
+    """Retention priority it was evicted at (its former priority if the TTL had expired)."""
+    expired: bool
+    """Its retention had expired (eviction reason "ttl")."""
+
+
+class PagePool:
+    """Page ids 0..num_pages-1 with reference counts, retention and a free queue (see the module docstring)."""
+
+    def __init__(self, num_pages: int, *, max_retained_pages: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if num_pages < 1:
             raise ValueError(f"a page pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
+        self.max_retained_pages = num_pages if max_retained_pages is None else max_retained_pages
+        self.clock = clock
         self.refcounts = [0] * num_pages
-        self._free_queue: OrderedDict[int, None] = OrderedDict((page_id, None) for page_id in range(num_pages))
+        self._unkept: OrderedDict[int, None] = OrderedDict((page_id, None) for page_id in range(num_pages))
+        self._levels: dict[int, OrderedDict[int, None]] = {}
+        """Free cached pages by effective priority; each an LRU queue (head = released longest ago)."""
+        self._page_to_retention: dict[int, PageRetention] = {}
+        self._expiry_heap: list[tuple[float, int]] = []
+        self._page_to_expired_priority: dict[int, int] = {}
+        """Free pages whose retention expired, with the priority they had (eviction reason "ttl")."""
+        self.demotions: Counter[str] = Counter()
+        self.last_taken: list[TakenPage] = []
+        """What the latest ``allocate`` took (read by the KV manager for its eviction metrics)."""
 
+    # ---- queries -------------------------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Pages with reference count 0 (including cached ones that may still be hit)."""
-        return len(self._free_queue)
+        """Pages with reference count 0 (including cached and retained ones that may still be hit)."""
+        return len(self._unkept) + sum(len(level) for level in self._levels.values())
+
+    @property
+    def num_retained(self) -> int:
+        self.expire()
+        return len(self._page_to_retention)
 
     def is_free(self, page_id: int) -> bool:
         return self.refcounts[page_id] == 0
 
+    def retention_of(self, page_id: int) -> PageRetention | None:
+        self.expire()
+        return self._page_to_retention.get(page_id)
+
+    def priority_of(self, page_id: int) -> int:
+        retention = self.retention_of(page_id)
+        return retention.priority if retention is not None else 0
+
     def free_queue_order(self) -> list[int]:
         """Page ids from head (reused first) to tail (reused last); for tests and debugging."""
-        return list(self._free_queue)
+        self.expire()
+        order = list(self._unkept)
+        for priority in sorted(self._levels):
+            order.extend(self._levels[priority])
+        return order
 
+    # ---- references ----------------------------------------------------------------------------------------------
     def allocate(self, num_pages: int) -> list[int]:
-        """Take ``num_pages`` pages from the head of the free queue, each with reference count 1."""
-        if num_pages > len(self._free_queue):
-            raise OutOfPagesError(f"asked for {num_pages} pages, {len(self._free_queue)} free")
-        page_ids = []
+        """Take ``num_pages`` pages from the head of the free queue, each with reference count 1; their retention
+        ends (the caller overwrites them)."""
+        if num_pages > self.num_free:
+            raise OutOfPagesError(f"asked for {num_pages} pages, {self.num_free} free")
+        self.expire()
+        taken = []
         for _ in range(num_pages):
-            page_id, _ = self._free_queue.popitem(last=False)
+            if self._unkept:
+                page_id, _ = self._unkept.popitem(last=False)
+                taken.append(TakenPage(page_id, 0, False))
+            else:
+                priority = min(self._levels)
+                level = self._levels[priority]
+                page_id, _ = level.popitem(last=False)
+                if not level:
+                    del self._levels[priority]
+                expired_priority = self._page_to_expired_priority.pop(page_id, None)
+                self._page_to_retention.pop(page_id, None)
+                taken.append(TakenPage(page_id, priority if expired_priority is None else expired_priority,
+                                       expired_priority is not None))
             self.refcounts[page_id] = 1
-            page_ids.append(page_id)
-        return page_ids
+        self.last_taken = taken
+        return [page.page_id for page in taken]
 
     def acquire(self, page_id: int) -> None:
-        """Add a reference (a prefix hit); a free page leaves the free queue."""
+        """Add a reference (a prefix hit): a free page leaves the free queue; a retention's TTL restarts."""
+        self.expire()
         if self.refcounts[page_id] == 0:
-            del self._free_queue[page_id]
+            self._remove_free(page_id)
         self.refcounts[page_id] += 1
+        retention = self._page_to_retention.get(page_id)
+        if retention is not None and retention.ttl_s is not None:
+            self._set_expiry(page_id, retention, self.clock() + retention.ttl_s)
 
     def release(self, page_id: int, *, keep_contents: bool) -> None:
-        """Drop a reference. At zero the page joins the free queue: at the tail when its contents are worth keeping
-        (it is in the prefix cache), at the head otherwise."""
+        """Drop a reference. At zero the page joins the free queue: at the tail of its priority level when its
+        contents are worth keeping (it is in the prefix cache), at the head of everything otherwise (and its
+        retention ends)."""
         if self.refcounts[page_id] <= 0:
             raise RuntimeError(f"page {page_id} released more often than acquired")
+        self.expire()
         self.refcounts[page_id] -= 1
+        if self.refcounts[page_id] > 0:
+            return
+        if not keep_contents:
+            self._page_to_retention.pop(page_id, None)
+            self._page_to_expired_priority.pop(page_id, None)
+            self._unkept[page_id] = None
+            self._unkept.move_to_end(page_id, last=False)
+            return
+        self._level(self.priority_of(page_id))[page_id] = None
+
+    # ---- retention -----------------------------------------------------------------------------------------------
+    def retain(self, page_id: int, priority: int, ttl_s: float | None) -> bool:
+        """Give the page (it must hold cached contents) at least this priority for ``ttl_s`` seconds from now (None:
+        until ``unretain``). A page keeps the higher of its current and the new priority, and the later expiry.
+        False when the budget is full of retentions of this priority or higher (nothing changes then)."""
+        if priority <= 0:
+            return False
+        self.expire()
+        now = self.clock()
+        expires_at = math.inf if ttl_s is None else now + ttl_s
+        current = self._page_to_retention.get(page_id)
+        if current is None:
+            if len(self._page_to_retention) >= self.max_retained_pages and not self._make_room(priority):
+                return False
+            current = PageRetention(0, ttl_s, -math.inf)
+            self._page_to_retention[page_id] = current
+            self._page_to_expired_priority.pop(page_id, None)
+        elif priority > current.priority or (priority == current.priority and expires_at > current.expires_at):
+            current.ttl_s = ttl_s
+        old_priority = current.priority
+        current.priority = max(current.priority, priority)
+        if expires_at > current.expires_at:
+            self._set_expiry(page_id, current, expires_at)
+        if self.refcounts[page_id] == 0 and current.priority != old_priority:
+            self._move_free(page_id, current.priority)
+        return True
+
+    def unretain(self, page_id: int, reason: str = "unpin") -> bool:
+        """End the page's retention now; a free page goes to the tail of priority 0 (most recently used there)."""
+        retention = self._page_to_retention.pop(page_id, None)
+        if retention is None:
+            return False
+        self.demotions[reason] += 1
         if self.refcounts[page_id] == 0:
-            self._free_queue[page_id] = None
-            if not keep_contents:
-                self._free_queue.move_to_end(page_id, last=False)
+            self._move_free(page_id, 0)
+        return True
+
+    def clear_retention(self) -> None:
+        """Drop every retention (reset): free retained pages move to the tail of priority 0."""
+        for page_id in list(self._page_to_retention):
+            self.unretain(page_id, "reset")
+        self._page_to_expired_priority.clear()
+
+    def expire(self) -> None:
+        """Retentions whose TTL has passed end: a free page moves to the head of priority 0 (the first cached page to
+        be evicted, reason "ttl")."""
+        if not self._expiry_heap:
+            return
+        now = self.clock()
+        while self._expiry_heap and self._expiry_heap[0][0] <= now:
+            expires_at, page_id = heapq.heappop(self._expiry_heap)
+            retention = self._page_to_retention.get(page_id)
+            if retention is None or retention.expires_at != expires_at:
+                continue  # stale entry: the TTL was restarted or the retention ended
+            del self._page_to_retention[page_id]
+            self.demotions["ttl"] += 1
+            if self.refcounts[page_id] == 0:
+                self._move_free(page_id, 0, to_head=True)
+                self._page_to_expired_priority[page_id] = retention.priority
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+    def _level(self, priority: int) -> OrderedDict[int, None]:
+        level = self._levels.get(priority)
+        if level is None:
+            level = self._levels[priority] = OrderedDict()
+        return level
+
+    def _remove_free(self, page_id: int) -> None:
+        if page_id in self._unkept:
+            del self._unkept[page_id]
+            return
+        self._page_to_expired_priority.pop(page_id, None)
+        for priority, level in self._levels.items():
+            if page_id in level:
+                del level[page_id]
+                if not level:
+                    del self._levels[priority]
+                return
+        raise AssertionError(f"free page {page_id} is in no queue")
+
+    def _move_free(self, page_id: int, new_priority: int, *, to_head: bool = False) -> None:
+        """A free cached page changes priority level (tail of the new level, or head with ``to_head``)."""
+        self._remove_free(page_id)
+        target = self._level(new_priority)
+        target[page_id] = None
+        if to_head:
+            target.move_to_end(page_id, last=False)
+
+    def _set_expiry(self, page_id: int, retention: PageRetention, expires_at: float) -> None:
+        retention.expires_at = expires_at
+        if expires_at != math.inf:
+            heapq.heappush(self._expiry_heap, (expires_at, page_id))
+
+    def _make_room(self, priority: int) -> bool:
+        """Budget full: end the retention of the lowest-priority page held (the one expiring first among equals) if it
+        is below ``priority``."""
+        victim = min(self._page_to_retention.items(), key=lambda item: (item[1].priority, item[1].expires_at))
+        if victim[1].priority >= priority:
+            return False
+        self.unretain(victim[0], "budget")
+        return True
 
     def check_integrity(self) -> None:
-        """Free queue == pages with reference count 0; no negative counts."""
+        """Free queue == pages with reference count 0; no negative counts; free pages sit at their priority."""
         if any(count < 0 for count in self.refcounts):
             raise AssertionError("negative reference count")
+        self.expire()
         zero = {page_id for page_id, count in enumerate(self.refcounts) if count == 0}
-        if zero != set(self._free_queue):
-            raise AssertionError(
-                f"free queue {sorted(self._free_queue)} differs from pages with refcount 0 {sorted(zero)}"
-            )
+        queued = list(self._unkept) + [page_id for level in self._levels.values() for page_id in level]
+        if len(queued) != len(set(queued)) or zero != set(queued):
+            raise AssertionError(f"free queue {sorted(queued)} differs from pages with refcount 0 {sorted(zero)}")
+        for priority, level in self._levels.items():
+            for page_id in level:
+                retention = self._page_to_retention.get(page_id)
+                if (retention.priority if retention is not None else 0) != priority:
+                    raise AssertionError(f"free page {page_id} queued at priority {priority}")
+        if len(self._page_to_retention) > self.max_retained_pages:
+            raise AssertionError("more retained pages than the budget")
 
 
 def allocate_kv_tensor(

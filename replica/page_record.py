@@ -29,6 +29,10 @@ class PageRecord:
     """``[num_layers, 2, page_size, num_kv_heads, head_dim]``; a view of a pool page when exported for the tiers (the
     tiers copy it before returning), else owned by the record."""
     source: CacheSource = CacheSource.LOCAL
+    retention_priority: int = 0
+    """The page's retention in the pool that computed it, for the tiers (0: plain LRU)."""
+    retain_until: float = 0.0
+    """Wall-clock end of that retention (``math.inf``: pinned)."""
 
     @property
     def num_bytes(self) -> int:

@@ -12,6 +12,11 @@ Each ``schedule()`` builds one engine step:
    is held back a step, so that concurrent requests with one prefix share one copy instead of computing it twice.
    Running requests are never preempted to admit waiting ones.
 
+Retention (priority + TTL) never changes these decisions: a retained page that no request holds is a free page
+(``num_free_pages`` counts it) that the pool evicts last, so pins cannot starve running requests or deadlock the
+queue; a request whose retained prefix alone exceeds the replica's retention budget is refused at ``plan`` time. The
+scheduler gives a request's retention to its hit pages on admission and to its new pages as they are committed.
+
 The scheduler never touches the free queue; it asks the ``KVCacheManager``. It never writes model memory either: pages
 fetched from outside the replica that an admitted request uses are listed in ``SchedulerOutput.imports`` and the
 engine writes them into their pool pages before the step runs.
@@ -171,6 +176,11 @@ class Scheduler:
                     seq.cached_by_source[page.source] = seq.cached_by_source.get(page.source, 0) + self.page_size
                 self.num_prompt_tokens_queried += seq.num_prompt_tokens
                 self.num_prompt_tokens_hit += num_computed
+                self.kv.registry.observe_request(page_keys[:max_match], num_cached_pages)
+                if seq.retention is not None and seq.num_retained_pages:
+                    self.kv.registry.add(page_keys[: seq.num_retained_pages], priority=seq.retention.priority,
+                                         ttl_s=seq.retention.ttl_s, source="request")
+            self.retain_pages(seq, hit_page_ids)
             seq.fetched = ()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -192,6 +202,14 @@ class Scheduler:
         if skip < 0:
             return []
         return list(seq.fetched[skip : skip + max(0, max_match - num_hit_pages)])
+
+    def retain_pages(self, seq: Sequence, page_ids: list[int], first_index: int = 0) -> None:
+        """Give the request's retention to those of ``page_ids`` (its pages from ``first_index`` on) that lie in its
+        retained prefix."""
+        retention = seq.retention
+        if retention is None or first_index >= seq.num_retained_pages:
+            return
+        self.kv.retain(page_ids[: seq.num_retained_pages - first_index], retention.priority, retention.ttl_s)
 
     def _page_keys(self, seq: Sequence) -> list[PageKey]:
         """Keys of the request's full pages (the prompt's came with the request; later pages are hashed as they fill);
@@ -239,6 +257,9 @@ class Scheduler:
             result = self.kv.commit_page(seq.page_ids[page_index], keys[page_index], page_tokens)
             if not result.deduplicated and result.page_id == seq.page_ids[page_index] and result.newly_cached:
                 stored.append(CommittedPage(result.page_id, keys[page_index], tuple(page_tokens)))
+                if start + self.page_size <= seq.num_prompt_tokens:
+                    seq.num_cache_write_tokens += self.page_size
             seq.page_ids[page_index] = result.page_id
+            self.retain_pages(seq, [result.page_id], page_index)
         seq.num_committed_pages = num_full
         return stored

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.page_keys import PageKey, compute_page_keys
-from common.types import CacheSource, SamplingParams
+from common.types import CacheSource, Retention, SamplingParams
 from replica.page_record import PageRecord
 
 
@@ -50,6 +50,11 @@ class Sequence:
     """Verified pages fetched from a peer or a shared tier before admission, for page indices ``first_fetched_index``
     on; the scheduler uses those that continue the local hit when it admits the request, then drops them all."""
     first_fetched_index: int = 0
+    retention: Retention | None = None
+    """Keep the first ``num_retained_pages`` pages cached with this priority and TTL (None: plain LRU)."""
+    num_retained_pages: int = 0
+    num_cache_write_tokens: int = 0
+    """Prompt tokens of pages this request computed that entered the prefix cache (usage: written to cache)."""
 
     @property
     def token_ids(self) -> list[int]:

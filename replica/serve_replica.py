@@ -8,6 +8,7 @@ prefix-aware request router). The ingress calls it through a ``DeploymentHandle`
     handle.broadcast("reset_prefix_cache")                        -> one bool per replica
     handle.broadcast("stats")                                     -> one EngineStats per replica (for /metrics)
     handle.broadcast("kv_source_stats")                           -> one KVSourceStats per replica (for /metrics)
+    handle.broadcast("pin_prefix", PinPrefix) / ("unpin_prefix", id) / ("prefix_reports")   -> admin (retention)
     handle.export_pages.remote(PeerExportRequest)                 -> PageBundle | CudaIpcBundle (peer copy, holder)
     handle.release_pages.remote(PeerRelease)                      -> bool (a CUDA IPC copy is done)
 
@@ -29,7 +30,8 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from common.types import EngineRequest, EngineStats, KVSourceStats, ReplicaInfo, RequestOutput, TierReport
+from common.types import (EngineRequest, EngineStats, KVSourceStats, PinPrefix, PrefixReport, ReplicaInfo,
+                          RequestOutput, TierReport)
 from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
 from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
@@ -155,6 +157,17 @@ class ServeReplica:
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached page not in use; False when some pages were in use and stayed (engine's contract)."""
         return await self.engine.reset_prefix_cache()
+
+    async def pin_prefix(self, pin: PinPrefix) -> dict[str, Any]:
+        """Admin: retain the prefix here (now and when its pages are cached later)."""
+        num_resident, num_retained = await self.engine.pin_prefix(pin)
+        return {"replica_id": self.replica_id, "num_pages_resident": num_resident, "num_pages_retained": num_retained}
+
+    async def unpin_prefix(self, prefix_id: str) -> bool:
+        return await self.engine.unpin_prefix(prefix_id)
+
+    async def prefix_reports(self) -> list[PrefixReport]:
+        return await self.engine.prefix_reports()
 
     def stats(self) -> EngineStats:
         """The engine's counters now (gauges and monotonic totals); cheap, for /metrics."""

@@ -112,12 +112,13 @@ def test_chat_messages_join_text_parts():
 
 
 def test_usage_reports_cached_tokens_by_source():
-    usage = Usage(prompt_tokens=300, completion_tokens=5, cached=CachedTokens(local=128, peer=128))
+    usage = Usage(prompt_tokens=300, completion_tokens=5, cached=CachedTokens(local=128, peer=128),
+                  cache_write_tokens=0)
     assert usage.body() == {
         "prompt_tokens": 300, "completion_tokens": 5, "total_tokens": 305,
         "prompt_tokens_details": {"cached_tokens": 256,
                                   "cached_tokens_by_source": {"local": 128, "peer": 128, "host": 0, "disk": 0},
-                                  "computed_tokens": 44},
+                                  "computed_tokens": 44, "cache_write_tokens": 0},
     }
 
 

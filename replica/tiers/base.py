@@ -46,6 +46,11 @@ class StoredPage:
     parent_key: PageKey | None = None
     """The key of the page before this one in its chain (None for page 0 or when unknown): the disk tier evicts a
     chain's tail before its parents."""
+    retention_priority: int = 0
+    """Retention priority of the page in the replica that computed it (0: plain LRU); tiers that honour it evict
+    lower priorities first while ``retain_until`` has not passed."""
+    retain_until: float = 0.0
+    """Wall-clock time (``time.time()``) until which ``retention_priority`` holds (``math.inf``: pinned)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, bytes) or not self.key:
@@ -65,9 +70,12 @@ class StoredPage:
     def from_format(
         cls, page_format: PageFormat, key: PageKey, token_ids: Sequence[int], kv: torch.Tensor,
         parent_key: PageKey | None = None,
+        retention_priority: int = 0, retain_until: float = 0.0,
     ) -> "StoredPage":
         """A page with the header fields of ``page_format``."""
         return cls(
+            retention_priority=retention_priority,
+            retain_until=retain_until,
             key=key,
             parent_key=parent_key,
             token_ids=tuple(token_ids),

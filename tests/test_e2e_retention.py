@@ -1,0 +1,151 @@
+"""End to end over HTTP: retention (priority + TTL) survives a flood of unique prompts and expires; admin pins.
+
+One replica of the tiny random Llama with a 16-page pool (2048 tokens), retention budget 8 pages. Prompts are token
+ids, so page counts are exact: a 2-page prefix retained three ways (the ``prompt_cache_retention`` extension field with
+a short TTL, an admin pin without one, a chat ``cache_control`` breakpoint), then a flood of unique 2-page prompts
+(more than the pool holds) evicts everything else.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.ray
+
+openai = pytest.importorskip("openai")
+
+API_KEY = "retention-secret"
+MODEL = "tiny"
+PAGE = 128
+NUM_PAGES = 16
+BYTES_PER_PAGE = 2 * 2 * PAGE * 2 * 16 * 4  # layers x (K, V) x page x kv heads x head dim x float32
+TTL_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_session, serve_http_port, tiny_llama_dir):
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import ServeConfig
+
+    config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=1, page_size=PAGE,
+                         kv_cache_memory=NUM_PAGES * BYTES_PER_PAGE, num_cpus_per_replica=0.5,
+                         served_model_name=MODEL, max_model_len=2048, api_key=API_KEY, enable_disk_cache=False,
+                         dtype="float32", kv_cache_retention_budget=0.5)
+    serve.run(build_app(config), name="e2e-retention", route_prefix="/e2e-retention")
+    yield f"http://127.0.0.1:{serve_http_port}/e2e-retention"
+    serve.delete("e2e-retention")
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def admin(base_url):
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as session:
+        yield session
+
+
+def token_prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(length)]
+
+
+def usage_of(client, prompt, **extra):
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                           extra_body=extra or None)
+    details = completion.usage.prompt_tokens_details
+    return details.cached_tokens, details.cache_write_tokens
+
+
+def flood(client, first_seed: int, count: int = 10) -> None:
+    for seed in range(first_seed, first_seed + count):
+        usage_of(client, token_prompt(seed, 2 * PAGE + 1))
+
+
+def test_admin_endpoints_refuse_without_the_key(base_url):
+    for method, path in (("GET", "/admin/prefixes"), ("POST", "/admin/prefixes/pin"),
+                         ("POST", "/admin/prefixes/unpin")):
+        response = httpx.request(method, base_url + path, json={"prompt": [1] * 200},
+                                 headers={"Authorization": "Bearer wrong"})
+        assert response.status_code == 401, path
+        assert response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.request(method, base_url + path, json={}).status_code == 401
+
+
+def test_retained_prefixes_survive_a_flood_and_the_ttl_expires(client, admin):
+    system = token_prompt(1, 2 * PAGE)
+    pinned = token_prompt(2, 2 * PAGE)
+    # 1. retention by the extension field (short TTL); the request wrote its two full pages into the cache
+    assert usage_of(client, system + [5, 6, 7], prompt_cache_retention={"priority": 80, "ttl": TTL_S}) == (0, 2 * PAGE)
+    retained_at = time.monotonic()
+    # 2. an admin pin (no TTL), computed now on the replica ("warm")
+    response = admin.post("/admin/prefixes/pin", json={"prompt": pinned, "priority": 100})
+    assert response.status_code == 200, response.text
+    pin = response.json()
+    assert (pin["num_pages"], pin["warmed"]) == (2, True)
+    # 3. a flood of unique prompts: 20 pages of plain LRU traffic through a 16-page pool
+    flood(client, 1000)
+    assert time.monotonic() - retained_at < TTL_S - 1, "the flood took too long to test the TTL"
+    assert usage_of(client, token_prompt(1000, 2 * PAGE + 1))[0] == 0  # the flood's own first prompt was evicted
+    assert usage_of(client, system + [8, 9])[0] == 2 * PAGE
+    assert usage_of(client, pinned + [8, 9])[0] == 2 * PAGE
+    # 4. per-prefix stats: both listed, resident and retained, with their hits
+    listing = {entry["prefix_id"]: entry for entry in admin.get("/admin/prefixes").json()["data"]}
+    admin_entry = listing[pin["prefix_id"]]
+    assert (admin_entry["source"], admin_entry["priority"], admin_entry["num_hits"]) == ("admin", 100, 1)
+    assert admin_entry["cached_tokens"] == 2 * PAGE
+    [where] = admin_entry["replicas"]
+    assert (where["num_pages_resident"], where["num_pages_retained"]) == (2, 2)
+    request_entries = [entry for entry in listing.values() if entry["source"] == "request"]
+    assert [(entry["priority"], entry["num_hits"]) for entry in request_entries] == [(80, 1)]
+    # 5. the TTL passes without a hit: the next flood evicts the retained prefix, not the admin pin
+    time.sleep(TTL_S + 0.5)
+    flood(client, 2000)
+    assert usage_of(client, system + [8, 9])[0] == 0
+    assert usage_of(client, pinned + [10])[0] == 2 * PAGE
+    metrics = admin.get("/metrics").text
+    assert 'prefixserve_kv_page_evictions_total{priority="80",reason="ttl"' in metrics
+    assert 'reason="capacity"' in metrics and "prefixserve_kv_page_lifetime_seconds_bucket" in metrics
+    # 6. unpin: the pages become plain LRU and leave with the next flood
+    assert admin.post("/admin/prefixes/unpin", json={"prefix_id": pin["prefix_id"]}).status_code == 200
+    assert admin.post("/admin/prefixes/unpin", json={"prefix_id": pin["prefix_id"]}).status_code == 404
+    flood(client, 3000)
+    assert usage_of(client, pinned + [11])[0] == 0
+
+
+def chat_with_breakpoint(num_words: int, question: str) -> list[dict]:
+    system_text = " ".join(f"rule{index}" for index in range(num_words))
+    return [{"role": "system", "content": [{"type": "text", "text": system_text,
+                                            "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
+            {"role": "user", "content": question}]
+
+
+def test_cache_control_breakpoint_retains_the_prefix_up_to_it(client, admin):
+    # a breakpoint whose prefix alone is more than the retention budget (8 pages) is refused, clearly
+    with pytest.raises(openai.BadRequestError, match="retention-budget"):
+        client.chat.completions.create(model=MODEL, messages=chat_with_breakpoint(300, "q"), max_tokens=1)
+    messages = chat_with_breakpoint(70, "first question")
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert first.usage.prompt_tokens_details.cache_write_tokens >= 2 * PAGE
+    entries = [entry for entry in admin.get("/admin/prefixes").json()["data"]
+               if entry["source"] == "request" and entry["ttl_s"] == 3600.0]
+    assert len(entries) == 1 and entries[0]["num_pages"] >= 2
+    num_retained = entries[0]["num_pages"]
+    flood(client, 4000)
+    messages[1]["content"] = "another question"
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= num_retained * PAGE
+    bad = [{"role": "system", "content": "x", "cache_control": {"type": "persistent"}}]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=bad, max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                  extra_body={"prompt_cache_retention": {"priority": 500}})
