@@ -1,42 +1,71 @@
-"""Prefix-aware routing policy: send a request where its prompt's pages already are, unless that replica is swamped.
+"""Prefix-aware routing policy: send a request where its time to first token is least, within a load-balance bound.
 
-Everything the policy decides is in this header; thresholds live in ``PolicyConfig``.
+Everything the policy decides is in this header; thresholds and per-unit costs live in ``PolicyConfig``.
 
-Inputs per request: its page keys (``EngineRequest.page_keys``) and the candidate replicas with their load.
+Inputs per request: its page keys (``EngineRequest.page_keys``), optionally its prompt length in tokens, and the
+candidate replicas with their load.
 
     load(r)        = max(requests r reported running + waiting,      # from routing stats, up to one period old
                          requests this router routed to r that have not finished yet)   # covers bursts
     matched(r)     = leading request pages r holds                   # PrefixIndex.longest_prefix
+    holder         = the candidate, overloaded or not, with the most matched pages (ties: lower load, fewer cached
+                     pages, higher tie score)
     min_load       = min over candidates of load(r)
     overloaded(r)  = load(r) - min_load > balance_abs_threshold  and  load(r) > balance_rel_threshold * min_load
+    eligible       = candidates that are not overloaded (never empty: a least-loaded replica is never overloaded)
 
-    1. eligible = candidates that are not overloaded (never empty: a least-loaded replica is never overloaded)
-    2. chosen   = the eligible replica with the most matched pages; ties -> lower load -> fewer cached pages -> higher
-                  tie score. When no eligible replica holds page 0 (a new prefix), fewer cached pages comes first: the
-                  prefix must be computed anyway, so new prefixes are partitioned evenly over the replicas' caches
-    3. holder   = the candidate, overloaded or not, with the most matched pages; same tie-breaks
-    4. reason   = no_match       nobody holds page 0: chosen is the least-loaded replica
-                  prefix_hit     chosen holds as many leading pages as anyone
-                  balanced_away  holder holds more but is overloaded; ``peer_hint`` = holder when it holds at least
-                                 ``min_peer_copy_pages`` more than chosen (and hints are enabled), so chosen can copy
-                                 the pages from holder instead of recomputing them
+The cost model (``enable_cost_model``, on by default) estimates each eligible replica's time to first token:
+
+    copied(r)      = matched(holder) - matched(r)   when peer hints are on, that is >= min_peer_copy_pages and the
+                     holder is expected to have computed them when r starts (pages this router sent to a replica
+                     are expected done at its busy_until after that request, times 1.5), else 0: a replica copies what its peer
+                     holds at admission and computes the rest
+    computed(r)    = prompt tokens - (matched(r) + copied(r)) * page_size      (at least 1: logits need one token)
+    wait(r)        = max(0, busy_until(r) - now)     # prefill work this router already sent to r, as a fluid queue
+    ttft(r)        = wait(r) + copied(r) * peer_copy_page_ms
+                     + ceil(computed / max_num_batched_tokens) * (step_ms + load(r) * decode_row_ms)   # engine steps,
+                     + computed * prefill_token_ms                                                  # each slowed by
+                     + attention_pair_us/1000 * computed * (reused tokens + computed / 2)           # r's decodes
+
+    1. new prefix (no candidate holds page 0): of the eligible replicas whose ttft (+ eviction cost, below) is within
+       10% of the least, the one with the fewest cached pages, then least ttft, then the tie score: the prefix must be
+       computed anyway, so new prefixes are partitioned evenly over the caches, but not onto a clearly slower replica
+    2. otherwise: the eligible replica with the least  ttft(r) + duplicate_work_weight * (work(r) - least work(r')),
+       work = the copy and compute terms of ttft: time to first token, plus the work r spends beyond the least any
+       eligible replica needs (recomputing pages a peer holds delays r's later requests and stores a second copy; a
+       cheap copy costs little), ties -> more matched pages -> lower load -> fewer cached pages -> higher tie score
+    3. busy_until(chosen) = max(busy_until, now) + its estimated compute and copy time
+
+Without the cost model (``enable_cost_model=False``: pure affinity with fallback) step 2 is: the eligible replica
+with the most matched pages (same ties).
+
+    reason = no_match       nobody holds page 0
+             prefix_hit     chosen holds as many leading pages as anyone
+             balanced_away  the holder holds more but is overloaded
+             cost_away      the holder holds more and is eligible, but waiting for it costs more than copying the
+                            pages (or computing them) on the chosen, less busy replica
+    peer_hint = holder for balanced_away / cost_away when it holds at least ``min_peer_copy_pages`` more than chosen
+                (and hints are enabled), so chosen copies the pages from holder instead of recomputing them
 
     tie score(r) = blake2b(first page key + r) (rendezvous hashing): when loads and cache sizes tie, requests sharing
                    their first page pick the same replica in every router process; a request with no full page scores
                    on the replica id alone. Within one router a new prefix also sticks to the replica it was sent to
                    before that replica's stored events arrive: the index expects the routed keys there.
 
-The thresholds follow sgl-router's cache-aware policy: both an absolute and a relative gap are needed before affinity
-is given up, so a replica holding the prefix keeps it under moderate skew (recomputing a long prefix costs more than
-waiting behind a few requests) but not under a pile-up. Free pages are carried but not scored: a replica short of pages
-evicts its least recently used cached pages first and then queues requests, which shows up in ``load``.
+The load bound follows sgl-router's cache-aware policy: both an absolute and a relative gap are needed before a
+replica is excluded. The per-unit costs default to the engine's measured numbers (BENCHMARKS.md sections 1-2, tiny
+Llama on one CPU core, float32); set them from the deployment's own measurements. Free pages are carried but not
+scored: a replica short of pages evicts its least recently used cached pages first and then queues requests, which
+shows up in ``load``.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from common.page_keys import PageKey
@@ -44,24 +73,54 @@ from router.index import PrefixIndex
 from common.routing_stats import ReplicaLoad
 
 
+_READY_MARGIN = 1.5
+"""The fluid queue underestimates (decodes of other routers' requests): pages expected at t are counted at 1.5 t."""
+
+
+_NEW_PREFIX_SLACK = 0.1
+"""A new prefix goes to the emptiest cache among the replicas whose estimate is within 10% of the least."""
+
+
 class RoutingReason(str, enum.Enum):
     PREFIX_HIT = "prefix_hit"
     BALANCED_AWAY = "balanced_away"
+    COST_AWAY = "cost_away"
     NO_MATCH = "no_match"
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Thresholds of the rule in the module docstring."""
+    """Thresholds and per-unit costs of the rule in the module docstring."""
 
     balance_abs_threshold: int = 4
-    """Load gap (requests) to the least-loaded replica that must be exceeded before affinity is given up."""
+    """Load gap (requests) to the least-loaded replica that must be exceeded before a replica is excluded."""
     balance_rel_threshold: float = 1.5
     """... and the load ratio to the least-loaded replica that must be exceeded as well."""
     min_peer_copy_pages: int = 1
     """Fewest extra pages the holder must have over the chosen replica for a ``peer_hint``."""
     enable_peer_hint: bool = True
     """False when cross-replica prefix copy is disabled (--no-enable-dp-cross-replica-prefix-copy)."""
+    enable_cost_model: bool = True
+    """False: pure affinity with fallback (most matched pages among the eligible replicas)."""
+    page_size: int = 128
+    """Tokens per page (to turn matched pages into tokens not computed)."""
+    step_ms: float = 16.0
+    """Fixed cost of one engine step."""
+    prefill_token_ms: float = 0.417
+    """Cost per prompt token computed (weights part)."""
+    attention_pair_us: float = 0.35
+    """Cost per (computed token x context token) pair of prefill attention, in microseconds."""
+    decode_row_ms: float = 6.0
+    """Cost a running request adds to every engine step (its decode row)."""
+    peer_copy_page_ms: float = 3.5
+    """Cost of copying one page from a peer replica, on the receiver's critical path."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step (prefill is chunked to it)."""
+    eviction_weight: float = 1.0
+    """Weight of the cached pages a candidate would evict (pages beyond its empty ones), priced as recomputing them."""
+    duplicate_work_weight: float = 1.0
+    """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
+    delays the replica's later requests and, for recomputed pages, stores a second copy)."""
 
     def __post_init__(self) -> None:
         if self.balance_abs_threshold < 0:
@@ -73,6 +132,15 @@ class PolicyConfig:
             )
         if self.min_peer_copy_pages < 1:
             raise ValueError(f"min_peer_copy_pages must be >= 1, got {self.min_peer_copy_pages}")
+        if self.page_size < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"page_size and max_num_batched_tokens must be >= 1, got {self.page_size}, "
+                f"{self.max_num_batched_tokens}"
+            )
+        for name in ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms", "peer_copy_page_ms",
+                     "duplicate_work_weight", "eviction_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (a measured cost), got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -81,10 +149,12 @@ class RoutingDecision:
     matched_pages: int
     """Leading request pages the chosen replica holds, per the index."""
     peer_hint: str | None
-    """A replica holding more leading pages than the chosen one (only for ``balanced_away``)."""
+    """A replica holding more leading pages than the chosen one (only for ``balanced_away`` / ``cost_away``)."""
     reason: RoutingReason
     peer_matched_pages: int = 0
     """Leading request pages ``peer_hint`` holds (0 without a hint)."""
+    estimated_ttft_ms: float = field(default=0.0, compare=False)
+    """The cost model's estimate for the chosen replica (0.0 without the cost model)."""
 
 
 class _Scored(NamedTuple):
@@ -96,7 +166,8 @@ class _Scored(NamedTuple):
 
 
 class PrefixAwarePolicy:
-    """The rule in the module docstring, plus this router's count of unfinished requests per replica.
+    """The rule in the module docstring, plus this router's count of unfinished requests per replica and its fluid
+    estimate of the prefill work queued on each replica.
 
     Plain Python, no Ray; not thread-safe (the router calls it from one event loop).
     """
@@ -106,10 +177,24 @@ class PrefixAwarePolicy:
         self.config = config or PolicyConfig()
         self._request_id_to_replica_id: dict[str, str] = {}
         self._replica_id_to_num_inflight: dict[str, int] = {}
+        self._replica_id_to_busy_until: dict[str, float] = {}
+        self._key_to_ready_s: dict[tuple[str, PageKey], float] = {}
+        """Pages this router sent to be computed, by replica: when they are expected to be done."""
+        self._ready_order: deque[tuple[float, str, PageKey]] = deque()
 
     # ---- the decision ----------------------------------------------------------------------------------------------
-    def choose(self, page_keys: Sequence[PageKey], candidates: Sequence[ReplicaLoad]) -> RoutingDecision:
-        """Pick one of ``candidates`` for a request with ``page_keys``. Raises ValueError when there are none."""
+    def choose(
+        self,
+        page_keys: Sequence[PageKey],
+        candidates: Sequence[ReplicaLoad],
+        *,
+        num_prompt_tokens: int | None = None,
+        now: float | None = None,
+    ) -> RoutingDecision:
+        """Pick one of ``candidates`` for a request with ``page_keys``. Raises ValueError when there are none.
+
+        ``num_prompt_tokens`` defaults to the full pages' tokens; ``now`` (seconds) to ``time.monotonic()``.
+        """
         if not candidates:
             raise ValueError("no candidate replicas to route to")
         replica_id_to_matched = self.index.longest_prefix(page_keys, [c.replica_id for c in candidates])
@@ -121,16 +206,69 @@ class PrefixAwarePolicy:
         ]
         min_load = min(s.load for s in scored)
         eligible = [s for s in scored if not self.is_overloaded(s.load, min_load)]
-        if any(s.matched for s in eligible):
-            chosen = max(eligible, key=_preference)
-        else:
-            # nobody eligible holds page 0: everyone must compute it, so place the new prefix where the fewest pages
-            # are cached (keeps prefixes partitioned evenly), then by load
-            chosen = max(eligible, key=_new_prefix_preference)
         holder = max(scored, key=_preference)
-        decision = self._explain(chosen, holder)
+        if not self.config.enable_cost_model:
+            if any(s.matched for s in eligible):
+                chosen = max(eligible, key=_preference)
+            else:
+                chosen = max(eligible, key=_new_prefix_preference)
+            decision = self._explain(chosen, holder, min_load, cost_chosen=False)
+            self.index.expect_keys(decision.replica_id, page_keys)
+            return decision
+        if now is None:
+            now = time.monotonic()
+        if num_prompt_tokens is None:
+            num_prompt_tokens = len(page_keys) * self.config.page_size
+        self._forget_ready_pages(now)
+        copy_from = holder.matched if self.config.enable_peer_hint else 0
+        copy_ready_s = (
+            self._key_to_ready_s.get((holder.replica_id, page_keys[holder.matched - 1]), now) - now if copy_from else 0.0
+        )
+        estimates = {s.replica_id: self._estimate(s, copy_from, copy_ready_s, num_prompt_tokens, now)
+                     for s in eligible}
+        if self.config.eviction_weight:
+            replica_id_to_load = {c.replica_id: c for c in candidates}
+            for s in eligible:
+                estimates[s.replica_id] = self._add_eviction_cost(
+                    estimates[s.replica_id], s, replica_id_to_load[s.replica_id], num_prompt_tokens)
+        if holder.matched == 0:
+            # nobody holds page 0: everyone must compute it, so place the new prefix where the fewest pages are cached
+            # (keeps prefixes partitioned evenly) among the replicas whose estimate is near the least, then by the
+            # estimate
+            bound_ms = min(estimate[0] + estimate[3] for estimate in estimates.values()) * (1.0 + _NEW_PREFIX_SLACK)
+            near = [s for s in eligible if estimates[s.replica_id][0] + estimates[s.replica_id][3] <= bound_ms]
+            chosen = max(near, key=lambda s: (-s.num_cached, -estimates[s.replica_id][0], s.tie))
+        else:
+            least_work_ms = min(estimate[2] for estimate in estimates.values())
+            weight = self.config.duplicate_work_weight
+            chosen = max(eligible, key=lambda s: (
+                -(estimates[s.replica_id][0] + weight * (estimates[s.replica_id][2] - least_work_ms)
+                  + estimates[s.replica_id][3]), _preference(s)))
+        estimate_ms, busy_ms = estimates[chosen.replica_id][:2]
+        busy_until = max(self._replica_id_to_busy_until.get(chosen.replica_id, now), now) + busy_ms / 1000.0
+        self._replica_id_to_busy_until[chosen.replica_id] = busy_until
+        for key in page_keys[chosen.matched:]:
+            self._key_to_ready_s[(chosen.replica_id, key)] = busy_until
+            self._ready_order.append((busy_until, chosen.replica_id, key))
+        decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms)
         self.index.expect_keys(decision.replica_id, page_keys)
         return decision
+
+    def estimate_ttft_ms(self, load: int, matched: int, copied: int, num_prompt_tokens: int, wait_s: float = 0.0
+                         ) -> tuple[float, float, float]:
+        """(estimated TTFT, the part of it the replica is busy, the copy and compute work in it), in ms; see the
+        module docstring."""
+        config = self.config
+        reused_tokens = min((matched + copied) * config.page_size, max(num_prompt_tokens - 1, 0))
+        computed = max(num_prompt_tokens - reused_tokens, 1)
+        num_steps = -(-computed // config.max_num_batched_tokens)
+        work_ms = (
+            copied * config.peer_copy_page_ms
+            + computed * config.prefill_token_ms
+            + config.attention_pair_us / 1000.0 * computed * (reused_tokens + computed / 2)
+        )
+        busy_ms = work_ms + num_steps * (config.step_ms + load * config.decode_row_ms)
+        return wait_s * 1000.0 + busy_ms, busy_ms, work_ms
 
     def hint_for_pinned(self, page_keys: Sequence[PageKey], target: str) -> str | None:
         """A request pinned to ``target`` (no choice to make): the replica holding more of its leading pages than the
@@ -176,15 +314,48 @@ class PrefixAwarePolicy:
     def forget_replica(self, replica_id: str) -> None:
         """Drop the in-flight count of a replica that left (its index entries are the index's business)."""
         self._replica_id_to_num_inflight.pop(replica_id, None)
+        self._replica_id_to_busy_until.pop(replica_id, None)
         for request_id in [r for r, owner in self._request_id_to_replica_id.items() if owner == replica_id]:
             del self._request_id_to_replica_id[request_id]
 
     # ---- internals -------------------------------------------------------------------------------------------------
-    def _explain(self, chosen: _Scored, holder: _Scored) -> RoutingDecision:
+    def _forget_ready_pages(self, now: float) -> None:
+        order = self._ready_order
+        while order and order[0][0] <= now:
+            ready_s, replica_id, key = order.popleft()
+            if self._key_to_ready_s.get((replica_id, key)) == ready_s:
+                del self._key_to_ready_s[(replica_id, key)]
+
+    def _estimate(self, scored: _Scored, copy_from: int, copy_ready_s: float, num_prompt_tokens: int, now: float
+                  ) -> tuple[float, float, float]:
+        wait_s = max(self._replica_id_to_busy_until.get(scored.replica_id, now) - now, 0.0)
+        copied = copy_from - scored.matched
+        if copied < self.config.min_peer_copy_pages or copy_ready_s * _READY_MARGIN > wait_s:
+            # no copy: too few pages, or the holder is still computing them when this replica would start (a replica
+            # copies what its peer holds at admission and computes the rest)
+            copied = 0
+        return self.estimate_ttft_ms(scored.load, scored.matched, copied, num_prompt_tokens, wait_s) + (0.0,)
+
+    def _add_eviction_cost(self, estimate: tuple, scored: _Scored, load: ReplicaLoad, num_prompt_tokens: int
+                           ) -> tuple:
+        """Cached pages the request would push out of ``scored``'s cache, priced as recomputing them later."""
+        if load.num_pages_total <= 0:
+            return estimate
+        config = self.config
+        new_pages = -(-num_prompt_tokens // config.page_size) - scored.matched
+        empty = max(load.num_pages_free - scored.num_cached, 0)
+        evicted = max(new_pages - empty, 0)
+        return estimate[:3] + (config.eviction_weight * evicted * config.page_size * config.prefill_token_ms,)
+
+    def _explain(self, chosen: _Scored, holder: _Scored, min_load: int, *, cost_chosen: bool,
+                 estimate_ms: float = 0.0) -> RoutingDecision:
         if holder.matched == 0:
-            return RoutingDecision(chosen.replica_id, 0, None, RoutingReason.NO_MATCH)
+            return RoutingDecision(chosen.replica_id, 0, None, RoutingReason.NO_MATCH, estimated_ttft_ms=estimate_ms)
         if chosen.matched >= holder.matched:
-            return RoutingDecision(chosen.replica_id, chosen.matched, None, RoutingReason.PREFIX_HIT)
+            return RoutingDecision(chosen.replica_id, chosen.matched, None, RoutingReason.PREFIX_HIT,
+                                   estimated_ttft_ms=estimate_ms)
+        holder_overloaded = self.is_overloaded(holder.load, min_load) or not cost_chosen
+        reason = RoutingReason.BALANCED_AWAY if holder_overloaded else RoutingReason.COST_AWAY
         wants_hint = (
             self.config.enable_peer_hint and holder.matched - chosen.matched >= self.config.min_peer_copy_pages
         )
@@ -192,8 +363,9 @@ class PrefixAwarePolicy:
             chosen.replica_id,
             chosen.matched,
             holder.replica_id if wants_hint else None,
-            RoutingReason.BALANCED_AWAY,
+            reason,
             holder.matched if wants_hint else 0,
+            estimated_ttft_ms=estimate_ms,
         )
 
     def _decrement(self, replica_id: str) -> None:
