@@ -47,9 +47,9 @@ with the most matched pages (same ties).
     peer_hint = holder for balanced_away / cost_away when it holds at least ``min_peer_copy_pages`` more than chosen
                 (and hints are enabled), so chosen copies the pages from holder instead of recomputing them
 
-    tie score(r) = blake2b(first page key + r) (rendezvous hashing): when loads and cache sizes tie, requests sharing
-                   their first page pick the same replica in every router process; a request with no full page scores
-                   on the replica id alone. Within one router a new prefix also sticks to the replica it was sent to
+    tie score(r) = mix(blake2b(first page key) ^ blake2b(r)) (rendezvous hashing): when loads and cache sizes tie,
+                   requests sharing their first page pick the same replica in every router process; a request with no
+                   full page scores on the replica id alone. Within one router a new prefix also sticks to the replica it was sent to
                    before that replica's stored events arrive: the index expects the routed keys there.
 
 The load bound follows sgl-router's cache-aware policy: both an absolute and a relative gap are needed before a
@@ -62,11 +62,12 @@ shows up in ``load``.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from common.page_keys import PageKey
 from router.index import PrefixIndex
@@ -162,7 +163,7 @@ class _Scored(NamedTuple):
     matched: int
     load: int
     num_cached: int
-    tie: int
+    load_report: ReplicaLoad
 
 
 class PrefixAwarePolicy:
@@ -199,19 +200,23 @@ class PrefixAwarePolicy:
             raise ValueError("no candidate replicas to route to")
         replica_id_to_matched = self.index.longest_prefix(page_keys, [c.replica_id for c in candidates])
         anchor = page_keys[0] if page_keys else b""
-        scored = [
-            _Scored(c.replica_id, replica_id_to_matched.get(c.replica_id, 0), self.effective_load(c),
-                    self.index.num_keys(c.replica_id), tie_score(anchor, c.replica_id))
-            for c in candidates
-        ]
+        inflight = self._replica_id_to_num_inflight
+        num_keys = self.index.num_keys
+        scored = []
+        for c in candidates:
+            replica_id = c.replica_id
+            load = inflight.get(replica_id, 0)
+            if c.num_requests > load:
+                load = c.num_requests
+            scored.append(_Scored(replica_id, replica_id_to_matched.get(replica_id, 0), load, num_keys(replica_id), c))
         min_load = min(s.load for s in scored)
         eligible = [s for s in scored if not self.is_overloaded(s.load, min_load)]
-        holder = max(scored, key=_preference)
+        holder = _best(scored, _preference, anchor)
         if not self.config.enable_cost_model:
-            if any(s.matched for s in eligible):
-                chosen = max(eligible, key=_preference)
+            if holder.matched and any(s.matched for s in eligible):
+                chosen = _best(eligible, _preference, anchor)
             else:
-                chosen = max(eligible, key=_new_prefix_preference)
+                chosen = _best(eligible, _new_prefix_preference, anchor)
             decision = self._explain(chosen, holder, min_load, cost_chosen=False)
             self.index.expect_keys(decision.replica_id, page_keys)
             return decision
@@ -220,54 +225,92 @@ class PrefixAwarePolicy:
         if num_prompt_tokens is None:
             num_prompt_tokens = len(page_keys) * self.config.page_size
         self._forget_ready_pages(now)
-        copy_from = holder.matched if self.config.enable_peer_hint else 0
-        copy_ready_s = (
-            self._key_to_ready_s.get((holder.replica_id, page_keys[holder.matched - 1]), now) - now if copy_from else 0.0
-        )
-        estimates = {s.replica_id: self._estimate(s, copy_from, copy_ready_s, num_prompt_tokens, now)
-                     for s in eligible}
-        if self.config.eviction_weight:
-            replica_id_to_load = {c.replica_id: c for c in candidates}
-            for s in eligible:
-                estimates[s.replica_id] = self._add_eviction_cost(
-                    estimates[s.replica_id], s, replica_id_to_load[s.replica_id], num_prompt_tokens)
+        estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now)
         if holder.matched == 0:
             # nobody holds page 0: everyone must compute it, so place the new prefix where the fewest pages are cached
             # (keeps prefixes partitioned evenly) among the replicas whose estimate is near the least, then by the
             # estimate
-            bound_ms = min(estimate[0] + estimate[3] for estimate in estimates.values()) * (1.0 + _NEW_PREFIX_SLACK)
-            near = [s for s in eligible if estimates[s.replica_id][0] + estimates[s.replica_id][3] <= bound_ms]
-            chosen = max(near, key=lambda s: (-s.num_cached, -estimates[s.replica_id][0], s.tie))
+            bound_ms = min(estimate[3] for estimate in estimates) * (1.0 + _NEW_PREFIX_SLACK)
+            near = [(s, estimate) for s, estimate in zip(eligible, estimates) if estimate[3] <= bound_ms]
+            pair = _best(near, lambda pair: (-pair[0].num_cached, -pair[1][0]), anchor, lambda pair: pair[0])
         else:
-            least_work_ms = min(estimate[2] for estimate in estimates.values())
+            least_work_ms = min(estimate[2] for estimate in estimates)
             weight = self.config.duplicate_work_weight
-            chosen = max(eligible, key=lambda s: (
-                -(estimates[s.replica_id][0] + weight * (estimates[s.replica_id][2] - least_work_ms)
-                  + estimates[s.replica_id][3]), _preference(s)))
-        estimate_ms, busy_ms = estimates[chosen.replica_id][:2]
-        busy_until = max(self._replica_id_to_busy_until.get(chosen.replica_id, now), now) + busy_ms / 1000.0
-        self._replica_id_to_busy_until[chosen.replica_id] = busy_until
+            pair = _best(list(zip(eligible, estimates)),
+                         lambda pair: (-(pair[1][3] + weight * (pair[1][2] - least_work_ms)), _preference(pair[0])),
+                         anchor, lambda pair: pair[0])
+        chosen, (estimate_ms, busy_ms, _, _) = pair
+        replica_id = chosen.replica_id
+        busy_until = max(self._replica_id_to_busy_until.get(replica_id, now), now) + busy_ms / 1000.0
+        self._replica_id_to_busy_until[replica_id] = busy_until
+        key_to_ready_s = self._key_to_ready_s
+        ready_order = self._ready_order
         for key in page_keys[chosen.matched:]:
-            self._key_to_ready_s[(chosen.replica_id, key)] = busy_until
-            self._ready_order.append((busy_until, chosen.replica_id, key))
+            key_to_ready_s[(replica_id, key)] = busy_until
+            ready_order.append((busy_until, replica_id, key))
         decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms)
-        self.index.expect_keys(decision.replica_id, page_keys)
+        self.index.expect_keys(replica_id, page_keys)
         return decision
 
-    def estimate_ttft_ms(self, load: int, matched: int, copied: int, num_prompt_tokens: int, wait_s: float = 0.0
-                         ) -> tuple[float, float, float]:
-        """(estimated TTFT, the part of it the replica is busy, the copy and compute work in it), in ms; see the
-        module docstring."""
+    def _estimate_all(self, eligible: list, holder: "_Scored", page_keys: Sequence[PageKey], num_prompt_tokens: int,
+                      now: float) -> list:
+        """Per eligible replica: (ttft, busy, work, ttft + eviction cost) in ms; the terms of the module docstring.
+        Work and step counts depend only on the pages reused, so they are computed once per distinct count."""
+        config = self.config
+        copy_from = holder.matched if config.enable_peer_hint else 0
+        copy_ready_s = 0.0
+        if copy_from:
+            copy_ready_s = (self._key_to_ready_s.get((holder.replica_id, page_keys[copy_from - 1]), now) - now
+                            ) * _READY_MARGIN
+        busy_until = self._replica_id_to_busy_until
+        step_ms, decode_row_ms = config.step_ms, config.decode_row_ms
+        eviction_page_ms = config.eviction_weight * config.page_size * config.prefill_token_ms
+        prompt_pages = -(-num_prompt_tokens // config.page_size)
+        reused_to_work: dict[tuple[int, int], tuple[float, int]] = {}
+        estimates = []
+        for s in eligible:
+            wait_s = busy_until.get(s.replica_id, now) - now
+            if wait_s < 0.0:
+                wait_s = 0.0
+            copied = copy_from - s.matched
+            if copied < config.min_peer_copy_pages or copy_ready_s > wait_s:
+                # no copy: too few pages, or the holder is still computing them when this replica would start (a
+                # replica copies what its peer holds at admission and computes the rest)
+                copied = 0
+            work = reused_to_work.get((s.matched, copied))
+            if work is None:
+                work = reused_to_work[(s.matched, copied)] = self._work_ms(s.matched, copied, num_prompt_tokens)
+            work_ms, num_steps = work
+            busy_ms = work_ms + num_steps * (step_ms + s.load * decode_row_ms)
+            ttft_ms = wait_s * 1000.0 + busy_ms
+            scored_ms = ttft_ms
+            load = s.load_report
+            if eviction_page_ms and load.num_pages_total > 0:
+                empty = load.num_pages_free - s.num_cached
+                evicted = prompt_pages - s.matched - (empty if empty > 0 else 0)
+                if evicted > 0:
+                    scored_ms += evicted * eviction_page_ms
+            estimates.append((ttft_ms, busy_ms, work_ms, scored_ms))
+        return estimates
+
+    def _work_ms(self, matched: int, copied: int, num_prompt_tokens: int) -> tuple[float, int]:
+        """(copy and compute work, engine steps) of a prompt with ``matched`` pages local and ``copied`` copied."""
         config = self.config
         reused_tokens = min((matched + copied) * config.page_size, max(num_prompt_tokens - 1, 0))
         computed = max(num_prompt_tokens - reused_tokens, 1)
-        num_steps = -(-computed // config.max_num_batched_tokens)
         work_ms = (
             copied * config.peer_copy_page_ms
             + computed * config.prefill_token_ms
             + config.attention_pair_us / 1000.0 * computed * (reused_tokens + computed / 2)
         )
-        busy_ms = work_ms + num_steps * (config.step_ms + load * config.decode_row_ms)
+        return work_ms, -(-computed // config.max_num_batched_tokens)
+
+    def estimate_ttft_ms(self, load: int, matched: int, copied: int, num_prompt_tokens: int, wait_s: float = 0.0
+                         ) -> tuple[float, float, float]:
+        """(estimated TTFT, the part of it the replica is busy, the copy and compute work in it), in ms, for a replica
+        with ``load`` requests, ``matched`` pages local, ``copied`` pages copied and ``wait_s`` of queued prefill."""
+        work_ms, num_steps = self._work_ms(matched, copied, num_prompt_tokens)
+        busy_ms = work_ms + num_steps * (self.config.step_ms + load * self.config.decode_row_ms)
         return wait_s * 1000.0 + busy_ms, busy_ms, work_ms
 
     def hint_for_pinned(self, page_keys: Sequence[PageKey], target: str) -> str | None:
@@ -326,27 +369,6 @@ class PrefixAwarePolicy:
             if self._key_to_ready_s.get((replica_id, key)) == ready_s:
                 del self._key_to_ready_s[(replica_id, key)]
 
-    def _estimate(self, scored: _Scored, copy_from: int, copy_ready_s: float, num_prompt_tokens: int, now: float
-                  ) -> tuple[float, float, float]:
-        wait_s = max(self._replica_id_to_busy_until.get(scored.replica_id, now) - now, 0.0)
-        copied = copy_from - scored.matched
-        if copied < self.config.min_peer_copy_pages or copy_ready_s * _READY_MARGIN > wait_s:
-            # no copy: too few pages, or the holder is still computing them when this replica would start (a replica
-            # copies what its peer holds at admission and computes the rest)
-            copied = 0
-        return self.estimate_ttft_ms(scored.load, scored.matched, copied, num_prompt_tokens, wait_s) + (0.0,)
-
-    def _add_eviction_cost(self, estimate: tuple, scored: _Scored, load: ReplicaLoad, num_prompt_tokens: int
-                           ) -> tuple:
-        """Cached pages the request would push out of ``scored``'s cache, priced as recomputing them later."""
-        if load.num_pages_total <= 0:
-            return estimate
-        config = self.config
-        new_pages = -(-num_prompt_tokens // config.page_size) - scored.matched
-        empty = max(load.num_pages_free - scored.num_cached, 0)
-        evicted = max(new_pages - empty, 0)
-        return estimate[:3] + (config.eviction_weight * evicted * config.page_size * config.prefill_token_ms,)
-
     def _explain(self, chosen: _Scored, holder: _Scored, min_load: int, *, cost_chosen: bool,
                  estimate_ms: float = 0.0) -> RoutingDecision:
         if holder.matched == 0:
@@ -377,16 +399,48 @@ class PrefixAwarePolicy:
 
 
 def tie_score(anchor: PageKey, replica_id: str) -> int:
-    """Rendezvous score of ``replica_id`` for requests whose first page key is ``anchor`` (same in every process)."""
-    digest = hashlib.blake2b(anchor + replica_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+    """Rendezvous score of ``replica_id`` for requests whose first page key is ``anchor`` (same in every process):
+    a 64-bit mix of the two digests, so a decision hashes the anchor once however many replicas tie."""
+    return _mix(_digest64(anchor) ^ _digest64(replica_id.encode()))
 
 
-def _new_prefix_preference(scored: _Scored) -> tuple[int, int, int]:
-    """For a prefix no eligible replica holds: fewer cached pages, then lower load, then higher tie score."""
-    return (-scored.num_cached, -scored.load, scored.tie)
+@functools.lru_cache(maxsize=4096)
+def _digest64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-def _preference(scored: _Scored) -> tuple[int, int, int, int]:
-    """Larger is better: more matched pages, then lower load, then fewer cached pages, then higher tie score."""
-    return (scored.matched, -scored.load, -scored.num_cached, scored.tie)
+def _mix(value: int) -> int:
+    """splitmix64's finaliser: every input bit affects every output bit."""
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _best(items: list, preference: Callable, anchor: PageKey, scored_of: Callable | None = None):
+    """The item with the largest ``preference``; exact ties go to the higher tie score of its replica (computed only
+    for the tied items: hashing every candidate would dominate the decision's cost)."""
+    best_key = None
+    tied: list = []
+    for item in items:
+        key = preference(item)
+        if best_key is None or key > best_key:
+            best_key, tied = key, [item]
+        elif key == best_key:
+            tied.append(item)
+    if len(tied) == 1:
+        return tied[0]
+    scored_of = scored_of or (lambda item: item)
+    return max(tied, key=lambda item: tie_score(anchor, scored_of(item).replica_id))
+
+
+def _new_prefix_preference(scored: _Scored) -> tuple[int, int]:
+    """For a prefix no eligible replica holds: fewer cached pages, then lower load (then the tie score)."""
+    return (-scored.num_cached, -scored.load)
+
+
+def _preference(scored: _Scored) -> tuple[int, int, int]:
+    """Larger is better: more matched pages, then lower load, then fewer cached pages (then the tie score)."""
+    return (scored.matched, -scored.load, -scored.num_cached)
