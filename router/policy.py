@@ -17,24 +17,28 @@ candidate replicas with their load.
 The cost model (``enable_cost_model``, on by default) estimates each eligible replica's time to first token:
 
     copied(r)      = matched(holder) - matched(r)   when peer hints are on, that is >= min_peer_copy_pages and the
-                     holder is expected to have computed them when r starts (pages this router sent to a replica
-                     are expected done at its busy_until after that request, times 1.5), else 0: a replica copies what its peer
-                     holds at admission and computes the rest
+                     holder is expected to have computed them when r starts (pages this router sent to a replica are
+                     expected done at its busy_until after that request, the time left counted 1.5x), else 0: a
+                     replica copies what its peer holds at admission and computes the rest
     computed(r)    = prompt tokens - (matched(r) + copied(r)) * page_size      (at least 1: logits need one token)
     wait(r)        = max(0, busy_until(r) - now)     # prefill work this router already sent to r, as a fluid queue
-    ttft(r)        = wait(r) + copied(r) * peer_copy_page_ms
-                     + ceil(computed / max_num_batched_tokens) * (step_ms + load(r) * decode_row_ms)   # engine steps,
-                     + computed * prefill_token_ms                                                  # each slowed by
-                     + attention_pair_us/1000 * computed * (reused tokens + computed / 2)           # r's decodes
+    work(r)        = copied(r) * peer_copy_page_ms + computed * prefill_token_ms
+                     + attention_pair_us/1000 * computed * (reused tokens + computed / 2)
+    ttft(r)        = wait(r) + work(r) + ceil(computed / max_num_batched_tokens) * (step_ms + load(r) * decode_row_ms)
+                                                     # engine steps, each slowed by r's running requests' decode rows
+    evict(r)       = eviction_weight * max(0, prompt pages - matched(r) - empty(r)) * work(no page reused) / prompt
+                     pages, empty(r) = max(0, pages free - pages cached): the cached pages r would push out (a replica
+                     whose cache is full of other prefixes), each priced as recomputing an average page of this prompt
 
-    1. new prefix (no candidate holds page 0): of the eligible replicas whose ttft (+ eviction cost, below) is within
-       10% of the least, the one with the fewest cached pages, then least ttft, then the tie score: the prefix must be
-       computed anyway, so new prefixes are partitioned evenly over the caches, but not onto a clearly slower replica
-    2. otherwise: the eligible replica with the least  ttft(r) + duplicate_work_weight * (work(r) - least work(r')),
-       work = the copy and compute terms of ttft: time to first token, plus the work r spends beyond the least any
-       eligible replica needs (recomputing pages a peer holds delays r's later requests and stores a second copy; a
-       cheap copy costs little), ties -> more matched pages -> lower load -> fewer cached pages -> higher tie score
-    3. busy_until(chosen) = max(busy_until, now) + its estimated compute and copy time
+    1. new prefix (no candidate holds page 0): of the eligible replicas whose ttft + evict is within 10% of the
+       least, the one with the fewest cached pages, then least ttft, then the tie score: the prefix must be computed
+       anyway, so new prefixes are partitioned evenly over the caches, but not onto a clearly slower replica
+    2. otherwise: the eligible replica with the least
+           ttft(r) + duplicate_work_weight * (work(r) - least work over the eligible) + evict(r)
+       i.e. time to first token, plus the work r spends beyond the least any eligible replica needs (recomputing pages
+       a peer holds delays r's later requests; a cheap copy costs little), plus the cache it would overwrite;
+       ties -> more matched pages -> lower load -> fewer cached pages -> higher tie score
+    3. busy_until(chosen) = max(busy_until, now) + its estimated busy time (work and steps)
 
 Without the cost model (``enable_cost_model=False``: pure affinity with fallback) step 2 is: the eligible replica
 with the most matched pages (same ties).
@@ -49,8 +53,8 @@ with the most matched pages (same ties).
 
     tie score(r) = mix(blake2b(first page key) ^ blake2b(r)) (rendezvous hashing): when loads and cache sizes tie,
                    requests sharing their first page pick the same replica in every router process; a request with no
-                   full page scores on the replica id alone. Within one router a new prefix also sticks to the replica it was sent to
-                   before that replica's stored events arrive: the index expects the routed keys there.
+                   full page scores on the replica id alone. Within one router a new prefix also sticks to the replica
+                   it was sent to before that replica's stored events arrive: the index expects the routed keys there.
 
 The load bound follows sgl-router's cache-aware policy: both an absolute and a relative gap are needed before a
 replica is excluded. The per-unit costs default to the engine's measured numbers (BENCHMARKS.md sections 1-2, tiny
@@ -118,7 +122,8 @@ class PolicyConfig:
     max_num_batched_tokens: int = 2048
     """Token budget of one engine step (prefill is chunked to it)."""
     eviction_weight: float = 1.0
-    """Weight of the cached pages a candidate would evict (pages beyond its empty ones), priced as recomputing them."""
+    """Weight of the cached pages a candidate would evict (pages beyond its empty ones), each priced as the mean cost
+    per page of recomputing this prompt."""
     duplicate_work_weight: float = 1.0
     """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
     delays the replica's later requests and, for recomputed pages, stores a second copy)."""
@@ -264,9 +269,11 @@ class PrefixAwarePolicy:
                             ) * _READY_MARGIN
         busy_until = self._replica_id_to_busy_until
         step_ms, decode_row_ms = config.step_ms, config.decode_row_ms
-        eviction_page_ms = config.eviction_weight * config.page_size * config.prefill_token_ms
         prompt_pages = -(-num_prompt_tokens // config.page_size)
-        reused_to_work: dict[tuple[int, int], tuple[float, int]] = {}
+        reused_to_work: dict[tuple[int, int], tuple[float, int]] = {(0, 0): self._work_ms(0, 0, num_prompt_tokens)}
+        # an evicted page is priced as this prompt's pages cost on average to recompute (the attention term makes deep
+        # pages of long prompts dearer than the weights alone)
+        eviction_page_ms = config.eviction_weight * reused_to_work[(0, 0)][0] / max(prompt_pages, 1)
         estimates = []
         for s in eligible:
             wait_s = busy_until.get(s.replica_id, now) - now
