@@ -187,6 +187,8 @@ class PrefixAwarePolicy:
         self._key_to_ready_s: dict[tuple[str, PageKey], float] = {}
         """Pages this router sent to be computed, by replica: when they are expected to be done."""
         self._ready_order: deque[tuple[float, str, PageKey]] = deque()
+        self.num_decisions_by_reason: dict[RoutingReason, int] = {reason: 0 for reason in RoutingReason}
+        """Decisions made so far, by reason (for metrics; ``choose`` counts, ``hint_for_pinned`` does not)."""
 
     # ---- the decision ----------------------------------------------------------------------------------------------
     def choose(
@@ -224,6 +226,7 @@ class PrefixAwarePolicy:
                 chosen = _best(eligible, _new_prefix_preference, anchor)
             decision = self._explain(chosen, holder, min_load, cost_chosen=False)
             self.index.expect_keys(decision.replica_id, page_keys)
+            self.num_decisions_by_reason[decision.reason] += 1
             return decision
         if now is None:
             now = time.monotonic()
@@ -255,6 +258,7 @@ class PrefixAwarePolicy:
             ready_order.append((busy_until, replica_id, key))
         decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms)
         self.index.expect_keys(replica_id, page_keys)
+        self.num_decisions_by_reason[decision.reason] += 1
         return decision
 
     def _estimate_all(self, eligible: list, holder: "_Scored", page_keys: Sequence[PageKey], num_prompt_tokens: int,

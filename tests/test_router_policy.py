@@ -160,6 +160,8 @@ def test_cost_model_burst_on_one_prefix_copies_once_queueing_costs_more_than_the
     hit, away = RoutingReason.PREFIX_HIT, RoutingReason.COST_AWAY
     assert chosen == [("a", None, hit), ("a", None, hit), ("b", "a", away), ("b", None, hit), ("a", None, hit),
                       ("b", None, hit)]
+    assert policy.num_decisions_by_reason == {hit: 5, away: 1, RoutingReason.BALANCED_AWAY: 0,
+                                              RoutingReason.NO_MATCH: 0}
 
 
 def test_estimate_is_the_documented_formula():

@@ -50,14 +50,16 @@ def test_a_repeat_hits_locally_and_a_hint_copies_from_the_peer():
     first = request("first", 0.0, [("sys", 1024), ("q1", 64)])
     again = request("again", 10.0, [("sys", 1024), ("q2", 64)])
     simulation = run([first, again], dp=2)
-    assert (again.replica, again.cached_local, again.cached_peer, again.reason) == (first.replica, 1024, 0, "prefix_hit")
+    assert (again.replica, again.cached_local, again.cached_peer, again.reason) == (
+        first.replica, 1024, 0, "prefix_hit")
     # the index learnt the pages from the replica's stored events
     holder = simulation.replicas[first.replica].replica_id
     assert simulation.view.index.longest_prefix(again.page_keys) == {holder: 8}
 
     # the same pair with the holder busy: a third request copies the 8 pages from it instead of recomputing
     busy = [request(f"busy{n}", 0.0 + 0.001 * n, [(f"other{n}", 1500)]) for n in range(6)]
-    first, again = request("first", 0.0, [("sys", 1024), ("q1", 64)]), request("again", 3.0, [("sys", 1024), ("q2", 64)])
+    first = request("first", 0.0, [("sys", 1024), ("q1", 64)])
+    again = request("again", 3.0, [("sys", 1024), ("q2", 64)])
     simulation = run([first] + busy + [again], dp=2, num_pages=256)
     assert (again.replica, again.reason, again.cached_local, again.cached_peer) == (1 - first.replica, "cost_away", 0,
                                                                                     1024)

@@ -26,7 +26,8 @@ def cpu_model() -> str:
     fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     flags = set(fields.get("Flags", "").split())
     wanted = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
-    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs, flags {' '.join(wanted)}"
+    model, cpus = fields.get("Model name", "?").strip(), fields.get("CPU(s)", "?").strip()
+    return f"{model}, {cpus} CPUs, flags {' '.join(wanted)}"
 
 
 def compare(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@ Mirrors replica/scheduler.py where it matters for routing: admission in arrival 
 allow (the head of the queue blocks when pages run out), the longest cached prefix matched and pinned on admission (all
 but the last prompt token), a request whose next page another running request is computing held back (so one prefix is
 computed once), pages committed to the cache when computed (prompt pages at the end of its prefill, output pages when
-the request ends), and the least recently used unreferenced pages evicted first (a request's tail pages before its head).
+the request ends), and the least recently used unreferenced pages evicted first (a request's tail pages before its
+head).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class PowerOfTwo(Router):
 
 
 class _RoutedTrees:
-    """Per-replica approximate trees: the prompts a router sent each replica (page-granular), never told of evictions."""
+    """Per-replica approximate trees: the prompts a router sent each replica (page-granular), blind to evictions."""
 
     def __init__(self, view):
         self.tree = PrefixIndex()

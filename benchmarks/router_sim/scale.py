@@ -121,10 +121,12 @@ def run_scale(*, num_replicas: int = 64, num_pages: int = 1_000_000, num_decisio
         "|---|---|",
         f"| decision wall time p50 / p99 / max | {_percentile(wall_ns, 50) / 1e3:.1f} / "
         f"{_percentile(wall_ns, 99) / 1e3:.1f} / {max(wall_ns) / 1e3:.0f} us |",
-        f"| decision CPU time p50 / p99 | {_percentile(cpu_ns, 50) / 1e3:.1f} / {_percentile(cpu_ns, 99) / 1e3:.1f} us |",
+        f"| decision CPU time p50 / p99 | {_percentile(cpu_ns, 50) / 1e3:.1f} / "
+        f"{_percentile(cpu_ns, 99) / 1e3:.1f} us |",
         f"| index memory (holder masks, per-replica key sets; keys excluded) | {index_bytes / 2**20:.0f} MiB = "
         f"{index_bytes / num_keys:.0f} B per page, {index_bytes / num_entries:.0f} B per (replica, page) |",
-        f"| key bytes objects (32-byte digests) | {key_bytes / 2**20:.0f} MiB = {key_bytes / num_keys:.0f} B per page |",
+        f"| key bytes objects (32-byte digests) | {key_bytes / 2**20:.0f} MiB = "
+        f"{key_bytes / num_keys:.0f} B per page |",
         f"| stored events applied ({EVENT_PAGES} pages each) | {num_events:,} in {apply_s:.2f} s = "
         f"{num_events / apply_s:,.0f} events/s = {num_events * EVENT_PAGES / apply_s:,.0f} pages/s |",
         f"| removed + stored events, {len(victim_events) * 2:,} on one replica | "

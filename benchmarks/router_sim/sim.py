@@ -198,7 +198,8 @@ class Simulation:
             ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
             ttft_mean_s=sum(ttfts) / max(len(ttfts), 1),
             busiest_over_mean=max(routed) / mean_routed if mean_routed else float("nan"),
-            decision_p50_us=percentile(self.decision_s, 50) * 1e6, decision_p99_us=percentile(self.decision_s, 99) * 1e6,
+            decision_p50_us=percentile(self.decision_s, 50) * 1e6,
+            decision_p99_us=percentile(self.decision_s, 99) * 1e6,
             makespan_s=max((r.finished_s for r in requests), default=0.0), num_events=self.num_events,
             reasons=dict(sorted(self.reasons.items())), wall_s=wall_s,
         )

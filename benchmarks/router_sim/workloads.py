@@ -185,15 +185,17 @@ def zipf(dp: int, cost: CostModel, *, seed: int = 0, load: float = 0.8, scale: f
     choices = rng.choices(range(num_prefixes), weights, k=num_requests)
     requests = []
     for number, (prefix, arrival) in enumerate(zip(choices, times)):
-        segments = [(f"z{prefix}", prefix_len), (f"z{prefix}q{number}", question_len), (f"z{prefix}q{number}o", out_len)]
+        name = f"z{prefix}q{number}"
+        segments = [(f"z{prefix}", prefix_len), (name, question_len), (f"{name}o", out_len)]
         keys = chain_keys(segments, cost.page_size)
         prompt_len = prefix_len + question_len
         requests.append(SimRequest(f"z{prefix}-{number}", arrival, prompt_len, out_len,
                                    tuple(keys[: prompt_len // cost.page_size]), tuple(keys)))
     _mark_ideal(requests, cost.page_size)
     hot_share = weights[0] / sum(weights)
-    return Workload("zipf", requests, 1024, f"{num_prefixes} prefixes Zipf({exponent}), hottest {hot_share:.0%} of "
-                                           f"traffic = {hot_share * load * dp:.1f} replicas' worth, 2048+128 in, 128 out")
+    return Workload("zipf", requests, 1024,
+                    f"{num_prefixes} prefixes Zipf({exponent}), hottest {hot_share:.0%} of traffic = "
+                    f"{hot_share * load * dp:.1f} replicas' worth, 2048+128 in, 128 out")
 
 
 def multi_turn(dp: int, cost: CostModel, *, seed: int = 0, load: float = 0.7, scale: float = 1.0) -> Workload:
