@@ -30,9 +30,9 @@ The cost model (``enable_cost_model``, on by default) estimates each eligible re
                      pages, empty(r) = max(0, pages free - pages cached): the cached pages r would push out (a replica
                      whose cache is full of other prefixes), each priced as recomputing an average page of this prompt
 
-    1. new prefix (no candidate holds page 0): of the eligible replicas whose ttft + evict is within 10% of the
-       least, the one with the fewest cached pages, then least ttft, then the tie score: the prefix must be computed
-       anyway, so new prefixes are partitioned evenly over the caches, but not onto a clearly slower replica
+    1. new prefix (no candidate holds page 0): the eligible replica with the least ttft + evict; ties -> fewest
+       cached pages -> higher tie score (the prefix must be computed anyway: among equally fast replicas new prefixes
+       are partitioned evenly over the caches; a full cache costs its evictions)
     2. otherwise: the eligible replica with the least
            ttft(r) + duplicate_work_weight * (work(r) - least work over the eligible) + evict(r)
        i.e. time to first token, plus the work r spends beyond the least any eligible replica needs (recomputing pages
@@ -80,10 +80,6 @@ from common.routing_stats import ReplicaLoad
 
 _READY_MARGIN = 1.5
 """The fluid queue underestimates (decodes of other routers' requests): pages expected at t are counted at 1.5 t."""
-
-
-_NEW_PREFIX_SLACK = 0.1
-"""A new prefix goes to the emptiest cache among the replicas whose estimate is within 10% of the least."""
 
 
 class RoutingReason(str, enum.Enum):
@@ -235,12 +231,10 @@ class PrefixAwarePolicy:
         self._forget_ready_pages(now)
         estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now)
         if holder.matched == 0:
-            # nobody holds page 0: everyone must compute it, so place the new prefix where the fewest pages are cached
-            # (keeps prefixes partitioned evenly) among the replicas whose estimate is near the least, then by the
-            # estimate
-            bound_ms = min(estimate[3] for estimate in estimates) * (1.0 + _NEW_PREFIX_SLACK)
-            near = [(s, estimate) for s, estimate in zip(eligible, estimates) if estimate[3] <= bound_ms]
-            pair = _best(near, lambda pair: (-pair[0].num_cached, -pair[1][0]), anchor, lambda pair: pair[0])
+            # nobody holds page 0: everyone must compute it; the least estimate, and among equals the emptiest cache
+            # (keeps new prefixes partitioned evenly over the caches)
+            pair = _best(list(zip(eligible, estimates)), lambda pair: (-pair[1][3], -pair[0].num_cached), anchor,
+                         lambda pair: pair[0])
         else:
             least_work_ms = min(estimate[2] for estimate in estimates)
             weight = self.config.duplicate_work_weight

@@ -76,8 +76,22 @@ def test_peer_hint_disabled_or_too_small():
     )
 
 
-def test_no_match_goes_to_the_emptiest_cache_then_the_least_loaded():
+def test_cost_model_places_a_new_prefix_on_the_fastest_replica_then_the_emptiest_cache():
     policy = make_policy(a=4)  # a caches 4 pages, b and c none
+    other_prompt = [key("q0"), key("q1")]
+    # loads differ: the idle replica computes it soonest, though its cache is the fullest
+    assert policy.choose(other_prompt, loads(a=0, b=2, c=1), now=0.0) == RoutingDecision(
+        "a", 0, None, RoutingReason.NO_MATCH)
+    # loads tie (and a is now busy with q): b and c are equally fast and empty; later, with c holding a prefix, b
+    fresh = make_policy(a=4)
+    first = fresh.choose([key("t0"), key("t1")], loads(a=1, b=1, c=1), now=0.0).replica_id
+    assert first in "bc"
+    second = fresh.choose([key("f0"), key("f1")], loads(a=1, b=1, c=1), now=10.0).replica_id
+    assert second == ("c" if first == "b" else "b")
+
+
+def test_affinity_mode_places_a_new_prefix_on_the_emptiest_cache_then_the_least_loaded():
+    policy = make_policy(AFFINITY, a=4)  # a caches 4 pages, b and c none
     other_prompt = [key("q0"), key("q1")]
     assert policy.choose(other_prompt, loads(a=0, b=2, c=1)) == RoutingDecision("c", 0, None, RoutingReason.NO_MATCH)
     # now c is expected to hold 2 pages: the next new prefix goes to b, the only empty cache, though busier
