@@ -213,8 +213,11 @@ class PrefixAwarePolicy:
                 load = c.num_requests
             scored.append(_Scored(replica_id, replica_id_to_matched.get(replica_id, 0), load, num_keys(replica_id), c))
         min_load = min(s.load for s in scored)
-        eligible = [s for s in scored if not self.is_overloaded(s.load, min_load)]
-        holder = _best(scored, _preference, anchor)
+        abs_bound = min_load + self.config.balance_abs_threshold
+        rel_bound = self.config.balance_rel_threshold * min_load
+        eligible = [s for s in scored if s.load <= abs_bound or s.load <= rel_bound]  # not is_overloaded
+        top = max(replica_id_to_matched.values(), default=0)
+        holder = _best([s for s in scored if s.matched == top], _preference, anchor) if top else scored[0]
         if not self.config.enable_cost_model:
             if holder.matched and any(s.matched for s in eligible):
                 chosen = _best(eligible, _preference, anchor)
@@ -238,9 +241,11 @@ class PrefixAwarePolicy:
         else:
             least_work_ms = min(estimate[2] for estimate in estimates)
             weight = self.config.duplicate_work_weight
-            pair = _best(list(zip(eligible, estimates)),
-                         lambda pair: (-(pair[1][3] + weight * (pair[1][2] - least_work_ms)), _preference(pair[0])),
-                         anchor, lambda pair: pair[0])
+            scores = [estimate[3] + weight * (estimate[2] - least_work_ms) for estimate in estimates]
+            least = min(scores)
+            tied = [pair for pair, score in zip(zip(eligible, estimates), scores) if score == least]
+            pair = tied[0] if len(tied) == 1 else _best(tied, lambda pair: _preference(pair[0]), anchor,
+                                                        lambda pair: pair[0])
         chosen, (estimate_ms, busy_ms, _, _) = pair
         replica_id = chosen.replica_id
         busy_until = max(self._replica_id_to_busy_until.get(replica_id, now), now) + busy_ms / 1000.0
