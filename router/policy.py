@@ -57,10 +57,10 @@ with the most matched pages (same ties).
                    it was sent to before that replica's stored events arrive: the index expects the routed keys there.
 
 The load bound follows sgl-router's cache-aware policy: both an absolute and a relative gap are needed before a
-replica is excluded. The per-unit costs default to the engine's measured numbers (BENCHMARKS.md sections 1-2, tiny
-Llama on one CPU core, float32); set them from the deployment's own measurements. Free pages are carried but not
-scored: a replica short of pages evicts its least recently used cached pages first and then queues requests, which
-shows up in ``load``.
+replica is excluded. The per-unit costs default to the engine's measured numbers (BENCHMARKS.md sections 0-2 and 6,
+tiny Llama on one CPU core, float32); set them from the deployment's own measurements. Free pages enter only through
+``evict`` (pages free as reported, less the pages the index says are cached there). benchmarks/router_sim compares the
+rule with the published ones at DP 4-64.
 """
 
 from __future__ import annotations
