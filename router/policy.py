@@ -12,7 +12,10 @@ candidate replicas with their load.
                      pages, higher tie score)
     min_load       = min over candidates of load(r)
     overloaded(r)  = load(r) - min_load > balance_abs_threshold  and  load(r) > balance_rel_threshold * min_load
-    eligible       = candidates that are not overloaded (never empty: a least-loaded replica is never overloaded)
+    eligible       = candidates that are not overloaded (never empty: a least-loaded replica is never overloaded);
+                     with the cost model, an overloaded holder is eligible too when every other eligible replica would
+                     evict cached pages to take the request (``enable_overload_exception``: in a cluster whose caches
+                     are full, moving a request copies its prefix over another prefix that is then recomputed whole)
 
 The cost model (``enable_cost_model``, on by default) estimates each eligible replica's time to first token:
 
@@ -120,6 +123,8 @@ class PolicyConfig:
     eviction_weight: float = 1.0
     """Weight of the cached pages a candidate would evict (pages beyond its empty ones), each priced as the mean cost
     per page of recomputing this prompt."""
+    enable_overload_exception: bool = True
+    """Keep an overloaded holder as a candidate when every eligible replica would evict cached pages to take over."""
     duplicate_work_weight: float = 1.0
     """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
     delays the replica's later requests and, for recomputed pages, stores a second copy)."""
@@ -232,7 +237,15 @@ class PrefixAwarePolicy:
         if num_prompt_tokens is None:
             num_prompt_tokens = len(page_keys) * self.config.page_size
         self._forget_ready_pages(now)
-        estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now)
+        if holder.matched and self.config.enable_overload_exception and holder not in eligible:
+            # the holder is over the load bound; it stays a candidate only if every eligible replica would have to
+            # evict cached pages to take the request (a full cluster: moving would cost another prefix)
+            eligible = eligible + [holder]
+            estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now)
+            if any(estimate[3] == estimate[0] for estimate in estimates[:-1]):
+                eligible, estimates = eligible[:-1], estimates[:-1]
+        else:
+            estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now)
         if holder.matched == 0:
             # nobody holds page 0: everyone must compute it; the least estimate, and among equals the emptiest cache
             # (keeps new prefixes partitioned evenly over the caches)

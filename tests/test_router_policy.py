@@ -225,6 +225,24 @@ def test_a_copy_is_not_planned_from_a_holder_still_computing_the_pages():
     assert (second.replica_id, second.reason, second.peer_hint) == (first.replica_id, RoutingReason.PREFIX_HIT, None)
 
 
+def test_an_overloaded_holder_stays_when_every_other_replica_would_evict():
+    policy = make_policy(a=4)
+    for replica_id in "bc":
+        policy.index.apply_events(replica_id, [PagesStored(1, tuple(key(f"{replica_id}{n}") for n in range(100)))])
+    holder = ReplicaLoad("a", 9, 50, 100)  # over the load bound (9 - 0 > 4 and 9 > 1.5 * 0)
+    full_b, full_c = ReplicaLoad("b", 0, 100, 100), ReplicaLoad("c", 0, 100, 100)
+    decision = policy.choose(PROMPT, [holder, full_b, full_c], now=0.0)
+    assert (decision.replica_id, decision.reason) == ("a", RoutingReason.PREFIX_HIT)
+    # one replica with empty pages: the load bound holds again
+    roomy = ReplicaLoad("d", 0, 200, 200)
+    decision = policy.choose(PROMPT, [holder, full_b, roomy], now=0.0)
+    assert (decision.replica_id, decision.reason, decision.peer_hint) == ("d", RoutingReason.BALANCED_AWAY, "a")
+    # and with the exception off, the bound always holds
+    strict = make_policy(PolicyConfig(enable_overload_exception=False), a=4)
+    strict.index.apply_events("b", [PagesStored(1, tuple(key(f"b{n}") for n in range(100)))])
+    assert strict.choose(PROMPT, [holder, full_b], now=0.0).replica_id == "b"
+
+
 def test_eviction_cost_prefers_a_replica_with_empty_pages():
     policy = make_policy(a=4)
     policy.index.apply_events("b", [PagesStored(1, tuple(key(f"b{n}") for n in range(100)))])
