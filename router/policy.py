@@ -1,67 +1,133 @@
-"""Prefix-aware routing policy: send a request where its prompt's pages already are, unless that replica is swamped.
+"""Prefix-aware routing policy: send a request where its time to first token is least, within a load-balance bound.
 
-Everything the policy decides is in this header; thresholds live in ``PolicyConfig``.
+Everything the policy decides is in this header; thresholds and per-unit costs live in ``PolicyConfig``.
 
-Inputs per request: its page keys (``EngineRequest.page_keys``) and the candidate replicas with their load.
+Inputs per request: its page keys (``EngineRequest.page_keys``), optionally its prompt length in tokens, and the
+candidate replicas with their load.
 
     load(r)        = max(requests r reported running + waiting,      # from routing stats, up to one period old
                          requests this router routed to r that have not finished yet)   # covers bursts
     matched(r)     = leading request pages r holds                   # PrefixIndex.longest_prefix
+    holder         = the candidate, overloaded or not, with the most matched pages (ties: lower load, fewer cached
+                     pages, higher tie score)
     min_load       = min over candidates of load(r)
     overloaded(r)  = load(r) - min_load > balance_abs_threshold  and  load(r) > balance_rel_threshold * min_load
+    eligible       = candidates that are not overloaded (never empty: a least-loaded replica is never overloaded);
+                     with the cost model, an overloaded holder is eligible too when every other eligible replica would
+                     evict cached pages to take the request (``enable_overload_exception``: in a cluster whose caches
+                     are full, moving a request copies its prefix over another prefix that is then recomputed whole)
 
-    1. eligible = candidates that are not overloaded (never empty: a least-loaded replica is never overloaded)
-    2. chosen   = the eligible replica with the most matched pages; ties -> lower load -> fewer cached pages -> higher
-                  tie score. When no eligible replica holds page 0 (a new prefix), fewer cached pages comes first: the
-                  prefix must be computed anyway, so new prefixes are partitioned evenly over the replicas' caches
-    3. holder   = the candidate, overloaded or not, with the most matched pages; same tie-breaks
-    4. reason   = no_match       nobody holds page 0: chosen is the least-loaded replica
-                  prefix_hit     chosen holds as many leading pages as anyone
-                  balanced_away  holder holds more but is overloaded; ``peer_hint`` = holder when it holds at least
-                                 ``min_peer_copy_pages`` more than chosen (and hints are enabled), so chosen can copy
-                                 the pages from holder instead of recomputing them
+The cost model (``enable_cost_model``, on by default) estimates each eligible replica's time to first token:
 
-    tie score(r) = blake2b(first page key + r) (rendezvous hashing): when loads and cache sizes tie, requests sharing
-                   their first page pick the same replica in every router process; a request with no full page scores
-                   on the replica id alone. Within one router a new prefix also sticks to the replica it was sent to
-                   before that replica's stored events arrive: the index expects the routed keys there.
+    copied(r)      = matched(holder) - matched(r)   when peer hints are on, that is >= min_peer_copy_pages and the
+                     holder is expected to have computed them when r starts (pages this router sent to a replica are
+                     expected done at its busy_until after that request, the time left counted 1.5x), else 0: a
+                     replica copies what its peer holds at admission and computes the rest
+    computed(r)    = prompt tokens - (matched(r) + copied(r)) * page_size      (at least 1: logits need one token)
+    wait(r)        = max(0, busy_until(r) - now)     # prefill work this router already sent to r, as a fluid queue
+    work(r)        = copied(r) * peer_copy_page_ms + computed * prefill_token_ms
+                     + attention_pair_us/1000 * computed * (reused tokens + computed / 2)
+    ttft(r)        = wait(r) + work(r) + ceil(computed / max_num_batched_tokens) * (step_ms + load(r) * decode_row_ms)
+                                                     # engine steps, each slowed by r's running requests' decode rows
+    evict(r)       = eviction_weight * max(0, prompt pages - matched(r) - empty(r)) * work(no page reused) / prompt
+                     pages, empty(r) = max(0, pages free - pages cached): the cached pages r would push out (a replica
+                     whose cache is full of other prefixes), each priced as recomputing an average page of this prompt
 
-The thresholds follow sgl-router's cache-aware policy: both an absolute and a relative gap are needed before affinity
-is given up, so a replica holding the prefix keeps it under moderate skew (recomputing a long prefix costs more than
-waiting behind a few requests) but not under a pile-up. Free pages are carried but not scored: a replica short of pages
-evicts its least recently used cached pages first and then queues requests, which shows up in ``load``.
+    1. new prefix (no candidate holds page 0): the eligible replica with the least ttft + evict; ties -> fewest
+       cached pages -> higher tie score (the prefix must be computed anyway: among equally fast replicas new prefixes
+       are partitioned evenly over the caches; a full cache costs its evictions)
+    2. otherwise: the eligible replica with the least
+           ttft(r) + duplicate_work_weight * (work(r) - least work over the eligible) + evict(r)
+       i.e. time to first token, plus the work r spends beyond the least any eligible replica needs (recomputing pages
+       a peer holds delays r's later requests; a cheap copy costs little), plus the cache it would overwrite;
+       ties -> more matched pages -> lower load -> fewer cached pages -> higher tie score
+    3. busy_until(chosen) = max(busy_until, now) + its estimated busy time (work and steps)
+
+Without the cost model (``enable_cost_model=False``: pure affinity with fallback) step 2 is: the eligible replica
+with the most matched pages (same ties).
+
+    reason = no_match       nobody holds page 0
+             prefix_hit     chosen holds as many leading pages as anyone
+             balanced_away  the holder holds more but is overloaded
+             cost_away      the holder holds more and is eligible, but waiting for it costs more than copying the
+                            pages (or computing them) on the chosen, less busy replica
+    peer_hint = holder for balanced_away / cost_away when it holds at least ``min_peer_copy_pages`` more than chosen
+                (and hints are enabled), so chosen copies the pages from holder instead of recomputing them
+
+    tie score(r) = mix(blake2b(first page key) ^ blake2b(r)) (rendezvous hashing): when loads and cache sizes tie,
+                   requests sharing their first page pick the same replica in every router process; a request with no
+                   full page scores on the replica id alone. Within one router a new prefix also sticks to the replica
+                   it was sent to before that replica's stored events arrive: the index expects the routed keys there.
+
+The load bound follows sgl-router's cache-aware policy: both an absolute and a relative gap are needed before a
+replica is excluded. The per-unit costs default to the engine's measured numbers (BENCHMARKS.md sections 0-2 and 6,
+tiny Llama on one CPU core, float32); set them from the deployment's own measurements. Free pages enter only through
+``evict`` (pages free as reported, less the pages the index says are cached there). benchmarks/router_sim compares the
+rule with the published ones at DP 4-64.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
-from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Sequence
 
 from common.page_keys import PageKey
 from router.index import PrefixIndex
 from common.routing_stats import ReplicaLoad
 
 
+_READY_MARGIN = 1.5
+"""The fluid queue underestimates (decodes of other routers' requests): pages expected at t are counted at 1.5 t."""
+
+
 class RoutingReason(str, enum.Enum):
     PREFIX_HIT = "prefix_hit"
     BALANCED_AWAY = "balanced_away"
+    COST_AWAY = "cost_away"
     NO_MATCH = "no_match"
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Thresholds of the rule in the module docstring."""
+    """Thresholds and per-unit costs of the rule in the module docstring."""
 
     balance_abs_threshold: int = 4
-    """Load gap (requests) to the least-loaded replica that must be exceeded before affinity is given up."""
+    """Load gap (requests) to the least-loaded replica that must be exceeded before a replica is excluded."""
     balance_rel_threshold: float = 1.5
     """... and the load ratio to the least-loaded replica that must be exceeded as well."""
     min_peer_copy_pages: int = 1
     """Fewest extra pages the holder must have over the chosen replica for a ``peer_hint``."""
     enable_peer_hint: bool = True
     """False when cross-replica prefix copy is disabled (--no-enable-dp-cross-replica-prefix-copy)."""
+    enable_cost_model: bool = True
+    """False: pure affinity with fallback (most matched pages among the eligible replicas)."""
+    page_size: int = 128
+    """Tokens per page (to turn matched pages into tokens not computed)."""
+    step_ms: float = 16.0
+    """Fixed cost of one engine step."""
+    prefill_token_ms: float = 0.417
+    """Cost per prompt token computed (weights part)."""
+    attention_pair_us: float = 0.35
+    """Cost per (computed token x context token) pair of prefill attention, in microseconds."""
+    decode_row_ms: float = 6.0
+    """Cost a running request adds to every engine step (its decode row)."""
+    peer_copy_page_ms: float = 3.5
+    """Cost of copying one page from a peer replica, on the receiver's critical path."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step (prefill is chunked to it)."""
+    eviction_weight: float = 1.0
+    """Weight of the cached pages a candidate would evict (pages beyond its empty ones), each priced as the mean cost
+    per page of recomputing this prompt."""
+    enable_overload_exception: bool = True
+    """Keep an overloaded holder as a candidate when every eligible replica would evict cached pages to take over."""
+    duplicate_work_weight: float = 1.0
+    """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
+    delays the replica's later requests and, for recomputed pages, stores a second copy)."""
 
     def __post_init__(self) -> None:
         if self.balance_abs_threshold < 0:
@@ -73,6 +139,15 @@ class PolicyConfig:
             )
         if self.min_peer_copy_pages < 1:
             raise ValueError(f"min_peer_copy_pages must be >= 1, got {self.min_peer_copy_pages}")
+        if self.page_size < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"page_size and max_num_batched_tokens must be >= 1, got {self.page_size}, "
+                f"{self.max_num_batched_tokens}"
+            )
+        for name in ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms", "peer_copy_page_ms",
+                     "duplicate_work_weight", "eviction_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (a measured cost), got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -81,10 +156,12 @@ class RoutingDecision:
     matched_pages: int
     """Leading request pages the chosen replica holds, per the index."""
     peer_hint: str | None
-    """A replica holding more leading pages than the chosen one (only for ``balanced_away``)."""
+    """A replica holding more leading pages than the chosen one (only for ``balanced_away`` / ``cost_away``)."""
     reason: RoutingReason
     peer_matched_pages: int = 0
     """Leading request pages ``peer_hint`` holds (0 without a hint)."""
+    estimated_ttft_ms: float = field(default=0.0, compare=False)
+    """The cost model's estimate for the chosen replica (0.0 without the cost model)."""
 
 
 class _Scored(NamedTuple):
@@ -92,11 +169,12 @@ class _Scored(NamedTuple):
     matched: int
     load: int
     num_cached: int
-    tie: int
+    load_report: ReplicaLoad
 
 
 class PrefixAwarePolicy:
-    """The rule in the module docstring, plus this router's count of unfinished requests per replica.
+    """The rule in the module docstring, plus this router's count of unfinished requests per replica and its fluid
+    estimate of the prefill work queued on each replica.
 
     Plain Python, no Ray; not thread-safe (the router calls it from one event loop).
     """
@@ -106,31 +184,157 @@ class PrefixAwarePolicy:
         self.config = config or PolicyConfig()
         self._request_id_to_replica_id: dict[str, str] = {}
         self._replica_id_to_num_inflight: dict[str, int] = {}
+        self._replica_id_to_busy_until: dict[str, float] = {}
+        self._key_to_ready_s: dict[tuple[str, PageKey], float] = {}
+        """Pages this router sent to be computed, by replica: when they are expected to be done."""
+        self._ready_order: deque[tuple[float, str, PageKey]] = deque()
+        self.num_decisions_by_reason: dict[RoutingReason, int] = {reason: 0 for reason in RoutingReason}
+        """Decisions made so far, by reason (for metrics; ``choose`` counts, ``hint_for_pinned`` does not)."""
 
     # ---- the decision ----------------------------------------------------------------------------------------------
-    def choose(self, page_keys: Sequence[PageKey], candidates: Sequence[ReplicaLoad]) -> RoutingDecision:
-        """Pick one of ``candidates`` for a request with ``page_keys``. Raises ValueError when there are none."""
+    def choose(
+        self,
+        page_keys: Sequence[PageKey],
+        candidates: Sequence[ReplicaLoad],
+        *,
+        num_prompt_tokens: int | None = None,
+        now: float | None = None,
+    ) -> RoutingDecision:
+        """Pick one of ``candidates`` for a request with ``page_keys``. Raises ValueError when there are none.
+
+        ``num_prompt_tokens`` defaults to the full pages' tokens; ``now`` (seconds) to ``time.monotonic()``.
+        """
         if not candidates:
             raise ValueError("no candidate replicas to route to")
         replica_id_to_matched = self.index.longest_prefix(page_keys, [c.replica_id for c in candidates])
         anchor = page_keys[0] if page_keys else b""
-        scored = [
-            _Scored(c.replica_id, replica_id_to_matched.get(c.replica_id, 0), self.effective_load(c),
-                    self.index.num_keys(c.replica_id), tie_score(anchor, c.replica_id))
-            for c in candidates
-        ]
+        inflight = self._replica_id_to_num_inflight
+        num_keys = self.index.num_keys
+        scored = []
+        for c in candidates:
+            replica_id = c.replica_id
+            load = inflight.get(replica_id, 0)
+            if c.num_requests > load:
+                load = c.num_requests
+            scored.append(_Scored(replica_id, replica_id_to_matched.get(replica_id, 0), load, num_keys(replica_id), c))
         min_load = min(s.load for s in scored)
-        eligible = [s for s in scored if not self.is_overloaded(s.load, min_load)]
-        if any(s.matched for s in eligible):
-            chosen = max(eligible, key=_preference)
+        abs_bound = min_load + self.config.balance_abs_threshold
+        rel_bound = self.config.balance_rel_threshold * min_load
+        eligible = [s for s in scored if s.load <= abs_bound or s.load <= rel_bound]  # not is_overloaded
+        top = max(replica_id_to_matched.values(), default=0)
+        holder = _best([s for s in scored if s.matched == top], _preference, anchor) if top else scored[0]
+        if not self.config.enable_cost_model:
+            if holder.matched and any(s.matched for s in eligible):
+                chosen = _best(eligible, _preference, anchor)
+            else:
+                chosen = _best(eligible, _new_prefix_preference, anchor)
+            decision = self._explain(chosen, holder, min_load, cost_chosen=False)
+            self.index.expect_keys(decision.replica_id, page_keys)
+            self.num_decisions_by_reason[decision.reason] += 1
+            return decision
+        if now is None:
+            now = time.monotonic()
+        if num_prompt_tokens is None:
+            num_prompt_tokens = len(page_keys) * self.config.page_size
+        self._forget_ready_pages(now)
+        if holder.matched and self.config.enable_overload_exception and holder not in eligible:
+            # the holder is over the load bound; it stays a candidate only if every eligible replica would have to
+            # evict cached pages to take the request (a full cluster: moving would cost another prefix)
+            eligible = eligible + [holder]
+            estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now)
+            if any(estimate[3] == estimate[0] for estimate in estimates[:-1]):
+                eligible, estimates = eligible[:-1], estimates[:-1]
         else:
-            # nobody eligible holds page 0: everyone must compute it, so place the new prefix where the fewest pages
-            # are cached (keeps prefixes partitioned evenly), then by load
-            chosen = max(eligible, key=_new_prefix_preference)
-        holder = max(scored, key=_preference)
-        decision = self._explain(chosen, holder)
-        self.index.expect_keys(decision.replica_id, page_keys)
+            estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now)
+        if holder.matched == 0:
+            # nobody holds page 0: everyone must compute it; the least estimate, and among equals the emptiest cache
+            # (keeps new prefixes partitioned evenly over the caches)
+            pair = _best(list(zip(eligible, estimates)), lambda pair: (-pair[1][3], -pair[0].num_cached), anchor,
+                         lambda pair: pair[0])
+        else:
+            least_work_ms = min(estimate[2] for estimate in estimates)
+            weight = self.config.duplicate_work_weight
+            scores = [estimate[3] + weight * (estimate[2] - least_work_ms) for estimate in estimates]
+            least = min(scores)
+            tied = [pair for pair, score in zip(zip(eligible, estimates), scores) if score == least]
+            pair = tied[0] if len(tied) == 1 else _best(tied, lambda pair: _preference(pair[0]), anchor,
+                                                        lambda pair: pair[0])
+        chosen, (estimate_ms, busy_ms, _, _) = pair
+        replica_id = chosen.replica_id
+        busy_until = max(self._replica_id_to_busy_until.get(replica_id, now), now) + busy_ms / 1000.0
+        self._replica_id_to_busy_until[replica_id] = busy_until
+        key_to_ready_s = self._key_to_ready_s
+        ready_order = self._ready_order
+        for key in page_keys[chosen.matched:]:
+            key_to_ready_s[(replica_id, key)] = busy_until
+            ready_order.append((busy_until, replica_id, key))
+        decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms)
+        self.index.expect_keys(replica_id, page_keys)
+        self.num_decisions_by_reason[decision.reason] += 1
         return decision
+
+    def _estimate_all(self, eligible: list, holder: "_Scored", page_keys: Sequence[PageKey], num_prompt_tokens: int,
+                      now: float) -> list:
+        """Per eligible replica: (ttft, busy, work, ttft + eviction cost) in ms; the terms of the module docstring.
+        Work and step counts depend only on the pages reused, so they are computed once per distinct count."""
+        config = self.config
+        copy_from = holder.matched if config.enable_peer_hint else 0
+        copy_ready_s = 0.0
+        if copy_from:
+            copy_ready_s = (self._key_to_ready_s.get((holder.replica_id, page_keys[copy_from - 1]), now) - now
+                            ) * _READY_MARGIN
+        busy_until = self._replica_id_to_busy_until
+        step_ms, decode_row_ms = config.step_ms, config.decode_row_ms
+        prompt_pages = -(-num_prompt_tokens // config.page_size)
+        reused_to_work: dict[tuple[int, int], tuple[float, int]] = {(0, 0): self._work_ms(0, 0, num_prompt_tokens)}
+        # an evicted page is priced as this prompt's pages cost on average to recompute (the attention term makes deep
+        # pages of long prompts dearer than the weights alone)
+        eviction_page_ms = config.eviction_weight * reused_to_work[(0, 0)][0] / max(prompt_pages, 1)
+        estimates = []
+        for s in eligible:
+            wait_s = busy_until.get(s.replica_id, now) - now
+            if wait_s < 0.0:
+                wait_s = 0.0
+            copied = copy_from - s.matched
+            if copied < config.min_peer_copy_pages or copy_ready_s > wait_s:
+                # no copy: too few pages, or the holder is still computing them when this replica would start (a
+                # replica copies what its peer holds at admission and computes the rest)
+                copied = 0
+            work = reused_to_work.get((s.matched, copied))
+            if work is None:
+                work = reused_to_work[(s.matched, copied)] = self._work_ms(s.matched, copied, num_prompt_tokens)
+            work_ms, num_steps = work
+            busy_ms = work_ms + num_steps * (step_ms + s.load * decode_row_ms)
+            ttft_ms = wait_s * 1000.0 + busy_ms
+            scored_ms = ttft_ms
+            load = s.load_report
+            if eviction_page_ms and load.num_pages_total > 0:
+                empty = load.num_pages_free - s.num_cached
+                evicted = prompt_pages - s.matched - (empty if empty > 0 else 0)
+                if evicted > 0:
+                    scored_ms += evicted * eviction_page_ms
+            estimates.append((ttft_ms, busy_ms, work_ms, scored_ms))
+        return estimates
+
+    def _work_ms(self, matched: int, copied: int, num_prompt_tokens: int) -> tuple[float, int]:
+        """(copy and compute work, engine steps) of a prompt with ``matched`` pages local and ``copied`` copied."""
+        config = self.config
+        reused_tokens = min((matched + copied) * config.page_size, max(num_prompt_tokens - 1, 0))
+        computed = max(num_prompt_tokens - reused_tokens, 1)
+        work_ms = (
+            copied * config.peer_copy_page_ms
+            + computed * config.prefill_token_ms
+            + config.attention_pair_us / 1000.0 * computed * (reused_tokens + computed / 2)
+        )
+        return work_ms, -(-computed // config.max_num_batched_tokens)
+
+    def estimate_ttft_ms(self, load: int, matched: int, copied: int, num_prompt_tokens: int, wait_s: float = 0.0
+                         ) -> tuple[float, float, float]:
+        """(estimated TTFT, the part of it the replica is busy, the copy and compute work in it), in ms, for a replica
+        with ``load`` requests, ``matched`` pages local, ``copied`` pages copied and ``wait_s`` of queued prefill."""
+        work_ms, num_steps = self._work_ms(matched, copied, num_prompt_tokens)
+        busy_ms = work_ms + num_steps * (self.config.step_ms + load * self.config.decode_row_ms)
+        return wait_s * 1000.0 + busy_ms, busy_ms, work_ms
 
     def hint_for_pinned(self, page_keys: Sequence[PageKey], target: str) -> str | None:
         """A request pinned to ``target`` (no choice to make): the replica holding more of its leading pages than the
@@ -176,15 +380,27 @@ class PrefixAwarePolicy:
     def forget_replica(self, replica_id: str) -> None:
         """Drop the in-flight count of a replica that left (its index entries are the index's business)."""
         self._replica_id_to_num_inflight.pop(replica_id, None)
+        self._replica_id_to_busy_until.pop(replica_id, None)
         for request_id in [r for r, owner in self._request_id_to_replica_id.items() if owner == replica_id]:
             del self._request_id_to_replica_id[request_id]
 
     # ---- internals -------------------------------------------------------------------------------------------------
-    def _explain(self, chosen: _Scored, holder: _Scored) -> RoutingDecision:
+    def _forget_ready_pages(self, now: float) -> None:
+        order = self._ready_order
+        while order and order[0][0] <= now:
+            ready_s, replica_id, key = order.popleft()
+            if self._key_to_ready_s.get((replica_id, key)) == ready_s:
+                del self._key_to_ready_s[(replica_id, key)]
+
+    def _explain(self, chosen: _Scored, holder: _Scored, min_load: int, *, cost_chosen: bool,
+                 estimate_ms: float = 0.0) -> RoutingDecision:
         if holder.matched == 0:
-            return RoutingDecision(chosen.replica_id, 0, None, RoutingReason.NO_MATCH)
+            return RoutingDecision(chosen.replica_id, 0, None, RoutingReason.NO_MATCH, estimated_ttft_ms=estimate_ms)
         if chosen.matched >= holder.matched:
-            return RoutingDecision(chosen.replica_id, chosen.matched, None, RoutingReason.PREFIX_HIT)
+            return RoutingDecision(chosen.replica_id, chosen.matched, None, RoutingReason.PREFIX_HIT,
+                                   estimated_ttft_ms=estimate_ms)
+        holder_overloaded = self.is_overloaded(holder.load, min_load) or not cost_chosen
+        reason = RoutingReason.BALANCED_AWAY if holder_overloaded else RoutingReason.COST_AWAY
         wants_hint = (
             self.config.enable_peer_hint and holder.matched - chosen.matched >= self.config.min_peer_copy_pages
         )
@@ -192,8 +408,9 @@ class PrefixAwarePolicy:
             chosen.replica_id,
             chosen.matched,
             holder.replica_id if wants_hint else None,
-            RoutingReason.BALANCED_AWAY,
+            reason,
             holder.matched if wants_hint else 0,
+            estimated_ttft_ms=estimate_ms,
         )
 
     def _decrement(self, replica_id: str) -> None:
@@ -205,16 +422,48 @@ class PrefixAwarePolicy:
 
 
 def tie_score(anchor: PageKey, replica_id: str) -> int:
-    """Rendezvous score of ``replica_id`` for requests whose first page key is ``anchor`` (same in every process)."""
-    digest = hashlib.blake2b(anchor + replica_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+    """Rendezvous score of ``replica_id`` for requests whose first page key is ``anchor`` (same in every process):
+    a 64-bit mix of the two digests, so a decision hashes the anchor once however many replicas tie."""
+    return _mix(_digest64(anchor) ^ _digest64(replica_id.encode()))
 
 
-def _new_prefix_preference(scored: _Scored) -> tuple[int, int, int]:
-    """For a prefix no eligible replica holds: fewer cached pages, then lower load, then higher tie score."""
-    return (-scored.num_cached, -scored.load, scored.tie)
+@functools.lru_cache(maxsize=4096)
+def _digest64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-def _preference(scored: _Scored) -> tuple[int, int, int, int]:
-    """Larger is better: more matched pages, then lower load, then fewer cached pages, then higher tie score."""
-    return (scored.matched, -scored.load, -scored.num_cached, scored.tie)
+def _mix(value: int) -> int:
+    """splitmix64's finaliser: every input bit affects every output bit."""
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _best(items: list, preference: Callable, anchor: PageKey, scored_of: Callable | None = None):
+    """The item with the largest ``preference``; exact ties go to the higher tie score of its replica (computed only
+    for the tied items: hashing every candidate would dominate the decision's cost)."""
+    best_key = None
+    tied: list = []
+    for item in items:
+        key = preference(item)
+        if best_key is None or key > best_key:
+            best_key, tied = key, [item]
+        elif key == best_key:
+            tied.append(item)
+    if len(tied) == 1:
+        return tied[0]
+    scored_of = scored_of or (lambda item: item)
+    return max(tied, key=lambda item: tie_score(anchor, scored_of(item).replica_id))
+
+
+def _new_prefix_preference(scored: _Scored) -> tuple[int, int]:
+    """For a prefix no eligible replica holds: fewer cached pages, then lower load (then the tie score)."""
+    return (-scored.num_cached, -scored.load)
+
+
+def _preference(scored: _Scored) -> tuple[int, int, int]:
+    """Larger is better: more matched pages, then lower load, then fewer cached pages (then the tie score)."""
+    return (scored.matched, -scored.load, -scored.num_cached)

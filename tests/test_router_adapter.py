@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -15,6 +16,7 @@ from ray.serve.request_router import PendingRequest  # noqa: E402
 
 from common.events import PagesStored  # noqa: E402
 from common.types import EngineRequest, EngineStats  # noqa: E402
+from router.policy import PolicyConfig  # noqa: E402
 from router.ray_router import PrefixAwareRequestRouter, router_config  # noqa: E402
 from replica.event_log import ReplicaEventLog  # noqa: E402
 
@@ -196,6 +198,7 @@ def test_router_config_and_actor_name():
     assert isinstance(config, RequestRouterConfig)
     assert config.request_router_class == "router.ray_router.PrefixAwareRequestRouter"
     assert config.request_router_kwargs == {
+        **dataclasses.asdict(PolicyConfig()),  # the cost model's fields keep their defaults
         "balance_abs_threshold": 8,
         "balance_rel_threshold": 1.5,
         "min_peer_copy_pages": 1,

@@ -1,4 +1,6 @@
-"""PrefixAwarePolicy: affinity, load balancing with peer hints, no-match placement, in-flight accounting."""
+"""PrefixAwarePolicy: the cost model (estimated TTFT per candidate), affinity, load balancing with peer hints,
+no-match placement, in-flight accounting. Tests of the load bound and of pure affinity use ``AFFINITY`` (the cost model
+off), the rule the policy had before the cost model and still has with ``enable_cost_model=False``."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ def key(name: str) -> bytes:
 
 
 PROMPT = [key("p0"), key("p1"), key("p2"), key("p3")]
+AFFINITY = PolicyConfig(enable_cost_model=False)
 
 
 def loads(**replica_id_to_num_requests: int) -> list[ReplicaLoad]:
@@ -53,7 +56,7 @@ def test_imbalance_within_absolute_threshold_keeps_affinity():
 
 
 def test_imbalance_within_relative_threshold_keeps_affinity():
-    policy = make_policy(a=4)
+    policy = make_policy(AFFINITY, a=4)
     assert policy.choose(PROMPT, loads(a=20, b=15)).replica_id == "a"  # gap 5 > 4, but 20 <= 1.5 * 15
     assert policy.choose(PROMPT, loads(a=23, b=15)).replica_id == "b"
 
@@ -73,8 +76,22 @@ def test_peer_hint_disabled_or_too_small():
     )
 
 
-def test_no_match_goes_to_the_emptiest_cache_then_the_least_loaded():
+def test_cost_model_places_a_new_prefix_on_the_fastest_replica_then_the_emptiest_cache():
     policy = make_policy(a=4)  # a caches 4 pages, b and c none
+    other_prompt = [key("q0"), key("q1")]
+    # loads differ: the idle replica computes it soonest, though its cache is the fullest
+    assert policy.choose(other_prompt, loads(a=0, b=2, c=1), now=0.0) == RoutingDecision(
+        "a", 0, None, RoutingReason.NO_MATCH)
+    # loads tie (and a is now busy with q): b and c are equally fast and empty; later, with c holding a prefix, b
+    fresh = make_policy(a=4)
+    first = fresh.choose([key("t0"), key("t1")], loads(a=1, b=1, c=1), now=0.0).replica_id
+    assert first in "bc"
+    second = fresh.choose([key("f0"), key("f1")], loads(a=1, b=1, c=1), now=10.0).replica_id
+    assert second == ("c" if first == "b" else "b")
+
+
+def test_affinity_mode_places_a_new_prefix_on_the_emptiest_cache_then_the_least_loaded():
+    policy = make_policy(AFFINITY, a=4)  # a caches 4 pages, b and c none
     other_prompt = [key("q0"), key("q1")]
     assert policy.choose(other_prompt, loads(a=0, b=2, c=1)) == RoutingDecision("c", 0, None, RoutingReason.NO_MATCH)
     # now c is expected to hold 2 pages: the next new prefix goes to b, the only empty cache, though busier
@@ -98,15 +115,20 @@ def test_a_new_prefix_sticks_to_its_replica_before_any_event_arrives():
 
 
 def test_no_match_ties_follow_the_first_page_key():
-    policy = make_policy()
     candidates = loads(a=0, b=0, c=0)
     expected = max("abc", key=lambda replica_id: tie_score(key("q0"), replica_id))
-    assert expected == "b"
-    for suffix in ["q1", "x1", "y1"]:
-        assert policy.choose([key("q0"), key(suffix)], candidates).replica_id == "b"
-    assert policy.choose([key("r0")], candidates).replica_id == "a"
+    for suffix in ["q1", "x1", "y1"]:  # each in a fresh policy: as in three router processes
+        assert make_policy().choose([key("q0"), key(suffix)], candidates, now=0.0).replica_id == expected
+    policy = make_policy()
+    policy.choose([key("q0"), key("q1")], candidates, now=0.0)
+    # another first page: the replicas left with no cached page tie, and r0's own tie scores pick among them
+    others = [replica_id for replica_id in "abc" if replica_id != expected]
+    assert policy.choose([key("r0")], candidates, now=0.0).replica_id == max(
+        others, key=lambda replica_id: tie_score(key("r0"), replica_id))
     # no full page: the bare replica id decides (on a fresh policy: cache sizes tie)
-    assert make_policy().choose([], candidates).replica_id == "b"
+    assert make_policy().choose([], candidates).replica_id == max("abc", key=lambda r: tie_score(b"", r))
+    # the same in every process: the score depends on the key and the id only
+    assert tie_score(key("q0"), "a") == tie_score(key("q0"), "a") != tie_score(key("q1"), "a")
 
 
 def test_new_prefixes_spread_over_the_replicas_caches():
@@ -115,7 +137,6 @@ def test_new_prefixes_spread_over_the_replicas_caches():
     candidates = loads(a=0, b=0)
     chosen = [policy.choose([key(f"p{n}-0"), key(f"p{n}-1")], candidates).replica_id for n in range(8)]
     assert sorted(chosen) == ["a"] * 4 + ["b"] * 4
-    assert tie_score(b"", "b") > max(tie_score(b"", "a"), tie_score(b"", "c"))
 
 
 def test_burst_is_spread_by_inflight_counts():
@@ -130,7 +151,7 @@ def test_burst_is_spread_by_inflight_counts():
 
 
 def test_burst_on_one_prefix_spills_once_the_holder_is_busy():
-    policy = make_policy(a=4)
+    policy = make_policy(AFFINITY, a=4)
     chosen = []
     for number in range(7):
         decision = policy.choose(PROMPT, loads(a=0, b=0))
@@ -139,6 +160,96 @@ def test_burst_on_one_prefix_spills_once_the_holder_is_busy():
     # a takes 5 (gap 5 > 4 and 5 > 1.5 * 0), then b takes one (copying from a); from then on b is expected to hold the
     # prefix too, so the next request goes to the less loaded of the two holders: b again.
     assert chosen == [("a", None)] * 5 + [("b", "a"), ("b", None)]
+
+
+def test_cost_model_burst_on_one_prefix_copies_once_queueing_costs_more_than_the_copy():
+    # a holds the 4-page prompt; every routed request adds its prefill to a's queue (the fluid wait) and its decode row
+    policy = make_policy(a=4)
+    chosen = []
+    for number in range(6):
+        decision = policy.choose(PROMPT, loads(a=0, b=0), now=0.0)
+        policy.note_routed(f"req-{number}", decision.replica_id)
+        chosen.append((decision.replica_id, decision.peer_hint, decision.reason))
+    # a: 16.6 ms, then 39.2 ms (behind the first); b copying the 4 pages: 30.6 ms -> b, by copy; then both hold it
+    hit, away = RoutingReason.PREFIX_HIT, RoutingReason.COST_AWAY
+    assert chosen == [("a", None, hit), ("a", None, hit), ("b", "a", away), ("b", None, hit), ("a", None, hit),
+                      ("b", None, hit)]
+    assert policy.num_decisions_by_reason == {hit: 5, away: 1, RoutingReason.BALANCED_AWAY: 0,
+                                              RoutingReason.NO_MATCH: 0}
+
+
+def test_estimate_is_the_documented_formula():
+    policy = make_policy()
+    # 512-token prompt, 1 page local + 1 copied: 256 tokens computed in one step at load 2, after 0.1 s of queue
+    work = 1 * 3.5 + 256 * 0.417 + 0.35e-3 * 256 * (256 + 128)
+    busy = work + 16.0 + 2 * 6.0
+    assert policy.estimate_ttft_ms(2, 1, 1, 512, wait_s=0.1) == pytest.approx((100.0 + busy, busy, work))
+    # a full hit still computes the last token; a 5000-token prompt takes 3 steps of the 2048-token budget
+    assert policy.estimate_ttft_ms(0, 4, 0, 512)[2] == pytest.approx(0.417 + 0.35e-3 * 1 * (511 + 0.5))
+    assert policy.estimate_ttft_ms(1, 0, 0, 5000)[1] - policy.estimate_ttft_ms(1, 0, 0, 5000)[2] == pytest.approx(
+        3 * (16.0 + 6.0))
+
+
+def test_cost_model_moves_away_from_a_busy_holder_by_copy_and_says_why():
+    policy = make_policy(a=4)
+    long_prompt = [key(f"l{n}") for n in range(16)]
+    for number in range(3):  # three long new prompts queued on a
+        policy.index.expect_keys("b", long_prompt[:1])  # keep b's cache non-empty so new prompts prefer a... and c
+        decision = policy.choose([key(f"n{number}")] + long_prompt[1:], loads(a=0, b=9, c=9), now=0.0,
+                                 num_prompt_tokens=16 * 128)
+        assert decision.replica_id == "a"
+    decision = policy.choose(PROMPT, loads(a=3, b=3, c=3), now=0.0)
+    assert (decision.replica_id in "bc", decision.peer_hint, decision.reason, decision.peer_matched_pages) == (
+        True, "a", RoutingReason.COST_AWAY, 4)
+    assert decision.estimated_ttft_ms < policy.estimate_ttft_ms(3, 4, 0, 512, wait_s=1.0)[0]
+
+
+def test_without_copy_a_long_cached_prefix_keeps_its_holder_despite_a_queue():
+    no_copy = make_policy(PolicyConfig(enable_peer_hint=False))
+    long_prompt = [key(f"l{n}") for n in range(32)]
+    no_copy.index.apply_events("a", [PagesStored(1, tuple(long_prompt))])
+    decisions = [no_copy.choose(long_prompt + [key(f"s{n}")], loads(a=2, b=0), now=0.0) for n in range(3)]
+    # recomputing 32 pages on b (~3.5 s) costs far more than waiting behind a's short suffix prefills
+    assert [d.replica_id for d in decisions] == ["a", "a", "a"]
+    assert all(d.peer_hint is None for d in decisions)
+
+
+def test_a_copy_is_not_planned_from_a_holder_still_computing_the_pages():
+    policy = make_policy()
+    long_prompt = [key(f"l{n}") for n in range(16)]
+    first = policy.choose(long_prompt + [key("u1")], loads(a=0, b=0), now=0.0)
+    assert first.reason is RoutingReason.NO_MATCH
+    # 10 ms later the pages exist only as the first request's pending prefill: copying is impossible, recomputing on
+    # the idle replica costs as much as waiting, and the duplicate work tips it: same replica
+    second = policy.choose(long_prompt + [key("u2")], loads(a=0, b=0), now=0.01)
+    assert (second.replica_id, second.reason, second.peer_hint) == (first.replica_id, RoutingReason.PREFIX_HIT, None)
+
+
+def test_an_overloaded_holder_stays_when_every_other_replica_would_evict():
+    policy = make_policy(a=4)
+    for replica_id in "bc":
+        policy.index.apply_events(replica_id, [PagesStored(1, tuple(key(f"{replica_id}{n}") for n in range(100)))])
+    holder = ReplicaLoad("a", 9, 50, 100)  # over the load bound (9 - 0 > 4 and 9 > 1.5 * 0)
+    full_b, full_c = ReplicaLoad("b", 0, 100, 100), ReplicaLoad("c", 0, 100, 100)
+    decision = policy.choose(PROMPT, [holder, full_b, full_c], now=0.0)
+    assert (decision.replica_id, decision.reason) == ("a", RoutingReason.PREFIX_HIT)
+    # one replica with empty pages: the load bound holds again
+    roomy = ReplicaLoad("d", 0, 200, 200)
+    decision = policy.choose(PROMPT, [holder, full_b, roomy], now=0.0)
+    assert (decision.replica_id, decision.reason, decision.peer_hint) == ("d", RoutingReason.BALANCED_AWAY, "a")
+    # and with the exception off, the bound always holds
+    strict = make_policy(PolicyConfig(enable_overload_exception=False), a=4)
+    strict.index.apply_events("b", [PagesStored(1, tuple(key(f"b{n}") for n in range(100)))])
+    assert strict.choose(PROMPT, [holder, full_b], now=0.0).replica_id == "b"
+
+
+def test_eviction_cost_prefers_a_replica_with_empty_pages():
+    policy = make_policy(a=4)
+    policy.index.apply_events("b", [PagesStored(1, tuple(key(f"b{n}") for n in range(100)))])
+    busy_holder = ReplicaLoad("a", 12, 0, 100)
+    full = ReplicaLoad("b", 0, 100, 100)  # 100 cached pages, none in use: every new page evicts one
+    empty = ReplicaLoad("c", 0, 100, 100)
+    assert policy.choose(PROMPT, [busy_holder, full, empty], now=0.0).replica_id == "c"
 
 
 def test_reported_load_and_inflight_use_the_larger():
@@ -201,6 +312,9 @@ def test_no_candidates_is_an_error():
         ({"balance_abs_threshold": -1}, "balance_abs_threshold"),
         ({"balance_rel_threshold": 0.5}, "balance_rel_threshold"),
         ({"min_peer_copy_pages": 0}, "min_peer_copy_pages"),
+        ({"page_size": 0}, "page_size"),
+        ({"peer_copy_page_ms": -1.0}, "peer_copy_page_ms"),
+        ({"eviction_weight": -0.5}, "eviction_weight"),
     ],
 )
 def test_config_is_validated(kwargs, message):

@@ -1,0 +1,127 @@
+"""python -m benchmarks.router_sim compare|scale ... (see benchmarks/router_sim/__init__.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.router_sim.costs import CostModel
+from benchmarks.router_sim.routers import ROUTERS
+from benchmarks.router_sim.sim import simulate
+from benchmarks.router_sim.workloads import WORKLOADS
+
+OURS = "prefixserve"
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown CPU"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = set(fields.get("Flags", "").split())
+    wanted = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
+    model, cpus = fields.get("Model name", "?").strip(), fields.get("CPU(s)", "?").strip()
+    return f"{model}, {cpus} CPUs, flags {' '.join(wanted)}"
+
+
+def compare(args: argparse.Namespace) -> int:
+    cost = CostModel()
+    rows = []
+    began = time.perf_counter()
+    for workload in args.workloads.split(","):
+        for dp in [int(d) for d in args.dp.split(",")]:
+            for router in args.routers.split(","):
+                result = simulate(workload, router, dp, seed=args.seed, scale=args.scale, cost=cost)
+                rows.append(result.row())
+                print(f"{workload:12s} dp={dp:<3d} {router:22s} hit {result.hit_rate:.3f} (ideal "
+                      f"{result.ideal_hit_rate:.3f}) ttft p50 {result.ttft_p50_s:6.2f} p99 {result.ttft_p99_s:6.2f} s "
+                      f"busiest/mean {result.busiest_over_mean:.2f}  [{result.wall_s:.1f} s]", file=sys.stderr,
+                      flush=True)
+    report = render(rows, args, cost, time.perf_counter() - began)
+    if args.out:
+        Path(args.out).with_suffix(".md").write_text(report)
+        Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str))
+    print(report)
+    return 0
+
+
+def render(rows: list, args: argparse.Namespace, cost: CostModel, wall_s: float) -> str:
+    lines = [
+        "# Router simulation: our policy and index against the published routing rules",
+        "",
+        f"Command: `python -m benchmarks.router_sim compare --workloads {args.workloads} --dp {args.dp} "
+        f"--routers {args.routers} --scale {args.scale} --seed {args.seed}`",
+        f"Machine: {cpu_model()}; Python {platform.python_version()}; {wall_s:.0f} s in all.",
+        f"Cost model (benchmarks/router_sim/costs.py): {cost}",
+        "",
+        "hit = cached prompt tokens (local + peer copy) / prompt tokens; local = from the replica's own cache; ideal = "
+        "every page computed once in the cluster; TTFT modeled (queueing + copy + chunked prefill among other "
+        "requests' steps); busiest/mean = requests routed to the busiest replica / the mean; decision = wall time of "
+        "one routing decision inside the simulation (noisy: the box is shared). A `*` marks a baseline that beats "
+        "ours on that column.",
+        "",
+    ]
+    keyed = {}
+    for row in rows:
+        keyed.setdefault((row["workload"], row["dp"]), []).append(row)
+    for (workload, dp), group in keyed.items():
+        ours = next((row for row in group if row["router"] == OURS), None)
+        lines += [f"## {workload}, DP={dp}", "",
+                  "| router | hit | local | ideal | TTFT p50 (s) | TTFT p99 (s) | busiest/mean | decision p99 (us) | "
+                  "reasons |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row in group:
+            beats_hit = ours is not None and row is not ours and row["hit_rate"] > ours["hit_rate"] + 5e-4
+            beats_p99 = ours is not None and row is not ours and row["ttft_p99_s"] < ours["ttft_p99_s"] * (1 - 5e-3)
+            reasons = ", ".join(f"{k} {v}" for k, v in row["reasons"].items())
+            lines.append(
+                f"| {row['router']} | {row['hit_rate']:.3f}{'*' if beats_hit else ''} | {row['local_hit_rate']:.3f} | "
+                f"{row['ideal_hit_rate']:.3f} | {row['ttft_p50_s']:.2f} | {row['ttft_p99_s']:.2f}"
+                f"{'*' if beats_p99 else ''} | {row['busiest_over_mean']:.2f} | {row['decision_p99_us']:.0f} | "
+                f"{reasons} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def scale(args: argparse.Namespace) -> int:
+    from benchmarks.router_sim.scale import run_scale
+
+    report = run_scale(num_replicas=args.replicas, num_pages=args.pages, num_decisions=args.decisions,
+                       seed=args.seed)
+    text = f"Machine: {cpu_model()}; Python {platform.python_version()}\n\n" + report
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.router_sim", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    one = sub.add_parser("compare", help="routers x workloads x DP in the simulator")
+    one.add_argument("--workloads", default=",".join(WORKLOADS))
+    one.add_argument("--routers", default=",".join(ROUTERS))
+    one.add_argument("--dp", default="4,16,64")
+    one.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's published size")
+    one.add_argument("--seed", type=int, default=0)
+    one.add_argument("--out", default="", help="write OUT.md and OUT.json")
+    one.set_defaults(func=compare)
+    two = sub.add_parser("scale", help="decision cost, index memory and event rate at 64 replicas / 1M pages")
+    two.add_argument("--replicas", type=int, default=64)
+    two.add_argument("--pages", type=int, default=1_000_000)
+    two.add_argument("--decisions", type=int, default=20_000)
+    two.add_argument("--seed", type=int, default=0)
+    two.add_argument("--out", default="")
+    two.set_defaults(func=scale)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

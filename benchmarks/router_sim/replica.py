@@ -1,0 +1,286 @@
+"""One simulated replica: FCFS continuous batching with chunked prefill, a paged KV pool with a prefix cache (LRU over
+unreferenced pages), peer copy on a hint, and the KV events the real engine publishes (common/events.py).
+
+Mirrors replica/scheduler.py where it matters for routing: admission in arrival order while pages and ``max_num_seqs``
+allow (the head of the queue blocks when pages run out), the longest cached prefix matched and pinned on admission (all
+but the last prompt token), a request whose next page another running request is computing held back (so one prefix is
+computed once), pages committed to the cache when computed (prompt pages at the end of its prefill, output pages when
+the request ends), and the least recently used unreferenced pages evicted first (a request's tail pages before its
+head).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from common.events import PagesRemoved, PagesStored
+from benchmarks.router_sim.costs import CostModel
+
+
+class _Running:
+    __slots__ = ("request", "held", "num_private", "prefill_left", "context", "generated", "num_reused")
+
+    def __init__(self, request, held, num_private, prefill_left, context, num_reused):
+        self.request = request
+        self.held = held
+        self.num_private = num_private
+        self.prefill_left = prefill_left
+        self.context = context
+        self.generated = 0
+        self.num_reused = num_reused
+
+
+class SimReplica:
+    def __init__(self, number: int, replica_id: str, num_pages: int, cost: CostModel) -> None:
+        self.number = number
+        self.replica_id = replica_id
+        self.num_pages = num_pages
+        self.cost = cost
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.key_to_refs: dict = {}
+        self.lru: OrderedDict = OrderedDict()
+        self.num_private = 0
+        self.computing: set = set()
+        self.pending_events: list = []
+        self.seq = 0
+        self.stepping = False
+        self.step_started = 0.0
+        self.num_decode_steps = 1
+        self.version = 0
+        self._chunks: list = []
+        self.num_routed = 0
+        self.num_rejected = 0
+        self.num_evicted = 0
+        self.num_copied_pages = 0
+
+    # ---- what the router may read ----------------------------------------------------------------------------------
+    @property
+    def num_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def num_free(self) -> int:
+        return self.num_pages - len(self.key_to_refs) - self.num_private
+
+    @property
+    def num_not_in_use(self) -> int:
+        """Free pages as the real engine reports them: empty pages plus cached pages no request holds."""
+        return self.num_pages - self.num_private - (len(self.key_to_refs) - len(self.lru))
+
+    def active_pages(self) -> int:
+        return sum(-(-(run.context) // self.cost.page_size) for run in self.running) + sum(
+            -(-request.prompt_len // self.cost.page_size) for request in self.waiting)
+
+    def drain_events(self) -> list:
+        events, self.pending_events = self.pending_events, []
+        return events
+
+    def leading_cached(self, keys, start: int, limit: int) -> int:
+        number = start
+        refs = self.key_to_refs
+        while number < limit and keys[number] in refs:
+            number += 1
+        return number - start
+
+    # ---- one engine step -------------------------------------------------------------------------------------------
+    def start_step(self, now: float, copy_enabled: bool, cluster) -> float:
+        """Admit what fits, schedule one step; returns its duration in seconds (0.0: nothing to do)."""
+        import_ms = self._admit(copy_enabled, cluster)
+        if not self.running:
+            return 0.0
+        cost = self.cost
+        budget = cost.max_num_batched_tokens
+        num_decode = 0
+        sum_context = 0
+        for run in self.running:
+            if run.prefill_left == 0:
+                num_decode += 1
+                sum_context += run.context
+        budget -= num_decode
+        prefill_ms = 0.0
+        self._chunks = []
+        for run in self.running:
+            if budget <= 0:
+                break
+            if run.prefill_left:
+                take = min(run.prefill_left, budget)
+                prefill_ms += cost.prefill_chunk_ms(take, run.context)
+                self._chunks.append((run, take))
+                budget -= take
+        self.stepping = True
+        self.step_started = now
+        if not self._chunks and not import_ms:
+            # decode only: nothing changes until a request finishes or one arrives, so run the steps up to the next
+            # finish as one event (an arrival cuts it at the step boundary after it: see cut_decode_run)
+            self.num_decode_steps = min(run.request.out_len - run.generated for run in self.running)
+            self._decode_coefficients = (cost.step_ms + num_decode * cost.decode_row_ms,
+                                         cost.decode_context_us * 1e-3, sum_context, num_decode)
+            return self._decode_run_ms(self.num_decode_steps) / 1000.0
+        self.num_decode_steps = 1
+        step_ms = cost.step_ms + cost.decode_ms(num_decode, sum_context) + prefill_ms + import_ms
+        return step_ms / 1000.0
+
+    def _decode_run_ms(self, num_steps: int) -> float:
+        fixed, per_context, sum_context, num_rows = self._decode_coefficients
+        return num_steps * fixed + per_context * (num_steps * sum_context + num_rows * num_steps * (num_steps - 1) / 2)
+
+    def cut_decode_run(self, now: float) -> float | None:
+        """A request arrived during a run of decode steps: end the run at the first step boundary at or after ``now``.
+        Returns the new end time, or None when the run is a single step (its end event stands)."""
+        if self.num_decode_steps <= 1:
+            return None
+        elapsed_ms = (now - self.step_started) * 1000.0
+        low, high = 1, self.num_decode_steps
+        while low < high:
+            middle = (low + high) // 2
+            if self._decode_run_ms(middle) >= elapsed_ms:
+                high = middle
+            else:
+                low = middle + 1
+        if low == self.num_decode_steps:
+            return None
+        self.num_decode_steps = low
+        return self.step_started + self._decode_run_ms(low) / 1000.0
+
+    def end_step(self, now: float, cluster) -> None:
+        """Apply the step that just ended: decode tokens, finished prefills (first tokens), finished requests."""
+        chunked = {id(run) for run, _ in self._chunks}
+        finished = []
+        num_steps = self.num_decode_steps
+        for run in self.running:
+            if run.prefill_left == 0 and id(run) not in chunked:
+                run.generated += num_steps
+                run.context += num_steps
+                if run.generated >= run.request.out_len:
+                    finished.append(run)
+        for run, take in self._chunks:
+            run.prefill_left -= take
+            run.context += take
+            if run.prefill_left == 0:
+                request = run.request
+                request.first_token_s = now
+                prompt_pages = request.prompt_len // self.cost.page_size
+                self._commit(run, request.final_keys[run.num_reused:prompt_pages])
+                self.computing.difference_update(request.page_keys[run.num_reused:prompt_pages])
+                run.num_reused = prompt_pages
+                run.generated = 1
+                if run.generated >= request.out_len:
+                    finished.append(run)
+        self._chunks = []
+        for run in finished:
+            self._finish(run, now, cluster)
+        self.stepping = False
+
+    # ---- internals -------------------------------------------------------------------------------------------------
+    def _admit(self, copy_enabled: bool, cluster) -> float:
+        import_ms = 0.0
+        cost = self.cost
+        page_size = cost.page_size
+        skipped = deque()
+        while self.waiting and len(self.running) < cost.max_num_seqs:
+            request = self.waiting[0]
+            keys = request.page_keys
+            limit = (request.prompt_len - 1) // page_size
+            local = self.leading_cached(keys, 0, limit)
+            if local < limit and keys[local] in self.computing:
+                skipped.append(self.waiting.popleft())  # held back: a running request is computing its next page
+                continue
+            copied = 0
+            hint = getattr(request, "peer_hint", None)
+            if copy_enabled and hint is not None and hint is not self and local < limit:
+                copied = hint.leading_cached(keys, local, limit)
+            need_new = -(-(request.prompt_len + request.out_len) // page_size) - local
+            held = list(keys[:local])
+            self._pin(held)
+            if self.num_free < need_new:
+                self._evict(need_new - self.num_free)
+            if self.num_free < need_new:
+                self._unpin(held)
+                if not self.running and not skipped:
+                    # cannot fit even alone: refuse (the real engine answers with an error)
+                    self.waiting.popleft()
+                    self.num_rejected += 1
+                    cluster.on_rejected(request, self)
+                    continue
+                break
+            self.waiting.popleft()
+            self.num_private += need_new
+            run = _Running(request, held, need_new, request.prompt_len - local * page_size, local * page_size, local)
+            request.cached_local = local * page_size
+            if copied:
+                self._commit(run, keys[local:local + copied])
+                import_ms += copied * cost.peer_copy_page_ms
+                request.cached_peer = copied * page_size
+                self.num_copied_pages += copied
+                run.prefill_left -= copied * page_size
+                run.context += copied * page_size
+                run.num_reused = local + copied
+            self.computing.update(keys[run.num_reused:request.prompt_len // page_size])
+            self.running.append(run)
+        while skipped:
+            self.waiting.appendleft(skipped.pop())
+        return import_ms
+
+    def _pin(self, keys) -> None:
+        refs, lru = self.key_to_refs, self.lru
+        for key in keys:
+            count = refs[key]
+            if count == 0:
+                del lru[key]
+            refs[key] = count + 1
+
+    def _unpin(self, keys) -> None:
+        refs, lru = self.key_to_refs, self.lru
+        for key in reversed(keys):
+            count = refs[key] - 1
+            refs[key] = count
+            if count == 0:
+                lru[key] = None
+
+    def _commit(self, run: _Running, keys) -> None:
+        """Pages of ``run`` just computed (or copied): into the cache, pinned by ``run``."""
+        refs, lru = self.key_to_refs, self.lru
+        stored = []
+        for key in keys:
+            count = refs.get(key)
+            if count is None:
+                refs[key] = 1
+                stored.append(key)
+            else:
+                if count == 0:
+                    del lru[key]
+                refs[key] = count + 1
+            run.held.append(key)
+            run.num_private -= 1
+            self.num_private -= 1
+        if stored:
+            self.seq += 1
+            self.pending_events.append(PagesStored(self.seq, tuple(stored)))
+
+    def _evict(self, num_wanted: int) -> None:
+        refs, lru = self.key_to_refs, self.lru
+        removed = []
+        while num_wanted > 0 and lru:
+            key, _ = lru.popitem(last=False)
+            del refs[key]
+            removed.append(key)
+            num_wanted -= 1
+        if removed:
+            self.num_evicted += len(removed)
+            self.seq += 1
+            self.pending_events.append(PagesRemoved(self.seq, tuple(removed)))
+
+    def _finish(self, run: _Running, now: float, cluster) -> None:
+        request = run.request
+        full_pages = (request.prompt_len + request.out_len) // self.cost.page_size
+        self._commit(run, request.final_keys[run.num_reused:full_pages])
+        self._unpin(run.held)
+        self.num_private -= run.num_private
+        self.running.remove(run)
+        request.finished_s = now
+        cluster.on_finished(request, self)
+
+    def check_integrity(self) -> None:
+        assert self.num_private >= 0 and self.num_free >= 0, (self.num_private, self.num_free)
+        assert set(self.lru) == {key for key, count in self.key_to_refs.items() if count == 0}

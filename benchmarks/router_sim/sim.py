@@ -1,0 +1,214 @@
+"""The event loop: arrivals are routed by a router (our policy or a baseline) at their arrival time; replicas run
+engine steps priced by the cost model; every ``stats_period_s`` each replica's new KV events and its load reach the
+router (``PrefixIndex.sync`` with the replica's events, as the Ray adapter does with each routing-stats payload).
+
+Modeled TTFT = first-token time - arrival time: queueing for admission, copy time, chunked prefill steps shared with
+other requests' decodes and prefills.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+from benchmarks.router_sim.costs import CostModel
+from benchmarks.router_sim.replica import SimReplica
+from benchmarks.router_sim.routers import make_router
+from benchmarks.router_sim.workloads import Workload
+from common.routing_stats import ReplicaLoad
+from router.index import PrefixIndex
+
+_ARRIVAL, _STEP_END, _SYNC = 0, 1, 2
+
+
+class ClusterView:
+    """What a router can see (see routers.py)."""
+
+    def __init__(self, replicas: list, page_size: int) -> None:
+        self.replicas = replicas
+        self.num_replicas = len(replicas)
+        self.replica_ids = [replica.replica_id for replica in replicas]
+        self.number_of = {replica.replica_id: replica.number for replica in replicas}
+        self.page_size = page_size
+        self.index = PrefixIndex()
+        for replica_id in self.replica_ids:
+            self.index.add_replica(replica_id)
+        self.loads = [ReplicaLoad(r.replica_id, 0, r.num_pages, r.num_pages) for r in replicas]
+
+    def live_queue(self, number: int) -> int:
+        return self.replicas[number].num_requests
+
+    def active_pages(self, number: int) -> int:
+        return self.replicas[number].active_pages()
+
+    def kv_usage(self, number: int) -> float:
+        replica = self.replicas[number]
+        return 1.0 - replica.num_free / replica.num_pages
+
+
+@dataclass
+class RunResult:
+    workload: str
+    router: str
+    dp: int
+    num_requests: int
+    num_rejected: int
+    hit_rate: float
+    local_hit_rate: float
+    ideal_hit_rate: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    ttft_mean_s: float
+    busiest_over_mean: float
+    decision_p50_us: float
+    decision_p99_us: float
+    makespan_s: float
+    num_events: int
+    reasons: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def row(self) -> dict:
+        return dict(self.__dict__)
+
+
+def percentile(values: list, q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100.0 * len(ordered)) - 1))
+    return ordered[rank]
+
+
+class Simulation:
+    def __init__(self, workload: Workload, router_name: str, dp: int, cost: CostModel, *, seed: int = 0,
+                 stats_period_s: float = 0.5) -> None:
+        self.workload = workload
+        self.cost = cost
+        self.dp = dp
+        self.stats_period_s = stats_period_s
+        self.replicas = [SimReplica(n, f"replica-{n:02d}", workload.num_pages_per_replica, cost) for n in range(dp)]
+        self.view = ClusterView(self.replicas, cost.page_size)
+        self.router = make_router(router_name, self.view, cost, seed)
+        self.heap: list = []
+        self.counter = 0
+        self.decision_s: list = []
+        self.reasons: dict = {}
+        self.num_done = 0
+        self.num_events = 0
+        self.now = 0.0
+
+    def push(self, at: float, kind: int, payload) -> None:
+        self.counter += 1
+        heapq.heappush(self.heap, (at, self.counter, kind, payload))
+
+    def run(self) -> RunResult:
+        started = time.perf_counter()
+        requests = self.workload.all_requests()
+        for request in self.workload.first_requests:
+            self.push(request.arrival_s, _ARRIVAL, request)
+        self.push(self.stats_period_s, _SYNC, None)
+        total = len(requests)
+        while self.heap:
+            at, _, kind, payload = heapq.heappop(self.heap)
+            self.now = at
+            if kind == _ARRIVAL:
+                self._arrive(payload, at)
+            elif kind == _STEP_END:
+                replica, version = payload
+                if version != replica.version:
+                    continue  # a decode run cut short by an arrival: its new end event stands instead
+                replica.end_step(at, self)
+                self._kick(replica, at)
+            else:
+                self._sync()
+                if self.num_done < total:
+                    self.push(at + self.stats_period_s, _SYNC, None)
+        for replica in self.replicas:
+            replica.check_integrity()
+        return self._result(requests, time.perf_counter() - started)
+
+    # ---- callbacks from replicas -----------------------------------------------------------------------------------
+    def on_finished(self, request, replica) -> None:
+        self.num_done += 1
+        self.router.on_finished(request)
+        if request.next_turn is not None:
+            following = request.next_turn
+            following.arrival_s = self.now + following.arrival_s
+            self.push(following.arrival_s, _ARRIVAL, following)
+
+    def on_rejected(self, request, replica) -> None:
+        request.finished_s = self.now
+        self.on_finished(request, replica)
+
+    # ---- internals -------------------------------------------------------------------------------------------------
+    def _arrive(self, request, now: float) -> None:
+        began = time.perf_counter()
+        number, hint, reason = self.router.route(request, now)
+        self.decision_s.append(time.perf_counter() - began)
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        replica = self.replicas[number]
+        request.routed_s = now
+        request.replica = number
+        request.reason = reason
+        request.peer_hint = self.replicas[hint] if hint is not None else None
+        replica.num_routed += 1
+        replica.waiting.append(request)
+        self._kick(replica, now)
+
+    def _kick(self, replica: SimReplica, now: float) -> None:
+        if replica.stepping:
+            cut_at = replica.cut_decode_run(now)
+            if cut_at is not None:
+                replica.version += 1
+                self.push(cut_at, _STEP_END, (replica, replica.version))
+            return
+        duration = replica.start_step(now, self.router.copy_enabled, self)
+        if replica.stepping:
+            replica.version += 1
+            self.push(now + duration, _STEP_END, (replica, replica.version))
+
+    def _sync(self) -> None:
+        index = self.view.index
+        loads = self.view.loads
+        for replica in self.replicas:
+            events = replica.drain_events()
+            if events:
+                self.num_events += len(events)
+                if self.router.uses_index:
+                    index.sync(replica.replica_id, epoch="sim", events=events)
+            loads[replica.number] = ReplicaLoad(replica.replica_id, replica.num_requests, replica.num_not_in_use,
+                                                replica.num_pages)
+
+    def _result(self, requests: list, wall_s: float) -> RunResult:
+        page_size = self.cost.page_size
+        served = [r for r in requests if r.first_token_s >= 0]
+        prompt_tokens = sum(r.prompt_len for r in requests)
+        cached = sum(r.cached_local + r.cached_peer for r in served)
+        local = sum(r.cached_local for r in served)
+        ideal = sum(r.ideal_cached_pages * page_size for r in requests)
+        ttfts = [r.first_token_s - r.arrival_s for r in served]
+        routed = [replica.num_routed for replica in self.replicas]
+        mean_routed = sum(routed) / len(routed)
+        return RunResult(
+            workload=self.workload.name, router=self.router.name, dp=self.dp, num_requests=len(requests),
+            num_rejected=sum(replica.num_rejected for replica in self.replicas),
+            hit_rate=cached / prompt_tokens, local_hit_rate=local / prompt_tokens, ideal_hit_rate=ideal / prompt_tokens,
+            ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+            ttft_mean_s=sum(ttfts) / max(len(ttfts), 1),
+            busiest_over_mean=max(routed) / mean_routed if mean_routed else float("nan"),
+            decision_p50_us=percentile(self.decision_s, 50) * 1e6,
+            decision_p99_us=percentile(self.decision_s, 99) * 1e6,
+            makespan_s=max((r.finished_s for r in requests), default=0.0), num_events=self.num_events,
+            reasons=dict(sorted(self.reasons.items())), wall_s=wall_s,
+        )
+
+
+def simulate(workload_name: str, router_name: str, dp: int, *, seed: int = 0, scale: float = 1.0,
+             cost: CostModel | None = None, **workload_kwargs) -> RunResult:
+    from benchmarks.router_sim.workloads import WORKLOADS
+
+    cost = cost or CostModel()
+    workload = WORKLOADS[workload_name](dp, cost, seed=seed, scale=scale, **workload_kwargs)
+    return Simulation(workload, router_name, dp, cost, seed=seed).run()

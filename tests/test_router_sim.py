@@ -1,0 +1,97 @@
+"""The router simulator (benchmarks/router_sim): the cost model's arithmetic on an idle replica, cache hits and peer
+copies as the engine counts them, events reaching the real index, and a tiny comparison run. Pure Python, no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.router_sim.__main__ import main
+from benchmarks.router_sim.costs import CostModel
+from benchmarks.router_sim.sim import Simulation, simulate
+from benchmarks.router_sim.workloads import SimRequest, Workload, chain_keys
+
+COST = CostModel()
+
+
+def request(name: str, arrival_s: float, segments: list, out_len: int = 4) -> SimRequest:
+    prompt_len = sum(length for _, length in segments)
+    keys = chain_keys(segments + [(f"{name}-out", out_len)], COST.page_size)
+    return SimRequest(name, arrival_s, prompt_len, out_len, tuple(keys[: prompt_len // COST.page_size]), tuple(keys))
+
+
+def run(requests: list, router: str = "prefixserve", dp: int = 2, num_pages: int = 64) -> Simulation:
+    simulation = Simulation(Workload("test", requests, num_pages), router, dp, COST)
+    simulation.result = simulation.run()
+    return simulation
+
+
+def test_chain_keys_equal_for_equal_prefixes_only():
+    a = chain_keys([("sys", 300), ("q1", 100)], 128)
+    b = chain_keys([("sys", 300), ("q2", 100)], 128)
+    assert len(a) == len(b) == 3
+    assert a[:2] == b[:2] and a[2] != b[2]  # page 2 holds tokens 256..383: 44 of sys, then the question
+    assert chain_keys([("sys", 256)], 128) == a[:2]
+
+
+def test_a_lone_request_costs_exactly_the_cost_model():
+    # 2500 prompt tokens, nothing cached: two prefill steps (2048 + 452 tokens), first token at the end of the second
+    lone = request("lone", 1.0, [("p", 2500)], out_len=3)
+    simulation = run([lone], dp=1)
+    first = COST.step_ms + COST.prefill_chunk_ms(2048, 0)
+    second = COST.step_ms + COST.prefill_chunk_ms(452, 2048)
+    assert lone.first_token_s - lone.arrival_s == pytest.approx((first + second) / 1000.0)
+    # then two decode steps (the first token came with the prefill), each over the KV context before it
+    decode = sum(COST.step_ms + COST.decode_ms(1, 2500 + step) for step in range(2))
+    assert lone.finished_s - lone.first_token_s == pytest.approx(decode / 1000.0)
+    assert simulation.result.hit_rate == 0.0 and simulation.result.num_requests == 1
+
+
+def test_a_repeat_hits_locally_and_a_hint_copies_from_the_peer():
+    first = request("first", 0.0, [("sys", 1024), ("q1", 64)])
+    again = request("again", 10.0, [("sys", 1024), ("q2", 64)])
+    simulation = run([first, again], dp=2)
+    assert (again.replica, again.cached_local, again.cached_peer, again.reason) == (
+        first.replica, 1024, 0, "prefix_hit")
+    # the index learnt the pages from the replica's stored events
+    holder = simulation.replicas[first.replica].replica_id
+    assert simulation.view.index.longest_prefix(again.page_keys) == {holder: 8}
+
+    # the same pair with the holder busy: a third request copies the 8 pages from it instead of recomputing
+    busy = [request(f"busy{n}", 0.0 + 0.001 * n, [(f"other{n}", 1500)]) for n in range(6)]
+    first = request("first", 0.0, [("sys", 1024), ("q1", 64)])
+    again = request("again", 3.0, [("sys", 1024), ("q2", 64)])
+    simulation = run([first] + busy + [again], dp=2, num_pages=256)
+    assert (again.replica, again.reason, again.cached_local, again.cached_peer) == (1 - first.replica, "cost_away", 0,
+                                                                                    1024)
+    assert simulation.replicas[again.replica].num_copied_pages == 8
+    # the copy is on the receiver's critical path: 8 pages at 3.5 ms inside the step that admits the request
+    assert again.first_token_s - again.arrival_s >= 8 * COST.peer_copy_page_ms / 1000.0
+
+
+def test_tiny_comparison_reaches_the_ideal_and_beats_round_robin():
+    ours = simulate("sglang-gsp", "prefixserve", 4, scale=4 / 64)
+    blind = simulate("sglang-gsp", "round-robin", 4, scale=4 / 64)
+    assert ours.num_requests == blind.num_requests == 64 and ours.num_rejected == 0
+    assert ours.hit_rate == pytest.approx(ours.ideal_hit_rate)
+    assert blind.hit_rate < ours.hit_rate
+    assert ours.ttft_p50_s < blind.ttft_p50_s
+    assert sum(ours.reasons.values()) == 64 and ours.reasons["no_match"] == 4
+
+
+@pytest.mark.parametrize("workload", ["llmd-prefix", "zipf", "multi-turn"])
+def test_every_workload_runs_with_every_router_kind(workload):
+    for router in ("prefixserve", "sglang-cache-aware", "llmd-scorers", "ray-prefix", "dynamo-cost", "pow2"):
+        result = simulate(workload, router, 2, scale=0.02)
+        assert result.num_rejected == 0
+        assert 0.0 <= result.hit_rate <= result.ideal_hit_rate + 1e-9
+        assert result.ttft_p99_s >= result.ttft_p50_s > 0.0
+
+
+def test_cli_compare_and_scale(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--workloads", "zipf", "--dp", "2", "--routers", "prefixserve,round-robin",
+                 "--scale", "0.02", "--out", str(out)]) == 0
+    table = out.with_suffix(".md").read_text()
+    assert "## zipf, DP=2" in table and "| prefixserve |" in table and "| round-robin |" in table
+    assert main(["scale", "--replicas", "8", "--pages", "2048", "--decisions", "200"]) == 0
+    assert "decision wall time" in capsys.readouterr().out
