@@ -334,6 +334,7 @@ def test_disk_tier_evicts_retained_pages_last_until_they_expire(tmp_path, monkey
     from replica.tiers.arrow_file import write_page_file
     from replica.tiers.base import StoredPage
     from replica.tiers.disk_tier import DiskTier
+    from replica.tiers.seal import TierKey
 
     page_format = PageFormat(model_fingerprint=FP, dtype="float32", page_size=PAGE, num_layers=1, num_kv_heads=1,
                              head_dim=4)
@@ -343,8 +344,10 @@ def test_disk_tier_evicts_retained_pages_last_until_they_expire(tmp_path, monkey
              for i, key in enumerate(keys_for(tokens))]
     wall = [time_module.time()]
     monkeypatch.setattr("replica.tiers.disk_tier.time.time", lambda: wall[0])
-    size = write_page_file(str(tmp_path / "probe.arrow"), pages[0])
-    tier = DiskTier(tmp_path / "kv", page_format, budget_bytes=int(3.5 * size), evict_to_fraction=1.0)
+    tier_key = TierKey.generate()
+    size, _ = write_page_file(str(tmp_path / "probe.arrow"), pages[0], tier_key)
+    tier = DiskTier(tmp_path / "kv", page_format, budget_bytes=int(3.5 * size), evict_to_fraction=1.0,
+                    tier_key=tier_key)
     try:
         retained = dataclasses.replace(pages[0], retention_priority=80, retain_until=wall[0] + 60)
         for page in (retained, pages[1], pages[2], pages[3]):  # the retained page is the oldest file

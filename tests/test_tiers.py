@@ -354,6 +354,138 @@ def test_disk_budget_evicts_the_least_recently_used_file(tmp_path, open_tiers):
     assert tier.total_bytes_estimate == sum(os.path.getsize(tier.page_path(key)) for key in present)
 
 
+def chained(pages, priority=0, retain_until=0.0, retained_from=0):
+    """``pages`` with their parent keys, pages ``retained_from`` on carrying the retention (as the fetcher stores
+    them)."""
+    return [dataclasses.replace(page, parent_key=pages[index - 1].key if index else None,
+                                retention_priority=priority if index >= retained_from else 0,
+                                retain_until=retain_until if index >= retained_from else 0.0)
+            for index, page in enumerate(pages)]
+
+
+def present_pages(tier, pages):
+    return {page.key for page in pages if os.path.exists(tier.page_path(page.key))}
+
+
+def test_disk_eviction_combines_chain_tails_first_with_retention(tmp_path, open_tiers, monkeypatch):
+    import time as time_module
+
+    page_format = make_format()
+    tier_key = TierKey.generate()
+    size, _ = write_page_file(str(tmp_path / "probe.arrow"), make_pages(page_format, 1)[0], tier_key)
+    wall = [time_module.time()]
+    monkeypatch.setattr("replica.tiers.disk_tier.time.time", lambda: wall[0])
+    tier = DiskTier(tmp_path / "kv", page_format, budget_bytes=int(8.5 * size), evict_to_fraction=1.0,
+                    tier_key=tier_key)
+    open_tiers.append(tier)
+    retained = chained(make_pages(page_format, 3, seed=1), priority=50, retain_until=wall[0] + 60)  # oldest
+    plain = chained(make_pages(page_format, 3, seed=2))
+    mixed = chained(make_pages(page_format, 2, seed=3), priority=50, retain_until=wall[0] + 60, retained_from=1)
+    for chain in (retained, plain, mixed):  # 8 pages
+        tier.store(chain)
+        tier.flush(timeout=10)
+
+    flood = chained(make_pages(page_format, 5, seed=4))
+    tier.store(flood)  # 8 + 5 > 8.5: five go
+    tier.flush(timeout=10)
+    # the newer plain chain goes first (tail first), then the retained chain's tail (r2, r1: older than m1); the
+    # plain m0 stays because its retained child m1 does (never an orphan), and r0 stays as the chain's head
+    assert present_pages(tier, retained + plain + mixed) == {retained[0].key, mixed[0].key, mixed[1].key}
+    assert tier.stats().pages_evicted == 5
+
+    wall[0] += 120  # the retentions have ended: LRU over the leaves again (r0 oldest, then m1; m0 keeps its turn)
+    tier.store(chained(make_pages(page_format, 2, seed=5)))  # 3 + 5 + 2 > 8.5: two go
+    tier.flush(timeout=10)
+    assert present_pages(tier, retained + mixed + flood) == {mixed[0].key} | set(keys_of(flood))
+    assert tier.stats().pages_evicted == 7
+    assert len(tier.load(keys_of(flood), tokens_of(flood))) == 5
+
+
+def test_disk_restore_merges_retention_into_the_row(tmp_path, open_tiers):
+    import sqlite3
+    import time as time_module
+
+    page_format = make_format()
+    tier_key = TierKey.generate()
+    size, _ = write_page_file(str(tmp_path / "probe.arrow"), make_pages(page_format, 1)[0], tier_key)
+    tier = DiskTier(tmp_path / "kv", page_format, budget_bytes=int(3.5 * size), evict_to_fraction=1.0,
+                    tier_key=tier_key)
+    open_tiers.append(tier)
+    a, b, c, d = make_pages(page_format, 4)  # separate chains (no parent keys): all leaves
+    until = time_module.time() + 3600
+    for page in (a, b, c):
+        tier.store([page])
+        tier.flush(timeout=10)
+    tier.store([dataclasses.replace(a, retention_priority=30, retain_until=until)])  # a is there: its row changes
+    tier.flush(timeout=10)
+    tier.store([dataclasses.replace(a, retention_priority=20, retain_until=until + 1)])  # weaker: ignored
+    tier.store([b])  # plain: b is the most recently used; a keeps its retention
+    tier.flush(timeout=10)
+
+    index = sqlite3.connect(str(tmp_path / "kv" / "index.sqlite"))
+    rows = dict(((row[0], row[1:]) for row in index.execute("SELECT id, priority, retain_until FROM pages")))
+    index.close()
+    assert rows[tier.page_id(a.key)] == (30, until)
+    assert rows[tier.page_id(b.key)] == (0, 0.0)
+
+    tier.store([d])  # a is the least recently used but retained: c (plain, older than b) goes
+    tier.flush(timeout=10)
+    assert present_pages(tier, (a, b, c, d)) == {a.key, b.key, d.key}
+
+
+def test_disk_index_of_an_older_schema_is_migrated_a_newer_refused_a_broken_one_recreated(tmp_path, open_tiers,
+                                                                                       caplog):
+    import sqlite3
+
+    page_format = make_format()
+    tier_key = TierKey.generate()
+    root = tmp_path / "kv"
+    pages = make_pages(page_format, 2)
+    first = DiskTier(root, page_format, budget_bytes=1 << 30, tier_key=tier_key)
+    first.store(pages)
+    first.flush(timeout=10)
+    first.close()
+    index_path = str(root / "index.sqlite")
+    index = sqlite3.connect(index_path, isolation_level=None)  # back to schema version 1 (no retention columns)
+    index.execute("ALTER TABLE pages DROP COLUMN priority")
+    index.execute("ALTER TABLE pages DROP COLUMN retain_until")
+    index.execute("PRAGMA user_version = 0")
+    index.close()
+
+    migrated = DiskTier(root, page_format, budget_bytes=1 << 30, tier_key=tier_key)
+    open_tiers.append(migrated)
+    assert_bit_identical(migrated.load(keys_of(pages), tokens_of(pages)), pages)
+    migrated.store([dataclasses.replace(make_pages(page_format, 1, seed=9)[0], retention_priority=5,
+                                        retain_until=float("inf"))])
+    migrated.flush(timeout=10)
+    index = sqlite3.connect(index_path, isolation_level=None)
+    assert index.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert sorted(row[0] for row in index.execute("SELECT priority FROM pages")) == [0, 0, 5]
+    assert index.execute("SELECT retain_until FROM pages WHERE priority = 5").fetchone()[0] == float("inf")
+    index.execute("PRAGMA user_version = 3")  # written by a newer version
+    index.close()
+    migrated.close()
+
+    with caplog.at_level(logging.ERROR):
+        newer = DiskTier(root, page_format, budget_bytes=1 << 30, tier_key=tier_key)
+    open_tiers.append(newer)
+    assert newer.refused and not newer.available and "schema version 3" in caplog.text
+    assert newer.load(keys_of(pages), tokens_of(pages)) == []
+
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(index_path + suffix):
+            os.remove(index_path + suffix)
+    with open(index_path, "wb") as garbage:
+        garbage.write(b"not a database" * 100)
+    recreated = DiskTier(root, page_format, budget_bytes=1 << 30, tier_key=tier_key)
+    open_tiers.append(recreated)
+    assert recreated.available and recreated.total_bytes_estimate == 0  # its unindexed files were deleted
+    assert not os.path.exists(recreated.page_path(pages[0].key))
+    recreated.store(pages)
+    recreated.flush(timeout=10)
+    assert_bit_identical(recreated.load(keys_of(pages), tokens_of(pages)), pages)
+
+
 def test_disk_tier_rescans_its_folder_on_start(tmp_path, open_tiers):
     page_format = make_format()
     tier_key = TierKey.generate()

@@ -3,7 +3,8 @@
 Layout (folders 0700, files 0600; only this user's processes read or write the tier)::
 
     root/FORMAT.json                        {"key_format_version": 1}: claimed by the first tier to open root
-    root/index.sqlite                       which pages exist: id, parent id, size, last use (see ``PageIndex``)
+    root/index.sqlite                       which pages exist: id, parent id, size, last use, retention priority
+                                            and its end (see ``PageIndex``; schema ``INDEX_VERSION``)
     root/{dtype}/{id[:2]}/{id}.arrow        one page (see ``arrow_file``); id = keyed storage id (see ``seal``)
     root/{dtype}/{id[:2]}/.{name}.*.tmp     a write in progress (renamed into place inside an index transaction)
 
@@ -13,11 +14,17 @@ fit, renames them into place and indexes them. So the page files in root never e
 process that wrote last, whatever the number of writers (only the temporary files of writes in progress, at most one
 write batch per process, are outside the count).
 
-Eviction order: chain tails first. Only *leaves* are candidates (pages no indexed page names as its parent), least
-recently used first; a parent becomes a candidate once its last child is gone. So a page still reachable from its
-chain's page 0 is never left without its parent (the pages a load can no longer reach are not kept while reachable
-ones are deleted). A load touches its pages in chain order (parents older than children), and the parents of pages
-being written are never evicted by that write.
+Eviction order: chain tails first. Only *leaves* are candidates (pages no indexed page names as its parent); a
+parent becomes a candidate once its last child is gone. So a page still reachable from its chain's page 0 is never
+left without its parent (the pages a load can no longer reach are not kept while reachable ones are deleted). Among
+the leaves, the lowest *effective priority* goes first (a page's ``StoredPage.retention_priority`` while its
+``retain_until`` has not passed, else 0), then the least recently used. So a retained page is evicted only after every
+leaf of lower effective priority, and once its retention ends it is plain LRU again; retention never exempts a page
+from the budget, and a retained page keeps its (plain) parents while it stays. A store of a page already indexed
+marks it used and merges the new retention into its row (the stronger stays: a higher priority replaces an active
+lower one, the same priority keeps the later end, an expired one is replaced); a load only marks its pages used. A
+load touches its pages in chain order (parents older than children), and the parents of pages being written are never
+evicted by that write.
 
 Reads: only regular files are read (``arrow_file.read_file_safely``), and a load gives up at ``load_timeout_s``.
 Anything else under a page's name (a symlink, FIFO, device, a corrupt or tampered file) is deleted and counted in
@@ -70,34 +77,107 @@ EVICTION_BATCH = 32
 """Leaves deleted per eviction query (then the leaves are listed again: a parent may have become one)."""
 
 
+INDEX_VERSION = 2
+"""The index's schema (SQLite ``user_version``). 1: ``pages(id, parent, size, last_used)``; 2: adds ``priority`` and
+``retain_until``. An index of an older version is migrated in place (the new columns default to plain LRU, which
+version 1 code still writes correctly); one of a newer version refuses the tier; a file that is not a SQLite database
+is recreated (start-up then deletes the page files no row names)."""
+MAX_PRIORITY = 1 << 31
+"""Retention priorities are clamped into ``[0, MAX_PRIORITY]`` before they reach the index."""
+
+
+class IndexVersionError(RuntimeError):
+    """The index was written by a newer version of this tier (its schema is unknown here)."""
+
+
 @dataclass(frozen=True)
 class IndexedPage:
     page_id: str
     size: int
     last_used: int
     parent: str | None
+    rank: int
+    """The page's effective retention priority when it was read: ``priority`` while ``retain_until`` has not
+    passed, else 0."""
+
+
+def retention_of(page: StoredPage) -> tuple[int, float]:
+    """``(priority, retain_until)`` of ``page`` as the index stores them: priority clamped into
+    ``[0, MAX_PRIORITY]``; no priority, or a ``retain_until`` that is not a positive number (NaN included), is
+    ``(0, 0.0)``."""
+    try:
+        priority = max(0, min(int(page.retention_priority), MAX_PRIORITY))
+        until = float(page.retain_until)
+    except (TypeError, ValueError, OverflowError):
+        return 0, 0.0
+    if priority == 0 or not until > 0.0:
+        return 0, 0.0
+    return priority, until
 
 
 class PageIndex:
-    """The SQLite index every process sharing root uses: ``pages(id, parent, size, last_used)``.
+    """The SQLite index every process sharing root uses: ``pages(id, parent, size, last_used, priority,
+    retain_until)`` (schema ``INDEX_VERSION``).
 
     Thread-safe (one connection behind a lock). ``write()`` is a ``BEGIN IMMEDIATE`` transaction: it holds the
-    database's write lock, across processes, until it commits.
+    database's write lock, across processes, until it commits. Raises ``IndexVersionError`` if the file holds a newer
+    schema, ``sqlite3.Error`` if it cannot be opened.
     """
 
+    COLUMNS = "id, size, last_used, parent"
+    RANK = "CASE WHEN retain_until > ? THEN priority ELSE 0 END"
+    """The effective priority of a row at the time bound to ``?``."""
+    MERGE_RETENTION = (
+        "UPDATE pages SET last_used = :used, "
+        "priority = CASE WHEN retain_until <= :now OR :priority > priority THEN :priority ELSE priority END, "
+        "retain_until = CASE WHEN retain_until <= :now OR :priority > priority THEN :until "
+        "WHEN :priority = priority THEN MAX(retain_until, :until) ELSE retain_until END "
+        "WHERE id = :id")
+    """Mark a page used and merge a retention into its row: the stronger one stays (a higher priority replaces an
+    active lower one, the same priority keeps the later deadline, an expired one is replaced)."""
+
     def __init__(self, path: str, busy_timeout_s: float = 10.0) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        os.close(fd)
         self._busy_timeout_ms = int(busy_timeout_s * 1000)
         self._lock = threading.Lock()
+        try:
+            self._conn = self._open(path, busy_timeout_s)
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError):  # locked, unreadable, ...: not the file's content
+                raise
+            logger.warning("disk KV tier: %s is not a usable index (%s); recreating it", path, exc)
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                remove_quietly(path + suffix)
+            self._conn = self._open(path, busy_timeout_s)
+
+    def _open(self, path: str, busy_timeout_s: float) -> sqlite3.Connection:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
         self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
-        self._conn.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
-        self._conn.execute("PRAGMA synchronous=OFF")  # a cache: after a crash, start-up reconciles with the files
-        with self.write() as cursor:
-            cursor.execute("CREATE TABLE IF NOT EXISTS pages (id TEXT PRIMARY KEY, parent TEXT, "
-                           "size INTEGER NOT NULL, last_used INTEGER NOT NULL) WITHOUT ROWID")
-            cursor.execute("CREATE INDEX IF NOT EXISTS pages_by_parent ON pages(parent)")
-            cursor.execute("CREATE INDEX IF NOT EXISTS pages_by_last_used ON pages(last_used)")
+        try:
+            self._conn.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
+            self._conn.execute("PRAGMA synchronous=OFF")  # a cache: after a crash, start-up reconciles with the files
+            with self.write() as cursor:
+                version = cursor.execute("PRAGMA user_version").fetchone()[0]
+                if version > INDEX_VERSION:
+                    raise IndexVersionError(f"{path} has index schema version {version}; this tier knows "
+                                            f"{INDEX_VERSION} and older")
+                cursor.execute("CREATE TABLE IF NOT EXISTS pages (id TEXT PRIMARY KEY, parent TEXT, "
+                               "size INTEGER NOT NULL, last_used INTEGER NOT NULL, "
+                               "priority INTEGER NOT NULL DEFAULT 0, retain_until REAL NOT NULL DEFAULT 0) "
+                               "WITHOUT ROWID")
+                columns = {row[1] for row in cursor.execute("PRAGMA table_info(pages)")}
+                if "priority" not in columns:  # version 1: plain LRU rows
+                    cursor.execute("ALTER TABLE pages ADD COLUMN priority INTEGER NOT NULL DEFAULT 0")
+                if "retain_until" not in columns:
+                    cursor.execute("ALTER TABLE pages ADD COLUMN retain_until REAL NOT NULL DEFAULT 0")
+                cursor.execute("CREATE INDEX IF NOT EXISTS pages_by_parent ON pages(parent)")
+                cursor.execute("CREATE INDEX IF NOT EXISTS pages_by_last_used ON pages(last_used)")
+                if version != INDEX_VERSION:
+                    cursor.execute(f"PRAGMA user_version = {INDEX_VERSION}")
+        except BaseException:
+            self._conn.close()
+            raise
+        return self._conn
 
     @contextlib.contextmanager
     def write(self, busy_timeout_ms: int | None = None) -> Iterator[sqlite3.Cursor]:
@@ -131,24 +211,36 @@ class PageIndex:
             return {row[0] for row in self._conn.execute("SELECT id FROM pages")}
 
     @staticmethod
-    def leaves(cursor: sqlite3.Cursor, protected: Sequence[str], limit: int) -> list[IndexedPage]:
-        """The least recently used pages that no page names as its parent (chain tails), skipping ``protected``."""
+    def leaves(cursor: sqlite3.Cursor, protected: Sequence[str], limit: int, now: float) -> list[IndexedPage]:
+        """The first ``limit`` pages that no page names as its parent (chain tails), skipping ``protected``, in
+        eviction order: lowest effective priority at ``now`` first, then least recently used.
+
+        Plain leaves (rank 0, the lowest) are listed first along the ``last_used`` index; only if there are fewer
+        than ``limit`` of them are all leaves ranked and sorted."""
         marks = ",".join("?" * len(protected)) or "''"
+        is_leaf = (f"id NOT IN ({marks}) AND NOT EXISTS (SELECT 1 FROM pages AS c WHERE c.parent = p.id)")
         rows = cursor.execute(
-            f"SELECT id, size, last_used, parent FROM pages AS p WHERE id NOT IN ({marks}) AND NOT EXISTS "
-            f"(SELECT 1 FROM pages AS c WHERE c.parent = p.id) ORDER BY last_used, id LIMIT ?",
-            (*protected, limit),
+            f"SELECT {PageIndex.COLUMNS}, 0 FROM pages AS p WHERE (priority = 0 OR retain_until <= ?) AND {is_leaf} "
+            f"ORDER BY last_used, id LIMIT ?",
+            (now, *protected, limit),
         ).fetchall()
+        if len(rows) < limit:
+            rows = cursor.execute(
+                f"SELECT {PageIndex.COLUMNS}, {PageIndex.RANK} AS rank FROM pages AS p WHERE {is_leaf} "
+                f"ORDER BY rank, last_used, id LIMIT ?",
+                (now, *protected, limit),
+            ).fetchall()
         return [IndexedPage(*row) for row in rows]
 
     @staticmethod
-    def if_leaf(cursor: sqlite3.Cursor, page_id: str | None, protected: Sequence[str]) -> IndexedPage | None:
-        """Page ``page_id`` if it exists, is not ``protected`` and has no children left."""
+    def if_leaf(cursor: sqlite3.Cursor, page_id: str | None, protected: Sequence[str],
+                now: float) -> IndexedPage | None:
+        """Page ``page_id`` (ranked at ``now``) if it exists, is not ``protected`` and has no children left."""
         if page_id is None or page_id in protected:
             return None
         row = cursor.execute(
-            "SELECT id, size, last_used, parent FROM pages AS p WHERE id = ? AND NOT EXISTS "
-            "(SELECT 1 FROM pages AS c WHERE c.parent = p.id)", (page_id,)).fetchone()
+            f"SELECT {PageIndex.COLUMNS}, {PageIndex.RANK} FROM pages AS p WHERE id = ? AND NOT EXISTS "
+            "(SELECT 1 FROM pages AS c WHERE c.parent = p.id)", (now, page_id)).fetchone()
         return IndexedPage(*row) if row else None
 
     def close(self) -> None:
@@ -203,7 +295,13 @@ class DiskTier(QueuedWriteTier):
         self._index: PageIndex | None = None
         self._refused = not self._prepare_root() or not self._claim_format()
         if not self._refused:
-            self._index = PageIndex(os.path.join(self._root, INDEX_NAME))
+            try:
+                self._index = PageIndex(os.path.join(self._root, INDEX_NAME))
+            except IndexVersionError as exc:
+                logger.error("disk KV tier at %s REFUSED: %s. The tier is disabled. Use another --disk-cache-dir, or "
+                             "empty this one once no replica of the newer version is running.", self._root, exc)
+                self._refused = True
+        if not self._refused:
             self._reconcile()
         if budget_bytes < page_format.page_num_bytes:
             logger.warning(
@@ -237,7 +335,8 @@ class DiskTier(QueuedWriteTier):
 
     @property
     def refused(self) -> bool:
-        """True if ``root`` is unusable (another key format version, or a folder another user owns)."""
+        """True if ``root`` is unusable (another key format version, an index of a newer schema, or a folder
+        another user owns)."""
         return self._refused
 
     @property
@@ -343,13 +442,13 @@ class DiskTier(QueuedWriteTier):
 
     def _write_pages(self, pages: list[StoredPage]) -> None:
         start_time = time.perf_counter()
-        touched: list[str] = []
+        touched: list[tuple[StoredPage, str]] = []  # already there: page, id
         written: list[tuple[StoredPage, str, str, int]] = []  # page, id, temp path, size
         for page in pages:
             page_id = self.page_id(page.key)
             path = self._path_of(page_id)
             if os.path.lexists(path):
-                touched.append(page_id)
+                touched.append((page, page_id))
                 continue
             try:
                 self._make_folder(os.path.dirname(path))
@@ -361,8 +460,8 @@ class DiskTier(QueuedWriteTier):
         num_stored, num_evicted = len(touched), 0
         try:
             with self._index.write() as cursor:
-                cursor.executemany("UPDATE pages SET last_used = ? WHERE id = ?",
-                                   [(self._next_use_ns(), page_id) for page_id in touched])
+                for page, page_id in touched:
+                    self._merge_retention(cursor, page, page_id)
                 protected = sorted({self.page_id(page.parent_key) for page, *_ in written if page.parent_key}
                                    | {page_id for _, page_id, _, _ in written})
                 total = self._index.total_bytes(cursor)
@@ -372,6 +471,7 @@ class DiskTier(QueuedWriteTier):
                 for page, page_id, temp_path, size in written:
                     if os.path.lexists(self._path_of(page_id)):  # another process wrote it meanwhile
                         remove_quietly(temp_path)
+                        self._merge_retention(cursor, page, page_id)
                         num_stored += 1
                         continue
                     if total + size > self._budget_bytes:  # does not fit even after eviction: dropped
@@ -379,8 +479,9 @@ class DiskTier(QueuedWriteTier):
                         continue
                     os.replace(temp_path, self._path_of(page_id))
                     parent_id = self.page_id(page.parent_key) if page.parent_key else None
-                    cursor.execute("INSERT OR REPLACE INTO pages (id, parent, size, last_used) VALUES (?, ?, ?, ?)",
-                                   (page_id, parent_id, size, self._next_use_ns()))
+                    cursor.execute("INSERT OR REPLACE INTO pages (id, parent, size, last_used, priority, retain_until) "
+                                   "VALUES (?, ?, ?, ?, ?, ?)",
+                                   (page_id, parent_id, size, self._next_use_ns(), *retention_of(page)))
                     total += size
                     num_stored += 1
         except (OSError, sqlite3.Error) as exc:
@@ -396,32 +497,43 @@ class DiskTier(QueuedWriteTier):
             store_seconds=time.perf_counter() - start_time,
         )
 
-    def _evict(self, cursor: sqlite3.Cursor, total: int, target: int, protected: Sequence[str]) -> tuple[int, int]:
-        """Delete chain tails, least recently used first, until ``total <= target`` (inside the write transaction);
-        returns the new total and the number of pages deleted.
+    def _merge_retention(self, cursor: sqlite3.Cursor, page: StoredPage, page_id: str) -> None:
+        """Mark an indexed page most recently used and merge ``page``'s retention into its row (see
+        ``PageIndex.MERGE_RETENTION``)."""
+        priority, until = retention_of(page)
+        cursor.execute(PageIndex.MERGE_RETENTION, {"used": self._next_use_ns(), "now": time.time(),
+                                                   "priority": priority, "until": until, "id": page_id})
 
-        Strict LRU over the current leaves: the oldest ``EVICTION_BATCH`` leaves go into a heap; deleting one may turn
-        its parent into a leaf, which joins the heap. Leaves not fetched are newer than every fetched one, so the heap
-        is right until the fetched batch is used up; then the leaves are listed again."""
+    def _evict(self, cursor: sqlite3.Cursor, total: int, target: int, protected: Sequence[str]) -> tuple[int, int]:
+        """Delete chain tails, lowest effective retention priority first and least recently used among equals,
+        until ``total <= target`` (inside the write transaction); returns the new total and the number of pages
+        deleted.
+
+        Strict (rank, LRU) order over the current leaves: the first ``EVICTION_BATCH`` leaves in that order go into
+        a heap; deleting one may turn its parent into a leaf, which joins the heap. Leaves not fetched come after
+        every fetched one, so the heap is right until the fetched batch is used up; then the leaves are listed
+        again. Ranks are taken at one ``now`` for the whole eviction."""
         num_evicted = 0
+        now = time.time()
         while total > target:
-            batch = PageIndex.leaves(cursor, protected, EVICTION_BATCH)
+            batch = PageIndex.leaves(cursor, protected, EVICTION_BATCH, now)
             if not batch:
                 break
-            heap = [(leaf.last_used, leaf.page_id, leaf.size, leaf.parent) for leaf in batch]
+            heap = [(leaf.rank, leaf.last_used, leaf.page_id, leaf.size, leaf.parent) for leaf in batch]
             heapq.heapify(heap)
             num_fetched_left = len(batch)
             fetched = {leaf.page_id for leaf in batch}
             while heap and num_fetched_left and total > target:
-                _, page_id, size, parent = heapq.heappop(heap)
+                _, _, page_id, size, parent = heapq.heappop(heap)
                 num_fetched_left -= page_id in fetched
                 cursor.execute("DELETE FROM pages WHERE id = ?", (page_id,))
                 remove_quietly(self._path_of(page_id))
                 total -= size
                 num_evicted += 1
-                promoted = PageIndex.if_leaf(cursor, parent, protected)
+                promoted = PageIndex.if_leaf(cursor, parent, protected, now)
                 if promoted is not None:
-                    heapq.heappush(heap, (promoted.last_used, promoted.page_id, promoted.size, promoted.parent))
+                    heapq.heappush(heap, (promoted.rank, promoted.last_used, promoted.page_id, promoted.size,
+                                          promoted.parent))
         return total, num_evicted
 
     # ---- bookkeeping --------------------------------------------------------------------------------------------
