@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from replica.kv_event_publisher import KVEventsConfig
+
 PAGE_SIZE_MULTIPLE = 128
 DEVICES = ("cpu", "gpu")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -63,6 +65,8 @@ class EngineConfig:
     disk_cache_dir: str | None = None
     """Shared disk tier (Arrow IPC files); None disables it."""
     disk_cache_budget_bytes: int = 8 << 30
+    kv_events_config: KVEventsConfig | None = None
+    """Publish KV events in vLLM's schema over ZMQ (replica/kv_event_publisher.py); None: off."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size <= 0 or self.page_size % PAGE_SIZE_MULTIPLE:
