@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from replica.config import DEVICES, DTYPES, EngineConfig, default_cache_dir, field_default
-from replica.kv_event_publisher import KVEventsConfig
+from replica.config import DEVICES, DTYPES, EngineConfig, KVEventsConfig, default_cache_dir, field_default
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 BUNDLED_MODEL_SERVED_NAME = "SmolLM2-135M-Instruct"

@@ -7,7 +7,7 @@ cache miss (the replica re-checks its own cache), never a wrong answer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from common.page_keys import PageKey
@@ -26,11 +26,12 @@ class StoredPageInfo(NamedTuple):
 @dataclass(frozen=True)
 class PagesStored:
     """Pages whose keys are now in the replica's prefix cache, in chain order (each one's parent precedes it).
-    ``infos`` is empty or has one ``StoredPageInfo`` per key (the routing-stats wire format carries only keys)."""
+    ``infos`` is empty or has one ``StoredPageInfo`` per key (the routing-stats wire format carries only keys; events
+    compare by seq and keys)."""
 
     seq: int
     keys: tuple[PageKey, ...]
-    infos: tuple[StoredPageInfo, ...] = ()
+    infos: tuple[StoredPageInfo, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)

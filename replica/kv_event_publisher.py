@@ -34,102 +34,25 @@ sockets live on the publisher's own thread; ``close`` stops it. Nothing here tou
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import msgpack
 
 from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from common.page_keys import PageKey
+from replica.config import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 
-PUBLISHERS = ("null", "zmq")
-BLOCK_HASH_FORMATS = ("int", "bytes")
 MEDIUM_DEVICE = "GPU"
 """vLLM's medium name for the engine's own KV pool (``MEDIUM_GPU``); its host and disk tiers are "CPU" / "STORAGE"."""
 SALTED_EXTRA_KEY = ("salted",)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-
-
-@dataclass(frozen=True)
-class KVEventsConfig:
-    """vLLM's ``KVEventsConfig`` (same keys, defaults and meaning) plus ``block_hash_format``."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str | None = None
-    """"zmq" or "null"; None: "zmq" when events are enabled, else "null" (vLLM's rule)."""
-    endpoint: str = "tcp://*:5557"
-    """PUB address; one with "*", "::", ipc:// or inproc:// is bound, any other is connected to (vLLM's rule)."""
-    replay_endpoint: str | None = None
-    """ROUTER address answering replay requests (bound); None: no replay."""
-    buffer_steps: int = 10_000
-    """Batches kept for replay."""
-    hwm: int = 100_000
-    """ZMQ send high-water mark of the PUB socket."""
-    max_queue_size: int = 100_000
-    """Batches waiting for the publisher thread; more are dropped (``num_dropped``)."""
-    topic: str = ""
-    block_hash_format: str = "int"
-    """prefixserve's addition: "int" (a key's low 64 bits, vLLM's default) or "bytes" (the 32-byte page key)."""
-
-    def __post_init__(self) -> None:
-        if self.publisher is None:
-            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
-        if not isinstance(self.enable_kv_cache_events, bool):
-            raise ValueError(f"--kv-events-config: enable_kv_cache_events must be true or false, "
-                             f"got {self.enable_kv_cache_events!r}")
-        if self.publisher not in PUBLISHERS:
-            raise ValueError(f"--kv-events-config: publisher must be one of {', '.join(PUBLISHERS)}, "
-                             f"got {self.publisher!r}")
-        for name in ("endpoint", "topic"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"--kv-events-config: {name} must be a string, got {getattr(self, name)!r}")
-        if self.enabled and not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"--kv-events-config: endpoint must be a tcp://, ipc:// or inproc:// address, "
-                             f"got {self.endpoint!r}; e.g. tcp://*:5557")
-        if self.replay_endpoint is not None and (
-                not isinstance(self.replay_endpoint, str)
-                or not self.replay_endpoint.startswith(("tcp://", "ipc://", "inproc://"))):
-            raise ValueError(f"--kv-events-config: replay_endpoint must be a tcp://, ipc:// or inproc:// address or "
-                             f"null, got {self.replay_endpoint!r}; e.g. tcp://*:5558")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--kv-events-config: {name} must be an integer >= 1, got {value!r}")
-        if self.block_hash_format not in BLOCK_HASH_FORMATS:
-            raise ValueError(f"--kv-events-config: block_hash_format must be one of {', '.join(BLOCK_HASH_FORMATS)}, "
-                             f"got {self.block_hash_format!r}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"
-
-    @classmethod
-    def parse(cls, value: "str | Mapping[str, Any] | KVEventsConfig | None") -> "KVEventsConfig | None":
-        """From the flag's JSON text, a mapping (a Serve config YAML) or a config; None stays None. Unknown keys and
-        bad JSON raise ValueError naming the problem."""
-        if value is None or isinstance(value, KVEventsConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"--kv-events-config must be a JSON object, e.g. "
-                                 f"'{{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}}': {error}")
-        if not isinstance(value, Mapping):
-            raise ValueError(f"--kv-events-config must be a JSON object, got {type(value).__name__}")
-        known = {item.name for item in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"--kv-events-config: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**dict(value))
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:

@@ -20,8 +20,8 @@ from common.page_keys import hash_page
 from common.routing_stats import parse_routing_stats
 from common.types import EngineRequest
 from replica.event_log import ReplicaEventLog
+from replica.config import KVEventsConfig
 from replica.kv_event_publisher import (
-    KVEventsConfig,
     ZmqKVEventPublisher,
     encode_batch,
     external_hash,
@@ -82,7 +82,8 @@ class Subscriber:
     """What an outside router does with vLLM's KV events: SUB for live batches, ROUTER replay for gaps, and an
     index of block hash -> (parent hash, token ids). Uses only pyzmq and msgpack."""
 
-    def __init__(self, context: zmq.Context, pub: str, replay: str, topic: bytes) -> None:
+    def __init__(self, context: zmq.Context, pub: str, replay: str, topic: bytes, rank: int = 0) -> None:
+        self.rank = rank
         self.sub = context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(pub)
@@ -97,6 +98,10 @@ class Subscriber:
         self.payloads: list[bytes] = []
         self.drop_seqs: set[int] = set()
         """Live batches to throw away as if the network lost them."""
+
+    def close(self) -> None:
+        self.sub.close(0)
+        self.replay.close(0)
 
     def poll(self, timeout_s: float) -> int:
         """Receive live batches for up to ``timeout_s``; returns the number applied."""
@@ -134,7 +139,7 @@ class Subscriber:
     def apply(self, payload: bytes) -> None:
         self.payloads.append(payload)
         ts, events, rank = msgpack.unpackb(payload)
-        assert isinstance(ts, float) and rank == 0
+        assert isinstance(ts, float) and rank == self.rank
         for event in events:
             if event["type"] == "BlockStored":
                 size = event["block_size"]
@@ -226,8 +231,7 @@ def test_subscriber_replays_gaps_and_rebuilds_the_router_index(tiny_llama, tmp_p
     finally:
         publisher.close()
         if subscriber is not None:
-            subscriber.sub.close(0)
-            subscriber.replay.close(0)
+            subscriber.close()
         context.term()
 
 
