@@ -4,15 +4,22 @@ into exactly the pages the replica caches.
 
 One app: two data-parallel replicas of the tiny random Llama, KV events on ipc:// endpoints (rank r adds ``_dp<r>``),
 block hashes as the full 32-byte page keys so the subscriber can re-hash each block from its parent and token ids.
+The slow test starts a real Prometheus on deploy/prometheus.yml, drives ``prefixserve bench`` traffic and evaluates
+every query of deploy/grafana/prefixserve-dashboard.json through Prometheus' HTTP API (skipped without prometheus).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from collections import defaultdict
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import yaml
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,8 +44,8 @@ def app(ray_session, serve_http_port, tiny_llama_dir, tmp_path_factory):
               "topic": "kv", "block_hash_format": "bytes"}
     config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=2, page_size=PAGE_SIZE,
                          kv_cache_memory="32MiB", num_cpus_per_replica=0.5, served_model_name=MODEL, max_model_len=2048,
-                         max_num_batched_tokens=1024, enable_disk_cache=False, dtype="float32", enforce_eager=True,
-                         kv_events_config=events)
+                         max_num_batched_tokens=1024, disk_cache_dir=str(folder / "disk"), dtype="float32",
+                         enforce_eager=True, kv_events_config=events)
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     yield {"base_url": f"http://127.0.0.1:{serve_http_port}/{APP}", "folder": folder}
     serve.delete(APP)
@@ -202,3 +209,81 @@ def test_vllm_metric_names_agree_with_ours(app, http):
     assert 0 < sum(theirs("inter_token_latency_seconds_count").values()) <= generated - num_requests
     ttft_buckets = [dict(labels)["le"] for labels in samples["vllm:time_to_first_token_seconds_bucket"]]
     assert "2560.0" in ttft_buckets and "0.001" in ttft_buckets  # vLLM's buckets
+
+
+# ---- a real Prometheus on deploy/prometheus.yml, every dashboard panel's query -------------------------------------
+PROMETHEUS = shutil.which("prometheus")
+DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "prefixserve-dashboard.json"
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target, with Grafana's variables as a dashboard would send them."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(panel["title"], target["expr"].replace("$__rate_interval", "1m").replace("$model_name", ".*"))
+            for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+def prometheus_config(template: Path, metrics_path: str, target: str, ray_sd_file: str) -> str:
+    """deploy/prometheus.yml pointed at this test's app and Ray session, scraping every second."""
+    config = yaml.safe_load(template.read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    for job in config["scrape_configs"]:
+        if job["job_name"] == "prefixserve":
+            job["metrics_path"] = metrics_path
+            job["static_configs"] = [{"targets": [target]}]
+        if job["job_name"] == "ray":
+            job["file_sd_configs"] = [{"files": [ray_sd_file], "refresh_interval": "1s"}]
+    return yaml.safe_dump(config)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (apt-get install -y prometheus)")
+def test_every_dashboard_panel_returns_data_from_a_real_prometheus(app, http, tmp_path, ray_session):
+    import asyncio
+    import subprocess
+
+    from bench.config import ClientConfig, LoadConfig
+    from bench.runner import run_benchmark
+    from bench.standard_workloads import make_params
+    from bench.workloads import IdPromptFactory, WorkloadConfig
+    from tests.conftest import find_free_port
+
+    session_dir = ray_session._private.worker._global_node.get_session_dir_path()
+    port = find_free_port()
+    config_file = tmp_path / "prometheus.yml"
+    base = urlsplit(app["base_url"])
+    config_file.write_text(prometheus_config(Path(__file__).resolve().parent.parent / "deploy" / "prometheus.yml",
+                                             f"{base.path}/metrics", base.netloc,
+                                             f"{session_dir}/prom_metrics_service_discovery.json"))
+    process = subprocess.Popen([PROMETHEUS, f"--config.file={config_file}", f"--storage.tsdb.path={tmp_path}/data",
+                                f"--web.listen-address=127.0.0.1:{port}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # prefixserve bench traffic: SGLang's generated-shared-prefix shape, scaled down
+        standard = make_params("generated-shared-prefix", dict(num_groups=2, prompts_per_group=4,
+                                                               system_prompt_len=256, question_len=32, output_len=8))
+        for _ in range(2):  # two rounds some seconds apart, so rates over 1m windows see traffic
+            run = asyncio.run(run_benchmark(
+                ClientConfig(base_url=app["base_url"], model=MODEL), LoadConfig(concurrency=2),
+                WorkloadConfig(workload="generated-shared-prefix", standard=standard), IdPromptFactory(1024),
+                show_progress=False))
+            assert run.metrics.num_completed == 8
+            time.sleep(3)
+        pending = set(dashboard_queries())
+        deadline = time.monotonic() + 120  # Ray's metrics agents report every few seconds
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as prometheus:
+            while pending and time.monotonic() < deadline:
+                for title, expr in sorted(pending):
+                    try:
+                        body = prometheus.get("/api/v1/query", params={"query": expr}).json()
+                    except (httpx.HTTPError, ValueError):
+                        break  # Prometheus still starting
+                    assert body["status"] == "success", (title, expr, body)  # the PromQL itself is valid
+                    if body["data"]["result"]:
+                        pending.discard((title, expr))
+                time.sleep(2)
+        assert not pending, f"queries without data: {sorted(pending)}"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
