@@ -28,12 +28,14 @@ never the salt (vLLM publishes the salt itself). Data-parallel replicas publish 
 with the port offset by the replica's rank (vLLM's rule for data-parallel ranks: tcp ports + rank, ``inproc://`` /
 ``ipc://`` names + ``_dp<rank>``); each batch carries that rank.
 
-Contract: ``publish`` never blocks the caller (a full queue drops the batch and counts it in ``num_dropped``); the
-sockets live on the publisher's own thread; ``close`` stops it. Nothing here touches the page pool.
+Contract: ``publish`` never blocks the caller and does no conversion work (a full queue drops the batch and counts it
+in ``num_dropped``); converting, encoding and the sockets live on the publisher's own thread; ``close`` stops it.
+Nothing here touches the page pool.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -105,7 +107,7 @@ def _blocks_stored(event: PagesStored, page_size: int, block_hash_format: str) -
             "block_hashes": [external_hash(event.keys[i], block_hash_format) for i in run],
             "parent_block_hash": (None if first.parent_key is None
                                   else external_hash(first.parent_key, block_hash_format)),
-            "token_ids": [token for i in run for token in event.infos[i].token_ids],
+            "token_ids": list(itertools.chain.from_iterable(event.infos[i].token_ids for i in run)),
             "block_size": page_size,
             "lora_id": None,
             "medium": MEDIUM_DEVICE,
@@ -141,7 +143,7 @@ class ZmqKVEventPublisher:
         self.num_published = 0
         self.num_dropped = 0
         self._zmq = zmq
-        self._queue: queue.Queue[list[dict] | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._queue: queue.Queue[list[KVEvent] | None] = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
         self._context = zmq.Context.instance()
@@ -163,12 +165,13 @@ class ZmqKVEventPublisher:
         logger.info("publishing KV events on %s (replay: %s, rank %d)", self.endpoint, self.replay_endpoint, rank)
 
     def publish(self, events: Iterable[KVEvent]) -> None:
-        """Queue one batch of ``events`` (nothing when there are none). Never blocks."""
-        converted = to_vllm_events(events, self.page_size, self.config.block_hash_format)
-        if not converted:
+        """Queue one batch of ``events`` (nothing when there are none); the publisher's thread converts, encodes and
+        sends it. Never blocks."""
+        events = list(events)
+        if not events:
             return
         try:
-            self._queue.put_nowait(converted)
+            self._queue.put_nowait(events)
         except queue.Full:
             self.num_dropped += 1
             logger.warning("KV event queue full (%d batches): a batch was dropped", self.config.max_queue_size)
@@ -197,7 +200,11 @@ class ZmqKVEventPublisher:
                     continue
                 if batch is None:
                     break
-                self._send(batch)
+                try:
+                    self._send(batch)
+                except Exception:  # noqa: BLE001 - one bad batch must not stop the stream
+                    self.num_dropped += 1
+                    logger.exception("a KV event batch could not be published")
         except Exception:  # noqa: BLE001 - the publisher must never take the replica down
             logger.exception("KV event publisher stopped")
         finally:
@@ -206,9 +213,12 @@ class ZmqKVEventPublisher:
             if self._replay is not None:
                 self._replay.close(linger=0)
 
-    def _send(self, events: list[dict]) -> None:
+    def _send(self, events: list[KVEvent]) -> None:
+        converted = to_vllm_events(events, self.page_size, self.config.block_hash_format)
+        if not converted:
+            return
         seq = self.num_published
-        payload = encode_batch(time.time(), events, self.rank)
+        payload = encode_batch(time.time(), converted, self.rank)
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
         self.num_published += 1
