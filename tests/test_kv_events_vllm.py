@@ -22,7 +22,9 @@ from common.types import EngineRequest
 from replica.event_log import ReplicaEventLog
 from replica.config import KVEventsConfig
 from replica.kv_event_publisher import (
+    NullKVEventPublisher,
     ZmqKVEventPublisher,
+    build_publisher,
     encode_batch,
     external_hash,
     offset_endpoint,
@@ -48,6 +50,43 @@ def test_config_follows_vllm_shape_and_rejects_unknown_keys():
                          ('{"block_hash_format": "hex"}', "block_hash_format")]:
         with pytest.raises(ValueError, match=message):
             KVEventsConfig.parse(bad)
+
+
+def test_the_flag_reaches_every_replicas_engine_config():
+    from cluster.cli import build_parser, config_from_args
+    from cluster.config import ServeConfig
+
+    args = build_parser().parse_args(["serve", "--devices", "cpu", "--kv-events-config",
+                                      '{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5558"}'])
+    config = config_from_args(args)
+    assert config.engine_config("r1").kv_events_config == KVEventsConfig(enable_kv_cache_events=True,
+                                                                         replay_endpoint="tcp://*:5558")
+    from_yaml = ServeConfig.from_mapping({"kv-events-config": {"enable_kv_cache_events": True}, "devices": "cpu"})
+    assert from_yaml.kv_events_config.enabled
+    assert ServeConfig(devices="cpu").engine_config("r").kv_events_config is None
+    with pytest.raises(ValueError, match="--kv-events-config"):
+        ServeConfig(devices="cpu", kv_events_config='{"endpoint": 5}')
+
+
+def test_a_taken_endpoint_leaves_the_replica_serving_without_events(tmp_path):
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{_free_port()}")
+    first = build_publisher(config, page_size=PAGE, rank=0)
+    try:
+        assert isinstance(first, ZmqKVEventPublisher)
+        second = build_publisher(config, page_size=PAGE, rank=0)  # the same port: cannot bind
+        assert isinstance(second, NullKVEventPublisher)
+        second.publish([AllPagesCleared(1)])  # a no-op, not an error
+        assert isinstance(build_publisher(None, page_size=PAGE), NullKVEventPublisher)
+    finally:
+        first.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def test_ports_offset_by_rank_like_vllm_data_parallel_ranks():
