@@ -248,13 +248,17 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(app, http, tm
     from bench.workloads import IdPromptFactory, WorkloadConfig
     from tests.conftest import find_free_port
 
-    session_dir = ray_session._private.worker._global_node.get_session_dir_path()
+    # Ray's metrics agents. A head with a dashboard lists them in <session>/prom_metrics_service_discovery.json (what
+    # deploy/prometheus.yml reads); the test session runs without one, so the same file is written here from ray.nodes().
+    ray_targets = tmp_path / "ray_targets.json"
+    ray_targets.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": [
+        f"{node['NodeManagerAddress']}:{node['MetricsExportPort']}" for node in ray_session.nodes() if node["Alive"]]}]))
     port = find_free_port()
     config_file = tmp_path / "prometheus.yml"
     base = urlsplit(app["base_url"])
     config_file.write_text(prometheus_config(Path(__file__).resolve().parent.parent / "deploy" / "prometheus.yml",
                                              f"{base.path}/metrics", base.netloc,
-                                             f"{session_dir}/prom_metrics_service_discovery.json"))
+                                             str(ray_targets)))
     process = subprocess.Popen([PROMETHEUS, f"--config.file={config_file}", f"--storage.tsdb.path={tmp_path}/data",
                                 f"--web.listen-address=127.0.0.1:{port}"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
