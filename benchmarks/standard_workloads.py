@@ -77,7 +77,8 @@ def deploy(model_dir: str, name: str, caching: bool) -> str:
 
 
 def run(base_url: str, workload: str, params, concurrency: int) -> dict:
-    result = asyncio.run(run_benchmark(ClientConfig(base_url=base_url, model="bench"), LoadConfig(concurrency=concurrency),
+    result = asyncio.run(run_benchmark(ClientConfig(base_url=base_url, model="bench"),
+                                       LoadConfig(concurrency=concurrency),
                                        WorkloadConfig(workload=workload, num_requests=40, standard=params),
                                        IdPromptFactory(1024), show_progress=False))
     metrics = result.metrics

@@ -5,26 +5,26 @@ series carries ``model_name`` (the served model name) and ``engine`` (vLLM: the 
 that served the request, the same string as our ``replica`` label), and the histograms use vLLM's default buckets.
 They are a second view of what cluster/metrics.py measures; the ``prefixserve_*`` series are unchanged::
 
-    vllm name (type)                                  from                         equals (per replica)
-    vllm:prefix_cache_queries_total (counter)         replica EngineStats          prefixserve_prefix_cache_queries_total
-    vllm:prefix_cache_hits_total (counter)            replica EngineStats          prefixserve_prefix_cache_hits_total
-    vllm:num_requests_running / _waiting (gauge)      replica EngineStats          prefixserve_num_requests_running / _waiting
-    vllm:kv_cache_usage_perc (gauge, 0..1)            replica EngineStats          kv_pages{state="in_use"} / {state="total"}
-    vllm:num_preemptions_total (counter)              replica EngineStats          prefixserve_preemptions_total
-    vllm:prompt_tokens_total (counter)                finished requests, ingress   prefixserve_prompt_tokens_total
-    vllm:prompt_tokens_cached_total (counter)         finished requests, ingress   sum of prefixserve_cached_prompt_tokens_total
-    vllm:prompt_tokens_cached_by_source_total         finished requests, ingress   prefixserve_cached_prompt_tokens_total with
-        {source="device"|"p2p"|"host"|"disk"}                                        source local|peer|host|disk
-    vllm:prompt_tokens_by_source_total                finished requests, ingress   computed = prompt - cached; local hits;
-        {source="local_compute"|"local_cache_hit"|"external_kv_transfer"}           peer + host + disk
-    vllm:generation_tokens_total (counter)            finished requests, ingress
-    vllm:request_success_total{finished_reason}       finished requests, ingress   prefixserve_routing_decisions_total summed
-    vllm:time_to_first_token_seconds (histogram)      ingress                      prefixserve_time_to_first_token_seconds
-    vllm:e2e_request_latency_seconds (histogram)      ingress: parsed request -> last token
-    vllm:inter_token_latency_seconds (histogram)      ingress: (last - first token time) / tokens after the first,
-                                                      observed once per token after the first (sum and count exact;
-                                                      within one request the intervals are averaged)
-    vllm:request_time_per_output_token_seconds        the same mean, once per request (vLLM's definition)
+    vllm:* name (type)                            read from         equals, per replica (prefixserve_*)
+    prefix_cache_queries_total (counter)          EngineStats       prefix_cache_queries_total
+    prefix_cache_hits_total (counter)             EngineStats       prefix_cache_hits_total
+    num_requests_running, _waiting (gauges)       EngineStats       num_requests_running, _waiting
+    kv_cache_usage_perc (gauge, 0..1)             EngineStats       kv_pages{state="in_use"} / kv_pages{state="total"}
+    num_preemptions_total (counter)               EngineStats       preemptions_total
+    prompt_tokens_total (counter)                 finished request  prompt_tokens_total
+    prompt_tokens_cached_total (counter)          finished request  cached_prompt_tokens_total, summed over sources
+    prompt_tokens_cached_by_source_total          finished request  cached_prompt_tokens_total{source=local|peer|
+        {source=device|p2p|host|disk}                                 host|disk}
+    prompt_tokens_by_source_total{source=         finished request  prompt - cached; local; peer + host + disk
+        local_compute|local_cache_hit|external_kv_transfer}
+    generation_tokens_total (counter)             finished request
+    request_success_total{finished_reason}        finished request  routing_decisions_total, summed over cache
+    time_to_first_token_seconds (histogram)       ingress           time_to_first_token_seconds
+    e2e_request_latency_seconds (histogram)       ingress           (parsed request -> last token)
+    inter_token_latency_seconds (histogram)       ingress           (last - first token) / tokens after the first,
+                                                                    observed once per such token: sum and count
+                                                                    exact, intervals averaged within a request
+    request_time_per_output_token_seconds         ingress           the same mean, once per request (vLLM's)
 
 Times are measured at the ingress (vLLM measures them in its API server process too). Requests the client abandoned
 mid-stream are not counted as finished (vLLM counts them as ``abort``).

@@ -99,7 +99,8 @@ class KVEventsConfig:
         known = {item.name for item in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"--kv-events-config: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(f"--kv-events-config: unknown keys {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
         return cls(**dict(value))
 
 

@@ -82,8 +82,8 @@ def to_vllm_events(events: Iterable[KVEvent], page_size: int, block_hash_format:
         if isinstance(event, PagesStored):
             out.extend(_blocks_stored(event, page_size, block_hash_format))
         elif isinstance(event, PagesRemoved):
-            out.append({"type": "BlockRemoved", "block_hashes": [external_hash(k, block_hash_format) for k in event.keys],
-                        "medium": MEDIUM_DEVICE})
+            hashes = [external_hash(key, block_hash_format) for key in event.keys]
+            out.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": MEDIUM_DEVICE})
         elif isinstance(event, AllPagesCleared):
             out.append({"type": "AllBlocksCleared"})
     return out

@@ -40,8 +40,8 @@ def app(ray_session, serve_http_port, tiny_llama_dir, tmp_path_factory):
     from cluster.config import ServeConfig
 
     folder = tmp_path_factory.mktemp("kv-events")
-    events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{folder}/pub", "replay_endpoint": f"ipc://{folder}/rep",
-              "topic": "kv", "block_hash_format": "bytes"}
+    events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{folder}/pub",
+              "replay_endpoint": f"ipc://{folder}/rep", "topic": "kv", "block_hash_format": "bytes"}
     config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=2, page_size=PAGE_SIZE,
                          kv_cache_memory="32MiB", num_cpus_per_replica=0.5, served_model_name=MODEL, max_model_len=2048,
                          max_num_batched_tokens=1024, disk_cache_dir=str(folder / "disk"), dtype="float32",
@@ -249,10 +249,11 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(app, http, tm
     from tests.conftest import find_free_port
 
     # Ray's metrics agents. A head with a dashboard lists them in <session>/prom_metrics_service_discovery.json (what
-    # deploy/prometheus.yml reads); the test session runs without one, so the same file is written here from ray.nodes().
+    # deploy/prometheus.yml reads); the test session runs without one, so that file is written here from ray.nodes().
+    agents = [f"{node['NodeManagerAddress']}:{node['MetricsExportPort']}" for node in ray_session.nodes()
+              if node["Alive"]]
     ray_targets = tmp_path / "ray_targets.json"
-    ray_targets.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": [
-        f"{node['NodeManagerAddress']}:{node['MetricsExportPort']}" for node in ray_session.nodes() if node["Alive"]]}]))
+    ray_targets.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": agents}]))
     port = find_free_port()
     config_file = tmp_path / "prometheus.yml"
     base = urlsplit(app["base_url"])
