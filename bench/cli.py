@@ -58,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="ask for generated token ids (vLLM); multi-turn id prompts then resend the exact answer")
     server.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--workload", choices=wl.WORKLOADS, default="shared-prefix")
+    workload.add_argument("--workload", choices=wl.WORKLOADS + wl.STANDARD_WORKLOAD_NAMES, default="shared-prefix",
+                          help="ours, or another project's named workload with its published parameters "
+                               "(bench/standard_workloads.py; the flags below override them)")
     workload.add_argument("--num-requests", type=int, default=40)
     workload.add_argument("--num-prefixes", type=int, default=4, help="K distinct prefixes / system prompts")
     workload.add_argument("--prefix-len", type=int, default=1792, help="P: tokens per shared prefix")
@@ -75,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     workload.add_argument("--vocab-size", type=int, default=None,
                           help="id prompts draw ids from [100, this - 100) (default: the tokenizer's size, else 1024)")
     workload.add_argument("--seed", type=int, default=0)
+    add_standard_workload_arguments(parser)
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (0: unlimited)")
     load.add_argument("--request-rate", type=float, default=math.inf, help="sessions per second, Poisson (default inf)")
@@ -85,6 +88,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     output.add_argument("--label", default=None, help="name of this run in tables and charts")
     output.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
+
+
+STANDARD_FLAGS = {
+    "generated-shared-prefix": ("SGLang bench_serving", "gsp", {
+        "num_groups": ("--gsp-num-groups", int), "prompts_per_group": ("--gsp-prompts-per-group", int),
+        "system_prompt_len": ("--gsp-system-prompt-len", int), "question_len": ("--gsp-question-len", int),
+        "output_len": ("--gsp-output-len", int)}),
+    "prefix-repetition": ("vLLM bench serve; requests: --num-requests", "prefix_repetition", {
+        "prefix_len": ("--prefix-repetition-prefix-len", int), "suffix_len": ("--prefix-repetition-suffix-len", int),
+        "num_prefixes": ("--prefix-repetition-num-prefixes", int),
+        "output_len": ("--prefix-repetition-output-len", int)}),
+    "shared-prefix-groups": ("llm-d-benchmark / inference-perf shared_prefix", "shared_prefix", {
+        "num_groups": ("--shared-prefix-num-groups", int),
+        "num_prompts_per_group": ("--shared-prefix-num-prompts-per-group", int),
+        "system_prompt_len": ("--shared-prefix-system-prompt-len", int),
+        "question_len": ("--shared-prefix-question-len", int), "output_len": ("--shared-prefix-output-len", int)}),
+    "multi-round-qa": ("LMCache multi-round-qa", "mrqa", {
+        "num_users": ("--num-users", int), "num_rounds": ("--num-rounds", int), "qps": ("--qps", float),
+        "shared_system_prompt": ("--shared-system-prompt", int), "user_history_prompt": ("--user-history-prompt", int),
+        "answer_len": ("--answer-len", int), "question_len": ("--question-len", int)}),
+    "mooncake-trace": ("Mooncake trace replay", "trace", {
+        "trace_file": ("--trace-file", str), "time_scale": ("--trace-time-scale", float),
+        "block_size": ("--trace-block-size", int), "max_requests": ("--trace-max-requests", int)}),
+}
+"""Per standard workload: (origin, dest prefix, parameter -> (flag, type)); defaults are the published ones."""
+
+
+def add_standard_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.standard_workloads import STANDARD_WORKLOADS
+
+    for workload, (origin, prefix, params) in STANDARD_FLAGS.items():
+        group = parser.add_argument_group(f"--workload {workload} ({origin})")
+        defaults = STANDARD_WORKLOADS[workload]()
+        for name, (flag, kind) in params.items():
+            default = getattr(defaults, name)
+            group.add_argument(flag, dest=f"{prefix}__{name}", type=kind, default=None, metavar=name.upper(),
+                               help=f"default {default}" if default not in ("", None) else None)
+
+
+def standard_params(args: argparse.Namespace):
+    """The chosen standard workload's parameters (published defaults, overridden by the flags given), or None."""
+    from bench.standard_workloads import make_params
+
+    if args.workload not in STANDARD_FLAGS:
+        return None
+    _, prefix, params = STANDARD_FLAGS[args.workload]
+    return make_params(args.workload, {name: getattr(args, f"{prefix}__{name}") for name in params})
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ClientConfig, LoadConfig, WorkloadConfig, str]:
@@ -107,7 +157,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClientConfig, LoadConfi
         workload=args.workload, num_requests=args.num_requests, num_prefixes=args.num_prefixes,
         prefix_len=args.prefix_len, suffix_len=args.suffix_len, output_len=args.output_len,
         output_len_range=args.output_len_range, num_turns=args.num_turns,
-        replica_cache_tokens=args.replica_cache_tokens, seed=args.seed,
+        replica_cache_tokens=args.replica_cache_tokens, seed=args.seed, standard=standard_params(args),
     )
     return client_config, load_config, workload_config, prompt_format
 

@@ -218,6 +218,8 @@ class PhaseRunner:
                 records.append(skipped_record(session, turn_number, self.warmup, self.elapsed()))
                 self.progress.update(records[-1])
                 continue
+            if turn.min_gap_s and records:
+                await asyncio.sleep(max(0.0, records[-1].start_s + turn.min_gap_s - self.elapsed()))
             conversation.add_user(turn.user)
             payload = build_payload(self.client_config, self.model, conversation, turn.output_len)
             client_prompt_len = count_client_prompt_len(conversation, self.factory, self.tokenizer)
@@ -250,6 +252,7 @@ class PhaseRunner:
         self.limiter = asyncio.Semaphore(concurrency) if concurrency > 0 else None
         delays = arrival_delays(len(sessions), self.load_config.request_rate, self.seed)
         self.phase_start = time.perf_counter()
+        delays = [d if s.start_s is None else s.start_s for s, d in zip(sessions, delays)]  # a trace's own times
         tasks = [asyncio.create_task(self.run_session_at(s, d)) for s, d in zip(sessions, delays)]
         nested = await asyncio.gather(*tasks)
         duration_s = self.elapsed()

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, Union
 
 WORKLOADS = ("shared-prefix", "multi-turn", "unique", "cross-replica")
+STANDARD_WORKLOAD_NAMES = ("generated-shared-prefix", "prefix-repetition", "shared-prefix-groups", "multi-round-qa",
+                           "mooncake-trace")
+"""Other projects' named workloads with their published parameters (bench/standard_workloads.py)."""
 PROMPT_FORMATS = ("ids", "text")
 SAFE_ID_MARGIN = 100
 """Token ids are drawn from [margin, vocab_size - margin): clear of special tokens at both ends of most vocabularies."""
@@ -176,10 +179,13 @@ class WorkloadConfig:
     num_turns: int = 4
     replica_cache_tokens: int | None = None
     seed: int = 0
+    standard: Any = None
+    """For a ``STANDARD_WORKLOAD_NAMES`` workload: its parameters (a dataclass of bench/standard_workloads.py)."""
 
     def __post_init__(self) -> None:
-        if self.workload not in WORKLOADS:
-            raise ValueError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
+        if self.workload not in WORKLOADS + STANDARD_WORKLOAD_NAMES:
+            raise ValueError(f"unknown workload {self.workload!r}; choose one of "
+                             f"{', '.join(WORKLOADS + STANDARD_WORKLOAD_NAMES)}")
         if self.num_requests < 0:
             raise ValueError(f"--num-requests must be >= 0, got {self.num_requests}")
         if self.num_prefixes < 1:
@@ -212,6 +218,8 @@ class Turn:
     request_index: int
     user: Prompt
     output_len: int
+    min_gap_s: float = 0.0
+    """Send no sooner than this long after the session's previous turn was sent (multi-round-qa's pacing)."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +230,8 @@ class Session:
     group: int
     system: Prompt
     turns: tuple[Turn, ...] = field(default_factory=tuple)
+    start_s: float | None = None
+    """When to start, in seconds after the phase starts (a trace's timestamp); None: the load config decides."""
 
 
 def seeded_rng(seed: int, *names: object) -> random.Random:
@@ -298,7 +308,12 @@ def build_multi_turn_sessions(config: WorkloadConfig, factory: PromptFactory) ->
 
 
 def build_sessions(config: WorkloadConfig, factory: PromptFactory) -> list[Session]:
-    """The measured sessions of ``config.workload`` (``config.num_requests`` requests in all)."""
+    """The measured sessions of ``config.workload`` (``config.num_requests`` requests in all, except for the standard
+    workloads, whose parameters size them)."""
+    if config.workload in STANDARD_WORKLOAD_NAMES:
+        from bench.standard_workloads import build_standard_sessions
+
+        return build_standard_sessions(config.workload, config.standard, factory, config.seed, config.num_requests)
     if config.workload == "multi-turn":
         return build_multi_turn_sessions(config, factory)
     return build_single_turn_sessions(config, factory)

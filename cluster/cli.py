@@ -124,6 +124,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="disk KV tier folder (default: ~/.cache/prefixserve/kv-pages)")
     cache.add_argument("--disk-cache-budget", type=memory_size, default=default("disk_cache_budget"),
                        help="disk KV tier size budget; least recently used pages are deleted beyond it")
+    cache.add_argument("--kv-events-config", default=None,
+                       help="publish KV events in vLLM's schema over ZMQ, vLLM's JSON object, e.g. "
+                            "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                            "\"replay_endpoint\": \"tcp://*:5558\"}' (replica r: ports + r; default: off)")
 
     sched = parser.add_argument_group("scheduling")
     sched.add_argument("--max-num-seqs", type=int, default=default("max_num_seqs"),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from replica.config import DEVICES, DTYPES, EngineConfig, default_cache_dir, field_default
+from replica.config import DEVICES, DTYPES, EngineConfig, KVEventsConfig, default_cache_dir, field_default
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 BUNDLED_MODEL_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -132,12 +132,15 @@ class ServeConfig:
     CPUs but one shared out among the replicas when Ray is started here (``default_cpus_per_replica``), else 1."""
     served_model_name: str | None = None
     """Name clients put in ``model``; defaults to the model folder's name (or SmolLM2-135M-Instruct)."""
+    kv_events_config: KVEventsConfig | str | Mapping[str, Any] | None = None
+    """vLLM-schema KV events over ZMQ (--kv-events-config): vLLM's JSON object, a mapping, or None (off)."""
 
     def __post_init__(self) -> None:
         def set_field(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
         set_field("kv_cache_memory", parse_memory_size(self.kv_cache_memory))
+        set_field("kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if self.num_cpus_per_replica is None:
             set_field("num_cpus_per_replica", default_cpus_per_replica(self.data_parallel_degree, self.ray_address))
         if self.enable_dp_cross_replica_prefix_copy is None:
@@ -230,6 +233,7 @@ class ServeConfig:
             disk_cache_budget_bytes=int(self.disk_cache_budget),
             kv_tier_key_file=self.kv_tier_key_file,
             kv_cache_retention_budget=float(self.kv_cache_retention_budget),
+            kv_events_config=self.kv_events_config,
         )
 
     @property

@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from cluster.vllm_metrics import VllmMetrics
 from common.types import EngineStats, KVSourceStats, RequestOutput
 
 PREFIX = "prefixserve_"
@@ -159,7 +160,7 @@ class ReplicaStatsCollector(Collector):
 class IngressMetrics:
     """The ingress's registry; ``observe_*`` are O(1) and called on the request path."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "unknown") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
@@ -184,9 +185,12 @@ class IngressMetrics:
         )
         self.replica_stats = ReplicaStatsCollector()
         self.registry.register(self.replica_stats)
+        self.vllm = VllmMetrics(model_name)  # the same numbers under vLLM's names (cluster/vllm_metrics.py)
+        self.registry.register(self.vllm)
 
-    def observe_first_token(self, seconds: float) -> None:
+    def observe_first_token(self, seconds: float, output: RequestOutput | None = None) -> None:
         self.ttft.observe(seconds)
+        self.vllm.observe_first_token(seconds, output)
 
     def observe_finished(self, output: RequestOutput) -> None:
         replica = output.replica_id or "unknown"
@@ -195,9 +199,11 @@ class IngressMetrics:
         self.prompt_tokens.labels(replica).inc(output.num_prompt_tokens)
         for source, value in cached.as_dict().items():
             self.cached_prompt_tokens.labels(replica, source).inc(value)
+        self.vllm.observe_finished(output)
 
     def render(self, replica_stats: Sequence[EngineStats], kv_sources: Sequence[KVSourceStats] = ()) -> bytes:
         """Prometheus text exposition with ``replica_stats`` as the per-replica engine numbers and ``kv_sources``
         as each replica's ``kv_source_stats()``."""
         self.replica_stats.set(replica_stats, kv_sources)
+        self.vllm.set_replicas(replica_stats)
         return generate_latest(self.registry)

@@ -138,7 +138,7 @@ class OpenAIIngress:
         self.config = config
         self.served_model_name = config.served_model_name
         self.tokenizer = None
-        self.metrics = IngressMetrics()
+        self.metrics = IngressMetrics(model_name=self.served_model_name)
         # One thread: a fast tokenizer is not safe to call from several threads at once ("Already borrowed").
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._info: ReplicaInfo | None = None
@@ -232,7 +232,7 @@ class OpenAIIngress:
             first = await self._first_output(stream)
         except APIError as error:
             return api_error_response(error)
-        self.metrics.observe_first_token(time.perf_counter() - started)
+        self.metrics.observe_first_token(time.perf_counter() - started, first)
         request_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + engine_request.request_id
         headers = {REPLICA_HEADER: first.replica_id}
         if request.stream:

@@ -7,17 +7,31 @@ cache miss (the replica re-checks its own cache), never a wrong answer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from common.page_keys import PageKey
 
 
+class StoredPageInfo(NamedTuple):
+    """What an outside consumer needs about one stored page besides its key (vLLM-schema KV events,
+    replica/kv_event_publisher.py): the key of the page before it in its chain (None for page 0), its token ids, and
+    whether a cache salt was folded into the chain (the salt itself is never published)."""
+
+    parent_key: PageKey | None
+    token_ids: tuple[int, ...]
+    salted: bool = False
+
+
 @dataclass(frozen=True)
 class PagesStored:
-    """Pages whose keys are now in the replica's prefix cache, in chain order (each one's parent precedes it)."""
+    """Pages whose keys are now in the replica's prefix cache, in chain order (each one's parent precedes it).
+    ``infos`` is empty or has one ``StoredPageInfo`` per key (the routing-stats wire format carries only keys; events
+    compare by seq and keys)."""
 
     seq: int
     keys: tuple[PageKey, ...]
+    infos: tuple[StoredPageInfo, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)

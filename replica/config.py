@@ -6,14 +6,17 @@ Messages name the CLI flag, since that is where a user sets the value.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 PAGE_SIZE_MULTIPLE = 128
 DEVICES = ("cpu", "gpu")
 DTYPES = ("auto", "float32", "bfloat16")
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+BLOCK_HASH_FORMATS = ("int", "bytes")
 CACHE_DIR_ENV = "PREFIXSERVE_CACHE_DIR"
 
 
@@ -23,6 +26,82 @@ def default_cache_dir() -> Path:
     if configured:
         return Path(configured).expanduser()
     return Path.home() / ".cache" / "prefixserve"
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``--kv-events-config``: vLLM's ``KVEventsConfig`` (same keys, defaults and meaning) plus ``block_hash_format``;
+    the publisher is replica/kv_event_publisher.py."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    """"zmq" or "null"; None: "zmq" when events are enabled, else "null" (vLLM's rule)."""
+    endpoint: str = "tcp://*:5557"
+    """PUB address; one with "*", "::", ipc:// or inproc:// is bound, any other is connected to (vLLM's rule)."""
+    replay_endpoint: str | None = None
+    """ROUTER address answering replay requests (bound); None: no replay."""
+    buffer_steps: int = 10_000
+    """Batches kept for replay."""
+    hwm: int = 100_000
+    """ZMQ send high-water mark of the PUB socket."""
+    max_queue_size: int = 100_000
+    """Batches waiting for the publisher thread; more are dropped (``num_dropped``)."""
+    topic: str = ""
+    block_hash_format: str = "int"
+    """prefixserve's addition: "int" (a key's low 64 bits, vLLM's default) or "bytes" (the 32-byte page key)."""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"--kv-events-config: enable_kv_cache_events must be true or false, "
+                             f"got {self.enable_kv_cache_events!r}")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"--kv-events-config: publisher must be one of {', '.join(KV_EVENT_PUBLISHERS)}, "
+                             f"got {self.publisher!r}")
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"--kv-events-config: {name} must be a string, got {getattr(self, name)!r}")
+        if self.enabled and not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"--kv-events-config: endpoint must be a tcp://, ipc:// or inproc:// address, "
+                             f"got {self.endpoint!r}; e.g. tcp://*:5557")
+        if self.replay_endpoint is not None and (
+                not isinstance(self.replay_endpoint, str)
+                or not self.replay_endpoint.startswith(("tcp://", "ipc://", "inproc://"))):
+            raise ValueError(f"--kv-events-config: replay_endpoint must be a tcp://, ipc:// or inproc:// address or "
+                             f"null, got {self.replay_endpoint!r}; e.g. tcp://*:5558")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--kv-events-config: {name} must be an integer >= 1, got {value!r}")
+        if self.block_hash_format not in BLOCK_HASH_FORMATS:
+            raise ValueError(f"--kv-events-config: block_hash_format must be one of {', '.join(BLOCK_HASH_FORMATS)}, "
+                             f"got {self.block_hash_format!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: "str | Mapping[str, Any] | KVEventsConfig | None") -> "KVEventsConfig | None":
+        """From the flag's JSON text, a mapping (a Serve config YAML) or a config; None stays None. Unknown keys and
+        bad JSON raise ValueError naming the problem."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--kv-events-config must be a JSON object, e.g. "
+                                 f"'{{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}}': {error}")
+        if not isinstance(value, Mapping):
+            raise ValueError(f"--kv-events-config must be a JSON object, got {type(value).__name__}")
+        known = {item.name for item in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown keys {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**dict(value))
 
 
 @dataclass(frozen=True)
@@ -69,6 +148,8 @@ class EngineConfig:
     kv_cache_retention_budget: float = 0.5
     """Fraction of the page pool that may hold a retention (priority + TTL) at once, so that retained prefixes can
     never fill the pool: at least the rest is always plain LRU."""
+    kv_events_config: KVEventsConfig | None = None
+    """Publish KV events in vLLM's schema over ZMQ (replica/kv_event_publisher.py); None: off."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size <= 0 or self.page_size % PAGE_SIZE_MULTIPLE:

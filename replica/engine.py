@@ -271,7 +271,10 @@ class LLMEngine:
         for item in imports:
             page_id = item.seq.page_ids[item.page_index]
             self.runner.write_page(page_id, item.page.kv)
-            result = self.kv.commit_page(page_id, item.page.key, item.page.token_ids)
+            index, keys = item.page_index, item.seq.page_keys
+            result = self.kv.commit_page(page_id, item.page.key, item.page.token_ids,
+                                         parent_key=keys[index - 1] if index and len(keys) >= index else None,
+                                         salted=item.seq.cache_salt is not None)
             item.seq.page_ids[item.page_index] = result.page_id
             self.scheduler.retain_pages(item.seq, [result.page_id], item.page_index)
 

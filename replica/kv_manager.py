@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
+from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored, StoredPageInfo
 from common.page_keys import PageKey
 from common.types import KVCacheMetrics, PinPrefix, PrefixReport
 from replica.page_pool import PagePool
@@ -178,8 +178,10 @@ class KVCacheManager:
             self.metrics.idle_before_evict.observe(now - last_use)
         self.metrics.evictions[(reason, priority)] = self.metrics.evictions.get((reason, priority), 0) + 1
 
-    def commit_page(self, page_id: int, key: PageKey, token_ids: Sequence[int]) -> CommitResult:
-        """Register a newly filled full page under ``key``.
+    def commit_page(self, page_id: int, key: PageKey, token_ids: Sequence[int], *, parent_key: PageKey | None = None,
+                    salted: bool = False) -> CommitResult:
+        """Register a newly filled full page under ``key`` (``parent_key``: the key of the page before it, None for
+        page 0; ``salted``: a cache salt is folded into its chain; both only travel in the stored event).
 
         If another page already holds ``key`` (two requests computed the same prefix at once), the caller should hold
         that page instead: it is acquired here and ``page_id`` is released, so the prefix is stored once.
@@ -191,6 +193,7 @@ class KVCacheManager:
             self.pool.acquire(existing)
             self.pool.release(page_id, keep_contents=False)
             return CommitResult(existing, True)
+        token_ids = tuple(token_ids)  # one tuple, shared by the cache and the event
         if not self.cache.insert(key, page_id, token_ids):
             return CommitResult(page_id, False)
         now = self.clock()
@@ -199,7 +202,7 @@ class KVCacheManager:
         pin = self.registry.pin_for(key)
         if pin is not None:
             self.pool.retain(page_id, *pin)
-        self._emit(PagesStored, (key,))
+        self._emit(PagesStored, (key,), (StoredPageInfo(parent_key, token_ids, salted),))
         return CommitResult(page_id, False, newly_cached=True)
 
     def reset_prefix_cache(self) -> bool:
@@ -220,14 +223,17 @@ class KVCacheManager:
         events, self._events = self._events, []
         return events
 
-    def _emit(self, kind: type, keys: tuple[PageKey, ...]) -> None:
+    def _emit(self, kind: type, keys: tuple[PageKey, ...], infos: tuple[StoredPageInfo, ...] = ()) -> None:
         """Append an event; consecutive events of one kind merge (keeping their seq) so a step emits few events."""
+        extra = {"infos": infos} if kind is PagesStored else {}
         if self._events and type(self._events[-1]) is kind:
             last = self._events[-1]
-            self._events[-1] = kind(seq=last.seq, keys=last.keys + keys)
+            if kind is PagesStored:
+                extra = {"infos": last.infos + infos}
+            self._events[-1] = kind(seq=last.seq, keys=last.keys + keys, **extra)
             return
         self._event_seq += 1
-        self._events.append(kind(seq=self._event_seq, keys=keys))
+        self._events.append(kind(seq=self._event_seq, keys=keys, **extra))
 
     def _emit_cleared(self) -> None:
         self._event_seq += 1

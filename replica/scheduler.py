@@ -254,7 +254,9 @@ class Scheduler:
         for page_index in range(seq.num_committed_pages, num_full):
             start = page_index * self.page_size
             page_tokens = tokens[start : start + self.page_size]
-            result = self.kv.commit_page(seq.page_ids[page_index], keys[page_index], page_tokens)
+            result = self.kv.commit_page(seq.page_ids[page_index], keys[page_index], page_tokens,
+                                         parent_key=keys[page_index - 1] if page_index else None,
+                                         salted=seq.cache_salt is not None)
             if not result.deduplicated and result.page_id == seq.page_ids[page_index] and result.newly_cached:
                 stored.append(CommittedPage(result.page_id, keys[page_index], tuple(page_tokens)))
                 if start + self.page_size <= seq.num_prompt_tokens:

@@ -36,6 +36,7 @@ from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
 from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
 from replica.event_log import ReplicaEventLog
+from replica.kv_event_publisher import build_publisher
 from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient, bundle_pages
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class ServeReplica:
         device = self.engine.engine.device
         self.ipc_exporter = IpcExporter(device) if device.type == "cuda" else None
         self._event_log = ReplicaEventLog(replica_id)
+        self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size)
         self._tokenizer_files = tokenizer_files(self.engine.tokenizer)
         logger.info(
             "replica %s ready: model fingerprint %s, max_model_len %d, prefix caching %s",
@@ -180,7 +182,9 @@ class ServeReplica:
         thread after the drain, so it is never older than the events' last seq (the log's contract).
         """
         stats = self.engine.stats()
-        self._event_log.append(self.engine.drain_kv_events())
+        events = self.engine.drain_kv_events()
+        self._kv_publisher.publish(events)  # vLLM-schema events over ZMQ (a no-op without --kv-events-config)
+        self._event_log.append(events)
         snapshot_keys = await self.engine.cached_page_keys()
         return self._event_log.stats_payload(stats, lambda: snapshot_keys)
 
@@ -189,3 +193,5 @@ class ServeReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        if getattr(self, "_kv_publisher", None) is not None:
+            self._kv_publisher.close()

@@ -1,0 +1,80 @@
+"""deploy/grafana/prefixserve-dashboard.json and deploy/prometheus.yml, without a server: the dashboard covers what
+operators look at, every metric its queries name is one /metrics exports (or Ray Serve's), and promtool accepts the
+scrape config and every query (skipped without promtool; tests/test_e2e_ecosystem.py runs them on a real Prometheus).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.metrics import IngressMetrics
+from common.types import (CachedTokens, CacheSource, EngineStats, KVSourceStats, RequestOutput, SourceStats,
+                          TierReport, TierStats)
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "deploy" / "grafana" / "prefixserve-dashboard.json"
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
+PROMTOOL = shutil.which("promtool")
+
+
+def queries() -> list[tuple[str, str]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(panel["title"], target["expr"].replace("$__rate_interval", "1m").replace("$model_name", ".*"))
+            for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+def exported_names() -> set[str]:
+    """Sample names of a /metrics rendering with one finished request, one replica, a host and a disk tier."""
+    metrics = IngressMetrics(model_name="m")
+    output = RequestOutput("r", [1], "x", False, None, 300, 1, CachedTokens(), "rep")
+    metrics.observe_first_token(0.1, output)
+    metrics.observe_finished(RequestOutput("r", [2], "y", True, "length", 300, 2, CachedTokens(local=128), "rep"))
+    stats = EngineStats("rep", 300, 128, 8, 4, 2, 2, 0, 0, 0, 0, 1, 128)
+    sources = KVSourceStats("rep", {CacheSource.HOST: SourceStats()},
+                            {"host": TierReport(TierStats(), True), "disk": TierReport(TierStats(), True)})
+    text = metrics.render([stats], [sources]).decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_dashboard_covers_the_operators_questions():
+    dashboard = json.loads(DASHBOARD.read_text())
+    titles = " | ".join(panel["title"] for panel in dashboard["panels"]).lower()
+    for topic in ("hit rate per replica", "by source", "time to first token", "inter-token", "pages by state",
+                  "routing", "tier", "ray serve"):
+        assert topic in titles, topic
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(set(ids)) == len(ids)
+    assert all(panel["datasource"]["uid"] == "${datasource}" and panel["targets"] for panel in dashboard["panels"])
+    assert [variable["name"] for variable in dashboard["templating"]["list"]] == ["datasource", "model_name"]
+
+
+def test_every_metric_a_query_names_is_exported():
+    exported = exported_names()
+    for title, expr in queries():
+        for name in re.findall(r"\b((?:prefixserve_|vllm:)[a-z0-9_:]+|ray_serve_[a-z0-9_]+)", expr):
+            assert name in exported or name.startswith("ray_serve_"), (title, name)
+
+
+def test_scrape_config_has_both_jobs():
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["prefixserve"]["metrics_path"] == "/metrics"
+    assert jobs["ray"]["file_sd_configs"][0]["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (apt-get install -y prometheus)")
+def test_promtool_accepts_the_config_and_every_query(tmp_path):
+    check = subprocess.run([PROMTOOL, "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{index}", "expr": expr} for index, (_, expr) in enumerate(queries())]}]}
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
+    check = subprocess.run([PROMTOOL, "check", "rules", str(tmp_path / "rules.yml")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr

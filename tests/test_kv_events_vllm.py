@@ -1,0 +1,280 @@
+"""vLLM-schema KV events over ZMQ (replica/kv_event_publisher.py), without Ray.
+
+A real engine (tiny random Llama, a small page pool so pages get evicted) serves requests; its KV events go both
+the way our router gets them (ReplicaEventLog -> routing-stats payload -> PrefixIndex) and to the ZMQ publisher. A
+plain pyzmq subscriber (msgpack, no prefixserve code) joins late, misses batches and later loses one on purpose,
+replays both gaps from the ROUTER socket, and rebuilds an index that must equal the router's, block for block; every
+``BlockStored`` must re-hash (parent + token ids) to the page key it names.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from common.events import AllPagesCleared, PagesRemoved, PagesStored, StoredPageInfo
+from common.page_keys import hash_page
+from common.routing_stats import parse_routing_stats
+from common.types import EngineRequest
+from replica.event_log import ReplicaEventLog
+from replica.config import KVEventsConfig
+from replica.kv_event_publisher import (
+    NullKVEventPublisher,
+    ZmqKVEventPublisher,
+    build_publisher,
+    encode_batch,
+    external_hash,
+    offset_endpoint,
+    to_vllm_events,
+)
+from router.index import PrefixIndex
+from tests.engine_utils import TinyModel, greedy, random_prompt
+
+PAGE = 128
+KEY = lambda name: name.encode().ljust(32, b".")  # noqa: E731
+
+
+# ---- pure conversion --------------------------------------------------------------------------------------------
+def test_config_follows_vllm_shape_and_rejects_unknown_keys():
+    config = KVEventsConfig.parse('{"enable_kv_cache_events": true, "topic": "kv"}')
+    assert (config.publisher, config.endpoint, config.replay_endpoint, config.buffer_steps, config.enabled) == (
+        "zmq", "tcp://*:5557", None, 10_000, True)
+    assert KVEventsConfig.parse({"enable_kv_cache_events": False}).publisher == "null"
+    assert not KVEventsConfig.parse({"enable_kv_cache_events": True, "publisher": "null"}).enabled
+    for bad, message in [('{"enable": true}', "unknown keys enable"), ("[1]", "JSON object"), ("{", "JSON object"),
+                         ('{"buffer_steps": 0}', "buffer_steps"), ('{"publisher": "kafka"}', "publisher"),
+                         ('{"enable_kv_cache_events": true, "endpoint": "http://x"}', "endpoint"),
+                         ('{"block_hash_format": "hex"}', "block_hash_format")]:
+        with pytest.raises(ValueError, match=message):
+            KVEventsConfig.parse(bad)
+
+
+def test_the_flag_reaches_every_replicas_engine_config():
+    from cluster.cli import build_parser, config_from_args
+    from cluster.config import ServeConfig
+
+    args = build_parser().parse_args(["serve", "--devices", "cpu", "--kv-events-config",
+                                      '{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5558"}'])
+    config = config_from_args(args)
+    assert config.engine_config("r1").kv_events_config == KVEventsConfig(enable_kv_cache_events=True,
+                                                                         replay_endpoint="tcp://*:5558")
+    from_yaml = ServeConfig.from_mapping({"kv-events-config": {"enable_kv_cache_events": True}, "devices": "cpu"})
+    assert from_yaml.kv_events_config.enabled
+    assert ServeConfig(devices="cpu").engine_config("r").kv_events_config is None
+    with pytest.raises(ValueError, match="--kv-events-config"):
+        ServeConfig(devices="cpu", kv_events_config='{"endpoint": 5}')
+
+
+def test_a_taken_endpoint_leaves_the_replica_serving_without_events(tmp_path):
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{_free_port()}")
+    first = build_publisher(config, page_size=PAGE, rank=0)
+    try:
+        assert isinstance(first, ZmqKVEventPublisher)
+        second = build_publisher(config, page_size=PAGE, rank=0)  # the same port: cannot bind
+        assert isinstance(second, NullKVEventPublisher)
+        second.publish([AllPagesCleared(1)])  # a no-op, not an error
+        assert isinstance(build_publisher(None, page_size=PAGE), NullKVEventPublisher)
+    finally:
+        first.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ports_offset_by_rank_like_vllm_data_parallel_ranks():
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+    assert offset_endpoint(None, 3) is None
+
+
+def test_stored_pages_become_one_block_stored_per_chain_run():
+    a0, a1, a2, b0, b1 = KEY("a0"), KEY("a1"), KEY("a2"), KEY("b0"), KEY("b1")
+    tokens = lambda start: tuple(range(start, start + 4))  # noqa: E731
+    event = PagesStored(7, (a1, a2, b0, b1), (StoredPageInfo(a0, tokens(4)), StoredPageInfo(a1, tokens(8)),
+                                              StoredPageInfo(None, tokens(100), salted=True),
+                                              StoredPageInfo(b0, tokens(104), salted=True)))
+    stored_a, stored_b = to_vllm_events([event], page_size=4, block_hash_format="bytes")
+    assert stored_a == {"type": "BlockStored", "block_hashes": [a1, a2], "parent_block_hash": a0,
+                        "token_ids": list(range(4, 12)), "block_size": 4, "lora_id": None, "medium": "GPU",
+                        "lora_name": None}
+    assert stored_b["block_hashes"] == [b0, b1] and stored_b["parent_block_hash"] is None
+    assert stored_b["token_ids"] == list(range(100, 108))
+    assert stored_b["extra_keys"] == [("salted",), None]  # the salt's presence on page 0, never the salt
+    removed, cleared = to_vllm_events([PagesRemoved(8, (a2,)), AllPagesCleared(9)], page_size=4)
+    assert removed == {"type": "BlockRemoved", "block_hashes": [int.from_bytes(a2[-8:], "big")], "medium": "GPU"}
+    assert cleared == {"type": "AllBlocksCleared"}
+    # vLLM's EventBatch is array_like: [ts, events, data_parallel_rank]
+    assert msgpack.unpackb(encode_batch(1.5, [cleared], 3)) == [1.5, [{"type": "AllBlocksCleared"}], 3]
+
+
+# ---- a real engine, a real ZMQ subscriber ------------------------------------------------------------------------
+class Subscriber:
+    """What an outside router does with vLLM's KV events: SUB for live batches, ROUTER replay for gaps, and an
+    index of block hash -> (parent hash, token ids). Uses only pyzmq and msgpack."""
+
+    def __init__(self, context: zmq.Context, pub: str, replay: str, topic: bytes, rank: int = 0) -> None:
+        self.rank = rank
+        self.sub = context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(pub)
+        self.replay = context.socket(zmq.DEALER)  # one request, many replies: a REQ socket takes only one
+        self.replay.connect(replay)
+        self.next_seq = 0
+        self.blocks: dict = {}
+        self.num_replayed = 0
+        self.num_gaps = 0
+        self.num_removed = 0
+        self.num_salted = 0
+        self.payloads: list[bytes] = []
+        self.drop_seqs: set[int] = set()
+        """Live batches to throw away as if the network lost them."""
+
+    def close(self) -> None:
+        self.sub.close(0)
+        self.replay.close(0)
+
+    def poll(self, timeout_s: float) -> int:
+        """Receive live batches for up to ``timeout_s``; returns the number applied."""
+        applied = 0
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not self.sub.poll(int(remaining * 1000)):
+                break
+            _topic, seq_bytes, payload = self.sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq in self.drop_seqs:
+                self.drop_seqs.discard(seq)
+                continue
+            if seq > self.next_seq:  # a gap: fetch what was missed first
+                self.num_gaps += 1
+                self.fetch_replay(self.next_seq)
+            if seq == self.next_seq:
+                self.apply(payload)
+                self.next_seq = seq + 1
+                applied += 1
+        return applied
+
+    def fetch_replay(self, start_seq: int) -> None:
+        self.replay.send_multipart([b"", start_seq.to_bytes(8, "big")])  # the empty frame a REQ socket would add
+        while True:
+            _empty, seq_bytes, payload = self.replay.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq == -1:
+                return
+            if seq == self.next_seq:
+                self.apply(payload)
+                self.next_seq = seq + 1
+                self.num_replayed += 1
+
+    def apply(self, payload: bytes) -> None:
+        self.payloads.append(payload)
+        ts, events, rank = msgpack.unpackb(payload)
+        assert isinstance(ts, float) and rank == self.rank
+        for event in events:
+            if event["type"] == "BlockStored":
+                size = event["block_size"]
+                parent = event["parent_block_hash"]
+                for i, block_hash in enumerate(event["block_hashes"]):
+                    salted = bool(event.get("extra_keys") and event["extra_keys"][i])
+                    self.num_salted += salted
+                    self.blocks[block_hash] = (parent, tuple(event["token_ids"][i * size:(i + 1) * size]), salted)
+                    parent = block_hash
+            elif event["type"] == "BlockRemoved":
+                for block_hash in event["block_hashes"]:
+                    self.blocks.pop(block_hash, None)
+                    self.num_removed += 1
+            else:
+                assert event["type"] == "AllBlocksCleared"
+                self.blocks.clear()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return TinyModel("llama")
+
+
+def test_subscriber_replays_gaps_and_rebuilds_the_router_index(tiny_llama, tmp_path):
+    engine = tiny_llama.engine(num_pages=12, max_num_batched_tokens=512, enforce_eager=True)
+    fingerprint = engine.model_fingerprint
+    pub, replay = f"ipc://{tmp_path}/kv-events", f"ipc://{tmp_path}/kv-replay"  # no port to race other tests for
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=pub, replay_endpoint=replay, topic="kv",
+                            block_hash_format="bytes")
+    publisher = ZmqKVEventPublisher(config, page_size=PAGE, rank=0)
+    log = ReplicaEventLog("r0")
+    index = PrefixIndex()
+    context = zmq.Context()
+    subscriber = None
+    shared = random_prompt(2 * PAGE, seed=1)
+
+    def serve(prompts: dict[str, tuple[list[int], str | None]]) -> None:
+        """Run requests to completion, then do what the Serve replica does each stats period."""
+        for request_id, (prompt, salt) in prompts.items():
+            engine.add_request(EngineRequest(request_id, prompt, greedy(2), cache_salt=salt))
+        while engine.has_work():
+            engine.step()
+        events = engine.kv.drain_events()
+        publisher.publish(events)
+        log.append(events)
+        payload = log.stats_payload(engine.stats(), engine.kv.cached_keys)
+        report = parse_routing_stats(payload)  # what the router's adapter does with it (router/ray_router.py)
+        index.sync(report.replica_id, epoch=report.epoch, events=report.events, snapshot=report.snapshot)
+
+    def wait_for(seq: int) -> None:
+        deadline = time.monotonic() + 10
+        while subscriber.next_seq <= seq and time.monotonic() < deadline:
+            subscriber.poll(0.2)
+        assert subscriber.next_seq > seq, f"batch {seq} never arrived"
+
+    try:
+        # batches 0 and 1 are published before anyone listens (a late joiner)
+        serve({"a": (shared + random_prompt(PAGE + 10, seed=2), None)})
+        serve({"b": (shared + random_prompt(PAGE + 10, seed=3), "tenant-1")})
+        subscriber = Subscriber(context, pub, replay, b"kv")
+        time.sleep(0.3)  # let the subscription reach the publisher
+        subscriber.drop_seqs = {3}  # batch 3 is "lost" on the way
+        serve({"c": (shared + random_prompt(PAGE + 10, seed=4), None)})   # batch 2: prefix hit, one new page
+        wait_for(2)  # the subscriber sees 2 first: replays 0..2
+        serve({f"d{i}": (random_prompt(3 * PAGE, seed=10 + i), None) for i in range(3)})  # batch 3: evictions
+        serve({"e": (shared + random_prompt(2 * PAGE, seed=5), None)})     # batch 4
+        wait_for(4)
+        assert subscriber.num_gaps == 2  # the late join (0, 1) and the lost batch 3
+        assert subscriber.num_replayed == 5  # 0..2 at the first gap, 3..4 at the second
+        assert publisher.num_published == 5
+
+        # the subscriber's index is the router's: same keys for this replica, nothing more
+        cached = set(engine.kv.cached_keys())
+        assert set(subscriber.blocks) == cached
+        assert index.num_keys("r0") == len(cached) and all(index.holds("r0", key) for key in cached)
+        # every block re-hashes from its parent and token ids: the events carry the chain, not just names
+        for block_hash, (parent, token_ids, salted) in subscriber.blocks.items():
+            salt = "tenant-1" if salted else None
+            assert hash_page(parent, token_ids, page_size=PAGE, model_fingerprint=fingerprint, salt=salt) == block_hash
+        assert subscriber.num_removed > 0  # the small pool evicted pages: removals travelled too
+        assert subscriber.num_salted == 1  # request b's page 0; the salt itself is never published
+        assert not any(b"tenant-1" in payload for payload in subscriber.payloads)
+
+        # reset: AllBlocksCleared empties both
+        assert engine.reset_prefix_cache()
+        serve({})
+        wait_for(5)
+        assert subscriber.blocks == {} and index.num_keys("r0") == 0
+    finally:
+        publisher.close()
+        if subscriber is not None:
+            subscriber.close()
+        context.term()
+
+
+def test_int_block_hashes_are_the_page_keys_low_64_bits():
+    key = bytes(range(32))
+    assert external_hash(key, "int") == int.from_bytes(bytes(range(24, 32)), "big")
+    assert external_hash(key, "bytes") == key
