@@ -26,6 +26,14 @@ Names (all prefixed ``prefixserve_``)::
     kv_tier_{pages_stored,bytes_stored,pages_dropped,discarded_corrupt,errors}_total{replica,tier}  counter
     kv_tier_available{replica,tier}        gauge      1 while the shared tier answers
     kv_peer_pages_total{replica,transport} counter    transport = cuda_ipc (device to device) | host
+    rejected_requests_total{reason}        counter    refused before generating: invalid_request (400),
+                                                      request_too_large (413), overloaded (429), unauthorized (401),
+                                                      shutting_down (503 while draining), ...
+    aborted_requests_total{reason}         counter    ended before finishing: client_gone, deadline, shutdown,
+                                                      replica_lost (mid-stream)
+    retried_requests_total                 counter    sent again to another replica after theirs was lost
+                                                      before the first token
+    drained_requests_total{outcome}        counter    in flight at SIGTERM: completed | aborted (past the timeout)
 """
 
 from __future__ import annotations
@@ -143,6 +151,15 @@ class IngressMetrics:
             ["replica", "source"],
             registry=self.registry,
         )
+        self.rejected = Counter(PREFIX + "rejected_requests", "requests refused before generating, by reason",
+                                ["reason"], registry=self.registry)
+        self.aborted = Counter(PREFIX + "aborted_requests", "requests ended before finishing, by reason", ["reason"],
+                               registry=self.registry)
+        self.retried = Counter(PREFIX + "retried_requests",
+                               "requests sent again to another replica after theirs was lost before the first token",
+                               registry=self.registry)
+        self.drained = Counter(PREFIX + "drained_requests", "requests in flight at shutdown, by outcome",
+                               ["outcome"], registry=self.registry)
         self.replica_stats = ReplicaStatsCollector()
         self.registry.register(self.replica_stats)
 
