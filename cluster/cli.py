@@ -221,6 +221,7 @@ def run_serve(config: ServeConfig) -> int:
         if problem:
             return fail(f"prefixserve serve: error: {problem}", EXIT_USAGE)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    ray_options = local_ray_options(config)  # before importing ray: it reads its environment at import
 
     import ray
     from ray import serve
@@ -243,7 +244,7 @@ def run_serve(config: ServeConfig) -> int:
             config, problem = check_redis(config)
             if problem:
                 return fail(f"prefixserve serve: error: {problem}", EXIT_USAGE)
-        ray.init(address=config.ray_address, logging_level=config.log_level.upper(), **local_ray_options(config))
+        ray.init(address=config.ray_address, logging_level=config.log_level.upper(), **ray_options)
         started = True
         if local:
             from cluster.reaper import local_ray_pids, start_reaper

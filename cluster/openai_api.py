@@ -186,6 +186,15 @@ def load_tokenizer(files: dict[str, bytes]) -> Any:
         return PreTrainedTokenizerFast.from_pretrained(folder)
 
 
+def _bearer_matches(request: Request, keys: tuple[str, ...]) -> bool:
+    """Whether ``Authorization: Bearer <token>`` carries one of ``keys`` (constant-time comparisons)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    given = token.strip().encode()
+    return any(hmac.compare_digest(given, key.encode()) for key in keys)
+
+
 @serve.ingress(api)
 class OpenAIIngress:
     """The ingress. ``replicas`` is the handle of the ServeReplica deployment; ``config`` the whole ServeConfig."""
@@ -632,11 +641,3 @@ class OpenAIIngress:
             raise APIError(f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
                            status=404, type="not_found_error", param="model", code="model_not_found")
 
-
-def _bearer_matches(request: Request, keys: tuple[str, ...]) -> bool:
-    """Whether ``Authorization: Bearer <token>`` carries one of ``keys`` (constant-time comparisons)."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    given = token.strip().encode()
-    return any(hmac.compare_digest(given, key.encode()) for key in keys)

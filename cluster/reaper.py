@@ -6,11 +6,14 @@ killed by the kernel when their parent dies: they are re-parented and linger. A 
 
     CLI --stdin pipe--> reaper (own session, so Ctrl-C to the CLI's group does not reach it)
     CLI exits cleanly:  writes "q" and closes the pipe  -> the reaper exits and kills nothing
-    CLI dies any way:   the kernel closes the pipe (EOF)  -> the reaper SIGKILLs the watched pids and all their
-                                                              descendants (found in /proc), then exits
+    CLI dies any way:   the kernel closes the pipe (EOF)  -> the reaper SIGTERMs, then SIGKILLs, the watched pids and
+                                                              all their descendants, then exits
 
-Before killing, each pid's start time (from /proc/<pid>/stat) is compared with the one recorded when it was handed
-over, so a pid the kernel reused for an unrelated process is left alone. Linux only (needs /proc); elsewhere
+Descendants are collected from /proc every second while waiting, not only at the end: Ray's own daemons die with the
+CLI too (prctl death signal), so by the time the pipe closes the raylet may be gone and its agents already re-parented
+to init, invisible to a last-moment walk (seen: DashboardAgent and RuntimeEnvAgent lingering). Every pid is kept with
+its start time (field 22 of /proc/<pid>/stat) and only signalled while that still matches, so a pid the kernel reused
+for an unrelated process is left alone. Linux only (needs /proc); elsewhere
 ``start_reaper`` returns None.
 """
 
@@ -26,13 +29,13 @@ from typing import Iterable
 logger = logging.getLogger(__name__)
 
 _REAPER_CODE = r"""
-import os, signal, sys
+import os, select, signal, sys, time
 
 def start_time(pid):
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[19]
-    except OSError:
+    except (OSError, IndexError):
         return None
 
 def children_map():
@@ -41,38 +44,45 @@ def children_map():
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat", "rb") as f:
-                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                result.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
             except (OSError, ValueError, IndexError):
                 continue
-            result.setdefault(ppid, []).append(int(entry))
     return result
 
-watched = {}
+def refresh(known):
+    kids = children_map()
+    stack = [pid for pid in known]
+    while stack:
+        for child, started in kids.get(stack.pop(), ()):
+            if child not in known and child != os.getpid():
+                known[child] = started
+                stack.append(child)
+
+known = {}
 for item in sys.argv[1:]:
     pid, started = item.split(":", 1)
-    watched[int(pid)] = started.encode()
+    known[int(pid)] = started.encode()
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGHUP, signal.SIG_IGN)
-data = sys.stdin.buffer.read()
+data = b""
+while True:
+    ready, _, _ = select.select([sys.stdin.buffer], [], [], 1.0)
+    if ready:
+        data = os.read(sys.stdin.fileno(), 1)
+        break
+    refresh(known)
 if data.startswith(b"q"):
     sys.exit(0)
-roots = [pid for pid, started in watched.items() if start_time(pid) == started]
-kids = children_map()
-targets, stack = [], list(roots)
-while stack:
-    pid = stack.pop()
-    if pid in targets or pid == os.getpid():
-        continue
-    targets.append(pid)
-    stack.extend(kids.get(pid, ()))
+refresh(known)
 for sig in (signal.SIGTERM, signal.SIGKILL):
-    for pid in targets:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
+    for pid, started in known.items():
+        if start_time(pid) == started:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
     if sig == signal.SIGTERM:
-        import time
         time.sleep(0.5)
 """
 
