@@ -137,8 +137,8 @@ class ServeConfig:
     """Deadline of one request from arrival to its last token; past it the request ends with a timeout error."""
     max_queued_requests: int = 64
     """Requests a replica holds waiting beyond its --max-num-seqs running ones (Serve lets max_num_seqs + this
-    into a replica); as many again may wait in the ingress for a free replica; beyond that new requests get 429
-    with Retry-After."""
+    into a replica); up to this many per replica more may wait in the ingress for a free replica; beyond that new
+    requests get 429 with Retry-After (Serve may refuse a little early when many arrive at once)."""
     shutdown_timeout_s: float = 30.0
     """On SIGTERM: how long requests in flight may run to completion before they are ended with an error event."""
     metrics_api_key: str | None = None
