@@ -153,14 +153,16 @@ async def client_loop(client, base: str, stop_at: float, t0: float, records: lis
                     if response.status_code in (429, 503):
                         await asyncio.sleep(float(response.headers.get("retry-after", "1")))
                 else:
+                    last = ""
                     async for line in response.aiter_lines():
                         if not line:
                             continue
+                        last = line
                         if record["ttft"] is None:
                             record["ttft"] = time.monotonic() - started
                         if line.startswith('data: {"error"'):
                             record["kind"] = "sse_" + (json.loads(line[6:])["error"].get("code") or "error")
-                    if record["kind"] == "ok" and line != "data: [DONE]":
+                    if record["kind"] == "ok" and last != "data: [DONE]":
                         record["kind"] = "no_done"
         except httpx.HTTPError as error:
             record["kind"] = type(error).__name__
@@ -236,7 +238,14 @@ def main(argv=None) -> int:
     from cluster.config import ServeConfig
 
     port = free_port()
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="error")
+    for attempt in range(3):  # Ray gives its raylet 30 s to register: a loaded shared machine can miss that
+        try:
+            ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="error")
+            break
+        except Exception:  # noqa: BLE001 - retried, then raised
+            ray.shutdown()
+            if attempt == 2:
+                raise
     ray_pids = [info.process.pid for infos in ray._private.worker._global_node.all_processes.values()
                 for info in infos]
     try:
