@@ -2,7 +2,7 @@
 with 503, a stream still running at --shutdown-timeout ends with an error event and [DONE], the process exits 0 and
 leaves none of the processes it started (its local Ray) running.
 
-Its own local Ray (the CLI starts one), so it is marked slow: about a minute on a loaded 2-core machine.
+Its own local Ray (the CLI starts one), so it is marked slow: 90 s on a loaded 2-core machine.
 """
 
 from __future__ import annotations
