@@ -27,11 +27,10 @@ logger = logging.getLogger(__name__)
 
 REPLICA_DEPLOYMENT_NAME = "PrefixServeReplica"
 INGRESS_DEPLOYMENT_NAME = "OpenAIIngress"
-REPLICA_MAX_ONGOING_REQUESTS = 256
-"""Requests Serve lets into one replica at once; the engine's scheduler batches them (continuous batching)."""
 INGRESS_MAX_ONGOING_REQUESTS = 4096
 REPLICA_HEALTH_CHECK_PERIOD_S = 10.0
-REPLICA_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
+SHUTDOWN_MARGIN_S = 10.0
+"""Serve's graceful-shutdown wait for a replica is the drain timeout plus this (the drain ends every stream first)."""
 SERVE_LATENCY_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
@@ -56,6 +55,18 @@ def replica_actor_options(config: ServeConfig) -> dict[str, Any]:
     return options
 
 
+def replica_admission(config: ServeConfig) -> dict[str, int]:
+    """Bounded queues (admission control). Serve lets ``max_num_seqs + max_queued_requests`` requests into one replica
+    (the engine runs max_num_seqs, the rest wait in its scheduler); when every replica is that full, up to
+    ``max_queued_requests * data_parallel_degree`` more wait in the ingress's handle for a free one; beyond that
+    Serve raises BackPressureError, which the ingress answers with 429 and Retry-After. So a replica that dies does not
+    push an unbounded queue onto the survivors: the excess is shed."""
+    return {
+        "max_ongoing_requests": config.max_num_seqs + config.max_queued_requests,
+        "max_queued_requests": max(1, config.max_queued_requests * config.data_parallel_degree),
+    }
+
+
 def build_app(config: ServeConfig, router_config: Any = None) -> Application:
     """The bound application for ``config`` (not yet running: pass it to ``serve.run``).
 
@@ -65,10 +76,10 @@ def build_app(config: ServeConfig, router_config: Any = None) -> Application:
     replica_options: dict[str, Any] = dict(
         name=REPLICA_DEPLOYMENT_NAME,
         num_replicas=config.data_parallel_degree,
-        max_ongoing_requests=REPLICA_MAX_ONGOING_REQUESTS,
         ray_actor_options=replica_actor_options(config),
         health_check_period_s=REPLICA_HEALTH_CHECK_PERIOD_S,
-        graceful_shutdown_timeout_s=REPLICA_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        graceful_shutdown_timeout_s=config.shutdown_timeout_s + SHUTDOWN_MARGIN_S,
+        **replica_admission(config),
     )
     router = router_config if router_config is not None else request_router_config(config)
     if router is not None:
@@ -79,6 +90,7 @@ def build_app(config: ServeConfig, router_config: Any = None) -> Application:
         name=INGRESS_DEPLOYMENT_NAME,
         num_replicas=1,
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        graceful_shutdown_timeout_s=config.shutdown_timeout_s + SHUTDOWN_MARGIN_S,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": dict(SERVE_LATENCY_ENV)}},
     )
     # The template's replica id is replaced by each replica's Serve id in ServeReplica.__init__.

@@ -139,7 +139,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument("--host", default=default("host"), help="HTTP bind address (0.0.0.0: all interfaces)")
     server.add_argument("--port", type=int, default=default("port"), help="HTTP port")
     server.add_argument("--api-key", default=os.environ.get("PREFIXSERVE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PREFIXSERVE_API_KEY, else none)")
+                        help="require 'Authorization: Bearer KEY' on /v1/*, /metrics and the admin routes "
+                             "(default: $PREFIXSERVE_API_KEY, else none)")
+    server.add_argument("--metrics-api-key", default=os.environ.get("PREFIXSERVE_METRICS_API_KEY"),
+                        help="a key that reads /metrics only, for scrapers (default: $PREFIXSERVE_METRICS_API_KEY)")
+    server.add_argument("--admin-api-key", default=os.environ.get("PREFIXSERVE_ADMIN_API_KEY"),
+                        help="a separate key for /reset_prefix_cache, /admin/drain and the "
+                             "x-prefixserve-target-replica header (default: $PREFIXSERVE_ADMIN_API_KEY, else --api-key)")
+    server.add_argument("--metrics-cache-s", type=float, default=default("metrics_cache_s"),
+                        help="render /metrics at most once per this many seconds")
+    limits = parser.add_argument_group("limits, admission and shutdown")
+    limits.add_argument("--max-request-body-bytes", type=memory_size, default=default("max_request_body_bytes"),
+                        help="largest request body (413 beyond): bytes or e.g. 8MiB")
+    limits.add_argument("--max-prompt-chars", type=int, default=None,
+                        help="longest prompt in characters, checked before tokenizing (default: max model len x 16)")
+    limits.add_argument("--max-pending-tokenizations", type=int, default=default("max_pending_tokenizations"),
+                        help="requests waiting for the tokenizer at once (429 beyond)")
+    limits.add_argument("--request-timeout", dest="request_timeout_s", type=float,
+                        default=default("request_timeout_s"), help="seconds one request may take in all")
+    limits.add_argument("--max-queued-requests", type=int, default=default("max_queued_requests"),
+                        help="requests waiting per replica beyond --max-num-seqs (429 with Retry-After beyond)")
+    limits.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float,
+                        default=default("shutdown_timeout_s"),
+                        help="on SIGTERM, seconds requests in flight get to finish before they are ended")
+    limits.add_argument("--require-redis", action="store_true", default=default("require_redis"),
+                        help="exit at start when --redis-url does not answer (default: warn and run without it)")
     server.add_argument("--ray-address", default=None,
                         help="join this Ray cluster ('auto', 'host:6379', 'ray://...'); default: start a local one")
     server.add_argument("--log-level", choices=LOG_LEVELS, default=default("log_level"), help="log verbosity")
@@ -203,7 +227,7 @@ def fail(message: str, status: int) -> int:
 
 # ---- serve ------------------------------------------------------------------------------------------------------------
 def run_serve(config: ServeConfig) -> int:
-    """Start (or join) Ray, deploy the app, block until SIGINT / SIGTERM, then shut down cleanly."""
+    """Start (or join) Ray, deploy the app, block until SIGINT / SIGTERM, drain, then shut down cleanly."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     local = config.ray_address is None
     if local:
@@ -211,6 +235,7 @@ def run_serve(config: ServeConfig) -> int:
         if problem:
             return fail(f"prefixserve serve: error: {problem}", EXIT_USAGE)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    ray_options = local_ray_options(config)  # before importing ray: it reads its environment at import
 
     import ray
     from ray import serve
@@ -221,21 +246,32 @@ def run_serve(config: ServeConfig) -> int:
     if local:
         expose_project_to_workers()
     started = False
+    deployed = False
     redis = None
+    reaper = None
     try:
         if config.start_redis:
             redis = start_local_redis()
             config = dataclasses.replace(config, redis_url=redis.url, start_redis=False)
             print(f"prefixserve: started redis-server for the host tier at {redis.redacted_url}", flush=True)
-        ray.init(address=config.ray_address, logging_level=config.log_level.upper())
+        elif config.redis_url:
+            config, problem = check_redis(config)
+            if problem:
+                return fail(f"prefixserve serve: error: {problem}", EXIT_USAGE)
+        ray.init(address=config.ray_address, logging_level=config.log_level.upper(), **ray_options)
         started = True
+        if local:
+            from cluster.reaper import local_ray_pids, start_reaper
+
+            reaper = start_reaper(local_ray_pids())
         # ray.init installs a SIGTERM handler that aborts the process; take SIGTERM back for a clean shutdown.
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-        problem = check_cluster_resources(config, ray.cluster_resources())
+        problem = check_cluster_resources(config, ray.cluster_resources(), local=local)
         if problem:
             return fail(f"prefixserve serve: error: {problem}", EXIT_USAGE)
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        deployed = True
         print(
             f"prefixserve: serving {config.served_model_name!r} at http://{config.host}:{config.port}/v1 with "
             f"{config.data_parallel_degree} replica(s) on {config.devices}; Ctrl-C to stop",
@@ -245,14 +281,107 @@ def run_serve(config: ServeConfig) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("prefixserve: shutting down", file=sys.stderr, flush=True)
+        if deployed:
+            drain_app(config.shutdown_timeout_s)
         return 0
     except Exception as error:  # noqa: BLE001 - start-up failures become one line
-        return fail(f"prefixserve serve: error: the application failed to start: {last_line(error)}", EXIT_FAILED)
+        return fail(f"prefixserve serve: error: the application failed to start: {cause_of(error)}", EXIT_FAILED)
     finally:
         if started:
             shut_down(local)
+        if reaper is not None:
+            reaper.dismiss()
         if redis is not None:
             redis.stop()
+
+
+def drain_app(timeout_s: float) -> None:
+    """SIGTERM / Ctrl-C while serving: the ingress turns new requests away (503, /health unready), lets those in
+    flight finish for up to ``timeout_s``, then ends the rest with an SSE error event and [DONE]. A second signal
+    skips the wait."""
+    from ray import serve
+
+    print(f"prefixserve: draining: new requests get 503; requests in flight get up to {timeout_s:g} s "
+          "(signal again to stop now)", file=sys.stderr, flush=True)
+    try:
+        handle = serve.get_app_handle(APP_NAME)
+        result = handle.drain.remote(timeout_s).result(timeout_s=timeout_s + 30)
+    except KeyboardInterrupt:
+        print("prefixserve: drain skipped", file=sys.stderr, flush=True)
+        return
+    except Exception as error:  # noqa: BLE001 - shut down anyway
+        print(f"prefixserve: drain failed ({last_line(error)}); shutting down", file=sys.stderr, flush=True)
+        return
+    print(f"prefixserve: drained: {result['completed']} request(s) completed, {result['aborted']} ended at the "
+          "timeout", file=sys.stderr, flush=True)
+
+
+def local_ray_options(config: ServeConfig) -> dict:
+    """``ray.init`` keywords for a Ray started here: with a loopback --host, Ray's own servers (GCS, raylet, workers,
+    agents) listen on loopback too. Ray binds its gRPC servers to the node address, and only keeps 127.0.0.1 as that
+    address when its cluster mode is off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, inherited by every Ray process)."""
+    if config.ray_address is not None:
+        return {}
+    if not is_loopback(config.host):
+        return {}
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    return {"_node_ip_address": "127.0.0.1", "dashboard_host": "127.0.0.1"}
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_redis(config: ServeConfig) -> tuple[ServeConfig, str | None]:
+    """Ping --redis-url once. Unreachable: with --require-redis a problem to exit on; else a warning and the host
+    tier off (the config without redis_url)."""
+    try:
+        import redis as redis_client
+
+        client = redis_client.Redis.from_url(config.redis_url, socket_connect_timeout=3, socket_timeout=3)
+        try:
+            client.ping()
+        finally:
+            client.close()
+        return config, None
+    except Exception as error:  # noqa: BLE001 - any failure means the tier cannot be used now
+        cause = f"{type(error).__name__}: {last_line(error)}"
+    if config.require_redis:
+        return config, (f"--redis-url {redact_url(config.redis_url)} does not answer ({cause}); start Redis, fix the "
+                        "URL, or drop --require-redis to serve without the host tier")
+    print(f"prefixserve: warning: --redis-url {redact_url(config.redis_url)} does not answer ({cause}); serving "
+          "without the host tier (pass --require-redis to make this an error)", file=sys.stderr, flush=True)
+    return dataclasses.replace(config, redis_url=None), None
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ***."""
+    import re
+
+    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def cause_of(error: BaseException) -> str:
+    """The most specific error line in ``error``'s text: Serve wraps a replica's exception (with its traceback) in its
+    own deploy failure, whose last line is often not the cause."""
+    import re
+
+    pattern = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception)): (.+)$")
+    wrappers = ("RayTaskError", "RayActorError", "ActorDiedError", "RuntimeError", "DeploymentUnavailableError",
+                "RayServeException")
+    causes = []
+    for line in str(error).splitlines():
+        match = pattern.match(line.strip())
+        if match and match.group(1) not in wrappers and not match.group(1).startswith("RayTaskError"):
+            causes.append(f"{match.group(1)}: {match.group(2).strip()}")
+    return causes[-1] if causes else last_line(error)
 
 
 class LocalRedis:
@@ -351,9 +480,13 @@ def check_local_start(config: ServeConfig) -> str | None:
     from replica.model_loader import resolve_model_dir
 
     try:
-        resolve_model_dir(config.model)
+        model_dir = resolve_model_dir(config.model)
     except ValueError as error:
         return str(error)
+    problem = check_kv_budget(config, model_dir) or check_cluster_resources(
+        config, {"CPU": os.cpu_count() or 1, "GPU": config_gpus(config)}, local=True)
+    if problem:
+        return problem
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -363,12 +496,57 @@ def check_local_start(config: ServeConfig) -> str | None:
     return None
 
 
-def check_cluster_resources(config: ServeConfig, resources: dict) -> str | None:
+def config_gpus(config: ServeConfig) -> int:
+    """GPUs visible here (only asked when replicas run on GPUs; ServeConfig already checked that count)."""
+    if config.devices != "gpu":
+        return 0
+    from cluster.config import num_visible_gpus
+
+    return num_visible_gpus()
+
+
+def check_kv_budget(config: ServeConfig, model_dir: Path) -> str | None:
+    """The KV budget must hold at least two pages (what the engine needs to serve one request); said here in one line
+    instead of after the replicas failed to start. A budget below max_model_len is only a warning (the engine serves
+    shorter contexts)."""
+    from replica.model_runner import kv_geometry
+
+    try:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(str(model_dir))
+        geometry = kv_geometry(model_config)
+    except Exception:  # noqa: BLE001 - an unusual config: the replica will say what is wrong
+        return None
+    min_dtype_bytes = 4 if config.dtype == "float32" else 2
+    per_page = geometry.num_layers * 2 * config.page_size * geometry.num_kv_heads * geometry.head_dim * min_dtype_bytes
+    num_pages = int(config.kv_cache_memory) // per_page
+    if num_pages < 2:
+        return (f"--kv-cache-memory {int(config.kv_cache_memory)} bytes holds {num_pages} KV page(s) of this model "
+                f"({per_page} bytes each at page size {config.page_size}); one request needs at least 2: raise "
+                f"--kv-cache-memory to {2 * per_page} bytes or more")
+    capacity = num_pages * config.page_size
+    if config.max_model_len and capacity < config.max_model_len:
+        print(f"prefixserve: warning: --kv-cache-memory holds {capacity} tokens, less than --max-model-len "
+              f"{config.max_model_len}; the longest request will be {capacity} tokens", file=sys.stderr, flush=True)
+    return None
+
+
+def check_cluster_resources(config: ServeConfig, resources: dict, *, local: bool = True) -> str | None:
+    """Replicas the cluster cannot place would leave the app half deployed (or waiting forever): say so at start.
+    CPUs are checked for a Ray started here only (a joined cluster may add CPU nodes on demand)."""
+    num_replicas = config.data_parallel_degree
     if config.devices == "gpu":
         num_gpus = int(resources.get("GPU", 0))
-        if config.data_parallel_degree > num_gpus:
-            return (f"--data-parallel-degree {config.data_parallel_degree} needs {config.data_parallel_degree} GPUs "
+        if num_replicas > num_gpus:
+            return (f"--data-parallel-degree {num_replicas} needs {num_replicas} GPUs "
                     f"but the Ray cluster has {num_gpus}; lower --data-parallel-degree or add GPU nodes")
+    num_cpus = float(resources.get("CPU", 0))
+    needed = num_replicas * float(config.num_cpus_per_replica)
+    if local and needed > num_cpus + 1e-9:
+        return (f"--data-parallel-degree {num_replicas} x --num-cpus-per-replica {config.num_cpus_per_replica:g} "
+                f"needs {needed:g} CPUs but only {num_cpus:g} are available; lower --data-parallel-degree or "
+                f"--num-cpus-per-replica (e.g. {max(0.1, round(num_cpus / num_replicas, 2)):g})")
     return None
 
 

@@ -134,6 +134,30 @@ class ServeConfig:
     """Name clients put in ``model``; defaults to the model folder's name (or SmolLM2-135M-Instruct)."""
     kv_events_config: KVEventsConfig | str | Mapping[str, Any] | None = None
     """vLLM-schema KV events over ZMQ (--kv-events-config): vLLM's JSON object, a mapping, or None (off)."""
+    # ---- limits, admission, shutdown, access (issue 10) -------------------------------------------------------------
+    max_request_body_bytes: int | str = "8MiB"
+    """Largest request body the ingress reads; a bigger one is a 413 before it is parsed."""
+    max_prompt_chars: int | None = None
+    """Longest prompt in characters, checked before tokenizing (400). None: max_model_len * 16."""
+    max_pending_tokenizations: int = 64
+    """Requests waiting for the ingress's tokenizer thread at once; beyond them a 429."""
+    request_timeout_s: float = 600.0
+    """Deadline of one request from arrival to its last token; past it the request ends with a timeout error."""
+    max_queued_requests: int = 64
+    """Requests a replica holds waiting beyond its --max-num-seqs running ones (Serve lets max_num_seqs + this
+    into a replica); up to this many per replica more may wait in the ingress for a free replica; beyond that new
+    requests get 429 with Retry-After (Serve may refuse a little early when many arrive at once)."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM: how long requests in flight may run to completion before they are ended with an error event."""
+    metrics_api_key: str | None = None
+    """A key that reads /metrics only (for scrapers). /metrics also accepts --api-key; with neither it is open."""
+    admin_api_key: str | None = None
+    """A key for /reset_prefix_cache, /admin/* and the x-prefixserve-target-replica pin header. None: --api-key
+    (when set) is also the admin key."""
+    metrics_cache_s: float = 1.0
+    """/metrics is rendered at most once per this many seconds (scrapers share the result)."""
+    require_redis: bool = False
+    """Fail at start when --redis-url does not answer (default: a warning and the host tier off)."""
 
     def __post_init__(self) -> None:
         def set_field(name: str, value: Any) -> None:
@@ -148,6 +172,7 @@ class ServeConfig:
         if self.enable_disk_cache is None:
             set_field("enable_disk_cache", self.enable_prefix_caching)
         set_field("disk_cache_budget", parse_memory_size(self.disk_cache_budget))
+        set_field("max_request_body_bytes", parse_memory_size(self.max_request_body_bytes))
         if self.served_model_name is None:
             set_field("served_model_name", default_served_model_name(self.model))
         self._validate()
@@ -202,6 +227,40 @@ class ServeConfig:
             raise ValueError(f"--num-cpus-per-replica must be positive, got {self.num_cpus_per_replica!r}")
         if not self.served_model_name:
             raise ValueError("--served-model-name must not be empty; omit it to use the model folder's name")
+        self._validate_limits()
+
+    def _validate_limits(self) -> None:
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(f"--max-request-body-bytes must be at least 1024, got {self.max_request_body_bytes}")
+        if self.max_prompt_chars is not None and (not isinstance(self.max_prompt_chars, int)
+                                                  or self.max_prompt_chars < 1):
+            raise ValueError(f"--max-prompt-chars must be a positive integer, got {self.max_prompt_chars!r}")
+        for flag, value, low in (("--max-pending-tokenizations", self.max_pending_tokenizations, 1),
+                                 ("--max-queued-requests", self.max_queued_requests, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+        for flag, value in (("--request-timeout", self.request_timeout_s),
+                            ("--shutdown-timeout", self.shutdown_timeout_s)):
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{flag} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.metrics_cache_s, (int, float)) or self.metrics_cache_s < 0:
+            raise ValueError(f"--metrics-cache-s must be >= 0 seconds, got {self.metrics_cache_s!r}")
+        for flag, value in (("--metrics-api-key", self.metrics_api_key), ("--admin-api-key", self.admin_api_key)):
+            if value is not None and not value.strip():
+                raise ValueError(f"{flag} must not be empty; omit it instead")
+        if self.require_redis and not (self.redis_url or self.start_redis):
+            raise ValueError("--require-redis needs --redis-url (or --start-redis)")
+
+    # ---- access ----------------------------------------------------------------------------------------------------
+    @property
+    def effective_admin_api_key(self) -> str | None:
+        """The key admin routes and the pin header need (None: open)."""
+        return self.admin_api_key or self.api_key
+
+    @property
+    def metrics_api_keys(self) -> tuple[str, ...]:
+        """Keys /metrics accepts (empty: open)."""
+        return tuple(key for key in (self.metrics_api_key, self.api_key, self.admin_api_key) if key)
 
     # ---- derived ---------------------------------------------------------------------------------------------------
     @property
@@ -266,8 +325,9 @@ class ServeConfig:
     def as_dict(self) -> dict[str, Any]:
         """The settings as plain values (the api key masked), for logs."""
         values = dataclasses.asdict(self)
-        if values["api_key"]:
-            values["api_key"] = "***"
+        for name in ("api_key", "metrics_api_key", "admin_api_key"):
+            if values.get(name):
+                values[name] = "***"
         if values["redis_url"]:
             values["redis_url"] = redact_url(values["redis_url"])
         return values

@@ -32,6 +32,14 @@ Names (all prefixed ``prefixserve_``)::
     kv_page_evictions_total{replica,reason,priority}  counter  reason = capacity | ttl | reset
     kv_retained_pages{replica,kind}        gauge      kind = retained (priority > 0, TTL not expired) | budget
     kv_retention_demotions_total{replica,reason}      counter  retention ended: ttl | budget | unpin | reset
+    rejected_requests_total{reason}        counter    refused before generating: invalid_request (400),
+                                                      request_too_large (413), overloaded (429), unauthorized (401),
+                                                      shutting_down (503 while draining), ...
+    aborted_requests_total{reason}         counter    ended before finishing: client_gone, deadline, shutdown,
+                                                      replica_lost (mid-stream)
+    retried_requests_total                 counter    sent again to another replica after theirs was lost
+                                                      before the first token
+    drained_requests_total{outcome}        counter    in flight at SIGTERM: completed | aborted (past the timeout)
 """
 
 from __future__ import annotations
@@ -183,6 +191,15 @@ class IngressMetrics:
             ["replica", "source"],
             registry=self.registry,
         )
+        self.rejected = Counter(PREFIX + "rejected_requests", "requests refused before generating, by reason",
+                                ["reason"], registry=self.registry)
+        self.aborted = Counter(PREFIX + "aborted_requests", "requests ended before finishing, by reason", ["reason"],
+                               registry=self.registry)
+        self.retried = Counter(PREFIX + "retried_requests",
+                               "requests sent again to another replica after theirs was lost before the first token",
+                               registry=self.registry)
+        self.drained = Counter(PREFIX + "drained_requests", "requests in flight at shutdown, by outcome",
+                               ["outcome"], registry=self.registry)
         self.replica_stats = ReplicaStatsCollector()
         self.registry.register(self.replica_stats)
         self.vllm = VllmMetrics(model_name)  # the same numbers under vLLM's names (cluster/vllm_metrics.py)

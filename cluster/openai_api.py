@@ -5,17 +5,27 @@ Endpoints::
     POST /v1/completions        prompt: string or token-id list; SSE when "stream": true
     POST /v1/chat/completions   messages -> tokenizer.apply_chat_template(add_generation_prompt=True)
     GET  /v1/models             the served model
-    GET  /health                200 while the ingress is up
-    GET  /metrics               Prometheus text (cluster/metrics.py)
-    POST /reset_prefix_cache    drops every replica's cached pages (DeploymentHandle.broadcast reaches each replica)
+    GET  /health                200 while the ingress takes requests, 503 once it drains (shutdown)
+    GET  /metrics               Prometheus text (cluster/metrics.py); needs a key when one is configured; cached
+    POST /reset_prefix_cache    admin: drops every replica's cached pages (DeploymentHandle.broadcast reaches each)
+    POST /admin/drain           admin: stop taking requests, let those in flight finish, end the rest (shutdown)
     GET  /admin/prefixes, POST /admin/prefixes/pin, POST /admin/prefixes/unpin   retained prefixes (cluster/admin_api.py)
 
-A generation request, here: authenticate -> parse and validate (APIError -> 400) -> tokenize and compute page keys
-(on one tokenizer thread: CPU work stays off the event loop) -> ``replicas.options(stream=True).generate.remote(request)``,
-where the prefix-aware router reads ``request.page_keys`` and picks the replica -> await the first output before
-answering, so a request the replica refuses (``InvalidRequestError``) is still a 400 and the replica's id can go in the
-``x-prefixserve-replica`` header -> stream or collect the rest. A request carrying ``x-prefixserve-target-replica:
-<replica id>`` is pinned to that replica (the router still names the best holder as peer_hint, so it can copy).
+A generation request, here, each step bounded before the next does work:
+
+    refuse when draining (503) -> authenticate (401; the pin header needs the admin key, 403) -> read the body up to
+    max_request_body_bytes (413) -> parse JSON (depth <= 32, valid Unicode; 400) -> validate fields and ranges (400)
+    -> prompt length in characters (400, before tokenizing) -> tokenize and compute page keys on the one tokenizer
+    thread, at most max_pending_tokenizations waiting (429) -> prompt length in tokens (400)
+    -> ``replicas.options(stream=True).generate.remote(request)``: the prefix-aware router reads ``request.page_keys``
+    and picks the replica; Serve refuses beyond max_queued_requests (429 with Retry-After)
+    -> await the first output (so a refused request is still a 400 and the replica's id goes in the
+    ``x-prefixserve-replica`` header); if that replica dies first, the request is sent once more (another replica)
+    -> stream or collect the rest, within request_timeout_s.
+
+A stream that cannot finish (its replica died, the deadline passed, the server is shutting down) ends with one SSE
+error event and ``data: [DONE]``. ``drain()`` (SIGTERM in the CLI) turns new requests away with 503, waits up to
+shutdown_timeout_s for those in flight, then cuts the rest that way.
 
 Page keys are computed with the replicas' model fingerprint, asked once from a replica (``info()``) on first use.
 """
@@ -44,6 +54,7 @@ from cluster import admin_api
 from cluster.config import ServeConfig
 from cluster.metrics import IngressMetrics
 from cluster.protocol import (
+    CHARS_PER_TOKEN_BOUND,
     DEFAULT_COMPLETION_MAX_TOKENS,
     REPLICA_HEADER,
     TARGET_REPLICA_HEADER,
@@ -58,6 +69,7 @@ from cluster.protocol import (
     chat_messages,
     messages_up_to,
     request_retention,
+    check_prompt_chars,
     check_token_ids,
     check_unsupported,
     chunk_body,
@@ -65,13 +77,15 @@ from cluster.protocol import (
     completion_prompt,
     error_body,
     now,
+    overloaded,
     parse_json_body,
     parse_request,
     sampling_params,
     sse,
 )
-from ray.exceptions import ActorDiedError, ActorUnavailableError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError,
+                                  RequestCancelledError)
 
 from common.errors import EngineDeadError, InvalidRequestError
 from common.page_keys import compute_page_keys
@@ -82,10 +96,16 @@ logger = logging.getLogger(__name__)
 BROADCAST_TIMEOUT_S = 30.0
 METRICS_TIMEOUT_S = 5.0
 
-UNAVAILABLE_ERRORS = (BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError,
-                      ActorUnavailableError, EngineDeadError)
+UNAVAILABLE_ERRORS = (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError, ActorUnavailableError,
+                      EngineDeadError)
 """Errors meaning "no replica can serve this now": 503, the client may retry (Ray re-raises a replica's own error as a
 subclass of it, so ``isinstance`` sees through the wrapping)."""
+REPLICA_LOST_ERRORS = (RayActorError, ReplicaUnavailableError, EngineDeadError)
+"""The replica serving a request went away (killed, crashed, stopping): before the first token the request is sent
+again, once; after it the stream ends with an error event."""
+RETRY_AFTER_S = 1
+DRAIN_FLUSH_S = 5.0
+"""After cutting the streams still running at the end of a drain: how long they get to send their last event."""
 
 api = FastAPI(title="prefixserve", description="OpenAI-compatible API with prefix caching")
 
@@ -102,17 +122,62 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 def api_error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+class ReplicaLost(Exception):
+    """The replica serving a request went away before the request produced its first output."""
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, read no further than ``max_bytes`` (APIError 413 beyond: Content-Length is trusted to refuse
+    early, and the bytes actually read are counted too)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(size, max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, max_bytes: int) -> APIError:
+    return APIError(f"the request body has more than {max_bytes} bytes ({size} seen); send a shorter prompt",
+                    status=413, code="request_too_large")
+
+
+def prompt_chars(request: Any, kind: Kind) -> tuple[int, str]:
+    """Characters of the prompt text (a token-id prompt counts its ids), and the field to name in an error."""
+    if kind == "completion":
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return len(prompt), "prompt"
+        return sum(len(item) for item in prompt if isinstance(item, (str, list))) or len(prompt), "prompt"
+    total = 0
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text", "")) for part in content if isinstance(part.get("text"), str))
+    return total, "messages"
 
 
 def replica_error(error: BaseException) -> APIError:
     """An exception raised by the replica call, as the APIError the client sees."""
+    if isinstance(error, BackPressureError):
+        return overloaded("every replica is full (queue limit reached); retry shortly", RETRY_AFTER_S)
     if isinstance(error, InvalidRequestError):
         message = getattr(error, "cause", None) or error
         return APIError(str(message).strip().splitlines()[-1] if str(message) else "invalid request")
     name = type(error).__name__
     if isinstance(error, UNAVAILABLE_ERRORS):
-        return APIError(f"no replica can take the request now ({name}); retry later", status=503, type="server_error")
+        return APIError(f"no replica can take the request now ({name}); retry later", status=503, type="server_error",
+                        retry_after_s=RETRY_AFTER_S)
     logger.exception("request failed in a replica", exc_info=error)
     return APIError(f"the request failed in a replica: {name}", status=500, type="server_error")
 
@@ -125,6 +190,15 @@ def load_tokenizer(files: dict[str, bytes]) -> Any:
         for name, data in files.items():
             (Path(folder) / Path(name).name).write_bytes(data)
         return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+def _bearer_matches(request: Request, keys: tuple[str, ...]) -> bool:
+    """Whether ``Authorization: Bearer <token>`` carries one of ``keys`` (constant-time comparisons)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    given = token.strip().encode()
+    return any(hmac.compare_digest(given, key.encode()) for key in keys)
 
 
 @serve.ingress(api)
@@ -141,8 +215,20 @@ class OpenAIIngress:
         self.metrics = IngressMetrics(model_name=self.served_model_name)
         # One thread: a fast tokenizer is not safe to call from several threads at once ("Already borrowed").
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._num_tokenizing = 0
         self._info: ReplicaInfo | None = None
         self._info_lock = asyncio.Lock()
+        # in flight: generation requests accepted and not yet answered in full; the replica streams among them
+        self._num_inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self._request_to_stream: dict[str, Any] = {}
+        self._request_to_cut: dict[str, str] = {}
+        """Requests whose replica stream this ingress cancelled, and why: "deadline" | "shutdown"."""
+        self._metrics_body = b""
+        self._metrics_at = -float("inf")
+        self._metrics_lock = asyncio.Lock()
 
     # ---- endpoints -------------------------------------------------------------------------------------------------
     @api.post("/v1/completions")
@@ -166,31 +252,30 @@ class OpenAIIngress:
 
     @api.get("/health")
     async def health(self) -> Response:
-        return Response(status_code=200)
+        """200 while requests are taken; 503 once draining, so load balancers stop sending here."""
+        return Response(status_code=503 if self._draining else 200)
 
     @api.get("/metrics")
-    async def metrics(self) -> Response:
-        replica_stats: list[EngineStats] = []
-        kv_sources: list[KVSourceStats] = []
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text, rendered at most once per ``metrics_cache_s`` (concurrent scrapers share one render)."""
         try:
-            results, sources = await asyncio.gather(
-                self.replicas.broadcast("stats").results_async(timeout_s=METRICS_TIMEOUT_S, return_exceptions=True),
-                self.replicas.broadcast("kv_source_stats").results_async(
-                    timeout_s=METRICS_TIMEOUT_S, return_exceptions=True
-                ),
-            )
-            replica_stats = [item for item in results if isinstance(item, EngineStats)]
-            kv_sources = [item for item in sources if isinstance(item, KVSourceStats)]
-        except Exception:  # noqa: BLE001 - the ingress's own metrics are still worth serving
-            logger.warning("could not read the replicas' stats for /metrics", exc_info=True)
-        return Response(self.metrics.render(replica_stats, kv_sources), media_type=CONTENT_TYPE_LATEST)
+            self._check_key(request, self.config.metrics_api_keys)
+        except APIError as error:
+            return api_error_response(error)
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._metrics_at >= self.config.metrics_cache_s:
+            async with self._metrics_lock:
+                if loop.time() - self._metrics_at >= self.config.metrics_cache_s:
+                    self._metrics_body = await self._render_metrics()
+                    self._metrics_at = loop.time()
+        return Response(self._metrics_body, media_type=CONTENT_TYPE_LATEST)
 
     @api.post("/reset_prefix_cache")
     async def reset_prefix_cache(self, request: Request) -> Response:
-        """Reset every replica's prefix cache. 200 with ``{"num_replicas", "all_reset"}``; ``all_reset`` is false when
-        some replica kept pages that running requests still use."""
+        """Admin: reset every replica's prefix cache. 200 with ``{"num_replicas", "all_reset"}``; ``all_reset`` is
+        false when some replica kept pages that running requests still use."""
         try:
-            self._check_api_key(request)
+            self._check_admin_key(request)
         except APIError as error:
             return api_error_response(error)
         try:
@@ -212,42 +297,143 @@ class OpenAIIngress:
     async def admin_unpin_prefix(self, request: Request) -> Response:
         return await admin_api.unpin_prefix(self, request)
 
+    @api.post("/admin/drain")
+    async def admin_drain(self, request: Request) -> Response:
+        """Admin: ``drain()`` over HTTP (``?timeout_s=``), for deployments not started by the CLI."""
+        try:
+            self._check_admin_key(request)
+            raw = request.query_params.get("timeout_s")
+            timeout_s = float(raw) if raw is not None else None
+            if timeout_s is not None and not 0 <= timeout_s <= 3600:
+                raise ValueError
+        except APIError as error:
+            return api_error_response(error)
+        except ValueError:
+            return api_error_response(APIError("timeout_s must be a number of seconds in [0, 3600]",
+                                               param="timeout_s"))
+        return JSONResponse(await self.drain(timeout_s))
+
+    async def drain(self, timeout_s: float | None = None) -> dict[str, int]:
+        """Stop taking requests (503, /health unready), wait up to ``timeout_s`` (default shutdown_timeout_s) for the
+        ones in flight, then end the rest with an SSE error event and [DONE]. Returns how many completed and how many
+        were cut; calling it again only waits again."""
+        self._draining = True
+        timeout_s = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
+        num_at_start = self._num_inflight
+        logger.info("draining: %d request(s) in flight, waiting up to %.0f s", num_at_start, timeout_s)
+        await self._wait_idle(timeout_s)
+        to_cut = list(self._request_to_stream)
+        for request_id in to_cut:
+            self._cut(request_id, "shutdown")
+        if to_cut:
+            await self._wait_idle(DRAIN_FLUSH_S)
+        num_cut = len(to_cut)
+        num_completed = max(0, num_at_start - num_cut)
+        self.metrics.drained.labels("completed").inc(num_completed)
+        self.metrics.drained.labels("aborted").inc(num_cut)
+        logger.info("drained: %d completed, %d ended early, %d still open", num_completed, num_cut,
+                    self._num_inflight)
+        return {"completed": num_completed, "aborted": num_cut, "still_open": self._num_inflight}
+
     # ---- generation ------------------------------------------------------------------------------------------------
     async def _serve_generation(self, http_request: Request, kind: Kind) -> Response:
+        if self._draining:
+            self.metrics.rejected.labels("shutting_down").inc()
+            return api_error_response(APIError("the server is shutting down; send the request to another instance",
+                                               status=503, type="server_error", code="shutting_down",
+                                               retry_after_s=RETRY_AFTER_S))
+        self._enter()
+        handed_to_stream = False
+        try:
+            response = await self._generation_response(http_request, kind)
+            handed_to_stream = isinstance(response, StreamingResponse)  # it leaves when its stream ends
+            return response
+        finally:
+            if not handed_to_stream:
+                self._leave()
+
+    async def _generation_response(self, http_request: Request, kind: Kind) -> Response:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.request_timeout_s
         try:
             self._check_api_key(http_request)
-            body = parse_json_body(await http_request.body())
+            target = self._target_replica(http_request)
+            body = parse_json_body(await read_body(http_request, self.config.max_request_body_bytes))
             request = parse_request(CompletionRequest if kind == "completion" else ChatCompletionRequest, body)
             check_unsupported(request)
             self._check_model(request.model)
             info = await self._replica_info()
+            num_chars, param = prompt_chars(request, kind)
+            check_prompt_chars(num_chars, max_chars=self._max_prompt_chars(info), param=param)
             started = time.perf_counter()
-            engine_request = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, self._engine_request, request, kind, info
-            )
-            target = http_request.headers.get(TARGET_REPLICA_HEADER)
+            engine_request = await self._tokenize(request, kind, info)
             if target:
                 engine_request = dataclasses.replace(engine_request, target_replica=target)
-            stream = self.replicas.options(stream=True).generate.remote(engine_request)
-            first = await self._first_output(stream)
         except APIError as error:
+            self.metrics.rejected.labels(error.reason).inc()
             return api_error_response(error)
-        self.metrics.observe_first_token(time.perf_counter() - started, first)
         request_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + engine_request.request_id
-        headers = {REPLICA_HEADER: first.replica_id}
-        if request.stream:
-            events = self._stream_events(kind, request_id, request.include_usage, first, stream)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        for attempt in range(2):
+            try:
+                return await self._generate(kind, request, request_id, engine_request, started, deadline)
+            except ReplicaLost as lost:
+                if attempt == 1:
+                    error = APIError(f"the replica serving the request was lost twice ({lost}); retry later",
+                                     status=503, type="server_error", code="replica_lost",
+                                     retry_after_s=RETRY_AFTER_S)
+                    self.metrics.aborted.labels("replica_lost").inc()
+                    return api_error_response(error)
+                self.metrics.retried.inc()
+                logger.warning("request %s: its replica was lost before the first token (%s); sending it again",
+                               request_id, lost)
+            except APIError as error:
+                self.metrics.rejected.labels(error.reason).inc()
+                return api_error_response(error)
+        raise AssertionError("unreachable")
+
+    async def _generate(self, kind: Kind, request: Any, request_id: str, engine_request: EngineRequest,
+                        started: float, deadline: float) -> Response:
+        """One attempt on one replica: ReplicaLost when it died before producing anything the client saw."""
+        key = engine_request.request_id
+        stream = self.replicas.options(stream=True).generate.remote(engine_request)
+        self._request_to_stream[key] = stream
+        timer = asyncio.get_running_loop().call_at(deadline, self._cut, key, "deadline")
+        handed_to_stream = False
         try:
-            return JSONResponse(await self._collect(kind, request_id, first, stream), headers=headers)
-        except APIError as error:
-            return api_error_response(error)
+            first = await self._first_output(key, stream)
+            self.metrics.observe_first_token(time.perf_counter() - started, first)
+            headers = {REPLICA_HEADER: first.replica_id}
+            if request.stream:
+                events = self._stream_events(kind, request_id, request.include_usage, first, stream, key, timer)
+                handed_to_stream = True
+                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return JSONResponse(await self._collect(kind, request_id, first, stream, key), headers=headers)
+        finally:
+            if not handed_to_stream:
+                timer.cancel()
+                self._request_to_stream.pop(key, None)
+                self._request_to_cut.pop(key, None)
+
+    async def _tokenize(self, request: Any, kind: Kind, info: ReplicaInfo) -> EngineRequest:
+        """``_engine_request`` on the tokenizer thread; 429 when too many requests already wait for it."""
+        if self._num_tokenizing >= self.config.max_pending_tokenizations:
+            raise overloaded("too many requests are waiting to be tokenized; retry shortly", RETRY_AFTER_S)
+        self._num_tokenizing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, self._engine_request, request, kind, info
+            )
+        finally:
+            self._num_tokenizing -= 1
 
     def _engine_request(self, request: Any, kind: Kind, info: ReplicaInfo) -> EngineRequest:
         """Tokenize, build sampling params and page keys (CPU work: runs on the tokenizer thread)."""
         if kind == "completion":
             prompt = completion_prompt(request)
             if isinstance(prompt, list):
+                if len(prompt) >= info.max_model_len:
+                    raise APIError(f"the prompt has {len(prompt)} tokens; this model serves at most "
+                                   f"{info.max_model_len} tokens (prompt + output)", param="prompt")
                 check_token_ids(prompt, info.vocab_size)
                 token_ids = prompt
             else:
@@ -301,15 +487,21 @@ class OpenAIIngress:
             raise APIError(f"the chat template could not render the messages: {error}", param="messages") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    async def _first_output(self, stream: Any) -> RequestOutput:
+    async def _first_output(self, key: str, stream: Any) -> RequestOutput:
         try:
             return await stream.__anext__()
         except StopAsyncIteration:
             raise APIError("the replica ended the request without output", status=500, type="server_error") from None
+        except RequestCancelledError:
+            raise self._cut_error(key) from None
+        except REPLICA_LOST_ERRORS as error:
+            raise ReplicaLost(type(error).__name__) from None
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP status
             raise replica_error(error) from None
 
-    async def _collect(self, kind: Kind, request_id: str, first: RequestOutput, stream: Any) -> dict[str, Any]:
+    async def _collect(self, kind: Kind, request_id: str, first: RequestOutput, stream: Any,
+                       key: str) -> dict[str, Any]:
+        """The whole response of a non-streamed request (nothing was sent yet, so a lost replica means a retry)."""
         texts = [first.new_text]
         output = first
         try:
@@ -318,6 +510,11 @@ class OpenAIIngress:
                 texts.append(output.new_text)
         except StopAsyncIteration:
             raise APIError("the replica ended the request early", status=500, type="server_error") from None
+        except RequestCancelledError:
+            self.metrics.aborted.labels(self._request_to_cut.get(key, "cancelled")).inc()
+            raise self._cut_error(key) from None
+        except REPLICA_LOST_ERRORS as error:
+            raise ReplicaLost(type(error).__name__) from None
         except Exception as error:  # noqa: BLE001 - mapped to an HTTP status
             raise replica_error(error) from None
         self.metrics.observe_finished(output)
@@ -325,39 +522,118 @@ class OpenAIIngress:
                                Usage.of(output), output.replica_id, now())
 
     async def _stream_events(self, kind: Kind, request_id: str, include_usage: bool, first: RequestOutput,
-                             stream: Any) -> AsyncIterator[str]:
+                             stream: Any, key: str, timer: asyncio.TimerHandle) -> AsyncIterator[str]:
         """SSE: chunks of text, the finish reason, optionally a usage chunk, then ``data: [DONE]``.
 
-        A failure mid-stream is sent as one error event before [DONE]; a client that goes away cancels the call."""
+        A failure mid-stream (replica lost, deadline, shutdown) is sent as one error event before [DONE]; a client that
+        goes away cancels the call."""
         created = now()
         model = self.served_model_name
         replica_id = first.replica_id
         output = first
+        num_tokens = 0
+        completed = False
         try:
-            if kind == "chat":
-                yield sse(chunk_body(kind, request_id, model, created, replica_id, role=True,
-                                     include_usage=include_usage))
-            while True:
-                if output.new_text or output.finished:
-                    yield sse(chunk_body(kind, request_id, model, created, replica_id, text=output.new_text,
-                                         finish_reason=output.finish_reason if output.finished else None,
+            try:
+                if kind == "chat":
+                    yield sse(chunk_body(kind, request_id, model, created, replica_id, role=True,
                                          include_usage=include_usage))
-                if output.finished:
-                    break
-                output = await stream.__anext__()
-            self.metrics.observe_finished(output)
-            if include_usage:
-                yield sse(chunk_body(kind, request_id, model, created, replica_id, usage=Usage.of(output)))
-        except StopAsyncIteration:
-            yield sse(error_body("the replica ended the request early", type="server_error"))
-        except Exception as error:  # noqa: BLE001 - reported in the stream
-            yield sse(replica_error(error).body())
+                while True:
+                    num_tokens += len(output.new_token_ids)
+                    if output.new_text or output.finished:
+                        yield sse(chunk_body(kind, request_id, model, created, replica_id, text=output.new_text,
+                                             finish_reason=output.finish_reason if output.finished else None,
+                                             include_usage=include_usage))
+                    if output.finished:
+                        break
+                    output = await stream.__anext__()
+                self.metrics.observe_finished(output)
+                if include_usage:
+                    yield sse(chunk_body(kind, request_id, model, created, replica_id, usage=Usage.of(output)))
+                completed = True
+            except StopAsyncIteration:
+                self.metrics.aborted.labels("replica_ended").inc()
+                yield sse(error_body("the replica ended the request early", type="server_error"))
+            except RequestCancelledError:
+                reason = self._request_to_cut.get(key, "cancelled")
+                self.metrics.aborted.labels(reason).inc()
+                yield sse(self._cut_error(key, num_tokens).body())
+            except REPLICA_LOST_ERRORS as error:
+                self.metrics.aborted.labels("replica_lost").inc()
+                yield sse(error_body(f"the replica serving this request was lost ({type(error).__name__}) after "
+                                     f"{num_tokens} tokens were sent; send the request again", type="server_error",
+                                     code="replica_lost"))
+            except Exception as error:  # noqa: BLE001 - reported in the stream
+                self.metrics.aborted.labels("error").inc()
+                yield sse(replica_error(error).body())
+            yield SSE_DONE
+        except (asyncio.CancelledError, GeneratorExit):
+            if not completed:
+                self.metrics.aborted.labels("client_gone").inc()
+            raise
         finally:
+            timer.cancel()
             if not output.finished:
                 stream.cancel()
-        yield SSE_DONE
+            self._request_to_stream.pop(key, None)
+            self._request_to_cut.pop(key, None)
+            self._leave()
+
+    # ---- in flight, deadlines, drain -------------------------------------------------------------------------------
+    def _enter(self) -> None:
+        self._num_inflight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._num_inflight -= 1
+        if self._num_inflight <= 0:
+            self._num_inflight = 0
+            self._idle.set()
+
+    async def _wait_idle(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def _cut(self, key: str, reason: str) -> None:
+        """End a request's replica stream early; its reader then reports ``reason`` to the client."""
+        stream = self._request_to_stream.get(key)
+        if stream is not None and key not in self._request_to_cut:
+            self._request_to_cut[key] = reason
+            stream.cancel()
+
+    def _cut_error(self, key: str, num_tokens: int | None = None) -> APIError:
+        reason = self._request_to_cut.get(key)
+        sent = f" after {num_tokens} tokens" if num_tokens is not None else ""
+        if reason == "shutdown":
+            return APIError(f"the server is shutting down; the request was ended{sent}", status=503,
+                            type="server_error", code="shutting_down", retry_after_s=RETRY_AFTER_S)
+        if reason == "deadline":
+            return APIError(f"the request ran past its deadline of {self.config.request_timeout_s:g} s{sent}",
+                            status=504, type="timeout_error", code="timeout")
+        return APIError(f"the request was cancelled{sent}", status=500, type="server_error")
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
+    def _max_prompt_chars(self, info: ReplicaInfo) -> int:
+        return self.config.max_prompt_chars or info.max_model_len * CHARS_PER_TOKEN_BOUND
+
+    async def _render_metrics(self) -> bytes:
+        replica_stats: list[EngineStats] = []
+        kv_sources: list[KVSourceStats] = []
+        try:
+            results, sources = await asyncio.gather(
+                self.replicas.broadcast("stats").results_async(timeout_s=METRICS_TIMEOUT_S, return_exceptions=True),
+                self.replicas.broadcast("kv_source_stats").results_async(
+                    timeout_s=METRICS_TIMEOUT_S, return_exceptions=True
+                ),
+            )
+            replica_stats = [item for item in results if isinstance(item, EngineStats)]
+            kv_sources = [item for item in sources if isinstance(item, KVSourceStats)]
+        except Exception:  # noqa: BLE001 - the ingress's own metrics are still worth serving
+            logger.warning("could not read the replicas' stats for /metrics", exc_info=True)
+        return self.metrics.render(replica_stats, kv_sources)
+
     async def _replica_info(self) -> ReplicaInfo:
         """The replicas' model fingerprint, max_model_len and page size, asked once."""
         if self._info is None:
@@ -367,19 +643,36 @@ class OpenAIIngress:
                         info = await self.replicas.info.remote()
                     except Exception as error:  # noqa: BLE001 - no replica answered
                         raise APIError(f"no replica is ready yet ({type(error).__name__}); retry shortly",
-                                       status=503, type="server_error") from None
+                                       status=503, type="server_error", retry_after_s=RETRY_AFTER_S) from None
                     self.tokenizer = await asyncio.get_running_loop().run_in_executor(
                         self._tokenize_pool, load_tokenizer, info.tokenizer_files)
                     self._info = info
         return self._info
 
     def _check_api_key(self, request: Request) -> None:
-        expected = self.config.api_key
-        if expected is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        """/v1/*: open without --api-key; else the client key, or the admin key (which can do everything)."""
+        if self.config.api_key:
+            self._check_key(request, tuple(key for key in (self.config.api_key, self.config.admin_api_key) if key))
+
+    def _check_admin_key(self, request: Request) -> None:
+        admin = self.config.effective_admin_api_key
+        self._check_key(request, (admin,) if admin else ())
+
+    def _target_replica(self, request: Request) -> str | None:
+        """The pin header's replica; only the admin key may pin (403 otherwise, when an admin key is configured)."""
+        target = request.headers.get(TARGET_REPLICA_HEADER)
+        if not target:
+            return None
+        admin = self.config.effective_admin_api_key
+        if admin and not _bearer_matches(request, (admin,)):
+            raise APIError(f"the {TARGET_REPLICA_HEADER} header needs the admin key", status=403,
+                           type="permission_error", code="forbidden")
+        return target.strip()[:128]
+
+    @staticmethod
+    def _check_key(request: Request, keys: tuple[str, ...]) -> None:
+        """401 unless ``keys`` is empty (open) or the bearer token is one of them."""
+        if keys and not _bearer_matches(request, keys):
             raise APIError("missing or wrong API key; send 'Authorization: Bearer <key>'", status=401,
                            code="invalid_api_key")
 
@@ -387,3 +680,4 @@ class OpenAIIngress:
         if model is not None and model != self.served_model_name:
             raise APIError(f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
                            status=404, type="not_found_error", param="model", code="model_not_found")
+

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -36,6 +36,13 @@ TARGET_REPLICA_HEADER = "x-prefixserve-target-replica"
 """Request header pinning a request to one replica (its id from REPLICA_HEADER): for operators and tests."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions; chat defaults to the rest of the context."""
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of arrays / objects a request body may have (OpenAI bodies need about 5)."""
+CHARS_PER_TOKEN_BOUND = 16
+"""A prompt longer than max_model_len * this many characters is refused before tokenizing: no tokenizer seen packs
+more characters than this into one token on ordinary text, so such a prompt could never fit the context anyway."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
 
 
 class APIError(Exception):
@@ -49,6 +56,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -56,9 +64,29 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
+        """Seconds for the ``Retry-After`` header (429 / 503), or None."""
+
+    @property
+    def reason(self) -> str:
+        """A short label for the rejection metric: the code when there is one, else the status's name."""
+        return self.code or _STATUS_REASONS.get(self.status, str(self.status))
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+_STATUS_REASONS = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                   413: "request_too_large", 429: "overloaded", 500: "server_error", 503: "unavailable",
+                   504: "timeout"}
+
+
+def overloaded(message: str, retry_after_s: int = 1) -> APIError:
+    """429 in OpenAI's shape, with ``Retry-After``: the server is full now; the same request may succeed later."""
+    return APIError(message, status=429, type="rate_limit_error", code="overloaded", retry_after_s=retry_after_s)
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
@@ -78,13 +106,14 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    max_tokens: int | None = Field(None, le=INT32_MAX)
+    temperature: float | None = Field(None, allow_inf_nan=False)
+    top_p: float | None = Field(None, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    """A 64-bit integer, as torch's generators take (2**70 is a 400, not a 500)."""
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(le=INT32_MAX)]] | None = Field(None, max_length=1024)
     ignore_eos: bool = False
     n: int = 1
     stream: bool = False
@@ -117,18 +146,57 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, le=INT32_MAX)
 
 
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object in ``raw``; APIError(400) for malformed JSON or a non-object."""
+def parse_json_body(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """The JSON object in ``raw``; APIError(400) for malformed JSON, a non-object, nesting deeper than ``max_depth``
+    or a string that is not valid Unicode (a lone surrogate such as ``"\\ud800"``)."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise APIError(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise APIError(f"the request body nests arrays / objects too deeply (at most {max_depth} levels)") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
+    check_json_value(body, max_depth=max_depth)
     return body
+
+
+def check_json_value(value: Any, *, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """APIError(400) unless ``value`` nests at most ``max_depth`` levels and every string (keys too) encodes as UTF-8.
+
+    Iterative (no recursion on hostile input); each string is encoded once, in C."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            _check_text(item)
+        elif isinstance(item, (dict, list)):
+            if depth > max_depth:
+                raise APIError(f"the request body nests arrays / objects too deeply (at most {max_depth} levels)")
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    _check_text(key)
+                    stack.append((child, depth + 1))
+            else:
+                stack.extend((child, depth + 1) for child in item)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise APIError(f"the request contains text that is not valid Unicode ({error.reason} at position "
+                       f"{error.start}); send UTF-8 text without lone surrogates") from None
+
+
+def check_prompt_chars(num_chars: int, *, max_chars: int, param: str) -> None:
+    """APIError(400) when a prompt has more characters than ``max_chars`` (checked before tokenizing)."""
+    if num_chars > max_chars:
+        raise APIError(f"the prompt has {num_chars} characters; at most {max_chars} are accepted (it could not fit "
+                       "the model's context), so shorten the prompt", param=param)
 
 
 def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.ray
 
 TARGET = "x-prefixserve-target-replica"
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+"""/metrics needs the key when the app has one."""
+
 
 def complete(client, prompt, target=None):
     headers = {TARGET: target} if target else None
@@ -47,7 +50,7 @@ def wait_for_tier_writes(metrics_url: str, tier: str, num_pages: int, timeout_s:
     take a while; a fixed sleep made the tier tests depend on the machine's speed)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stored = metric_values(httpx.get(metrics_url).text, "prefixserve_kv_tier_pages_stored_total")
+        stored = metric_values(httpx.get(metrics_url, headers=AUTH).text, "prefixserve_kv_tier_pages_stored_total")
         num_stored = sum(value for labels, value in stored.items() if f'tier="{tier}"' in labels)
         if num_stored >= num_pages:
             return
@@ -100,7 +103,7 @@ def serve_from_other_replica(http_base, config, name, source):
         assert by_source == {**{"local": 0, "peer": 0, "host": 0, "disk": 0}, source: cached}
         assert remote.choices[0].text == local.choices[0].text
         assert cached_of(local.usage)[1]["local"] == cached
-        metrics = httpx.get(f"{http_base}/{name}/metrics").text
+        metrics = httpx.get(f"{http_base}/{name}/metrics", headers=AUTH).text
         return remote, local, cached, metrics
     finally:
         serve.delete(name)

@@ -1,0 +1,127 @@
+"""SIGTERM drain of a real ``prefixserve serve`` process (issue 10): in-flight requests complete, new ones are refused
+with 503, a stream still running at --shutdown-timeout ends with an error event and [DONE], the process exits 0 and
+leaves none of the processes it started (its local Ray) running.
+
+Its own local Ray (the CLI starts one), so it is marked slow: 90 s on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import find_free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 300
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> start time of every live descendant of ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: dict[int, str] = {}
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            started = start_time(child)
+            if started is not None:
+                found[child] = started
+                stack.append(child)
+    return found
+
+
+def start_time(pid: int) -> str | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def stream(base: str, max_tokens: int, out: dict) -> None:
+    body = {"model": "tiny", "prompt": "def drained():", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+        out["status"] = response.status_code
+        out["lines"] = [line for line in response.iter_lines() if line]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+def test_sigterm_drains_then_exits_leaving_nothing_running(tiny_llama_dir, tmp_path):
+    port = find_free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    log = open(tmp_path / "serve.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cluster", "serve", "--model", tiny_llama_dir, "--devices", "cpu", "--dtype", "float32",
+         "--enforce-eager", "--port", str(port), "--served-model-name", "tiny", "--no-enable-disk-cache",
+         "--kv-cache-memory", "16MiB", "--shutdown-timeout", "4", "--max-model-len", "2048"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "prefixserve: serving" not in (tmp_path / "serve.log").read_text():
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "prefixserve serve did not start"
+            time.sleep(1)
+        assert httpx.get(f"{base}/health").status_code == 200
+        started = descendants(process.pid)
+        assert len(started) >= 3  # gcs_server, raylet, workers ...
+
+        short, long = {}, {}
+        threads = [threading.Thread(target=stream, args=(base, 48, short)),
+                   threading.Thread(target=stream, args=(base, 2000 - 8, long))]
+        for thread in threads:
+            thread.start()
+        while "status" not in short or "status" not in long:  # both have their first token
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        refused = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert refused.headers["retry-after"] == "1"
+        assert httpx.get(f"{base}/health").status_code == 503
+        for thread in threads:
+            thread.join(60)
+
+        # the short stream finished normally; the long one was ended at the timeout with an error event
+        assert short["status"] == 200 and short["lines"][-1] == "data: [DONE]"
+        assert json.loads(short["lines"][-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert long["status"] == 200 and long["lines"][-1] == "data: [DONE]"
+        error = json.loads(long["lines"][-2][6:])["error"]
+        assert error["code"] == "shutting_down" and "ended after" in error["message"]
+
+        assert process.wait(timeout=120) == 0
+        output = (tmp_path / "serve.log").read_text()
+        # the short one may already be done when the drain call arrives: it is counted completed only if in flight
+        assert re.search(r"prefixserve: drained: [01] request\(s\) completed, 1 ended at the timeout", output)
+        deadline = time.monotonic() + 30
+        while True:  # everything it started is gone (start times guard against reused pids)
+            left = {pid: t for pid, t in started.items() if start_time(pid) == t}
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in left}
+    finally:
+        if process.poll() is None:
+            process.kill()
+        log.close()

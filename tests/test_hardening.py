@@ -1,0 +1,272 @@
+"""Hostile input, admission settings, fail-fast checks and the orphan reaper, without Ray (issue 10).
+
+The HTTP-level and fault tests with real Ray Serve are in tests/test_e2e_faults.py; the SIGTERM drain of a real
+``prefixserve serve`` process is in tests/test_cli_drain.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ServeConfig
+from cluster.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_prompt_chars,
+    overloaded,
+    parse_json_body,
+    parse_request,
+)
+
+
+def parse(raw: bytes, model=CompletionRequest):
+    return parse_request(model, parse_json_body(raw))
+
+
+# ---- the three inputs that gave 500 -----------------------------------------------------------------------------------
+def test_seed_out_of_64_bit_range_is_400_naming_seed():
+    with pytest.raises(APIError) as error:
+        parse(json.dumps({"prompt": "x", "seed": 2**70}).encode())
+    assert (error.value.status, error.value.param) == (400, "seed")
+    assert parse(json.dumps({"prompt": "x", "seed": 2**63 - 1}).encode()).seed == 2**63 - 1
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "a\\ud800b"}', b'{"prompt": "ok", "user": "\\udfff"}',
+                                 b'{"messages": [{"role": "user", "content": "x\\ud83d"}]}',
+                                 b'{"prompt": "x", "\\ud800": 1}'])
+def test_lone_surrogates_anywhere_are_400(raw):
+    with pytest.raises(APIError, match="not valid Unicode") as error:
+        parse_json_body(raw)
+    assert error.value.status == 400
+
+
+def test_a_valid_surrogate_pair_is_fine():
+    assert parse(b'{"prompt": "smile \\ud83d\\ude00"}').prompt == "smile \U0001F600"
+
+
+@pytest.mark.parametrize("depth", [33, 10_000, 100_000])
+def test_deep_nesting_is_400(depth):
+    raw = b'{"prompt": "x", "extra": ' + b"[" * depth + b"]" * depth + b"}"
+    with pytest.raises(APIError, match="too deeply") as error:
+        parse_json_body(raw)
+    assert error.value.status == 400
+
+
+def test_nesting_within_the_limit_is_accepted():
+    raw = b'{"prompt": "x", "extra": ' + b"[" * 30 + b"]" * 30 + b"}"
+    assert parse_json_body(raw)["prompt"] == "x"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"max_tokens": 2**40}, "max_tokens"), ({"top_k": 2**40}, "top_k"), ({"top_k": -5}, "top_k"),
+     ({"stop_token_ids": [2**40]}, "stop_token_ids"), ({"temperature": 1e400}, "temperature"),
+     ({"top_p": float("nan")}, "top_p"), ({"seed": -(2**64)}, "seed")],
+)
+def test_numeric_fields_are_range_checked(body, param):
+    raw = json.dumps({"prompt": "x", **body}).encode()  # json writes 1e400 as Infinity, nan as NaN
+    with pytest.raises(APIError) as error:
+        parse(raw)
+    assert (error.value.status, error.value.param) == (400, param)
+
+
+def test_chat_max_completion_tokens_is_range_checked():
+    raw = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2**40}).encode()
+    with pytest.raises(APIError) as error:
+        parse(raw, ChatCompletionRequest)
+    assert error.value.param == "max_completion_tokens"
+
+
+def test_prompt_characters_are_checked_before_tokenizing():
+    check_prompt_chars(100, max_chars=100, param="prompt")
+    with pytest.raises(APIError, match="101 characters") as error:
+        check_prompt_chars(101, max_chars=100, param="messages")
+    assert (error.value.status, error.value.param) == (400, "messages")
+
+
+def test_prompt_chars_counts_the_text_of_each_kind():
+    from cluster.openai_api import prompt_chars
+
+    assert prompt_chars(parse(b'{"prompt": "abcd"}'), "completion") == (4, "prompt")
+    assert prompt_chars(parse(b'{"prompt": [1, 2, 3]}'), "completion") == (3, "prompt")
+    chat = parse(b'{"messages": [{"role": "system", "content": "ab"}, {"role": "user", "content": '
+                 b'[{"type": "text", "text": "cde"}]}]}', ChatCompletionRequest)
+    assert prompt_chars(chat, "chat") == (5, "messages")
+
+
+def test_overloaded_is_openai_shaped_429_with_retry_after():
+    error = overloaded("full", 2)
+    assert (error.status, error.reason, error.headers()) == (429, "overloaded", {"Retry-After": "2"})
+    assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+    assert APIError("bad").reason == "invalid_request"
+    assert APIError("big", status=413, code="request_too_large").reason == "request_too_large"
+
+
+# ---- configuration: admission, keys, fail-fast ------------------------------------------------------------------------
+def config(**overrides) -> ServeConfig:
+    return ServeConfig(**{"model": "m", "devices": "cpu", **overrides})
+
+
+def test_admission_bounds_each_replica_and_the_ingress_queue():
+    from cluster.app import replica_admission
+
+    assert replica_admission(config(max_num_seqs=8, max_queued_requests=4, data_parallel_degree=3)) == {
+        "max_ongoing_requests": 12, "max_queued_requests": 12}
+    assert replica_admission(config(max_num_seqs=8, max_queued_requests=0))["max_queued_requests"] == 1
+
+
+def test_keys_for_metrics_and_admin():
+    assert config().metrics_api_keys == () and config().effective_admin_api_key is None
+    assert config(api_key="a").metrics_api_keys == ("a",) and config(api_key="a").effective_admin_api_key == "a"
+    both = config(api_key="a", metrics_api_key="m", admin_api_key="z")
+    assert both.metrics_api_keys == ("m", "a", "z") and both.effective_admin_api_key == "z"
+    assert both.as_dict()["admin_api_key"] == "***" and both.as_dict()["metrics_api_key"] == "***"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"max_request_body_bytes": "1KB"}, "--max-request-body-bytes"), ({"max_prompt_chars": 0}, "--max-prompt-chars"),
+     ({"max_queued_requests": -1}, "--max-queued-requests"), ({"shutdown_timeout_s": 0}, "--shutdown-timeout"),
+     ({"request_timeout_s": -1}, "--request-timeout"), ({"admin_api_key": " "}, "--admin-api-key"),
+     ({"require_redis": True}, "--require-redis needs --redis-url")],
+)
+def test_limit_settings_are_validated(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        config(**overrides)
+
+
+def test_more_replicas_than_cpus_fails_with_the_remedy():
+    from cluster.cli import check_cluster_resources
+
+    problem = check_cluster_resources(config(data_parallel_degree=4, num_cpus_per_replica=1.0), {"CPU": 2.0})
+    assert problem.startswith("--data-parallel-degree 4 x --num-cpus-per-replica 1 needs 4 CPUs but only 2")
+    assert "--num-cpus-per-replica (e.g. 0.5)" in problem
+    assert check_cluster_resources(config(data_parallel_degree=4, num_cpus_per_replica=0.5), {"CPU": 2.0}) is None
+    assert check_cluster_resources(config(data_parallel_degree=4, num_cpus_per_replica=1.0), {"CPU": 2.0},
+                                   local=False) is None
+
+
+def test_kv_budget_below_two_pages_fails_with_the_size_needed(tiny_llama_dir):
+    from cluster.cli import check_kv_budget
+
+    # tiny Llama: 2 layers x 2 (K, V) x 128 tokens x 2 KV heads x 16 dims x 4 bytes = 65536 bytes per page
+    problem = check_kv_budget(config(model=tiny_llama_dir, kv_cache_memory="100KiB", dtype="float32"),
+                              Path(tiny_llama_dir))
+    assert problem == ("--kv-cache-memory 102400 bytes holds 1 KV page(s) of this model (65536 bytes each at page "
+                       "size 128); one request needs at least 2: raise --kv-cache-memory to 131072 bytes or more")
+    assert check_kv_budget(config(model=tiny_llama_dir, kv_cache_memory="128KiB", dtype="float32"),
+                           Path(tiny_llama_dir)) is None
+
+
+def test_unreachable_redis_warns_and_turns_the_tier_off_or_fails_when_required():
+    from cluster.cli import check_redis
+    from tests.conftest import find_free_port
+
+    url = f"redis://:hunter2@127.0.0.1:{find_free_port()}/0"
+    checked, problem = check_redis(config(redis_url=url))
+    assert problem is None and checked.redis_url is None
+    checked, problem = check_redis(config(redis_url=url, require_redis=True))
+    assert checked.redis_url == url and "does not answer" in problem and "hunter2" not in problem
+
+
+def test_start_up_failure_reports_the_replicas_cause():
+    from cluster.cli import cause_of
+
+    wrapped = RuntimeError(
+        "Deploying application prefixserve failed: ...\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+        "ray.exceptions.RayTaskError(ValueError): ray::ServeReplica.initialize_and_get_metadata()\n"
+        "ValueError: the KV budget of 1048576 bytes holds 0 page(s); raise --kv-cache-memory\n"
+        "RuntimeError: replica failed to start")
+    assert cause_of(wrapped) == "ValueError: the KV budget of 1048576 bytes holds 0 page(s); raise --kv-cache-memory"
+    assert cause_of(RuntimeError("plain")) == "plain"
+
+
+def test_loopback_host_makes_the_local_ray_listen_on_loopback(monkeypatch):
+    from cluster import cli
+
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    assert cli.local_ray_options(config(host="0.0.0.0")) == {}
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ
+    assert cli.local_ray_options(config(host="127.0.0.1", ray_address="auto")) == {}
+    assert cli.local_ray_options(config(host="127.0.0.1")) == {"_node_ip_address": "127.0.0.1",
+                                                               "dashboard_host": "127.0.0.1"}
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+
+
+# ---- the reaper: children die with a SIGKILLed parent ------------------------------------------------------------------
+PARENT = r"""
+import subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+from cluster.reaper import start_reaper
+# a daemon that starts its own child (like the raylet and its agents), then the reaper watching the daemon
+daemon = subprocess.Popen([sys.executable, "-c",
+    "import subprocess, sys, time; c = subprocess.Popen(['sleep', '600']); print(c.pid, flush=True); time.sleep(600)"],
+    stdout=subprocess.PIPE)
+grandchild = int(daemon.stdout.readline())
+reaper = start_reaper([daemon.pid])
+print(daemon.pid, grandchild, reaper.process.pid, flush=True)
+if sys.argv[2] == "clean":
+    time.sleep(1.5)
+    reaper.dismiss()
+    print("dismissed", flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pids, timeout_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [pid for pid in pids if _alive(pid)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [pid for pid in pids if _alive(pid)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the reaper needs /proc")
+def test_sigkill_of_the_parent_kills_the_watched_tree():
+    root = str(Path(__file__).resolve().parent.parent)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, root, "kill"], stdout=subprocess.PIPE, text=True)
+    daemon, grandchild, reaper = (int(x) for x in parent.stdout.readline().split())
+    time.sleep(1.2)  # at least one of the reaper's walks of the tree
+    assert all(_alive(pid) for pid in (daemon, grandchild, reaper))
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    assert _wait_gone([daemon, grandchild, reaper]) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the reaper needs /proc")
+def test_a_dismissed_reaper_kills_nothing():
+    root = str(Path(__file__).resolve().parent.parent)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, root, "clean"], stdout=subprocess.PIPE, text=True)
+    daemon, grandchild, reaper = (int(x) for x in parent.stdout.readline().split())
+    try:
+        assert parent.stdout.readline().strip() == "dismissed"
+        assert _wait_gone([reaper]) == []
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        time.sleep(0.5)
+        assert _alive(daemon) and _alive(grandchild)
+    finally:
+        for pid in (grandchild, daemon):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
