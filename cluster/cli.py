@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import NoReturn, Sequence
 
-from cluster.config import DTYPES, LOG_LEVELS, ServeConfig, parse_memory_size
+from cluster.config import DTYPES, LOG_LEVELS, ServeConfig, parse_memory_size, redact_url
 from replica.config import field_default
 
 APP_NAME = "prefixserve"
@@ -359,13 +359,6 @@ def check_redis(config: ServeConfig) -> tuple[ServeConfig, str | None]:
     print(f"prefixserve: warning: --redis-url {redact_url(config.redis_url)} does not answer ({cause}); serving "
           "without the host tier (pass --require-redis to make this an error)", file=sys.stderr, flush=True)
     return dataclasses.replace(config, redis_url=None), None
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ***."""
-    import re
-
-    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 def cause_of(error: BaseException) -> str:
