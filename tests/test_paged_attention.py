@@ -60,6 +60,7 @@ CASES = {
     "prefill over scattered cached pages": [(24, 13, [9, 3, 4, 20, 21])],
     "two prefills and decodes": [(0, 10, [30, 31]), (16, 9, [11, 12, 13, 14]), (37, 1, [15, 16, 17, 18, 19]),
                                   (5, 1, [22])],
+    "fragmented pages": [(40, 1, [3, 9, 1, 30, 12, 7]), (43, 5, [33, 2, 35, 4, 37, 6])],
     "decodes sharing a prefix": [(35, 1, SHARED + [24]), (39, 1, SHARED + [25]), (33, 1, SHARED + [26]),
                                  (17, 1, [27, 28, 29])],
 }
