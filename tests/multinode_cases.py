@@ -1,7 +1,7 @@
-"""Several Ray nodes on one machine: prefixserve deployed with ``serve deploy deploy/serve.yaml`` onto a real
-multi-node Ray cluster (``ray.cluster_utils.Cluster``), one replica per worker node.
+"""Several Ray nodes on one machine: prefixserve deployed from deploy/serve.yaml the way ``serve deploy`` deploys it,
+onto a real multi-node Ray cluster (``ray.cluster_utils.Cluster``), one replica per worker node.
 
-    head (0 CPUs): GCS, dashboard (serve deploy's REST API), Serve controller, HTTP proxy on ``http_port``
+    head (0 CPUs): GCS, Serve controller, the HTTP proxy on ``http_port``
     node A (1 CPU) \\  one replica each (serve.yaml: num_cpus_per_replica 1); their HTTP proxies on
     node B (1 CPU) /   ``worker_http_port`` (RAY_SERVE_WORKER_PROXY_HTTP_PORT), so clients of ``http_port`` always
                        enter through the head and a dead worker node only takes its replica with it
@@ -14,6 +14,10 @@ does not match ``test_*.py``); to run it alone: ``python -m pytest tests/multino
 Ray's files go under a private RAY_TMPDIR: ``Cluster`` records its address in ``$RAY_TMPDIR/ray/ray_current_cluster``,
 which any other ``ray.init()`` on this machine would otherwise join.
 
+``serve deploy FILE`` sends the file to the dashboard, which validates it as a ``ServeDeploySchema``, starts Serve
+with its HTTP options and deploys its applications through the controller; ``serve_deploy`` below makes those same
+calls from the driver, without the dashboard (a dozen processes, ~1 GB of memory and seconds of CPU on this box).
+
 The cases run in file order and share the cluster and the deployed app (``ensure_deployed`` redeploys only when the
 settings differ). The node removal case removes node B for good; the replacement case adds node C.
 """
@@ -25,8 +29,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -76,7 +78,6 @@ def find_free_port() -> int:
 @dataclass
 class MultiNodeCluster:
     cluster: object  # ray.cluster_utils.Cluster
-    dashboard_url: str
     http_port: int
     worker_http_port: int
     workdir: Path
@@ -98,11 +99,11 @@ class MultiNodeCluster:
         """Kill the node's raylet and every process of it at once (a crash, not a drain)."""
         self.cluster.remove_node(self.name_to_node.pop(name), allow_graceful=False)
 
-    # ---- Serve's REST API on the dashboard (what `serve status` reads) ----
+    # ---- what `serve status` and the dashboard's /api/serve/applications/ show ----
     def serve_details(self) -> dict:
-        response = httpx.get(f"{self.dashboard_url}/api/serve/applications/", timeout=10)
-        response.raise_for_status()
-        return response.json()
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().get_serve_details()
 
     def replicas(self, deployment: str = REPLICA_DEPLOYMENT) -> dict[str, dict]:
         """Replica id -> Serve's details (state, node_id, ...) of ``deployment``'s replicas."""
@@ -123,7 +124,7 @@ class MultiNodeCluster:
 
 @pytest.fixture(scope="module")
 def mn():
-    """Head (0 CPUs, dashboard) + worker nodes "a" and "b" (1 CPU each); the driver connected to the head."""
+    """Head (0 CPUs) + worker nodes "a" and "b" (1 CPU each); the driver connected to the head."""
     workdir = Path(tempfile.mkdtemp(prefix="psmn-", dir="/tmp"))  # short: Ray's socket paths live under it
     os.environ["RAY_TMPDIR"] = str(workdir)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -137,12 +138,10 @@ def mn():
     from ray.cluster_utils import Cluster
 
     assert not ray.is_initialized(), "multinode_cases.py needs a process of its own (run by tests/test_multinode.py)"
-    dashboard_port = find_free_port()
     cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=0, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=True, dashboard_host="127.0.0.1",
-        dashboard_port=dashboard_port, _system_config=HEAD_SYSTEM_CONFIG))
-    state = MultiNodeCluster(cluster, f"http://127.0.0.1:{dashboard_port}", find_free_port(), worker_http_port,
-                             workdir)
+        num_cpus=0, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
+        _system_config=HEAD_SYSTEM_CONFIG))
+    state = MultiNodeCluster(cluster, find_free_port(), worker_http_port, workdir)
     state.node_id_to_name[cluster.head_node.node_id] = "head"
     for name in ("a", "b"):
         state.add_worker(name, wait=False)
@@ -179,22 +178,28 @@ def reference(model_dir):
     return generate
 
 
-# ---- deploying with `serve deploy` ----------------------------------------------------------------------------------
-def serve_cli() -> list[str]:
-    script = Path(sys.executable).with_name("serve")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "ray.serve.scripts"]
-
-
-def serve_yaml_with(mn: MultiNodeCluster, args: dict) -> Path:
-    """deploy/serve.yaml with ``args`` merged into the app's args and the HTTP port moved off 8000; written to a file."""
+# ---- deploying as `serve deploy` does ------------------------------------------------------------------------------
+def serve_yaml_with(mn: MultiNodeCluster, args: dict) -> dict:
+    """deploy/serve.yaml with ``args`` merged into the app's args and the HTTP proxies on 127.0.0.1:``http_port``."""
     raw = yaml.safe_load(SERVE_YAML.read_text())
     raw["http_options"] = {**raw["http_options"], "host": "127.0.0.1", "port": mn.http_port}
     (app,) = raw["applications"]
     assert app["name"] == APP
     app["args"] = {**app["args"], **args}
-    path = mn.workdir / "serve.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return raw
+
+
+def serve_deploy(config: dict) -> None:
+    """What ``serve deploy`` has the dashboard do with the file (ray/dashboard/modules/serve/serve_head.py,
+    ``put_all_applications``): validate it, start Serve with its proxy and HTTP options unless it runs, deploy."""
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(config)
+    client = serve_start(http_options=schema.http_options.model_dump(), proxy_location=schema.proxy_location,
+                         grpc_options=schema.grpc_options.model_dump(), global_logging_config=schema.logging_config,
+                         controller_options=schema.controller_options)
+    client.deploy_apps(schema)
 
 
 def wait_until(condition, timeout_s: float, what: str, period_s: float = 0.25):
@@ -217,18 +222,21 @@ def app_is_serving(mn: MultiNodeCluster, args: dict, num_replicas: int) -> bool:
 
 
 def ensure_deployed(mn: MultiNodeCluster, model_dir: str, **overrides) -> dict:
-    """``serve deploy`` deploy/serve.yaml (tiny model, ``overrides`` in its args) unless it is what runs; wait until both
+    """Deploy deploy/serve.yaml (tiny model, ``overrides`` in its args) unless it is what runs; wait until both
     replicas run and a request is served. Returns the app's args as deployed."""
+    from ray import serve
+
     shipped = yaml.safe_load(SERVE_YAML.read_text())["applications"][0]["args"]
     args = {**shipped, **APP_SETTINGS, "model": model_dir, **overrides}
     if mn.deployed_args == args:
         return args
-    path = serve_yaml_with(mn, {**APP_SETTINGS, "model": model_dir, **overrides})
-    result = subprocess.run([*serve_cli(), "deploy", str(path), "--address", mn.dashboard_url],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, f"serve deploy failed:\n{result.stdout}\n{result.stderr}"
+    if mn.deployed_args is not None:
+        # delete, then deploy: both new replicas start at once (a rolling update replaces them one after the other,
+        # as each node has room for one replica)
+        serve.delete(APP)
     mn.deployed_args = None
-    wait_until(lambda: app_is_serving(mn, args, shipped["data_parallel_degree"]), 180, "the app to run")
+    serve_deploy(serve_yaml_with(mn, {**APP_SETTINGS, "model": model_dir, **overrides}))
+    wait_until(lambda: app_is_serving(mn, args, shipped["data_parallel_degree"]), 300, "the app to run")
 
     def serves() -> bool:
         try:
@@ -321,9 +329,7 @@ def test_serve_yaml_deploys_one_replica_per_worker_node(mn, model_dir, reference
     ensure_deployed(mn, model_dir)
     node_to_replica = replicas_by_node(mn)
     assert set(node_to_replica) == {"a", "b"}
-    status = subprocess.run([*serve_cli(), "status", "--address", mn.dashboard_url], capture_output=True, text=True,
-                            timeout=60)
-    assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout + status.stderr
+    assert mn.serve_details()["proxy_location"] == "EveryNode"
     prompt = code_prompt("mn-yaml", num_functions=4)
     worker_proxy = f"http://127.0.0.1:{mn.worker_http_port}"
     wait_until(lambda: answers(f"{worker_proxy}/health"), 60, "a worker node's proxy")
