@@ -316,7 +316,7 @@ def reuse_across_nodes(mn: MultiNodeCluster, reference, tag: str, source: str) -
     assert local.choices[0].text == expected
 
 
-# ---- the cases --------------------------------------------------------------------------------------------------------
+# ---- the cases ------------------------------------------------------------------------------------------------------
 def test_copy_off_reuses_a_prefix_from_another_node_through_redis(mn, model_dir, reference, redis_server):
     ensure_deployed(mn, model_dir, enable_dp_cross_replica_prefix_copy=False, redis_url=redis_server)
     reuse_across_nodes(mn, reference, "mn-host", "host")
