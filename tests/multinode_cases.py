@@ -90,7 +90,10 @@ class MultiNodeCluster:
         return f"http://127.0.0.1:{self.http_port}"
 
     def add_worker(self, name: str, wait: bool = True):
-        node = self.cluster.add_node(wait=wait, num_cpus=1, object_store_memory=OBJECT_STORE_BYTES)
+        """A worker node with 1 CPU and a prefixserve cache folder of its own, as a separate machine has (so its
+        replicas make their own shared-tier key unless given the cluster's ``kv_tier_key_file``)."""
+        node = self.cluster.add_node(wait=wait, num_cpus=1, object_store_memory=OBJECT_STORE_BYTES,
+                                     env_vars={"PREFIXSERVE_CACHE_DIR": str(self.workdir / f"cache-{name}")})
         self.node_id_to_name[node.node_id] = name
         self.name_to_node[name] = node
         return node
@@ -297,9 +300,11 @@ def reuse_across_nodes(mn: MultiNodeCluster, reference, tag: str, source: str) -
     prefix = code_prompt(f"{tag}-shared")
     first, served_by = complete(client, prefix + "\n# first question\n", target=on_a)
     assert served_by == on_a and cached_of(first.usage)[0] == 0
-    num_pages = first.usage.prompt_tokens // PAGE_SIZE
-    assert num_pages >= 2
-    if source == "host":  # the replica writes pages to Redis in the background
+    if source == "host":
+        # the shared tiers take a page on its second use (ask again on node A: a local hit), in the background
+        again, _ = complete(client, prefix + "\n# first question\n", target=on_a)
+        num_pages = cached_of(again.usage)[1]["local"] // PAGE_SIZE
+        assert num_pages >= 2
         wait_until(lambda: tier_pages_stored(httpx.get(f"{mn.base_url}/metrics").text, "host") >= num_pages, 60,
                    "the pages to reach Redis")
     time.sleep(ROUTING_SETTLE_S)  # node A's KV events reach the router
@@ -318,7 +323,12 @@ def reuse_across_nodes(mn: MultiNodeCluster, reference, tag: str, source: str) -
 
 # ---- the cases ------------------------------------------------------------------------------------------------------
 def test_copy_off_reuses_a_prefix_from_another_node_through_redis(mn, model_dir, reference, redis_server):
-    ensure_deployed(mn, model_dir, enable_dp_cross_replica_prefix_copy=False, redis_url=redis_server)
+    """Nodes sharing one Redis must share the key that seals its pages: one key file, the same on every node."""
+    key_file = mn.workdir / "kv-tier.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    ensure_deployed(mn, model_dir, enable_dp_cross_replica_prefix_copy=False, redis_url=redis_server,
+                    kv_tier_key_file=str(key_file))
     reuse_across_nodes(mn, reference, "mn-host", "host")
     metrics = httpx.get(f"{mn.base_url}/metrics").text
     assert source_sum(metrics, "prefixserve_kv_fetch_pages_total", "peer") == 0
