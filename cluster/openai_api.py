@@ -40,6 +40,7 @@ import logging
 import tempfile
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -405,6 +406,8 @@ class OpenAIIngress:
             headers = {REPLICA_HEADER: first.replica_id}
             if request.stream:
                 events = self._stream_events(kind, request_id, request.include_usage, first, stream, key, timer)
+                # the stream's own finally cleans up; a client gone before it started leaves it never iterated
+                weakref.finalize(events, self._end_unstarted_stream, key, stream, timer)
                 handed_to_stream = True
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
             return JSONResponse(await self._collect(kind, request_id, first, stream, key), headers=headers)
@@ -578,6 +581,18 @@ class OpenAIIngress:
             self._request_to_stream.pop(key, None)
             self._request_to_cut.pop(key, None)
             self._leave()
+
+    def _end_unstarted_stream(self, key: str, stream: Any, timer: asyncio.TimerHandle) -> None:
+        """An SSE response dropped before its generator ran (the client went away first): what its finally would do.
+        A no-op when the generator ran (it removed ``key``)."""
+        if self._request_to_stream.get(key) is not stream:
+            return
+        timer.cancel()
+        stream.cancel()
+        self._request_to_stream.pop(key, None)
+        self._request_to_cut.pop(key, None)
+        self.metrics.aborted.labels("client_gone").inc()
+        self._leave()
 
     # ---- in flight, deadlines, drain -------------------------------------------------------------------------------
     def _enter(self) -> None:

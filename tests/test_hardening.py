@@ -270,3 +270,51 @@ def test_a_dismissed_reaper_kills_nothing():
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def test_a_stream_dropped_before_it_started_leaves_the_in_flight_count():
+    """A client gone before its SSE generator ran: the response is dropped un-iterated, and the ingress's weakref
+    finalizer does what the generator's finally would have (cancel, forget, leave) exactly once; a generator that ran
+    cleans up itself and the finalizer then does nothing."""
+    import asyncio
+    import types
+    import weakref
+
+    from cluster.openai_api import OpenAIIngress
+
+    ingress_class = getattr(OpenAIIngress, "func_or_class", OpenAIIngress)
+    left, cancelled, aborted = [], [], []
+    fake = types.SimpleNamespace(_request_to_stream={}, _request_to_cut={}, _leave=lambda: left.append(1),
+                                 metrics=types.SimpleNamespace(aborted=types.SimpleNamespace(
+                                     labels=lambda reason: types.SimpleNamespace(inc=lambda: aborted.append(reason)))))
+    end = ingress_class._end_unstarted_stream.__get__(fake)
+
+    class Stream:
+        def cancel(self):
+            cancelled.append(1)
+
+    async def events(key):
+        try:
+            yield "data"
+        finally:
+            fake._request_to_stream.pop(key, None)
+            fake._leave()
+
+    loop = asyncio.new_event_loop()
+    timer = loop.call_later(3600, lambda: None)
+    fake._request_to_stream["a"] = Stream()
+    gen = events("a")
+    weakref.finalize(gen, end, "a", fake._request_to_stream["a"], timer)
+    del gen  # never iterated: only the finalizer can clean up
+    assert (left, cancelled, aborted, fake._request_to_stream) == ([1], [1], ["client_gone"], {})
+    assert timer.cancelled()
+
+    left.clear(), cancelled.clear(), aborted.clear()
+    fake._request_to_stream["b"] = Stream()
+    gen = events("b")
+    weakref.finalize(gen, end, "b", fake._request_to_stream["b"], loop.call_later(3600, lambda: None))
+    assert loop.run_until_complete(gen.__anext__()) == "data"
+    loop.run_until_complete(gen.aclose())
+    del gen
+    assert (left, cancelled, aborted) == ([1], [], [])
+    loop.close()
