@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cluster.reaper import live_descendants, live_start_time  # noqa: E402 - after the path is set
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -46,33 +48,6 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
-def descendants(pid: int) -> dict[int, str]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found, stack = {}, [pid]
-    while stack:
-        for child in children.get(stack.pop(), ()):
-            started = start_time(child)
-            if started:
-                found[child] = started
-                stack.append(child)
-    return found
-
-
-def start_time(pid: int) -> str | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else fields[19]
 
 
 def rss_mib(pids) -> float:
@@ -94,14 +69,14 @@ def serve_pids() -> list[int]:
     raylets = [info.process.pid for info in ray_worker._global_node.all_processes.get("raylet", [])]
     pids = []
     for raylet in raylets:
-        for pid in descendants(raylet):
+        for pid in live_descendants(raylet):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
             if b"ServeReplica" in cmd or b"ServeController" in cmd or b"ProxyActor" in cmd:
                 pids.append(pid)
-    comm = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in pids if start_time(pid)}
+    comm = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in pids if live_start_time(pid)}
     return [pid for pid, name in comm.items() if name.startswith("ray::Serve") or name.startswith("ray::Proxy")]
 
 
@@ -297,7 +272,7 @@ def main(argv=None) -> int:
         ray.shutdown()
         redis.kill()
     time.sleep(5)
-    left = [pid for pid in ray_pids if start_time(pid)]
+    left = [pid for pid in ray_pids if live_start_time(pid)]
     result["left_running_after_shutdown"] = left
     shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps(result, indent=2))

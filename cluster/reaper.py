@@ -111,6 +111,37 @@ def process_start_time(pid: int) -> str | None:
     return raw.rsplit(b")", 1)[1].split()[19].decode()
 
 
+def live_start_time(pid: int) -> str | None:
+    """Like ``process_start_time``, but None for a zombie too (a process that exited and was not reaped yet)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def live_descendants(pid: int) -> dict[int, str]:
+    """pid -> start time of every live descendant of ``pid`` (from /proc); compare start times later to tell a
+    process still running from a reused pid."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: dict[int, str] = {}
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            started = live_start_time(child)
+            if started is not None:
+                found[child] = started
+                stack.append(child)
+    return found
+
+
 def start_reaper(pids: Iterable[int]) -> Reaper | None:
     """Watch ``pids`` (and their descendants at the time the CLI dies); None where /proc is missing."""
     if not Path("/proc/self/stat").exists():

@@ -21,40 +21,12 @@ import httpx
 import pytest
 
 from tests.conftest import find_free_port
+from cluster.reaper import live_descendants, live_start_time
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 300
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """pid -> start time of every live descendant of ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found: dict[int, str] = {}
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), ()):
-            started = start_time(child)
-            if started is not None:
-                found[child] = started
-                stack.append(child)
-    return found
-
-
-def start_time(pid: int) -> str | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else fields[19]
 
 
 def stream(base: str, max_tokens: int, out: dict) -> None:
@@ -84,7 +56,7 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tiny_llama_dir, tmp_p
             assert time.monotonic() < deadline, "prefixserve serve did not start"
             time.sleep(1)
         assert httpx.get(f"{base}/health").status_code == 200
-        started = descendants(process.pid)
+        started = live_descendants(process.pid)
         assert len(started) >= 3  # gcs_server, raylet, workers ...
 
         short, long = {}, {}
@@ -116,7 +88,7 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tiny_llama_dir, tmp_p
         assert re.search(r"prefixserve: drained: [01] request\(s\) completed, 1 ended at the timeout", output)
         deadline = time.monotonic() + 30
         while True:  # everything it started is gone (start times guard against reused pids)
-            left = {pid: t for pid, t in started.items() if start_time(pid) == t}
+            left = {pid: t for pid, t in started.items() if live_start_time(pid) == t}
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
