@@ -28,26 +28,13 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
 
-from bench.tiny_models import write_tiny_model
+from benchmarks.engine_ttft import make_model, tokens  # the same tiny Llama 512 x 8 and token streams
 from common.types import EngineRequest, Retention, SamplingParams
 from replica.config import EngineConfig
 from replica.engine import build_engine
 
 PAGE = 128
-
-
-def make_model(path: Path) -> Path:
-    if not (path / "config.json").exists():
-        write_tiny_model(path, arch="llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                         vocab_size=8192, seed=0)
-    return path
-
-
-def tokens(n: int, seed: int, vocab: int = 8192) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab - 100, (n,), generator=generator).tolist()
 
 
 def workload(args) -> list[tuple[str, list[int], int | None]]:
