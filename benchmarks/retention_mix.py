@@ -28,7 +28,6 @@ import statistics
 import time
 from pathlib import Path
 
-
 from benchmarks.engine_ttft import make_model, tokens  # the same tiny Llama 512 x 8 and token streams
 from common.types import EngineRequest, Retention, SamplingParams
 from replica.config import EngineConfig
