@@ -292,7 +292,9 @@ class PrefixAwarePolicy:
         eviction_page_ms = config.eviction_weight * reused_to_work[(0, 0)][0] / max(prompt_pages, 1)
         estimates = []
         for s in eligible:
-            wait_s = busy_until.get(s.replica_id, now) - now
+            # the forecast of queued work only counts while the replica has requests: one with none is idle now,
+            # however long the model expected its last requests to take (it has no other feedback that they ended)
+            wait_s = busy_until.get(s.replica_id, now) - now if s.load else 0.0
             if wait_s < 0.0:
                 wait_s = 0.0
             copied = copy_from - s.matched

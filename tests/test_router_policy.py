@@ -178,6 +178,17 @@ def test_cost_model_burst_on_one_prefix_copies_once_queueing_costs_more_than_the
                                               RoutingReason.NO_MATCH: 0}
 
 
+def test_a_holder_with_nothing_in_flight_is_idle_whatever_the_forecast_said():
+    # sequential requests on one prefix: each finishes (in flight back to 0) long before the cost model's forecast
+    # of its work would have run out; the holder must not look busy to the next one
+    policy = make_policy(a=4)
+    for number in range(5):
+        decision = policy.choose(PROMPT, loads(a=0, b=0), now=0.001 * number)
+        policy.note_routed(f"req-{number}", decision.replica_id)
+        policy.note_finished(f"req-{number}")
+        assert (decision.replica_id, decision.reason) == ("a", RoutingReason.PREFIX_HIT)
+
+
 def test_estimate_is_the_documented_formula():
     policy = make_policy()
     # 512-token prompt, 1 page local + 1 copied: 256 tokens computed in one step at load 2, after 0.1 s of queue
