@@ -181,7 +181,8 @@ class PagedAttentionMetadata:
     num_padding: int = 0
     """Trailing packed rows that are padding (not in ``slot_mapping``: their K/V are not written); they attend to
     nothing and their output rows are zeros."""
-    _mask_cache: dict = field(default_factory=dict)
+    _step_cache: dict = field(default_factory=dict)
+    """Built once per step and shared by every layer: prefill masks (device-generic path), segment plans (CPU)."""
 
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
         """Bool mask [q_len, ctx_len] (True = visible) for prefill slice ``index``; None means plain causal."""
@@ -189,15 +190,15 @@ class PagedAttentionMetadata:
         if part.ctx_len == part.q_len and window is None:
             return None
         cache_key = ("prefill", index, window)
-        if cache_key not in self._mask_cache:
+        if cache_key not in self._step_cache:
             device = self.slot_mapping.device
             q_pos = torch.arange(part.ctx_len - part.q_len, part.ctx_len, device=device)[:, None]
             kv_pos = torch.arange(part.ctx_len, device=device)[None, :]
             mask = kv_pos <= q_pos
             if window is not None:
                 mask &= kv_pos > q_pos - window
-            self._mask_cache[cache_key] = mask
-        return self._mask_cache[cache_key]
+            self._step_cache[cache_key] = mask
+        return self._step_cache[cache_key]
 
 
 def paged_attention(
@@ -347,8 +348,8 @@ class SegmentPlan:
 
 def segment_plan(meta: PagedAttentionMetadata, window: int | None) -> SegmentPlan:
     cache_key = ("segments", window)
-    if cache_key in meta._mask_cache:
-        return meta._mask_cache[cache_key]
+    if cache_key in meta._step_cache:
+        return meta._step_cache[cache_key]
     segments: list[Segment] = []
     direct: list[int] = []
     num_covered = 0
@@ -372,7 +373,7 @@ def segment_plan(meta: PagedAttentionMetadata, window: int | None) -> SegmentPla
         num_covered += len(batch.rows)
     positions = torch.cat([segment.rows for segment in segments]) if segments else torch.empty(0, dtype=torch.long)
     plan = SegmentPlan(segments, positions, num_covered, direct)
-    meta._mask_cache[cache_key] = plan
+    meta._step_cache[cache_key] = plan
     return plan
 
 
