@@ -20,7 +20,9 @@ request; each request's own pages are attended separately and the softmax spans 
 On CPU (``_attend_segments``) no context is gathered and no mask is built: every query row's context is a few runs
 of consecutive pool slots, each run is attended in place by ATen's flash kernel (which also returns each row's
 log-sum-exp), and the parts are merged exactly by their log-sum-exp; rows sharing a prefix run attend it in one call.
-A chunk with nothing before it is one causal SDPA call. The gathered/masked SDPA path below is the device-generic
+A chunk with nothing before it is one causal SDPA call. Decode rows (and one-token chunks) go to one C++ kernel call
+per layer instead when it is built (``replica.cpu_kernels``): every row's runs in one pass, with the running softmax
+kept inside the kernel, and rows sharing a prefix run read it once. The gathered/masked SDPA path below is the device-generic
 one (GPU, and CPU prefill chunks longer than a sliding window).
 
 ``attend`` is the whole computation, token-major; it is called by ``paged_attention`` (transformers' attention
