@@ -181,8 +181,10 @@ inline float hsum(vfloat v) {  // a shuffle tree: 16 -> 8 -> 4 -> 1 lanes
 
 template <typename T, int N>
 void run_item_vec(const T* query, const T* k_cache, const T* v_cache, const int64_t* segments, const int64_t* seg_rows,
-                  const int64_t* component, int64_t kv_head, int64_t num_heads, int64_t num_kv_heads, float scale,
-                  T* out) {
+                  const int64_t* component, int64_t head_begin, int64_t head_end, int64_t num_heads,
+                  int64_t num_kv_heads, float scale, T* out) {
+  // kv heads [head_begin, head_end) of one component; the head loop sits inside the key-block loop so that one block
+  // of slots is read whole (all its heads) before the next
   constexpr int64_t head_dim = 16 * N;
   constexpr int64_t kTile = N >= 8 ? 2 : 4;
   const int64_t group = num_heads / num_kv_heads;
@@ -191,19 +193,22 @@ void run_item_vec(const T* query, const T* k_cache, const T* v_cache, const int6
   const int64_t row_begin = component[2], row_end = component[3];
   const int64_t num_rows = row_end - row_begin;
   const int64_t nq_all = num_rows * group;
+  const int64_t num_local_heads = head_end - head_begin;
 
-  std::vector<vfloat> q_all(nq_all * N), acc(nq_all * N);
-  std::vector<float> top(nq_all, kNoScore), total(nq_all, 0.0f);
-  for (auto& a : acc) a = vfloat{} ;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t position = seg_rows[row_begin + r];
-    for (int64_t g = 0; g < group; ++g) {
-      const T* src = query + (position * num_heads + kv_head * group + g) * head_dim;
-      for (int c = 0; c < N; ++c) q_all[(r * group + g) * N + c] = load16(src + 16 * c) * scale;
+  // state index: (local head, row place in the component, query head of the group)
+  std::vector<vfloat> q_all(num_local_heads * nq_all * N), acc(num_local_heads * nq_all * N);
+  std::vector<float> top(num_local_heads * nq_all, kNoScore), total(num_local_heads * nq_all, 0.0f);
+  for (auto& a : acc) a = vfloat{};
+  for (int64_t h = 0; h < num_local_heads; ++h)
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const int64_t position = seg_rows[row_begin + r];
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = query + (position * num_heads + (head_begin + h) * group + g) * head_dim;
+        for (int c = 0; c < N; ++c) q_all[(h * nq_all + r * group + g) * N + c] = load16(src + 16 * c) * scale;
+      }
     }
-  }
   std::vector<float> scores;
-  std::vector<int64_t> vecs;  // per segment: the query vectors (places in q_all) of its rows
+  std::vector<int64_t> vecs;  // per segment: the query vectors (places in the state, head 0) of its rows
   for (int64_t s = seg_begin; s < seg_end; ++s) {
     const int64_t* seg = segments + s * 4;
     const int64_t start = seg[0], length = seg[1];
@@ -217,72 +222,76 @@ void run_item_vec(const T* query, const T* k_cache, const T* v_cache, const int6
     scores.resize(nq * kBlock);
     for (int64_t b = 0; b < length; b += kBlock) {
       const int64_t n = std::min(kBlock, length - b);
-      const T* k_base = k_cache + (start + b) * slot_stride + kv_head * head_dim;
-      const T* v_base = v_cache + (start + b) * slot_stride + kv_head * head_dim;
-      for (int64_t t = 0; t < n; ++t) {
-        vfloat k[N];
-        for (int c = 0; c < N; ++c) k[c] = load16(k_base + t * slot_stride + 16 * c);
-        for (int64_t qi = 0; qi < nq; ++qi) {
-          const vfloat* q = q_all.data() + vecs[qi] * N;
-          vfloat dot = q[0] * k[0];
-          for (int c = 1; c < N; ++c) dot += q[c] * k[c];
-          scores[qi * kBlock + t] = hsum(dot);
-        }
-      }
-      for (int64_t qi = 0; qi < nq; ++qi) {
-        const int64_t vec = vecs[qi];
-        float* row_scores = scores.data() + qi * kBlock;
-        float block_top = kNoScore;
-        for (int64_t t = 0; t < n; ++t) block_top = std::max(block_top, row_scores[t]);
-        const float new_top = std::max(top[vec], block_top);
-        const float rescale = std::exp(top[vec] - new_top);
-        float block_total = 0.0f;
-#pragma omp simd reduction(+ : block_total)
+      for (int64_t h = 0; h < num_local_heads; ++h) {
+        const int64_t base = h * nq_all;
+        const T* k_base = k_cache + (start + b) * slot_stride + (head_begin + h) * head_dim;
+        const T* v_base = v_cache + (start + b) * slot_stride + (head_begin + h) * head_dim;
         for (int64_t t = 0; t < n; ++t) {
-          row_scores[t] = std::exp(row_scores[t] - new_top);
-          block_total += row_scores[t];
-        }
-        total[vec] = total[vec] * rescale + block_total;
-        top[vec] = new_top;
-        if (rescale != 1.0f)
-          for (int c = 0; c < N; ++c) acc[vec * N + c] *= rescale;
-      }
-      for (int64_t q0 = 0; q0 < nq; q0 += kTile) {
-        const int64_t tile = std::min(kTile, nq - q0);
-        vfloat a[kTile][N];
-        for (int64_t j = 0; j < tile; ++j)
-          for (int c = 0; c < N; ++c) a[j][c] = acc[vecs[q0 + j] * N + c];
-        for (int64_t t = 0; t < n; ++t) {
-          vfloat v[N];
-          for (int c = 0; c < N; ++c) v[c] = load16(v_base + t * slot_stride + 16 * c);
-          for (int64_t j = 0; j < tile; ++j) {
-            const float weight = scores[(q0 + j) * kBlock + t];
-            for (int c = 0; c < N; ++c) a[j][c] += weight * v[c];
+          vfloat k[N];
+          for (int c = 0; c < N; ++c) k[c] = load16(k_base + t * slot_stride + 16 * c);
+          for (int64_t qi = 0; qi < nq; ++qi) {
+            const vfloat* q = q_all.data() + (base + vecs[qi]) * N;
+            vfloat dot = q[0] * k[0];
+            for (int c = 1; c < N; ++c) dot += q[c] * k[c];
+            scores[qi * kBlock + t] = hsum(dot);
           }
         }
-        for (int64_t j = 0; j < tile; ++j)
-          for (int c = 0; c < N; ++c) acc[vecs[q0 + j] * N + c] = a[j][c];
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          const int64_t vec = base + vecs[qi];
+          float* row_scores = scores.data() + qi * kBlock;
+          float block_top = kNoScore;
+          for (int64_t t = 0; t < n; ++t) block_top = std::max(block_top, row_scores[t]);
+          const float new_top = std::max(top[vec], block_top);
+          const float rescale = std::exp(top[vec] - new_top);
+          float block_total = 0.0f;
+#pragma omp simd reduction(+ : block_total)
+          for (int64_t t = 0; t < n; ++t) {
+            row_scores[t] = std::exp(row_scores[t] - new_top);
+            block_total += row_scores[t];
+          }
+          total[vec] = total[vec] * rescale + block_total;
+          top[vec] = new_top;
+          if (rescale != 1.0f)
+            for (int c = 0; c < N; ++c) acc[vec * N + c] *= rescale;
+        }
+        for (int64_t q0 = 0; q0 < nq; q0 += kTile) {
+          const int64_t tile = std::min(kTile, nq - q0);
+          vfloat a[kTile][N];
+          for (int64_t j = 0; j < tile; ++j)
+            for (int c = 0; c < N; ++c) a[j][c] = acc[(base + vecs[q0 + j]) * N + c];
+          for (int64_t t = 0; t < n; ++t) {
+            vfloat v[N];
+            for (int c = 0; c < N; ++c) v[c] = load16(v_base + t * slot_stride + 16 * c);
+            for (int64_t j = 0; j < tile; ++j) {
+              const float weight = scores[(q0 + j) * kBlock + t];
+              for (int c = 0; c < N; ++c) a[j][c] += weight * v[c];
+            }
+          }
+          for (int64_t j = 0; j < tile; ++j)
+            for (int c = 0; c < N; ++c) acc[(base + vecs[q0 + j]) * N + c] = a[j][c];
+        }
       }
     }
   }
   float result[head_dim];
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t position = seg_rows[row_begin + r];
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t vec = r * group + g;
-      const float inverse = total[vec] > 0.0f ? 1.0f / total[vec] : 0.0f;
-      for (int c = 0; c < N; ++c) {
-        const vfloat o = acc[vec * N + c] * inverse;
-        std::memcpy(result + 16 * c, &o, sizeof(o));
+  for (int64_t h = 0; h < num_local_heads; ++h)
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const int64_t position = seg_rows[row_begin + r];
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t vec = h * nq_all + r * group + g;
+        const float inverse = total[vec] > 0.0f ? 1.0f / total[vec] : 0.0f;
+        for (int c = 0; c < N; ++c) {
+          const vfloat o = acc[vec * N + c] * inverse;
+          std::memcpy(result + 16 * c, &o, sizeof(o));
+        }
+        from_float(result, out + (position * num_heads + (head_begin + h) * group + g) * head_dim, head_dim);
       }
-      from_float(result, out + (position * num_heads + kv_head * group + g) * head_dim, head_dim);
     }
-  }
 }
 
 template <typename T>
 using ItemFn = void (*)(const T*, const T*, const T*, const int64_t*, const int64_t*, const int64_t*, int64_t, int64_t,
-                        int64_t, float, T*);
+                        int64_t, int64_t, float, T*);
 
 template <typename T>
 ItemFn<T> vector_item(int64_t head_dim) {
@@ -349,13 +358,24 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
     const scalar_t* v = v_cache.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const ItemFn<scalar_t> vectorised = use_vector_code ? vector_item<scalar_t>(head_dim) : nullptr;
+    if (vectorised) {
+      // items: (component, chunk of kv heads); heads are split only as far as the threads need work
+      const int64_t threads = at::get_num_threads();
+      const int64_t chunks = std::min(num_kv_heads, std::max<int64_t>(1, (threads + num_components - 1) / num_components));
+      const int64_t per_chunk = (num_kv_heads + chunks - 1) / chunks;
+      at::parallel_for(0, num_components * chunks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t c = item / chunks, h0 = (item % chunks) * per_chunk;
+          const int64_t h1 = std::min(num_kv_heads, h0 + per_chunk);
+          if (h0 < h1) vectorised(q, k, v, seg, rows, comp + c * 4, h0, h1, num_heads, num_kv_heads, fscale, o);
+        }
+      });
+      return;
+    }
     at::parallel_for(0, num_kv_heads * num_components, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t kv_head = item % num_kv_heads, c = item / num_kv_heads;
-        if (vectorised)
-          vectorised(q, k, v, seg, rows, comp + c * 4, kv_head, num_heads, num_kv_heads, fscale, o);
-        else
-          run_item<scalar_t>(q, k, v, seg, rows, comp + c * 4, kv_head, num_heads, num_kv_heads, head_dim, fscale, o);
+        run_item<scalar_t>(q, k, v, seg, rows, comp + c * 4, kv_head, num_heads, num_kv_heads, head_dim, fscale, o);
       }
     });
   };
