@@ -72,8 +72,10 @@ ZIPF = dict(num_requests=48, num_prefixes=8, exponent=1.5, prefix_blocks=2, bloc
 """Zipf hot prefix as a Mooncake-format trace: prefix k (2 x 512 tokens) drawn with weight 1 / (k + 1)^1.5 (the
 hottest ~49% of requests), a 128-token question each, Poisson arrivals at ``rate`` per second."""
 HOT = dict(num_requests=64, num_prefixes=4, exponent=3.0, prefix_blocks=2, block_size=512, question_len=128,
-           output_len=32, rate=12.0)
-"""The hot-prefix demonstration: ~84% of requests on one prefix, arriving faster than one replica serves them."""
+           output_len=32, rate=12.0, lead_s=2.0)
+"""The hot-prefix demonstration: ~84% of requests on one prefix, arriving faster than one replica serves them; the
+first request (the hot prefix, alone) gets ``lead_s`` to compute and publish its pages before the rest arrive.
+``hot-prefix-burst`` is the same without the lead (the burst arrives while the prefix is still being computed)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -85,15 +87,20 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
 
 
 def zipf_trace_rows(num_requests: int, num_prefixes: int, exponent: float, prefix_blocks: int, block_size: int,
-                    question_len: int, output_len: int, rate: float, seed: int = 0) -> list[dict]:
+                    question_len: int, output_len: int, rate: float, seed: int = 0, lead_s: float = 0.0) -> list[dict]:
     """A Mooncake-format trace (bench's ``mooncake-trace`` workload): request i uses prefix k ~ Zipf(exponent)
     (hash ids ``k * prefix_blocks ...``) plus one block of its own, cut to ``prefix + question_len`` tokens;
-    Poisson arrivals at ``rate`` per second (timestamps in ms)."""
+    Poisson arrivals at ``rate`` per second (timestamps in ms). ``lead_s`` > 0: request 0 is the hottest prefix, alone,
+    and the others start ``lead_s`` later."""
     rng = random.Random(f"zipf-trace/{seed}")
     weights = [1.0 / (rank + 1) ** exponent for rank in range(num_prefixes)]
     rows, now = [], 0.0
     for number in range(num_requests):
         prefix = rng.choices(range(num_prefixes), weights)[0]
+        if lead_s > 0 and number == 0:
+            prefix = 0
+        elif lead_s > 0 and number == 1:
+            now = lead_s
         hash_ids = [prefix * prefix_blocks + block for block in range(prefix_blocks)]
         hash_ids.append(1_000_000 + number)
         rows.append({"timestamp": round(now * 1000.0, 3), "input_length": prefix_blocks * block_size + question_len,
@@ -474,7 +481,7 @@ def workload_config(name: str, seed: int, trace_dir: Path) -> tuple[WorkloadConf
     if name in SCALED:
         params = make_params(name, SCALED[name])
         return WorkloadConfig(workload=name, num_requests=40, standard=params, seed=seed), 4, SCALED[name]
-    shape = ZIPF if name == "zipf-hot" else HOT
+    shape = ZIPF if name == "zipf-hot" else HOT if name == "hot-prefix" else {**HOT, "lead_s": 0.0}
     path = trace_dir / f"{name}-{seed}.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in zipf_trace_rows(seed=seed, **shape)))
     params = make_params("mooncake-trace", {"trace_file": str(path), "block_size": shape["block_size"]})
@@ -509,6 +516,9 @@ def measured_summary(run: Any, requests: list[dict], served: dict, replica_ids: 
         "matched_to_replica": sum(1 for v in replica_of.values() if v is not None),
         "metrics_requests_per_replica": {r: v for r, v in routed.items()},
         "metrics_sources_per_replica": {f"{r}/{s}": v for (r, s), v in sources.items() if v},
+        "fetch_per_replica": {field: {f"{r}/{s}": v for (r, s), v in per_replica(
+            before, after, f"prefixserve_kv_fetch_{field}_total", "source").items() if v}
+            for field in ("pages", "seconds", "errors")},
         "duration_s": metrics.duration_s,
         "per_request": [{"i": r.request_index, "group": r.group, "replica": replica_of.get(r.request_index),
                          "ttft_ms": r.ttft_s * 1000.0, "cached": r.cached_tokens,
@@ -580,6 +590,7 @@ def run_point(cluster: Cluster, dp: int, name: str, seed: int, cost: CostModel, 
     }
     errors = {mode: calibration_errors(measured, sim) for mode, sim in simulated.items()}
     return {"dp": dp, "workload": name, "seed": seed, "concurrency": concurrency, "shape": shape,
+            "cost_model": dataclasses.asdict(cost), "pages_per_replica": num_pages,
             "wall_s": wall_s, "load_average_before": load_before, "load_average_after": load_average(),
             "unmatched_prompts": unmatched, "num_trace_rows": len(rows), "measured": measured,
             "simulated": simulated, "errors": errors}
@@ -598,15 +609,16 @@ def fmt(value: Any, spec: str = ".3f") -> str:
 
 
 def render(result: dict) -> str:
-    cal = result["calibration"]
-    cost = result["cost_model"]
+    calibrations = result.get("calibrations") or [result["calibration"]]
     lines = [f"Machine: {result['cpu']['model']}, {result['cpu']['cpus']} CPUs, flags {' '.join(result['cpu']['flags'])}; "
              f"Python {result['python']}; dtype {result['dtype']}; config `{result['config_label']}`; "
              f"load average before/after the runs {result['load_average_start']} / {result['load_average_end']}.",
              f"Command: `{result['command']}`", "",
-             "Calibration points (ms, medians): " + ", ".join(f"{k} {fmt(v, '.1f')}" for k, v in
-                                                                cal["points"].items()),
-             "Fitted cost model: " + ", ".join(f"{k} {fmt(v, '.4g')}" for k, v in cost.items()), "",
+             *[line for cal in calibrations for line in (
+                 f"Calibration at DP={cal.get('dp', '?')} (ms, medians of 3; load average {cal['load_average']}): "
+                 + ", ".join(f"{k} {fmt(v, '.1f')}" for k, v in cal["points"].items()),
+                 "Fitted cost model: " + ", ".join(f"{k} {fmt(v, '.4g')}" for k, v in
+                                                   (cal.get("cost_model") or result["cost_model"]).items()), "")],
              "Per point: measured (real cluster) vs simulated (same request sequence). Sim modes: timed = the real "
              "send times, one core per replica; shared = the same with the replicas sharing "
              f"{result['sim_cores']} cores; closed = the bench client's concurrency instead of the real send times "
@@ -638,8 +650,8 @@ def render(result: dict) -> str:
         lines.append(f"| {metric} | " + " | ".join(
             f"{fmt(by_mode.get(mode, {}).get('median'), '.2f')} (worst {fmt(by_mode.get(mode, {}).get('worst'), '.2f')})"
             for mode in ("timed", "timed_shared", "closed_shared")) + " |")
-    if result.get("hot_prefix"):
-        lines += ["", render_hot(result["hot_prefix"])]
+    for hot in result.get("hot_prefix", []):
+        lines += ["", render_hot(hot)]
     return "\n".join(lines) + "\n"
 
 
@@ -680,17 +692,21 @@ def hot_prefix_report(point: dict) -> dict:
 
 
 def render_hot(hot: dict) -> str:
-    lines = [f"Hot prefix (config `{hot['config_label']}`, DP={hot['dp']}): prefix group {hot['report']['hot_group']} "
-             f"had {hot['report']['hot_requests']} of {hot['report']['total_requests']} requests.", "",
+    lines = [f"{hot['workload']} seed {hot['seed']} (config `{hot['config_label']}`, DP={hot['dp']}): prefix group "
+             f"{hot['report']['hot_group']} had {hot['report']['hot_requests']} of {hot['report']['total_requests']} "
+             "requests.", "",
              "| replica | hot-prefix requests | cached tokens local | peer | computed the prefix (0 cached) |",
              "|---|---|---|---|---|"]
     for replica, row in hot["report"]["per_replica"].items():
         lines.append(f"| {replica[-8:]} | {row['requests']} | {row['local']} | {row['peer']} | "
                      f"{row['computed_prefix']} |")
     m = hot["point"]["measured"]
+    s = hot["point"]["simulated"]["timed"]
     lines.append(f"\nWhole run: hit {fmt(m['hit_rate'])}, sources {m['by_source']}, TTFT p50/p99 "
                  f"{fmt(m['ttft_p50_ms'], '.0f')}/{fmt(m['ttft_p99_ms'], '.0f')} ms, requests per replica "
-                 f"{list(m['requests_per_replica'].values())}.")
+                 f"{list(m['requests_per_replica'].values())}; fetches {m['fetch_per_replica']}. Simulated (timed): "
+                 f"hit {fmt(s['hit_rate'])}, peer share {fmt(s['peer_share'])}, TTFT p50/p99 "
+                 f"{fmt(s['ttft_p50_ms'], '.0f')}/{fmt(s['ttft_p99_ms'], '.0f')} ms, reasons {s['reasons']}.")
     return "\n".join(lines)
 
 
@@ -710,6 +726,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config-label", default="main", help="name of the cluster configuration in the results")
     parser.add_argument("--serve-config", default=None, help="JSON object of ServeConfig fields to override")
     parser.add_argument("--calibration", default=None, help="reuse the calibration of an earlier OUT.json")
+    parser.add_argument("--calibrate-each-dp", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the cost model again at each DP (the box's load drifts), else once")
     parser.add_argument("--hot-prefix", action="store_true", help="also run the hot-prefix demonstration (DP=2)")
     parser.add_argument("--hot-only", action="store_true", help="only the hot-prefix demonstration")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sim_calibration"))
@@ -741,6 +759,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         cost = None
+        calibrations = []
         if args.calibration:
             earlier = json.loads(Path(args.calibration).read_text())
             result["calibration"] = earlier["calibration"]
@@ -749,11 +768,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             cluster.deploy(dp)
             num_pages = cluster.pages_per_replica()
             print(f"DP={dp}: {num_pages} pages per replica, replicas {cluster.replica_ids()}", flush=True)
-            if cost is None:
+            if cost is None or (args.calibrate_each_dp and not args.calibration):
                 result["calibration"] = calibrate(cluster)
                 cost, extra = fit_costs(result["calibration"]["points"])
-                result["calibration"].update(extra)
+                result["calibration"].update(extra, dp=dp, cost_model=dataclasses.asdict(cost))
+                calibrations.append(result["calibration"])
+                result["calibrations"] = calibrations
                 print("calibration", json.dumps(result["calibration"]["points"]), flush=True)
+                print("cost model", cost, flush=True)
             result["cost_model"] = dataclasses.asdict(cost)
             result["pages_per_replica"] = num_pages
             for seed in range(args.repeats):
@@ -769,11 +791,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"{m['by_source']} | per replica {list(m['requests_per_replica'].values())} "
                           f"[{point['wall_s']:.0f} s, load {point['load_average_after']}]", flush=True)
             if (args.hot_prefix or args.hot_only) and dp == 2:
-                point = run_point(cluster, dp, "hot-prefix", 0, cost, num_pages, trace_dir, policy_kwargs,
-                                  args.sim_cores)
-                result["hot_prefix"] = {"config_label": args.config_label, "dp": dp,
-                                        "report": hot_prefix_report(point), "point": point}
-                print(render_hot(result["hot_prefix"]), flush=True)
+                for seed in range(args.repeats):
+                    for name in ("hot-prefix", "hot-prefix-burst"):
+                        point = run_point(cluster, dp, name, seed, cost, num_pages, trace_dir, policy_kwargs,
+                                          args.sim_cores)
+                        hot = {"config_label": args.config_label, "dp": dp, "workload": name, "seed": seed,
+                               "report": hot_prefix_report(point), "point": point}
+                        result.setdefault("hot_prefix", []).append(hot)
+                        print(render_hot(hot), flush=True)
             cluster.undeploy()
     finally:
         cluster.shutdown()

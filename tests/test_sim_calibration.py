@@ -180,6 +180,8 @@ def test_zipf_trace_is_seeded_and_skewed():
     assert firsts.count(0) > 200 * 0.35 and all(row["input_length"] == 1152 for row in rows)
     assert len({row["hash_ids"][-1] for row in rows}) == 200  # each request's own last block
     assert all(b["timestamp"] >= a["timestamp"] for a, b in zip(rows, rows[1:]))
+    lead = zipf_trace_rows(10, 8, 1.5, 2, 512, 128, 16, 6.0, seed=4, lead_s=2.0)
+    assert lead[0]["hash_ids"][:2] == [0, 1] and lead[0]["timestamp"] == 0 and lead[1]["timestamp"] == 2000.0
 
 
 def test_fit_costs_recovers_a_known_cost_model():
