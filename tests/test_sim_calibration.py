@@ -14,6 +14,7 @@ from bench.config import ClientConfig, LoadConfig
 from bench.runner import run_benchmark
 from bench.standard_workloads import make_params
 from bench.workloads import IdPromptFactory, WorkloadConfig
+from benchmarks.router_sim.__main__ import main as sim_main
 from benchmarks.router_sim.costs import CostModel
 from benchmarks.router_sim.sim import Simulation
 from benchmarks.router_sim.trace import load_trace, read_trace, token_page_keys, trace_row, write_trace
@@ -215,3 +216,15 @@ def test_calibration_errors():
     assert errors["hit_rate"]["rel_error"] == pytest.approx(-0.25)
     assert errors["ttft_p50_ms"]["ratio"] == pytest.approx(1.5)
     assert errors["ttft_p99_ms"]["rel_error"] is None and errors["missing"]["ratio"] is None
+
+
+def test_trace_command_line_replays_a_file_under_each_router(tmp_path, capsys):
+    system = ids(0, 512)
+    rows = [trace_row(f"r{i}", i, 0, 0.2 * i, system + ids(10_000 * (i + 1), 64), 4, PAGE) for i in range(6)]
+    path = tmp_path / "t.jsonl"
+    write_trace(path, rows)
+    assert sim_main(["trace", str(path), "--dp", "2", "--routers", "prefixserve,round-robin", "--pages", "64"]) == 0
+    ours, blind = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert ours["router"] == "prefixserve" and blind["router"] == "round-robin"
+    assert ours["num_requests"] == blind["num_requests"] == 6
+    assert ours["hit_rate"] == pytest.approx(ours["ideal_hit_rate"]) and blind["hit_rate"] < ours["hit_rate"]
