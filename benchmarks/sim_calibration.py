@@ -724,7 +724,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ray-cpus", type=float, default=2.0, help="Ray's CPUs (each replica reserves this / DP)")
     parser.add_argument("--sim-cores", type=float, default=2.0, help="cores the replicas share in the 'shared' modes")
     parser.add_argument("--config-label", default="main", help="name of the cluster configuration in the results")
-    parser.add_argument("--serve-config", default=None, help="JSON object of ServeConfig fields to override")
+    parser.add_argument("--serve-config", default=None,
+                        help="JSON object of ServeConfig fields to override; a \"_policy\" key inside it (an object of "
+                             "PolicyConfig fields) is given to the simulator's router instead")
     parser.add_argument("--calibration", default=None, help="reuse the calibration of an earlier OUT.json")
     parser.add_argument("--calibrate-each-dp", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the cost model again at each DP (the box's load drifts), else once")
