@@ -9,10 +9,12 @@ replays both gaps from the ROUTER socket, and rebuilds an index that must equal 
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgpack
 import pytest
+import redis
 import zmq
 
 from common.events import AllPagesCleared, PagesRemoved, PagesStored, StoredPageInfo
@@ -278,3 +280,163 @@ def test_int_block_hashes_are_the_page_keys_low_64_bits():
     key = bytes(range(32))
     assert external_hash(key, "int") == int.from_bytes(bytes(range(24, 32)), "big")
     assert external_hash(key, "bytes") == key
+
+
+# ---- the shared tiers' events (replica/tiers/events.py) -----------------------------------------------------------
+class MediumSubscriber(Subscriber):
+    """The subscriber's index per medium: medium -> block hash -> (parent, token ids)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.by_medium: dict[str, dict] = {}
+
+    def apply(self, payload: bytes) -> None:
+        ts, events, rank = msgpack.unpackb(payload)
+        for event in events:
+            blocks = self.by_medium.setdefault(event.get("medium"), {})
+            if event["type"] == "BlockStored":
+                size, parent = event["block_size"], event["parent_block_hash"]
+                for i, block_hash in enumerate(event["block_hashes"]):
+                    blocks[block_hash] = (parent, tuple(event["token_ids"][i * size:(i + 1) * size]))
+                    parent = block_hash
+            elif event["type"] == "BlockRemoved":
+                for block_hash in event["block_hashes"]:
+                    assert blocks.pop(block_hash, None) is not None, "a removal of a block never announced"
+                    self.num_removed += 1
+
+    def blocks_on(self, medium: str) -> dict:
+        return self.by_medium.get(medium, {})
+
+
+def wait_until(condition, subscriber: Subscriber, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        subscriber.poll(0.1)
+        if condition():
+            return True
+    return False
+
+
+@pytest.fixture
+def tier_events(tmp_path):
+    """A publisher with a replay socket and a subscriber to it (``block_hash_format: bytes``: hashes are page keys)."""
+    pub, replay = f"ipc://{tmp_path}/tier-events", f"ipc://{tmp_path}/tier-replay"
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=pub, replay_endpoint=replay, topic="kv",
+                            block_hash_format="bytes")
+    publisher = ZmqKVEventPublisher(config, page_size=128, rank=0)
+    context = zmq.Context()
+    subscriber = MediumSubscriber(context, pub, replay, b"kv")
+    time.sleep(0.2)
+    yield publisher, subscriber
+    publisher.close()
+    subscriber.close()
+    context.term()
+
+
+def test_redis_tier_events_follow_redis_evictions_deletes_and_expiry(tier_events, redis_process_factory):
+    """Redis evicts under maxmemory without telling its clients: the tier's events still end equal to what it holds."""
+    from replica.tiers.events import MEDIUM_HOST
+    from replica.tiers.redis_tier import RedisTier
+    from tests.test_tiers import make_format, make_pages
+
+    publisher, subscriber = tier_events
+    server = redis_process_factory()
+    admin = redis.Redis.from_url(server.url)
+    assert admin.config_get("notify-keyspace-events")["notify-keyspace-events"] == ""  # off, as Redis ships
+    page_format = make_format()
+    tier = RedisTier(server.url, page_format)
+    tier.enable_events(publisher.publish_tier, resync_interval_s=3600)
+    pages = [page for seed in range(6) for page in make_pages(page_format, 8, seed=seed)]  # 48 chained pages
+    try:
+        assert wait_until(lambda: set(admin.config_get("notify-keyspace-events")["notify-keyspace-events"])
+                          >= set("Egxe"), subscriber, 5)  # the tier enabled the notifications it needs
+        # room for ~20 of the 48 pages (each ~17 KB sealed): Redis evicts the rest as they arrive
+        used = admin.info("memory")["used_memory"]
+        admin.config_set("maxmemory", used + 20 * 17_000)
+
+        def held() -> set[bytes]:
+            return {page.key for page in pages if admin.exists(tier.redis_key(page.key))}
+
+        def in_sync() -> bool:
+            return set(subscriber.blocks_on(MEDIUM_HOST)) == held()
+
+        for start in range(0, len(pages), 8):  # later stores evict pages announced earlier
+            assert tier.store(pages[start:start + 8]) == 8
+            tier.flush(timeout=10)
+            assert wait_until(in_sync, subscriber), (start, len(subscriber.blocks_on(MEDIUM_HOST)), len(held()))
+        assert 0 < len(held()) < len(pages) and subscriber.num_removed > 0  # evictions happened and were published
+        # stored blocks carry the chain: parent key and token ids, as the tier stored them
+        by_key = {page.key: page for page in pages}
+        for block_hash, (parent, token_ids) in subscriber.blocks_on(MEDIUM_HOST).items():
+            assert token_ids == by_key[block_hash].token_ids
+        # a DEL by someone else, and an expiry
+        survivors = sorted(held())
+        admin.delete(tier.redis_key(survivors[0]))
+        admin.pexpire(tier.redis_key(survivors[1]), 1)
+        assert wait_until(lambda: in_sync() and len(held()) == len(survivors) - 2, subscriber)
+        assert publisher.num_dropped == 0
+    finally:
+        tier.close()
+    assert tier.event_tracker._thread.is_alive() is False
+
+
+def test_redis_tier_events_are_repaired_by_the_full_check_when_notifications_are_missed(tier_events,
+                                                                                          redis_process_factory):
+    """FLUSHALL makes no per-key notification: the periodic full check publishes the removals."""
+    from replica.tiers.events import MEDIUM_HOST
+    from replica.tiers.redis_tier import RedisTier
+    from tests.test_tiers import make_format, make_pages
+
+    publisher, subscriber = tier_events
+    server = redis_process_factory()
+    admin = redis.Redis.from_url(server.url)
+    page_format = make_format()
+    tier = RedisTier(server.url, page_format)
+    tier.enable_events(publisher.publish_tier, resync_interval_s=0.5)
+    pages = make_pages(page_format, 4, seed=1)
+    try:
+        tier.store(pages)
+        tier.flush(timeout=10)
+        assert wait_until(lambda: len(subscriber.blocks_on(MEDIUM_HOST)) == 4, subscriber)
+        admin.flushall()
+        assert wait_until(lambda: len(subscriber.blocks_on(MEDIUM_HOST)) == 0, subscriber)
+    finally:
+        tier.close()
+
+
+def test_disk_tier_events_follow_evictions_by_any_process_sharing_the_folder(tier_events, tmp_path):
+    from replica.tiers.disk_tier import DiskTier
+    from replica.tiers.events import MEDIUM_DISK
+    from replica.tiers.seal import TierKey
+    from tests.test_tiers import make_format, make_pages
+
+    publisher, subscriber = tier_events
+    page_format = make_format()
+    tier_key = TierKey.generate()
+    root = tmp_path / "disk"
+    page_bytes = 17_000
+    ours = DiskTier(root, page_format, budget_bytes=12 * page_bytes, tier_key=tier_key)
+    other = DiskTier(root, page_format, budget_bytes=12 * page_bytes, tier_key=tier_key)  # "another process"
+    ours.enable_events(publisher.publish_tier, resync_interval_s=3600)
+    mine = [page for seed in range(3) for page in make_pages(page_format, 4, seed=seed)]
+    theirs = make_pages(page_format, 8, seed=50)
+    try:
+        def held() -> set[bytes]:
+            return {page.key for page in mine if os.path.exists(ours.page_path(page.key))}
+
+        def in_sync() -> bool:
+            return set(subscriber.blocks_on(MEDIUM_DISK)) == held()
+
+        ours.store(mine)
+        ours.flush(timeout=10)
+        assert wait_until(lambda: in_sync() and len(held()) > 0, subscriber)
+        num_before = len(held())
+        other.store(theirs)  # its writes evict our pages: only the shared index's removal log tells us
+        other.flush(timeout=10)
+        assert wait_until(lambda: in_sync() and len(held()) < num_before, subscriber), (
+            len(subscriber.blocks_on(MEDIUM_DISK)), len(held()))
+        assert subscriber.num_removed > 0 and not subscriber.blocks_on("CPU")
+        assert publisher.num_dropped == 0
+    finally:
+        ours.close()
+        other.close()
