@@ -240,6 +240,8 @@ class RedisRemovalSource:
                 if name.startswith(self._key_prefix):
                     removed.append(name)
         except Exception as exc:  # noqa: BLE001 - the connection dropped: resubscribe, then check everything
+            if self._closed:
+                return []
             logger.warning("Redis KV tier events: the notification connection failed (%s: %s); resubscribing",
                            type(exc).__name__, exc)
             self._drop_pubsub()
