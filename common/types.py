@@ -326,6 +326,10 @@ class TierStats:
     """Wall time spent in ``load`` (caller's thread)."""
     store_seconds: float = 0.0
     """Wall time the background writer spent writing."""
+    events_stored: int = 0
+    """Pages this replica announced as stored in the tier (KV events, ``--kv-events-config``; replica/tiers/events.py)."""
+    events_removed: int = 0
+    """Of those, pages announced as removed (evicted, expired or deleted by anyone)."""
 
 
 @dataclass(frozen=True)

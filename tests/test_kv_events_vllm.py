@@ -443,3 +443,23 @@ def test_disk_tier_events_follow_evictions_by_any_process_sharing_the_folder(tie
     finally:
         ours.close()
         other.close()
+
+
+# ---- vLLM's engine-side timings (common/types.py RequestLatencyStats, rendered by cluster/vllm_metrics.py) ----------
+def test_engine_observes_one_inter_token_interval_per_token_and_each_phase_per_request(tiny_llama):
+    engine = tiny_llama.engine(num_pages=16, max_num_batched_tokens=512, enforce_eager=True, max_num_seqs=2)
+    num_tokens = {"a": 5, "b": 3, "c": 1, "d": 4}  # max_num_seqs=2: c and d wait in the queue for a and b
+    for index, (request_id, max_tokens) in enumerate(num_tokens.items()):
+        engine.add_request(EngineRequest(request_id, random_prompt(PAGE + 20, seed=60 + index), greedy(max_tokens)))
+    while engine.has_work():
+        engine.step()
+    latency = engine.stats().latency
+    assert latency.inter_token.count == sum(n - 1 for n in num_tokens.values())  # per token, not per request
+    assert latency.queue.count == latency.prefill.count == latency.decode.count == len(num_tokens)
+    assert latency.time_per_output_token.count == sum(1 for n in num_tokens.values() if n > 1)
+    assert latency.inter_token.counts[0] + latency.inter_token.total > 0
+    assert latency.decode.total == pytest.approx(latency.inter_token.total)  # decode = the sum of the intervals
+    assert latency.queue.total > 0  # c and d waited for a free slot
+    stats_copy = engine.stats().latency
+    stats_copy.inter_token.observe(1.0)
+    assert engine.stats().latency.inter_token.count == latency.inter_token.count  # a snapshot, not the live one

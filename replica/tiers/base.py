@@ -277,6 +277,9 @@ class QueuedWriteTier(KVTier):
         if self._events is not None:
             self._events.on_written(pages)
 
+    def _count_events(self, num_stored: int, num_removed: int) -> None:
+        self._stats.add(events_stored=num_stored, events_removed=num_removed)
+
     def _close_events(self) -> None:
         if self._events is not None:
             self._events.close()

@@ -441,7 +441,7 @@ class DiskTier(QueuedWriteTier):
 
         if self._events is None and self._index is not None:
             self._events = TierEventTracker(MEDIUM_DISK, DiskRemovalSource(self._index), sink, self.page_id,
-                                            resync_interval_s=resync_interval_s)
+                                            resync_interval_s=resync_interval_s, on_published=self._count_events)
 
     # ---- reading ------------------------------------------------------------------------------------------------
 

@@ -75,13 +75,15 @@ class TierEventTracker:
 
     def __init__(self, medium: str, source: RemovalSource, sink: TierEventSink,
                  storage_id: Callable[[PageKey], str], *, resync_interval_s: float = 60.0,
-                 max_pending: int = 65536) -> None:
+                 max_pending: int = 65536, on_published: Callable[[int, int], None] | None = None) -> None:
+        """``on_published(num_stored, num_removed)``: called after each published round (the tier's counters)."""
         self.medium = medium
         self.announced: dict[str, PageKey] = {}
         self.num_checks = 0
         self._source = source
         self._sink = sink
         self._storage_id = storage_id
+        self._on_published = on_published
         self._resync_interval_s = resync_interval_s
         self._pending: collections.deque[tuple[str, PageKey, StoredPageInfo]] = collections.deque(maxlen=max_pending)
         self._lock = threading.Lock()
@@ -172,6 +174,8 @@ class TierEventTracker:
             events.append(PagesStored(0, tuple(stored_keys), tuple(stored_infos)))
         if events:
             self._sink(self.medium, events)
+            if self._on_published is not None:
+                self._on_published(len(stored_keys), len(removed_keys))
         return True
 
 

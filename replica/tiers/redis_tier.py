@@ -185,7 +185,7 @@ class RedisTier(QueuedWriteTier):
         if self._events is None:
             source = RedisRemovalSource(self._client, self._page_key_prefix, self._run, self._url)
             self._events = TierEventTracker(MEDIUM_HOST, source, sink, self.redis_key,
-                                            resync_interval_s=resync_interval_s)
+                                            resync_interval_s=resync_interval_s, on_published=self._count_events)
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
