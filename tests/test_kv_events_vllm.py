@@ -457,7 +457,6 @@ def test_engine_observes_one_inter_token_interval_per_token_and_each_phase_per_r
     assert latency.inter_token.count == sum(n - 1 for n in num_tokens.values())  # per token, not per request
     assert latency.queue.count == latency.prefill.count == latency.decode.count == len(num_tokens)
     assert latency.time_per_output_token.count == sum(1 for n in num_tokens.values() if n > 1)
-    assert latency.inter_token.counts[0] + latency.inter_token.total > 0
     assert latency.decode.total == pytest.approx(latency.inter_token.total)  # decode = the sum of the intervals
     assert latency.queue.total > 0  # c and d waited for a free slot
     stats_copy = engine.stats().latency
