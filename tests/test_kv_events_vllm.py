@@ -131,7 +131,8 @@ class Subscriber:
         self.replay = context.socket(zmq.DEALER)  # one request, many replies: a REQ socket takes only one
         self.replay.connect(replay)
         self.next_seq = 0
-        self.blocks: dict = {}
+        self.by_medium: dict[str, dict] = {"GPU": {}}
+        """medium -> block hash -> (parent, token ids, salted): "GPU" the replica's pool, "CPU" / "DISK" its tiers."""
         self.num_replayed = 0
         self.num_gaps = 0
         self.num_removed = 0
@@ -139,6 +140,11 @@ class Subscriber:
         self.payloads: list[bytes] = []
         self.drop_seqs: set[int] = set()
         """Live batches to throw away as if the network lost them."""
+
+    @property
+    def blocks(self) -> dict:
+        """The replica's own pool (medium "GPU")."""
+        return self.by_medium["GPU"]
 
     def close(self) -> None:
         self.sub.close(0)
@@ -182,21 +188,23 @@ class Subscriber:
         ts, events, rank = msgpack.unpackb(payload)
         assert isinstance(ts, float) and rank == self.rank
         for event in events:
+            if event["type"] == "AllBlocksCleared":
+                self.blocks.clear()  # vLLM's engine reset: its own pool
+                continue
+            blocks = self.by_medium.setdefault(event["medium"], {})
             if event["type"] == "BlockStored":
                 size = event["block_size"]
                 parent = event["parent_block_hash"]
                 for i, block_hash in enumerate(event["block_hashes"]):
                     salted = bool(event.get("extra_keys") and event["extra_keys"][i])
                     self.num_salted += salted
-                    self.blocks[block_hash] = (parent, tuple(event["token_ids"][i * size:(i + 1) * size]), salted)
+                    blocks[block_hash] = (parent, tuple(event["token_ids"][i * size:(i + 1) * size]), salted)
                     parent = block_hash
-            elif event["type"] == "BlockRemoved":
-                for block_hash in event["block_hashes"]:
-                    self.blocks.pop(block_hash, None)
-                    self.num_removed += 1
             else:
-                assert event["type"] == "AllBlocksCleared"
-                self.blocks.clear()
+                assert event["type"] == "BlockRemoved"
+                for block_hash in event["block_hashes"]:
+                    blocks.pop(block_hash, None)
+                    self.num_removed += 1
 
 
 @pytest.fixture(scope="module")
@@ -284,25 +292,15 @@ def test_int_block_hashes_are_the_page_keys_low_64_bits():
 
 # ---- the shared tiers' events (replica/tiers/events.py) -----------------------------------------------------------
 class MediumSubscriber(Subscriber):
-    """The subscriber's index per medium: medium -> block hash -> (parent, token ids)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.by_medium: dict[str, dict] = {}
+    """Also checks that a removal names a block the subscriber was told about (per medium)."""
 
     def apply(self, payload: bytes) -> None:
-        ts, events, rank = msgpack.unpackb(payload)
+        _, events, _ = msgpack.unpackb(payload)
         for event in events:
-            blocks = self.by_medium.setdefault(event.get("medium"), {})
-            if event["type"] == "BlockStored":
-                size, parent = event["block_size"], event["parent_block_hash"]
-                for i, block_hash in enumerate(event["block_hashes"]):
-                    blocks[block_hash] = (parent, tuple(event["token_ids"][i * size:(i + 1) * size]))
-                    parent = block_hash
-            elif event["type"] == "BlockRemoved":
-                for block_hash in event["block_hashes"]:
-                    assert blocks.pop(block_hash, None) is not None, "a removal of a block never announced"
-                    self.num_removed += 1
+            if event["type"] == "BlockRemoved":
+                known = self.by_medium.get(event["medium"], {})
+                assert all(h in known for h in event["block_hashes"]), "a removal of a block never announced"
+        super().apply(payload)
 
     def blocks_on(self, medium: str) -> dict:
         return self.by_medium.get(medium, {})
@@ -367,7 +365,7 @@ def test_redis_tier_events_follow_redis_evictions_deletes_and_expiry(tier_events
         assert 0 < len(held()) < len(pages) and subscriber.num_removed > 0  # evictions happened and were published
         # stored blocks carry the chain: parent key and token ids, as the tier stored them
         by_key = {page.key: page for page in pages}
-        for block_hash, (parent, token_ids) in subscriber.blocks_on(MEDIUM_HOST).items():
+        for block_hash, (parent, token_ids, _) in subscriber.blocks_on(MEDIUM_HOST).items():
             assert token_ids == by_key[block_hash].token_ids
         # a DEL by someone else, and an expiry
         survivors = sorted(held())
