@@ -86,6 +86,7 @@ def main() -> None:
                 plain.close()
                 tracked, sink = build(), CountingSink()
                 tracked.enable_events(sink)
+                time.sleep(0.5)  # the tracker subscribes / opens its cursor first (once per replica)
                 seconds, after = store_round(tracked, make_pages(args.pages, 2 * repeat + 1), sink)
                 on.append(seconds)
                 delay.append(after)
