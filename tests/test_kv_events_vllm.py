@@ -5,6 +5,12 @@ the way our router gets them (ReplicaEventLog -> routing-stats payload -> Prefix
 plain pyzmq subscriber (msgpack, no prefixserve code) joins late, misses batches and later loses one on purpose,
 replays both gaps from the ROUTER socket, and rebuilds an index that must equal the router's, block for block; every
 ``BlockStored`` must re-hash (parent + token ids) to the page key it names.
+
+The shared tiers publish too (replica/tiers/events.py): after stores into a real redis-server bounded by maxmemory
+(Redis evicts silently), a DEL, an expiry and a FLUSHALL, and after another "process" evicts from a shared disk tier,
+the subscriber's index for medium "CPU" / "DISK" equals what the tier holds of the pages this replica stored. The
+engine's vLLM-style timings (one inter-token interval per token, queue / prefill / decode per request) are checked on
+a real engine at the end.
 """
 
 from __future__ import annotations
