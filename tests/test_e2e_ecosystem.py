@@ -4,6 +4,9 @@ into exactly the pages the replica caches.
 
 One app: two data-parallel replicas of the tiny random Llama, KV events on ipc:// endpoints (rank r adds ``_dp<r>``),
 block hashes as the full 32-byte page keys so the subscriber can re-hash each block from its parent and token ids.
+Besides the replicas' pools ("GPU"), the disk tier's events ("DISK") must add up to the pages its index holds; the
+metric checks include per-token inter-token latency and the request phases (measured on the engines), the external
+prefix cache, and a client that hangs up mid-stream counted as ``abort`` in both metric sets.
 The slow test starts a real Prometheus on deploy/prometheus.yml, drives ``prefixserve bench`` traffic and evaluates
 every query of deploy/grafana/prefixserve-dashboard.json through Prometheus' HTTP API (skipped without prometheus).
 """
