@@ -85,6 +85,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         target = target_replica_of(pending_request)
         if target is not None:
             # a request for one specific replica (peer copy); if it is gone, any replica answers "no pages"
+            self._observe_hot_prefix(pending_request, page_keys_of(pending_request),
+                                     [self._load_of(r) for r in candidate_replicas])
             if target in replica_id_to_replica:
                 self._hint_best_holder(pending_request, target)
                 return [[replica_id_to_replica[target]]]
