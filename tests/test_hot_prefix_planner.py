@@ -215,3 +215,48 @@ def test_config_is_validated_and_the_registry_finds_the_planner():
     assert planner_for("app", "Replica") is planner and planner_for("app", "Other") is None
     register_planner("app", "Replica", None)
     assert planner_for("app", "Replica") is None
+
+
+# ---- the flags and the metrics (no Ray) --------------------------------------------------------------------------------
+def test_the_flag_defaults_to_on_with_peer_copy_and_two_replicas():
+    from cluster.cli import build_parser, config_from_args
+    from cluster.config import ServeConfig
+
+    base = dict(devices="cpu", num_cpus_per_replica=1.0)
+    assert ServeConfig(data_parallel_degree=2, **base).enable_hot_prefix_replication is True
+    assert ServeConfig(data_parallel_degree=1, **base).enable_hot_prefix_replication is False
+    assert ServeConfig(data_parallel_degree=2, enable_dp_cross_replica_prefix_copy=False,
+                       **base).enable_hot_prefix_replication is False
+    with pytest.raises(ValueError, match="needs --enable-dp-cross-replica-prefix-copy"):
+        ServeConfig(data_parallel_degree=2, enable_dp_cross_replica_prefix_copy=False,
+                    enable_hot_prefix_replication=True, **base)
+    with pytest.raises(ValueError, match="--hot-prefix-min-requests"):
+        ServeConfig(data_parallel_degree=2, hot_prefix_min_requests=0, **base)
+    args = build_parser().parse_args(["serve", "--devices", "cpu", "--data-parallel-degree", "2",
+                                      "--no-enable-hot-prefix-replication", "--hot-prefix-busy-requests", "6",
+                                      "--hot-prefix-copy-budget", "32"])
+    config = config_from_args(args)
+    assert config.enable_hot_prefix_replication is False
+    assert (config.replication_config().busy_requests, config.replication_config().budget_pages) == (6, 32)
+
+
+def test_metrics_show_the_planner_and_the_replicas_counters():
+    from cluster.metrics import IngressMetrics
+    from common.types import EngineStats, ProactiveCopyStats
+    from router.replication import ReplicationStats
+
+    stats = EngineStats("r1", 0, 0, 8, 8, 0, 0, 0, 0, 0, 0, 0, 128,
+                        proactive=ProactiveCopyStats(num_prefetches=3, num_failed=1, num_pages_copied=8,
+                                                     num_pages_present=2, num_hit_pages=16, num_hit_requests=2))
+    planner = ReplicationStats(num_planned=4, num_started=3, num_done=2, num_cancelled=1, num_failed=0,
+                               num_pages_started=12, num_pages_copied=8)
+    text = IngressMetrics().render([stats], (), planner).decode()
+    for line in ('prefixserve_hot_prefix_copies_total{outcome="planned"} 4.0',
+                 'prefixserve_hot_prefix_copies_total{outcome="cancelled"} 1.0',
+                 'prefixserve_hot_prefix_copy_pages_total{stage="started"} 12.0',
+                 'prefixserve_hot_prefix_prefetches_total{outcome="ok",replica="r1"} 2.0',
+                 'prefixserve_hot_prefix_pages_total{kind="copied",replica="r1"} 8.0',
+                 'prefixserve_hot_prefix_hit_pages_total{replica="r1"} 16.0',
+                 'prefixserve_hot_prefix_hit_requests_total{replica="r1"} 2.0'):
+        assert line in text
+    assert "hot_prefix_copies_total{" not in IngressMetrics().render([], ()).decode()  # off: no samples
