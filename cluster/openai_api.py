@@ -28,6 +28,9 @@ error event and ``data: [DONE]``. ``drain()`` (SIGTERM in the CLI) turns new req
 shutdown_timeout_s for those in flight, then cuts the rest that way.
 
 Page keys are computed with the replicas' model fingerprint, asked once from a replica (``info()``) on first use.
+
+With hot-prefix replication on, the ingress owns the replication planner (``cluster/hot_prefix.py``): the router in
+this process feeds it, and a task on this loop sends its copies to the replicas, off the request path.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI must see the real ``Request`` annotation on the methods that

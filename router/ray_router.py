@@ -20,6 +20,10 @@ Ray Serve 2.60 facts this relies on (read from ray/serve/_private/request_router
 - ``on_request_completed(replica_id, internal_request_id)`` fires when a sent request finishes, fails or is rejected;
   with the pending request's future (cancelled, or resolved to the replica actually used) it keeps the policy's
   in-flight counts exact.
+- Hot-prefix replication: the ingress registers a planner for this deployment in its process
+  (``router/replication.py``); the router of that process feeds it every request's page keys, holders and loads
+  (``_observe_hot_prefix``) and tells it when a replica leaves. Routers elsewhere (replicas' peer-copy handles) find
+  no planner and skip this.
 """
 
 from __future__ import annotations
@@ -85,8 +89,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         target = target_replica_of(pending_request)
         if target is not None:
             # a request for one specific replica (peer copy); if it is gone, any replica answers "no pages"
-            self._observe_hot_prefix(pending_request, page_keys_of(pending_request),
-                                     [self._load_of(r) for r in candidate_replicas])
+            if self._hot_prefix_planner() is not None:  # pinned requests are demand too
+                self._observe_hot_prefix(pending_request, page_keys_of(pending_request),
+                                         [self._load_of(r) for r in candidate_replicas])
             if target in replica_id_to_replica:
                 self._hint_best_holder(pending_request, target)
                 return [[replica_id_to_replica[target]]]
