@@ -23,7 +23,8 @@ Names (all prefixed ``prefixserve_``)::
     preemptions_total{replica}             counter
     requests_finished_total{replica}       counter
     kv_fetch_{pages,bytes,seconds,errors}_total{replica,source}   counter  source = peer | host | disk
-    kv_tier_{pages_stored,bytes_stored,pages_dropped,discarded_corrupt,errors}_total{replica,tier}  counter
+    kv_tier_{pages_stored,bytes_stored,pages_dropped,discarded_corrupt,pages_evicted,errors,events_stored,
+             events_removed}_total{replica,tier}  counter
     kv_tier_available{replica,tier}        gauge      1 while the shared tier answers
     kv_peer_pages_total{replica,transport} counter    transport = cuda_ipc (device to device) | host
     kv_page_lifetime_seconds{replica}      histogram  cached -> evicted (like vLLM's --kv-cache-metrics)
@@ -150,7 +151,11 @@ class ReplicaStatsCollector(Collector):
         tier_fields = {"pages_stored": "pages written", "bytes_stored": "KV bytes written",
                        "pages_dropped": "pages not written (queue full or store unreachable)",
                        "discarded_corrupt": "entries discarded as corrupt, stale or foreign",
-                       "errors": "failed operations against the store"}
+                       "pages_evicted": "entries this tier deleted to stay within its budget (disk; Redis evicts "
+                                        "on its own)",
+                       "errors": "failed operations against the store",
+                       "events_stored": "pages announced as stored in KV events (--kv-events-config)",
+                       "events_removed": "pages announced as removed in KV events (evicted, expired or deleted)"}
         for field_name, documentation in tier_fields.items():
             family = CounterMetricFamily(PREFIX + f"kv_tier_{field_name}", f"shared tier: {documentation}",
                                          labels=["replica", "tier"])
@@ -271,6 +276,12 @@ class IngressMetrics:
         for source, value in cached.as_dict().items():
             self.cached_prompt_tokens.labels(replica, source).inc(value)
         self.vllm.observe_finished(output)
+
+    def observe_aborted(self, reason: str, replica_id: str | None, key: str | None = None) -> None:
+        """A request ended before finishing (``reason``: client_gone, deadline, replica_lost, ...) on ``replica_id``
+        (None: not known); ``key``: its engine request id."""
+        self.aborted.labels(reason).inc()
+        self.vllm.observe_aborted(reason, replica_id, key)
 
     def render(self, replica_stats: Sequence[EngineStats], kv_sources: Sequence[KVSourceStats] = (),
                hot_prefix: ReplicationStats | None = None) -> bytes:

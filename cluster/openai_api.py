@@ -398,7 +398,7 @@ class OpenAIIngress:
                     error = APIError(f"the replica serving the request was lost twice ({lost}); retry later",
                                      status=503, type="server_error", code="replica_lost",
                                      retry_after_s=RETRY_AFTER_S)
-                    self.metrics.aborted.labels("replica_lost").inc()
+                    self.metrics.observe_aborted("replica_lost", None, key=engine_request.request_id)
                     return api_error_response(error)
                 self.metrics.retried.inc()
                 logger.warning("request %s: its replica was lost before the first token (%s); sending it again",
@@ -423,7 +423,7 @@ class OpenAIIngress:
             if request.stream:
                 events = self._stream_events(kind, request_id, request.include_usage, first, stream, key, timer)
                 # the stream's own finally cleans up; a client gone before it started leaves it never iterated
-                weakref.finalize(events, self._end_unstarted_stream, key, stream, timer)
+                weakref.finalize(events, self._end_unstarted_stream, key, stream, timer, first.replica_id)
                 handed_to_stream = True
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
             return JSONResponse(await self._collect(kind, request_id, first, stream, key), headers=headers)
@@ -530,7 +530,7 @@ class OpenAIIngress:
         except StopAsyncIteration:
             raise APIError("the replica ended the request early", status=500, type="server_error") from None
         except RequestCancelledError:
-            self.metrics.aborted.labels(self._request_to_cut.get(key, "cancelled")).inc()
+            self.metrics.observe_aborted(self._request_to_cut.get(key, "cancelled"), first.replica_id, key)
             raise self._cut_error(key) from None
         except REPLICA_LOST_ERRORS as error:
             raise ReplicaLost(type(error).__name__) from None
@@ -571,24 +571,24 @@ class OpenAIIngress:
                     yield sse(chunk_body(kind, request_id, model, created, replica_id, usage=Usage.of(output)))
                 completed = True
             except StopAsyncIteration:
-                self.metrics.aborted.labels("replica_ended").inc()
+                self.metrics.observe_aborted("replica_ended", replica_id, key)
                 yield sse(error_body("the replica ended the request early", type="server_error"))
             except RequestCancelledError:
                 reason = self._request_to_cut.get(key, "cancelled")
-                self.metrics.aborted.labels(reason).inc()
+                self.metrics.observe_aborted(reason, replica_id, key)
                 yield sse(self._cut_error(key, num_tokens).body())
             except REPLICA_LOST_ERRORS as error:
-                self.metrics.aborted.labels("replica_lost").inc()
+                self.metrics.observe_aborted("replica_lost", replica_id, key)
                 yield sse(error_body(f"the replica serving this request was lost ({type(error).__name__}) after "
                                      f"{num_tokens} tokens were sent; send the request again", type="server_error",
                                      code="replica_lost"))
             except Exception as error:  # noqa: BLE001 - reported in the stream
-                self.metrics.aborted.labels("error").inc()
+                self.metrics.observe_aborted("error", replica_id, key)
                 yield sse(replica_error(error).body())
             yield SSE_DONE
         except (asyncio.CancelledError, GeneratorExit):
             if not completed:
-                self.metrics.aborted.labels("client_gone").inc()
+                self.metrics.observe_aborted("client_gone", replica_id, key)
             raise
         finally:
             timer.cancel()
@@ -598,7 +598,7 @@ class OpenAIIngress:
             self._request_to_cut.pop(key, None)
             self._leave()
 
-    def _end_unstarted_stream(self, key: str, stream: Any, timer: asyncio.TimerHandle) -> None:
+    def _end_unstarted_stream(self, key: str, stream: Any, timer: asyncio.TimerHandle, replica_id: str = "") -> None:
         """An SSE response dropped before its generator ran (the client went away first): what its finally would do.
         A no-op when the generator ran (it removed ``key``)."""
         if self._request_to_stream.get(key) is not stream:
@@ -607,7 +607,7 @@ class OpenAIIngress:
         stream.cancel()
         self._request_to_stream.pop(key, None)
         self._request_to_cut.pop(key, None)
-        self.metrics.aborted.labels("client_gone").inc()
+        self.metrics.observe_aborted("client_gone", replica_id, key)
         self._leave()
 
     # ---- in flight, deadlines, drain -------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 from common.errors import InvalidRequestError
 from common.page_keys import PageKey, compute_page_keys, hash_page
 from common.types import (CachedTokens, EngineRequest, EngineStats, PinPrefix, PrefixReport, ProactiveCopyStats,
+                          RequestLatencyStats,
                           RequestOutput)
 from replica.config import EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
@@ -60,6 +61,11 @@ class _Tracked:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     num_reported_tokens: int = 0
+    queued_at: float = 0.0
+    """Monotonic times of the request's phases (``RequestLatencyStats``); 0.0: not yet."""
+    scheduled_at: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
 
 
 class LLMEngine:
@@ -107,6 +113,7 @@ class LLMEngine:
         """Called with the ``PageRecord``s (kv: views of pool pages) newly computed and cached (the shared tiers)."""
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
+        self.latency = RequestLatencyStats()
         self.num_requests_finished = 0
         self.proactive = ProactiveCopyStats()
         """Hot-prefix replication counters (``import_prefix`` and the async engine's ``prefetch_prefix``)."""
@@ -179,7 +186,8 @@ class LLMEngine:
             num_retained_pages=(request.retention.num_pages(len(request.prompt_token_ids), self.config.page_size)
                                 if request.retention is not None and self.enable_prefix_caching else 0),
         )
-        self._tracked[request.request_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, request.sampling.stop))
+        self._tracked[request.request_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, request.sampling.stop),
+                                                     queued_at=time.monotonic())
         self.scheduler.add(seq)
 
     def add_request(self, request: EngineRequest) -> None:
@@ -227,6 +235,7 @@ class LLMEngine:
         if not plan.chunks:
             return []
         self._import_pages(plan.imports)
+        self._note_scheduled(plan.admitted)
         inputs = []
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -256,10 +265,38 @@ class LLMEngine:
                                           retention_priority=priority, retain_until=until))
             self.page_sink(records)
         outputs = []
+        produced_at = time.monotonic()
         for seq, token in zip(sampling_seqs, new_tokens):
             seq.output_token_ids.append(token)
+            self._note_token(self._tracked[seq.request_id], produced_at)
             outputs.append(self._advance(seq))
         return [output for output in outputs if output is not None]
+
+    # ---- request timings (RequestLatencyStats: vLLM's engine-side queue / prefill / decode / inter-token times) ----
+    def _note_scheduled(self, admitted: list[Sequence]) -> None:
+        now = time.monotonic()
+        for seq in admitted:
+            tracked = self._tracked.get(seq.request_id)
+            if tracked is not None and not tracked.scheduled_at:  # a preempted request's re-admission keeps the first
+                tracked.scheduled_at = now
+
+    def _note_token(self, tracked: _Tracked, produced_at: float) -> None:
+        if tracked.first_token_at:
+            self.latency.inter_token.observe(produced_at - tracked.last_token_at)
+        else:
+            tracked.first_token_at = produced_at
+        tracked.last_token_at = produced_at
+
+    def _note_finished(self, tracked: _Tracked) -> None:
+        latency = self.latency
+        scheduled_at = tracked.scheduled_at or tracked.first_token_at
+        latency.queue.observe(scheduled_at - tracked.queued_at)
+        latency.prefill.observe(tracked.first_token_at - scheduled_at)
+        decode_s = tracked.last_token_at - tracked.first_token_at
+        latency.decode.observe(decode_s)
+        num_later_tokens = len(tracked.seq.output_token_ids) - 1
+        if num_later_tokens > 0:
+            latency.time_per_output_token.observe(decode_s / num_later_tokens)
 
     def _tier_retention(self, page_id: int) -> tuple[int, float]:
         """(priority, wall-clock end) of a page's retention, for the shared tiers ((0, 0.0): none)."""
@@ -298,6 +335,7 @@ class LLMEngine:
         tracked.num_reported_tokens = len(seq.output_token_ids)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            self._note_finished(tracked)
             del self._tracked[seq.request_id]
             self.num_requests_finished += 1
         return self._output(tracked, new_ids, detok.new_text, finished=reason is not None)
@@ -410,6 +448,7 @@ class LLMEngine:
             page_size=self.config.page_size,
             kv_cache=self.kv.kv_cache_metrics(),
             proactive=self.proactive_stats(),
+            latency=self.latency.copy(),
         )
 
     def proactive_stats(self) -> ProactiveCopyStats:

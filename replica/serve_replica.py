@@ -103,7 +103,8 @@ class ServeReplica:
         device = self.engine.engine.device
         self.ipc_exporter = IpcExporter(device) if device.type == "cuda" else None
         self._event_log = ReplicaEventLog(replica_id)
-        self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size)
+        self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size,
+                                             tiers=self.engine.fetcher.tiers if self.engine.fetcher else ())
         self._tokenizer_files = tokenizer_files(self.engine.tokenizer)
         logger.info(
             "replica %s ready: model fingerprint %s, max_model_len %d, prefix caching %s",

@@ -1,5 +1,5 @@
-"""SIGTERM drain of a real ``prefixserve serve`` process (issue 10): in-flight requests complete, new ones are refused
-with 503, a stream still running at --shutdown-timeout ends with an error event and [DONE], the process exits 0 and
+"""SIGTERM drain of a real ``prefixserve serve`` process (issue 10), served by direct ingress (the ingress replica
+listens on --port itself): in-flight requests complete, new ones are refused with 503, a stream still running at --shutdown-timeout ends with an error event and [DONE], the process exits 0 and
 leaves none of the processes it started (its local Ray) running.
 
 Its own local Ray (the CLI starts one), so it is marked slow: 90 s on a loaded 2-core machine.
@@ -56,6 +56,11 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tiny_llama_dir, tmp_p
             assert time.monotonic() < deadline, "prefixserve serve did not start"
             time.sleep(1)
         assert httpx.get(f"{base}/health").status_code == 200
+        # direct ingress (the default with a Ray started here): --port is the ingress replica's own server, which
+        # has no Serve proxy routes; the proxy moved to the port the CLI names
+        proxy_port = re.search(r"Serve's HTTP proxy at port (\d+)", (tmp_path / "serve.log").read_text()).group(1)
+        assert httpx.get(f"{base}/-/routes").status_code == 404
+        assert httpx.get(f"http://127.0.0.1:{proxy_port}/-/routes").status_code == 200
         started = live_descendants(process.pid)
         assert len(started) >= 3  # gcs_server, raylet, workers ...
 

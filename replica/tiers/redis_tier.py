@@ -173,8 +173,19 @@ class RedisTier(QueuedWriteTier):
         if self._closed:
             return
         self._writer.close(timeout)
+        self._close_events()
         self._closed = True
         self._client.close()
+
+    def enable_events(self, sink, *, resync_interval_s: float = 60.0) -> None:
+        """Publish KV events (medium "CPU") for the pages this tier stores, and their removal by anyone (Redis'
+        evictions included: keyevent notifications, see ``replica.tiers.events.RedisRemovalSource``)."""
+        from replica.tiers.events import MEDIUM_HOST, RedisRemovalSource, TierEventTracker
+
+        if self._events is None:
+            source = RedisRemovalSource(self._client, self._page_key_prefix, self._run, self._url)
+            self._events = TierEventTracker(MEDIUM_HOST, source, sink, self.redis_key,
+                                            resync_interval_s=resync_interval_s, on_published=self._count_events)
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
@@ -222,6 +233,7 @@ class RedisTier(QueuedWriteTier):
         else:
             self._count_dropped(pages)
             self._stats.add(store_seconds=time.perf_counter() - start_time)
+        self._note_written(pages)
 
     def _run(self, operation: Callable[[redis.Redis], T], default: T) -> T:
         """``operation(client)``, or ``default`` when the tier is closed, refused, backing off, or the call fails."""
