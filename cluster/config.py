@@ -165,9 +165,10 @@ class ServeConfig:
     require_redis: bool = False
     """Fail at start when --redis-url does not answer (default: a warning and the host tier off)."""
     # ---- hot-prefix replication (issue 12; router/replication.py) ---------------------------------------------------
-    enable_hot_prefix_replication: bool | None = None
-    """Copy a prefix whose holders are all busy to a less loaded replica ahead of need (None: on exactly when
-    cross-replica prefix copy is on and there are at least two replicas)."""
+    enable_hot_prefix_replication: bool = False
+    """Copy a prefix whose holders are all busy to a less loaded replica ahead of need. Off by default: on this
+    project's DP=2 CPU measurements (BENCHMARKS.md, hot-prefix replication) it gave no clear gain over the router's
+    reactive spread (busy holder -> peer copy on the request's path)."""
     hot_prefix_min_requests: int = field_default(ReplicationConfig, "min_requests")
     """Requests of one prefix within the demand window (5 s) before it counts as hot."""
     hot_prefix_busy_requests: int = field_default(ReplicationConfig, "busy_requests")
@@ -187,9 +188,6 @@ class ServeConfig:
             set_field("enable_dp_cross_replica_prefix_copy", self.enable_prefix_caching)
         if self.enable_disk_cache is None:
             set_field("enable_disk_cache", self.enable_prefix_caching)
-        if self.enable_hot_prefix_replication is None:
-            set_field("enable_hot_prefix_replication",
-                      bool(self.enable_dp_cross_replica_prefix_copy) and self.data_parallel_degree > 1)
         set_field("disk_cache_budget", parse_memory_size(self.disk_cache_budget))
         set_field("max_request_body_bytes", parse_memory_size(self.max_request_body_bytes))
         if self.served_model_name is None:

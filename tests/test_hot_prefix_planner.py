@@ -218,25 +218,26 @@ def test_config_is_validated_and_the_registry_finds_the_planner():
 
 
 # ---- the flags and the metrics (no Ray) --------------------------------------------------------------------------------
-def test_the_flag_defaults_to_on_with_peer_copy_and_two_replicas():
+def test_the_flag_is_off_by_default_and_needs_peer_copy():
     from cluster.cli import build_parser, config_from_args
     from cluster.config import ServeConfig
 
     base = dict(devices="cpu", num_cpus_per_replica=1.0)
-    assert ServeConfig(data_parallel_degree=2, **base).enable_hot_prefix_replication is True
-    assert ServeConfig(data_parallel_degree=1, **base).enable_hot_prefix_replication is False
-    assert ServeConfig(data_parallel_degree=2, enable_dp_cross_replica_prefix_copy=False,
-                       **base).enable_hot_prefix_replication is False
+    assert ServeConfig(data_parallel_degree=2, **base).enable_hot_prefix_replication is False
+    assert ServeConfig(data_parallel_degree=2, enable_hot_prefix_replication=True,
+                       **base).enable_hot_prefix_replication is True
     with pytest.raises(ValueError, match="needs --enable-dp-cross-replica-prefix-copy"):
         ServeConfig(data_parallel_degree=2, enable_dp_cross_replica_prefix_copy=False,
                     enable_hot_prefix_replication=True, **base)
     with pytest.raises(ValueError, match="--hot-prefix-min-requests"):
         ServeConfig(data_parallel_degree=2, hot_prefix_min_requests=0, **base)
     args = build_parser().parse_args(["serve", "--devices", "cpu", "--data-parallel-degree", "2",
-                                      "--no-enable-hot-prefix-replication", "--hot-prefix-busy-requests", "6",
+                                      "--enable-hot-prefix-replication", "--hot-prefix-busy-requests", "6",
                                       "--hot-prefix-copy-budget", "32"])
     config = config_from_args(args)
-    assert config.enable_hot_prefix_replication is False
+    assert config.enable_hot_prefix_replication is True
+    assert config_from_args(build_parser().parse_args(["serve", "--devices", "cpu"])).enable_hot_prefix_replication \
+        is False
     assert (config.replication_config().busy_requests, config.replication_config().budget_pages) == (6, 32)
 
 
