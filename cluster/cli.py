@@ -106,6 +106,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     cache.add_argument("--enable-dp-cross-replica-prefix-copy", action=argparse.BooleanOptionalAction, default=None,
                        help="copy cached pages from the replica that holds them instead of recomputing "
                             "(default: on with prefix caching)")
+    cache.add_argument("--enable-hot-prefix-replication", action=argparse.BooleanOptionalAction,
+                       default=default("enable_hot_prefix_replication"),
+                       help="copy a prefix whose holders are all busy to a less loaded replica ahead of need, by peer "
+                            "copy (needs cross-replica prefix copy; off by default)")
+    cache.add_argument("--hot-prefix-min-requests", type=int, default=default("hot_prefix_min_requests"),
+                       help="requests of one prefix within 5 s before it counts as hot")
+    cache.add_argument("--hot-prefix-busy-requests", type=int, default=default("hot_prefix_busy_requests"),
+                       help="running + waiting requests at which a holder of a hot prefix is busy")
+    cache.add_argument("--hot-prefix-copy-budget", type=int, default=default("hot_prefix_copy_budget"),
+                       help="KV pages copied ahead of need per 10 s, all prefixes together")
     cache.add_argument("--redis-url", default=None,
                        help="shared host-memory KV tier, e.g. redis://:PASSWORD@127.0.0.1:6379/0, or rediss://... "
                             "for TLS (default: off)")

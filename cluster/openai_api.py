@@ -28,6 +28,9 @@ error event and ``data: [DONE]``. ``drain()`` (SIGTERM in the CLI) turns new req
 shutdown_timeout_s for those in flight, then cuts the rest that way.
 
 Page keys are computed with the replicas' model fingerprint, asked once from a replica (``info()``) on first use.
+
+With hot-prefix replication on, the ingress owns the replication planner (``cluster/hot_prefix.py``): the router in
+this process feeds it, and a task on this loop sends its copies to the replicas, off the request path.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI must see the real ``Request`` annotation on the methods that
@@ -53,6 +56,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import admin_api
 from cluster.config import ServeConfig
+from cluster.hot_prefix import HotPrefixCopier
 from cluster.metrics import IngressMetrics
 from cluster.protocol import (
     CHARS_PER_TOKEN_BOUND,
@@ -230,6 +234,14 @@ class OpenAIIngress:
         self._metrics_body = b""
         self._metrics_at = -float("inf")
         self._metrics_lock = asyncio.Lock()
+        self.hot_prefix = self._hot_prefix_copier(replicas, config)
+
+    @staticmethod
+    def _hot_prefix_copier(replicas: Any, config: ServeConfig) -> "HotPrefixCopier | None":
+        """Hot-prefix replication (cluster/hot_prefix.py), when on: its planner is fed by this process's router."""
+        if not config.enable_hot_prefix_replication or getattr(replicas, "deployment_id", None) is None:
+            return None
+        return HotPrefixCopier(replicas, config.replication_config())
 
     # ---- endpoints -------------------------------------------------------------------------------------------------
     @api.post("/v1/completions")
@@ -319,6 +331,8 @@ class OpenAIIngress:
         ones in flight, then end the rest with an SSE error event and [DONE]. Returns how many completed and how many
         were cut; calling it again only waits again."""
         self._draining = True
+        if self.hot_prefix is not None:
+            self.hot_prefix.stop()
         timeout_s = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
         num_at_start = self._num_inflight
         logger.info("draining: %d request(s) in flight, waiting up to %.0f s", num_at_start, timeout_s)
@@ -344,6 +358,8 @@ class OpenAIIngress:
                                                status=503, type="server_error", code="shutting_down",
                                                retry_after_s=RETRY_AFTER_S))
         self._enter()
+        if self.hot_prefix is not None:
+            self.hot_prefix.ensure_started()
         handed_to_stream = False
         try:
             response = await self._generation_response(http_request, kind)
@@ -647,7 +663,8 @@ class OpenAIIngress:
             kv_sources = [item for item in sources if isinstance(item, KVSourceStats)]
         except Exception:  # noqa: BLE001 - the ingress's own metrics are still worth serving
             logger.warning("could not read the replicas' stats for /metrics", exc_info=True)
-        return self.metrics.render(replica_stats, kv_sources)
+        return self.metrics.render(replica_stats, kv_sources,
+                                   self.hot_prefix.planner.snapshot() if self.hot_prefix is not None else None)
 
     async def _replica_info(self) -> ReplicaInfo:
         """The replicas' model fingerprint, max_model_len and page size, asked once."""

@@ -183,6 +183,8 @@ class EngineStats:
     page_size: int
     kv_cache: "KVCacheMetrics | None" = None
     """Page lifetime, idle-before-evict, reuse gaps, evictions by reason and priority (None from older replicas)."""
+    proactive: "ProactiveCopyStats | None" = None
+    """Hot-prefix replication on this replica: prefixes copied here ahead of need and the hits on them."""
     latency: "RequestLatencyStats | None" = None
     """Inter-token, queue, prefill and decode times measured on the engine thread (None from older replicas)."""
 
@@ -385,3 +387,54 @@ class PrefixReport:
     cached_tokens: int
     idle_s: float
     """Seconds since a request last used it here."""
+
+
+# ---- hot-prefix replication (router/replication.py plans, the ingress sends, the target replica copies) ------------
+@dataclass(frozen=True)
+class PrefetchRequest:
+    """Copy a prompt prefix's full pages from the replica ``peer_hint`` into ``target_replica``'s prefix cache, ahead
+    of the requests that will need them (no compute). The router sends a request carrying ``target_replica`` to exactly
+    that replica. The target hashes the page keys itself from ``token_ids`` (its fingerprint, ``cache_salt``) and
+    checks every copied page's key and token ids, as every peer copy does."""
+
+    copy_id: str
+    target_replica: str
+    peer_hint: str
+    token_ids: list[int]
+    """The prompt the prefix was seen in; its first ``num_pages`` full pages are copied."""
+    num_pages: int
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """What a ``prefetch_prefix`` call did on the target replica."""
+
+    replica_id: str
+    num_pages: int
+    """Pages of the prefix asked for."""
+    num_pages_present: int = 0
+    """... already cached here before the copy."""
+    num_pages_copied: int = 0
+    """... copied from the peer (or a shared tier) and cached here now."""
+    error: str | None = None
+    """Why nothing (or less than asked) was copied: peer copy off, wrong replica, the peer had no pages, no room."""
+
+
+@dataclass
+class ProactiveCopyStats:
+    """One replica's side of hot-prefix replication, since start."""
+
+    num_prefetches: int = 0
+    """``prefetch_prefix`` calls answered."""
+    num_failed: int = 0
+    """... that copied nothing they were asked for (error set)."""
+    num_pages_copied: int = 0
+    """Pages that arrived by a proactive copy and entered the prefix cache."""
+    num_pages_present: int = 0
+    """Pages a proactive copy found already cached (nothing to do)."""
+    num_hit_pages: int = 0
+    """Local prefix-cache hits of requests on pages that arrived by a proactive copy (a page hit by three requests
+    counts three)."""
+    num_hit_requests: int = 0
+    """Requests whose local hit included at least one such page."""

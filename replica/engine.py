@@ -23,7 +23,8 @@ import torch
 
 from common.errors import InvalidRequestError
 from common.page_keys import PageKey, compute_page_keys, hash_page
-from common.types import (CachedTokens, EngineRequest, EngineStats, PinPrefix, PrefixReport, RequestLatencyStats,
+from common.types import (CachedTokens, EngineRequest, EngineStats, PinPrefix, PrefixReport, ProactiveCopyStats,
+                          RequestLatencyStats,
                           RequestOutput)
 from replica.config import EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
@@ -114,6 +115,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.latency = RequestLatencyStats()
         self.num_requests_finished = 0
+        self.proactive = ProactiveCopyStats()
+        """Hot-prefix replication counters (``import_prefix`` and the async engine's ``prefetch_prefix``)."""
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -370,6 +373,48 @@ class LLMEngine:
         finally:
             self.kv.release(page_ids)
 
+    def import_prefix(self, page_keys: list[PageKey], first_index: int, pages: list[PageRecord] | tuple = (), *,
+                      salted: bool = False) -> tuple[int, int]:
+        """Hot-prefix replication: cache verified ``pages`` (``pages[i]`` is the page of ``page_keys[first_index + i]``)
+        ahead of the requests that will need them, with no compute. Runs on the engine thread between steps::
+
+            page index  | 0 | 1 | 2 | 3 | 4 |
+            cached now  | x | x | x |            num_local = 3 (a request cached page 2 while the copy ran)
+            pages           | p1| p2| p3| p4|    first_index = 1  -> p3, p4 are written; p1, p2 are not needed
+
+        The cached run is pinned while pages are allocated (allocation may evict the least recently used free pages,
+        never those). Only free pages are used, and the imported pages are released at once (cached, free: the next
+        request hits them, allocation can still evict them), so running requests never lose a page to a copy. Pages
+        that no longer continue the cached run (a page before them was evicted meanwhile) are not imported.
+        Returns (pages newly cached, pages of the prefix that were already cached)."""
+        local_ids = self.kv.match_prefix(page_keys)
+        num_local = len(local_ids)
+        skip = num_local - first_index
+        if skip < 0 or skip >= len(pages):
+            return 0, num_local
+        self.kv.acquire(local_ids)
+        try:
+            todo = list(pages[skip : skip + self.kv.num_free_pages])
+            page_ids = self.kv.allocate(len(todo)) if todo else []
+            held, new_keys = [], []
+            for offset, (page_id, page) in enumerate(zip(page_ids, todo)):
+                index = num_local + offset
+                if page.key != page_keys[index]:  # the fetcher verified the order; never cache a page under a wrong key
+                    self.kv.release(page_ids[offset:])
+                    break
+                self.runner.write_page(page_id, page.kv)
+                result = self.kv.commit_page(page_id, page.key, page.token_ids,
+                                             parent_key=page_keys[index - 1] if index else None, salted=salted)
+                held.append(result.page_id)
+                if result.newly_cached:
+                    new_keys.append(page.key)
+            self.kv.release(held)
+        finally:
+            self.kv.release(local_ids)
+        self.kv.mark_proactive(new_keys)
+        self.proactive.num_pages_copied += len(new_keys)
+        return len(new_keys), num_local
+
     # ---- management ----------------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -402,8 +447,15 @@ class LLMEngine:
             num_requests_finished=self.num_requests_finished,
             page_size=self.config.page_size,
             kv_cache=self.kv.kv_cache_metrics(),
+            proactive=self.proactive_stats(),
             latency=self.latency.copy(),
         )
+
+    def proactive_stats(self) -> ProactiveCopyStats:
+        stats = self.proactive
+        return ProactiveCopyStats(stats.num_prefetches, stats.num_failed, stats.num_pages_copied,
+                                  stats.num_pages_present, self.kv.num_proactive_hit_pages,
+                                  self.kv.num_proactive_hit_requests)
 
     def check_integrity(self) -> None:
         tables = [seq.page_ids for seq in self.scheduler.running]

@@ -11,6 +11,7 @@ prefix-aware request router). The ingress calls it through a ``DeploymentHandle`
     handle.broadcast("pin_prefix", PinPrefix) / ("unpin_prefix", id) / ("prefix_reports")   -> admin (retention)
     handle.export_pages.remote(PeerExportRequest)                 -> PageBundle | CudaIpcBundle (peer copy, holder)
     handle.release_pages.remote(PeerRelease)                      -> bool (a CUDA IPC copy is done)
+    handle.prefetch_prefix.remote(PrefetchRequest)                -> PrefetchResult (hot-prefix replication, target)
 
 Serve itself calls ``record_routing_stats()`` every ``request_routing_stats_period_s``; the dict it returns reaches the
 router in every process holding a handle (common/routing_stats.py describes the format). The replica's id is Serve's
@@ -31,8 +32,8 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from common.types import (EngineRequest, EngineStats, KVSourceStats, PinPrefix, PrefixReport, ReplicaInfo,
-                          RequestOutput, TierReport)
+from common.types import (EngineRequest, EngineStats, KVSourceStats, PinPrefix, PrefetchRequest, PrefetchResult,
+                          PrefixReport, ReplicaInfo, RequestOutput, TierReport)
 from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
 from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
@@ -141,6 +142,14 @@ class ServeReplica:
         if self.ipc_exporter is None or request.target_replica != self.replica_id:
             return False
         return self.ipc_exporter.release(request.lease_id)
+
+    async def prefetch_prefix(self, request: PrefetchRequest) -> PrefetchResult:
+        """Hot-prefix replication, target side: copy the prefix's pages from the peer ``request.peer_hint`` into this
+        replica's prefix cache ahead of need (``AsyncEngine.prefetch_prefix``); the stored events that follow tell the
+        routers. A request that reached another replica than its target (the target left) copies nothing."""
+        if request.target_replica != self.replica_id:
+            return PrefetchResult(self.replica_id, request.num_pages, error="addressed to another replica")
+        return await self.engine.prefetch_prefix(request)
 
     def kv_source_stats(self) -> KVSourceStats:
         """Pages, bytes, seconds and errors per source (peer, host, disk), plus the shared tiers' own counters."""
