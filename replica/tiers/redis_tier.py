@@ -44,7 +44,7 @@ from replica.tiers.base import (
     check_load_args,
 )
 from replica.tiers.circuit import BackoffPolicy, CircuitBreaker
-from replica.tiers.codec import RejectedEntry, decode_blob, encode_blob
+from replica.tiers.codec import RejectedEntry, decode_blob, encode_blob, new_page_tensors, sealed_size
 from replica.tiers.seal import TierKey
 from replica.tiers.writer import BackgroundWriter
 
@@ -54,6 +54,8 @@ T = TypeVar("T")
 
 _UNREACHABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 _EVICTING_POLICIES = {"allkeys-lru", "allkeys-lfu", "allkeys-random"}
+LOAD_BATCH_BYTES = 32 << 20
+"""At most this many sealed bytes per MGET (bounds the reply a load holds at once)."""
 
 
 class RedisTier(QueuedWriteTier):
@@ -78,7 +80,7 @@ class RedisTier(QueuedWriteTier):
         queue_size: int = 256,
         socket_timeout_s: float = 0.5,
         backoff: BackoffPolicy = BackoffPolicy(),
-        load_batch_pages: int = 8,
+        load_batch_pages: int = 32,
         write_batch_pages: int = 16,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -89,7 +91,7 @@ class RedisTier(QueuedWriteTier):
         self._key_prefix = key_prefix
         self._marker_key = f"{key_prefix}format"
         self._page_key_prefix = f"{key_prefix}{page_format.dtype}:"
-        self._load_batch_pages = load_batch_pages
+        self._load_batch_pages = max(1, min(load_batch_pages, LOAD_BATCH_BYTES // sealed_size(page_format)))
         self._url = url
         self._where = describe_url(url)
         self._client = redis.Redis.from_url(
@@ -153,15 +155,17 @@ class RedisTier(QueuedWriteTier):
         return count_leading_true(self._run(probe, default=[]))
 
     def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """MGET in batches of ``load_batch_pages``; verify each page in order; stop at the first miss."""
+        """MGET in batches of ``load_batch_pages`` (one round trip for a usual prefix); verify each page in order,
+        decrypting it straight into one tensor of the load's pages; stop at the first miss."""
         check_load_args(self._page_format, keys, token_ids_per_page)
         start_time = time.perf_counter()
         loaded: list[torch.Tensor] = []
+        pages = new_page_tensors(self._page_format, len(keys)) if keys else None
         try:
             for batch_start in range(0, len(keys), self._load_batch_pages):
                 batch_keys = keys[batch_start : batch_start + self._load_batch_pages]
                 batch_tokens = token_ids_per_page[batch_start : batch_start + self._load_batch_pages]
-                batch_loaded = self._load_batch(batch_keys, batch_tokens)
+                batch_loaded = self._load_batch(batch_keys, batch_tokens, pages[batch_start:])
                 loaded.extend(batch_loaded)
                 if len(batch_loaded) < len(batch_keys):
                     break
@@ -182,14 +186,15 @@ class RedisTier(QueuedWriteTier):
         """The Redis key of page ``key`` in this tier's namespace."""
         return self._page_key_prefix + self._tier_key.storage_id(key)
 
-    def _load_batch(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def _load_batch(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
+                    out: torch.Tensor) -> list[torch.Tensor]:
         values = self._run(lambda client: client.mget([self.redis_key(key) for key in keys]), default=None)
         loaded: list[torch.Tensor] = []
-        for key, token_ids, value in zip(keys, token_ids_per_page, values or ()):
+        for index, (key, token_ids, value) in enumerate(zip(keys, token_ids_per_page, values or ())):
             if value is None:
                 break
             try:
-                loaded.append(decode_blob(value, self._page_format, self._tier_key, key, token_ids))
+                loaded.append(decode_blob(value, self._page_format, self._tier_key, key, token_ids, out[index]))
             except RejectedEntry as exc:
                 self._discard(key, str(exc))
                 break
