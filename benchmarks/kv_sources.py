@@ -121,6 +121,7 @@ def main(argv=None) -> int:
                                   stdout=subprocess.DEVNULL)
     disk_dir = tempfile.mkdtemp(prefix="prefixserve-bench-disk-")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not args.tiers_only:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

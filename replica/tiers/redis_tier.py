@@ -16,6 +16,10 @@ Eviction order: Redis' own. Run the server with a memory bound and an LRU policy
 writes instead). The format marker may be evicted like any key; that is harmless because every page header carries
 the key format version too, and the marker is claimed again on the next (re)connection.
 
+Loads: one MGET per 32 MiB of pages; the reply is read off the socket into a reusable buffer a page at a time and each
+page is decrypted from there straight into the tensor handed back (``ReplyReader``), so a loaded byte is copied once by
+the kernel and written once by the decryption.
+
 Faults: every call uses short socket timeouts (0.5 s) and no client-side retries. When Redis is unreachable the tier
 logs one warning, counts an error, and answers misses (lookup 0, load [], store drops) without touching the network
 until a backoff passes; then one call probes, and on success the tier is back (one more log line).
