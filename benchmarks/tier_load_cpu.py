@@ -63,9 +63,9 @@ def main() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server_proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--save", "", "--appendonly", "no",
-                               "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"],
-                              stdout=subprocess.DEVNULL)
+    server_proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--save", "", "--appendonly",
+                                    "no", "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"],
+                                   stdout=subprocess.DEVNULL)
     time.sleep(0.5)
     folder = tempfile.mkdtemp(prefix="prefixserve-tier-load-")
     extra = {"tier_key": TierKey.generate()} if TierKey and "tier_key" in inspect.signature(DiskTier).parameters else {}
@@ -99,8 +99,8 @@ def main() -> int:
             cpu.sort()
             server.sort()
             mid = ROUNDS // 2
-            server_note = (f" | redis-server CPU mean {sum(server) / ROUNDS * 1e3:.1f} ms (clock ticks, summed over the "
-                           "rounds)" if name == "host" else "")
+            server_note = (f" | redis-server CPU mean {sum(server) / ROUNDS * 1e3:.1f} ms (clock ticks, summed "
+                           "over the rounds)" if name == "host" else "")
             print(f"{name}: wall median {wall[mid] * 1e3:.1f} ms min {wall[0] * 1e3:.1f} ms "
                   f"({num_bytes / wall[mid] / 1e9:.2f} GB/s median, {num_bytes / wall[0] / 1e9:.2f} best) | "
                   f"thread CPU median {cpu[mid] * 1e3:.1f} ms min {cpu[0] * 1e3:.1f} ms "

@@ -25,7 +25,8 @@ from replica.cuda_ipc import CudaIpcBundle, CudaIpcHandle, IpcTarget
 from common.types import EngineRequest
 from common.types import CacheSource
 from replica.page_record import PageRecord
-from replica.peer_copy import PeerExportRequest, ServePeerClient, bundle_pages, unbundle_pages
+from replica.peer_copy import (PeerExportRequest, ServePeerClient, bundle_pages,
+                               unbundle_pages)
 from common.types import SamplingParams
 
 PAGE_SIZE = 128
