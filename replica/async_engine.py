@@ -103,10 +103,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def export_pages(self, keys: list[bytes], to_cpu: bool = True) -> list[PageRecord]:
+    async def export_pages(self, keys: list[bytes], to_cpu: bool = True, contiguous: bool = False) -> list[PageRecord]:
         """Copies of the leading pages of ``keys`` this replica holds (for a peer's copy), pinned while copied; on the
-        CPU, or (``to_cpu=False``) on this replica's device."""
-        return await self._call(lambda: self.engine.export_pages(list(keys), to_cpu=to_cpu))
+        CPU, or (``to_cpu=False``) on this replica's device; ``contiguous``: slots of one tensor."""
+        return await self._call(lambda: self.engine.export_pages(list(keys), to_cpu=to_cpu, contiguous=contiguous))
 
     async def _fetch(self, plan: AdmissionPlan) -> list[PageRecord]:
         """The plan's missing pages from a peer / the shared tiers (verified), on the caller's event loop."""

@@ -355,19 +355,29 @@ class LLMEngine:
             cache_write_tokens=seq.num_cache_write_tokens,
         )
 
-    def export_pages(self, keys: list[PageKey], *, to_cpu: bool = True) -> list[PageRecord]:
+    def export_pages(self, keys: list[PageKey], *, to_cpu: bool = True, contiguous: bool = False) -> list[PageRecord]:
         """Copies of the leading run of ``keys`` held in this replica's cache, on the CPU
         or (``to_cpu=False``) on this replica's device, for a device-to-device copy into a peer on the same GPU
-        host. The pages are pinned (referenced) while they are copied. Runs on the engine thread between steps."""
+        host. The pages are pinned (referenced) while they are copied. Runs on the engine thread between steps.
+        ``contiguous``: the copies are the consecutive slots of one tensor (a peer bundle is then that tensor, with
+        no second copy; see ``peer_copy.bundle_pages``)."""
         page_ids = self.kv.match_prefix(keys)
         self.kv.acquire(page_ids)
         try:
             pages = []
-            for key, page_id in zip(keys, page_ids):
+            stacked = None
+            if contiguous and page_ids:
+                first = self.runner.read_page(page_ids[0])
+                stacked = torch.empty((len(page_ids), *first.shape), dtype=first.dtype,
+                                      device="cpu" if to_cpu else first.device)
+            for index, (key, page_id) in enumerate(zip(keys, page_ids)):
                 kv = self.runner.read_page(page_id)
+                if stacked is not None:
+                    copy = stacked[index].copy_(kv)
+                else:
+                    copy = kv.to("cpu", copy=True) if to_cpu else kv.clone()
                 priority, until = self._tier_retention(page_id)
-                pages.append(PageRecord(key, self.kv.cache.page_to_token_ids[page_id],
-                                        kv.to("cpu", copy=True) if to_cpu else kv.clone(),
+                pages.append(PageRecord(key, self.kv.cache.page_to_token_ids[page_id], copy,
                                         retention_priority=priority, retain_until=until))
             return pages
         finally:

@@ -135,7 +135,7 @@ class ServeReplica:
             if pages:
                 return self.ipc_exporter.export(pages)
             return bundle_pages([])
-        return bundle_pages(await self.engine.export_pages(list(request.keys)))
+        return bundle_pages(await self.engine.export_pages(list(request.keys), contiguous=True))
 
     def release_pages(self, request: PeerRelease) -> bool:
         """Peer copy, holder side: the receiver of a CUDA IPC bundle is done with it (False: unknown lease)."""

@@ -59,7 +59,7 @@ from replica.tiers.base import (
     WarningThrottle,
     check_load_args,
 )
-from replica.tiers.codec import RejectedEntry
+from replica.tiers.codec import RejectedEntry, new_page_tensors
 from replica.tiers.seal import TierKey
 from replica.tiers.writer import BackgroundWriter
 
@@ -410,13 +410,14 @@ class DiskTier(QueuedWriteTier):
         start_time = time.perf_counter()
         deadline = start_time + self._load_timeout_s
         loaded: list[torch.Tensor] = []
+        pages = new_page_tensors(self._page_format, len(keys)) if keys else None  # decrypted straight into these
         try:
             for key, token_ids in zip(keys, token_ids_per_page):
                 if time.perf_counter() > deadline:
                     self._count_error("timeout", f"a load passed its {self._load_timeout_s} s limit; "
                                                  f"{len(loaded)} of {len(keys)} pages read")
                     break
-                kv = self._load_one(key, token_ids)
+                kv = self._load_one(key, token_ids, pages[len(loaded)])
                 if kv is None:
                     break
                 loaded.append(kv)
@@ -445,11 +446,11 @@ class DiskTier(QueuedWriteTier):
 
     # ---- reading ------------------------------------------------------------------------------------------------
 
-    def _load_one(self, key: PageKey, token_ids: Sequence[int]) -> torch.Tensor | None:
+    def _load_one(self, key: PageKey, token_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor | None:
         page_id = self.page_id(key)
         path = self._path_of(page_id)
         try:
-            return read_page_file(path, self._page_format, self._tier_key, key, token_ids)
+            return read_page_file(path, self._page_format, self._tier_key, key, token_ids, out)
         except FileNotFoundError:
             return None
         except RejectedEntry as exc:
