@@ -7,7 +7,8 @@ They are a second view of what cluster/metrics.py measures; the ``prefixserve_*`
 
     vllm:* name (type)                            read from         equals, per replica (prefixserve_*)
     prefix_cache_queries_total (counter)          EngineStats       prefix_cache_queries_total
-    prefix_cache_hits_total (counter)             EngineStats       prefix_cache_hits_total
+    prefix_cache_hits_total (counter)             EngineStats       the local part of prefix_cache_hits_total (as
+                                                                    vLLM: external hits are counted below)
     num_requests_running, _waiting (gauges)       EngineStats       num_requests_running, _waiting
     kv_cache_usage_perc (gauge, 0..1)             EngineStats       kv_pages{state="in_use"} / kv_pages{state="total"}
     num_preemptions_total (counter)               EngineStats       preemptions_total
@@ -173,12 +174,16 @@ class VllmMetrics(Collector):
         for name, (documentation, attribute) in {
             "prefix_cache_queries": ("Prefix cache queries, in terms of number of queried tokens.",
                                      "num_prompt_tokens_queried"),
-            "prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.", "num_prompt_tokens_hit"),
+            "prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.",
+                                  "num_prompt_tokens_hit_local"),
             "num_preemptions": ("Cumulative number of preemption from the engine.", "num_preemptions"),
         }.items():
             family = CounterMetricFamily("vllm:" + name, documentation, labels=labels)
             for stats in self._stats:
-                family.add_metric([model, stats.replica_id], getattr(stats, attribute))
+                value = getattr(stats, attribute)
+                if value is None:  # an older replica: no local/external split, its total
+                    value = stats.num_prompt_tokens_hit
+                family.add_metric([model, stats.replica_id], value)
             yield family
         running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
                                     labels=labels)

@@ -187,6 +187,9 @@ class EngineStats:
     """Hot-prefix replication on this replica: prefixes copied here ahead of need and the hits on them."""
     latency: "RequestLatencyStats | None" = None
     """Inter-token, queue, prefill and decode times measured on the engine thread (None from older replicas)."""
+    num_prompt_tokens_hit_local: int | None = None
+    """The part of ``num_prompt_tokens_hit`` found in this replica's own pages (vLLM's ``prefix_cache_hits``; pages
+    from a peer or a tier are its ``external_prefix_cache_hits``). None from older replicas."""
 
 
 PAGE_TIME_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 4 * 3600.0)

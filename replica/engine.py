@@ -446,6 +446,7 @@ class LLMEngine:
             replica_id=self.config.replica_id,
             num_prompt_tokens_queried=self.scheduler.num_prompt_tokens_queried,
             num_prompt_tokens_hit=self.scheduler.num_prompt_tokens_hit,
+            num_prompt_tokens_hit_local=self.scheduler.num_prompt_tokens_hit_local,
             num_pages_total=self.kv.num_pages,
             num_pages_free=self.kv.num_free_pages,
             num_pages_cached=self.kv.num_cached_pages,

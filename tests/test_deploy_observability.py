@@ -110,7 +110,8 @@ def test_vllm_series_for_aborts_external_hits_and_engine_timings():
     for seconds in (0.02, 0.02, 0.3):
         latency.inter_token.observe(seconds)
     latency.queue.observe(0.4)
-    stats = [EngineStats(replica, 300, 128, 8, 4, 2, 2, 0, 0, 0, 0, 1, 128, latency=latency) for replica in "ab"]
+    stats = [EngineStats("a", 300, 256, 8, 4, 2, 2, 0, 0, 0, 0, 1, 128, latency=latency, num_prompt_tokens_hit_local=128),
+             EngineStats("b", 300, 128, 8, 4, 2, 2, 0, 0, 0, 0, 1, 128, latency=latency)]  # b: an older replica
     samples = {}
     for family in text_string_to_metric_families(metrics.render(stats).decode()):
         for sample in family.samples:
@@ -125,6 +126,10 @@ def test_vllm_series_for_aborts_external_hits_and_engine_timings():
     assert samples[("prefixserve_aborted_requests_total", (("reason", "client_gone"),))] == 1
     assert samples[("vllm:external_prefix_cache_queries_total", (("engine", "a"),))] == 300 - 128
     assert samples[("vllm:external_prefix_cache_hits_total", (("engine", "a"),))] == 128
+    # vLLM's prefix_cache_hits are the local cache's only (external hits are the series above); ours count both
+    assert samples[("vllm:prefix_cache_hits_total", (("engine", "a"),))] == 128
+    assert samples[("prefixserve_prefix_cache_hits_total", (("replica", "a"),))] == 256
+    assert samples[("vllm:prefix_cache_hits_total", (("engine", "b"),))] == 128  # no split known: the total
     assert samples[("vllm:inter_token_latency_seconds_count", (("engine", "b"),))] == 3
     assert samples[("vllm:inter_token_latency_seconds_bucket", (("engine", "b"), ("le", "0.025")))] == 2
     assert samples[("vllm:request_queue_time_seconds_bucket", (("engine", "a"), ("le", "0.5")))] == 1

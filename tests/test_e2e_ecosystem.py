@@ -200,7 +200,9 @@ def test_vllm_metric_names_agree_with_ours(app, http):
     # read from the replicas in the same scrape: equal per replica
     assert len(theirs("prefix_cache_queries_total")) == 2
     assert theirs("prefix_cache_queries_total") == ours("prefix_cache_queries_total")
-    assert theirs("prefix_cache_hits_total") == ours("prefix_cache_hits_total")
+    # vLLM's hits are its local cache's; ours add the pages imported from peers and tiers
+    assert all(theirs("prefix_cache_hits_total")[replica] <= hits for replica, hits in
+               ours("prefix_cache_hits_total").items())
     assert sum(theirs("prefix_cache_hits_total").values()) > 0
     assert theirs("num_requests_running") == ours("num_requests_running")
     assert theirs("num_requests_waiting") == ours("num_requests_waiting")
