@@ -262,7 +262,7 @@ class LLMEngine:
             for page in newly_cached:
                 priority, until = self._tier_retention(page.page_id)
                 records.append(PageRecord(page.key, page.token_ids, self.runner.read_page(page.page_id),
-                                          retention_priority=priority, retain_until=until))
+                                          retention_priority=priority, retain_until=until, salted=page.salted))
             self.page_sink(records)
         outputs = []
         produced_at = time.monotonic()

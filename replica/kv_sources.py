@@ -215,7 +215,7 @@ class PrefixFetcher:
             return False
         stored = StoredPage.from_format(self.page_format, page.key, page.token_ids, page.kv.cpu(),
                                         parent_key=parent_key, retention_priority=page.retention_priority,
-                                        retain_until=page.retain_until)
+                                        retain_until=page.retain_until, salted=page.salted)
         accepted = False
         for tier in self.tiers:
             accepted |= tier.store([stored]) == 1

@@ -33,6 +33,8 @@ class PageRecord:
     """The page's retention in the pool that computed it, for the tiers (0: plain LRU)."""
     retain_until: float = 0.0
     """Wall-clock end of that retention (``math.inf``: pinned)."""
+    salted: bool = False
+    """Page 0 of a chain whose keys fold in a cache salt (for the tiers' KV events)."""
 
     @property
     def num_bytes(self) -> int:

@@ -48,6 +48,8 @@ class CommittedPage:
     page_id: int
     key: PageKey
     token_ids: tuple[int, ...]
+    salted: bool = False
+    """Page 0 of a chain that folds in a cache salt (the KV events say so: ``("salted",)``)."""
 
 
 @dataclass(frozen=True)
@@ -261,7 +263,8 @@ class Scheduler:
                                          parent_key=keys[page_index - 1] if page_index else None,
                                          salted=seq.cache_salt is not None)
             if not result.deduplicated and result.page_id == seq.page_ids[page_index] and result.newly_cached:
-                stored.append(CommittedPage(result.page_id, keys[page_index], tuple(page_tokens)))
+                stored.append(CommittedPage(result.page_id, keys[page_index], tuple(page_tokens),
+                                            salted=page_index == 0 and seq.cache_salt is not None))
                 if start + self.page_size <= seq.num_prompt_tokens:
                     seq.num_cache_write_tokens += self.page_size
             seq.page_ids[page_index] = result.page_id

@@ -15,6 +15,8 @@ a real engine at the end.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 
@@ -389,7 +391,8 @@ def test_redis_tier_events_follow_redis_evictions_deletes_and_expiry(tier_events
 
 def test_redis_tier_events_are_repaired_by_the_full_check_when_notifications_are_missed(tier_events,
                                                                                           redis_process_factory):
-    """FLUSHALL makes no per-key notification: the periodic full check publishes the removals."""
+    """FLUSHALL makes no per-key notification: the periodic full check publishes the removals. Page 0 of a salted
+    chain is announced with the salt's presence, as device blocks are."""
     from replica.tiers.events import MEDIUM_HOST
     from replica.tiers.redis_tier import RedisTier
     from tests.test_tiers import make_format, make_pages
@@ -401,10 +404,12 @@ def test_redis_tier_events_are_repaired_by_the_full_check_when_notifications_are
     tier = RedisTier(server.url, page_format)
     tier.enable_events(publisher.publish_tier, resync_interval_s=0.5)
     pages = make_pages(page_format, 4, seed=1)
+    pages[0] = dataclasses.replace(pages[0], salted=True)
     try:
         tier.store(pages)
         tier.flush(timeout=10)
         assert wait_until(lambda: len(subscriber.blocks_on(MEDIUM_HOST)) == 4, subscriber)
+        assert [subscriber.blocks_on(MEDIUM_HOST)[page.key][2] for page in pages] == [True, False, False, False]
         admin.flushall()
         assert wait_until(lambda: len(subscriber.blocks_on(MEDIUM_HOST)) == 0, subscriber)
     finally:
@@ -447,6 +452,22 @@ def test_disk_tier_events_follow_evictions_by_any_process_sharing_the_folder(tie
     finally:
         ours.close()
         other.close()
+
+
+def test_engine_marks_page_0_of_a_salted_chain_for_the_tiers(tiny_llama):
+    """The pages the engine hands to the tiers say whether their chain folds in a cache salt (page 0 only), so the
+    tiers' events carry ("salted",) like the device events; the salt itself never leaves the engine."""
+    engine = tiny_llama.engine(num_pages=12, max_num_batched_tokens=512, enforce_eager=True)
+    records = []
+    engine.page_sink = records.extend
+    engine.add_request(EngineRequest("salted", random_prompt(2 * PAGE + 3, seed=7), greedy(1), cache_salt="t-1"))
+    engine.add_request(EngineRequest("plain", random_prompt(2 * PAGE + 3, seed=8), greedy(1)))
+    while engine.has_work():
+        engine.step()
+    salted_keys = engine.kv.cached_keys()
+    assert len(records) == 4 and sum(record.salted for record in records) == 1
+    first_salted = next(record for record in records if record.salted)
+    assert first_salted.key in salted_keys and first_salted.token_ids == tuple(random_prompt(2 * PAGE + 3, seed=7)[:PAGE])
 
 
 # ---- vLLM's engine-side timings (common/types.py RequestLatencyStats, rendered by cluster/vllm_metrics.py) ----------

@@ -51,6 +51,8 @@ class StoredPage:
     lower priorities first while ``retain_until`` has not passed."""
     retain_until: float = 0.0
     """Wall-clock time (``time.time()``) until which ``retention_priority`` holds (``math.inf``: pinned)."""
+    salted: bool = False
+    """Page 0 of a chain whose keys fold in a cache salt: only the tier's KV events carry it (``("salted",)``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, bytes) or not self.key:
@@ -70,12 +72,13 @@ class StoredPage:
     def from_format(
         cls, page_format: PageFormat, key: PageKey, token_ids: Sequence[int], kv: torch.Tensor,
         parent_key: PageKey | None = None,
-        retention_priority: int = 0, retain_until: float = 0.0,
+        retention_priority: int = 0, retain_until: float = 0.0, salted: bool = False,
     ) -> "StoredPage":
         """A page with the header fields of ``page_format``."""
         return cls(
             retention_priority=retention_priority,
             retain_until=retain_until,
+            salted=salted,
             key=key,
             parent_key=parent_key,
             token_ids=tuple(token_ids),

@@ -100,7 +100,8 @@ class TierEventTracker:
                 self._resync = True  # the oldest pending pages are forgotten; announced ones get re-checked
             for page in pages:
                 self._pending.append((self._storage_id(page.key), page.key,
-                                      StoredPageInfo(page.parent_key, tuple(page.token_ids))))
+                                      StoredPageInfo(page.parent_key, tuple(page.token_ids),
+                                                     getattr(page, "salted", False) and page.parent_key is None)))
             self._idle.clear()
 
     def wait_idle(self, timeout_s: float) -> bool:
