@@ -34,8 +34,9 @@ with the port offset by the replica's rank (vLLM's rule for data-parallel ranks:
 The shared tiers' events ("CPU", "DISK") come from each tier's event tracker (replica/tiers/events.py): a replica
 announces the pages it stored in a tier and their removal by anyone, Redis' own evictions included, so that per
 replica and medium a subscriber's index equals what the tier holds of that replica's pages. They travel in their own
-batches on the same socket and sequence. The tiers do not know a chain's salt, so their blocks carry no
-``extra_keys`` (the key itself folds the salt in, as for device blocks).
+batches on the same socket and sequence. Page 0 of a salted chain carries ``("salted",)`` there too (the engine marks
+the pages it hands to the tiers); pages a replica shares from its cache later (a local hit written to a tier that
+lacked it) are not marked, since only the request that computed page 0 knew its salt.
 
 Contract: ``publish`` never blocks the caller and does no conversion work (a full queue drops the batch and counts it
 in ``num_dropped``); converting, encoding and the sockets live on the publisher's own thread; ``close`` stops it.
