@@ -45,6 +45,24 @@ inline void from_float(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// Fold one block of a query vector's scores into its running softmax: the scores become exp(score - new max) in
+// place, ``top`` / ``total`` are updated, and the factor its accumulated values must be scaled by is returned.
+inline float fold_block(float* row_scores, int64_t n, float& top, float& total) {
+  float block_top = kNoScore;
+  for (int64_t t = 0; t < n; ++t) block_top = std::max(block_top, row_scores[t]);
+  const float new_top = std::max(top, block_top);
+  const float rescale = std::exp(top - new_top);
+  float block_total = 0.0f;
+#pragma omp simd reduction(+ : block_total)
+  for (int64_t t = 0; t < n; ++t) {
+    row_scores[t] = std::exp(row_scores[t] - new_top);
+    block_total += row_scores[t];
+  }
+  total = total * rescale + block_total;
+  top = new_top;
+  return rescale;
+}
+
 template <typename T>
 void run_item(const T* query, const T* k_cache, const T* v_cache, const int64_t* segments, const int64_t* seg_rows,
               const int64_t* component, int64_t kv_head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -91,25 +109,14 @@ void run_item(const T* query, const T* k_cache, const T* v_cache, const int64_t*
         const int64_t vec = local[qi / group] * group + qi % group;
         const float* q = q_all.data() + vec * head_dim;
         float* row_scores = scores.data() + qi * kBlock;
-        float block_top = kNoScore;
         for (int64_t t = 0; t < n; ++t) {
           const float* k = keys.data() + t * head_dim;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * k[d];
           row_scores[t] = dot;
-          block_top = std::max(block_top, dot);
         }
-        const float new_top = std::max(top[vec], block_top);
-        const float rescale = std::exp(top[vec] - new_top);
-        float block_total = 0.0f;
-#pragma omp simd reduction(+ : block_total)
-        for (int64_t t = 0; t < n; ++t) {
-          row_scores[t] = std::exp(row_scores[t] - new_top);
-          block_total += row_scores[t];
-        }
-        total[vec] = total[vec] * rescale + block_total;
-        top[vec] = new_top;
+        const float rescale = fold_block(row_scores, n, top[vec], total[vec]);
         if (rescale != 1.0f) {
           float* a = acc.data() + vec * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale;
@@ -238,19 +245,7 @@ void run_item_vec(const T* query, const T* k_cache, const T* v_cache, const int6
         }
         for (int64_t qi = 0; qi < nq; ++qi) {
           const int64_t vec = base + vecs[qi];
-          float* row_scores = scores.data() + qi * kBlock;
-          float block_top = kNoScore;
-          for (int64_t t = 0; t < n; ++t) block_top = std::max(block_top, row_scores[t]);
-          const float new_top = std::max(top[vec], block_top);
-          const float rescale = std::exp(top[vec] - new_top);
-          float block_total = 0.0f;
-#pragma omp simd reduction(+ : block_total)
-          for (int64_t t = 0; t < n; ++t) {
-            row_scores[t] = std::exp(row_scores[t] - new_top);
-            block_total += row_scores[t];
-          }
-          total[vec] = total[vec] * rescale + block_total;
-          top[vec] = new_top;
+          const float rescale = fold_block(scores.data() + qi * kBlock, n, top[vec], total[vec]);
           if (rescale != 1.0f)
             for (int c = 0; c < N; ++c) acc[vec * N + c] *= rescale;
         }
