@@ -162,6 +162,17 @@ class KVCacheManager:
                 idle_s=round(now - entry.last_used_at, 3)))
         return reports
 
+    def retained_keys(self) -> list[tuple[PageKey, int, float]]:
+        """(key, priority, seconds left or ``math.inf``) of every cached page whose retention holds now (routers treat
+        them as staying here)."""
+        now = self.clock()
+        out = []
+        for page_id, retention in self.pool.retentions().items():
+            key = self.cache.page_to_key.get(page_id) if hasattr(self.cache, "page_to_key") else None
+            if key is not None:
+                out.append((key, retention.priority, retention.expires_at - now))
+        return out
+
     def kv_cache_metrics(self) -> KVCacheMetrics:
         """A snapshot of the page-time metrics and retention gauges."""
         self.metrics.num_retained_pages = self.pool.num_retained

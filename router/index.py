@@ -24,16 +24,30 @@ Sync protocol, per replica (``sync`` applies one routing-stats report):
   event's effect on a key is overwritten by the next event touching that key.
 
 Staleness only costs a cache miss: the chosen replica matches against its own cache and computes what it lacks.
+
+Residency ahead (``expected_resident``). A request routed now is admitted later (after the replica's queue), and a
+page the index holds may be evicted meanwhile. Each held key keeps the router's time it was last touched (stored, or
+a request routed there that uses it); each replica reports how fast it evicts and how many pages its LRU queue holds
+(``note_residency``). LRU evicts a page once the queue ahead of it is drained, so a page touched at ``t`` is expected
+gone at ``t + lru_pages / eviction_rate``. Retained pages (priority > 0, the replica says until when) are not in that
+queue: they are certain holdings until their retention ends, whatever the eviction rate::
+
+    replica a: lru_pages 400, eviction rate 100/s -> horizon 4 s
+    key   touched   retained until   admitted at now + 1 s (now = 10)
+    k0    2.0       20.0             stays (retained past 11)
+    k1    2.0       -                gone (11 - 2 > 4)            -> expected_resident = 1
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Collection, Iterable, Sequence
 
 from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from common.page_keys import PageKey
-from common.routing_stats import IndexSnapshot
+from common.routing_stats import IndexSnapshot, RetainedPages
 
 
 @dataclass(frozen=True)
@@ -58,7 +72,16 @@ class _ReplicaState:
     needs_snapshot: bool = True
     guessed: bool = False
     """Keys were added by ``expect_keys`` since the last snapshot: the next snapshot replaces them with the truth."""
-    keys: set[PageKey] = field(default_factory=set)
+    keys: dict[PageKey, float] = field(default_factory=dict)
+    """Held key -> router time (``time.monotonic``) it was last touched (stored here or routed here)."""
+    retained: dict[PageKey, float] = field(default_factory=dict)
+    """Keys the replica holds under a retention -> router time the retention ends (``math.inf``: pinned)."""
+    horizon_s: float = math.inf
+    """Expected seconds from a page's last touch to its eviction (LRU queue length / eviction rate)."""
+    eviction_rate: float = 0.0
+    """Pages evicted per second (EWMA over reports)."""
+    last_evictions: tuple[float, int] | None = None
+    """(router time, the replica's cumulative evictions) at the last report."""
 
 
 class PrefixIndex:
@@ -69,7 +92,8 @@ class PrefixIndex:
     loop. Updates cost O(keys touched); ``longest_prefix`` costs O(leading pages matched).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
         self._replica_id_to_state: dict[str, _ReplicaState] = {}
         self._bit_to_replica_id: dict[int, str] = {}
         self._key_to_holder_mask: dict[PageKey, int] = {}
@@ -174,6 +198,61 @@ class PrefixIndex:
         """Make the index hold exactly ``snapshot.keys`` for ``replica_id``, in sync as of ``snapshot.seq``."""
         self._replace_keys(self._state_of(replica_id), snapshot)
 
+    # ---- residency ahead (module docstring) --------------------------------------------------------------------------
+    def note_residency(self, replica_id: str, *, num_evictions: int | None = None, num_lru_pages: int | None = None,
+                       retained: Sequence[RetainedPages] | None = None, wall_now: float | None = None,
+                       alpha: float = 0.5) -> None:
+        """Apply a replica's report: its cumulative ``num_evictions`` (the rate is the EWMA of its growth between
+        reports, by ``alpha``), the pages in its LRU queue, and the pages it holds under a retention (replacing the
+        previous list; expiries in wall-clock seconds, converted to router time). None leaves a part unchanged."""
+        state = self._state_of(replica_id)
+        now = self.clock()
+        if num_evictions is not None:
+            if state.last_evictions is not None:
+                then, before = state.last_evictions
+                if num_evictions < before:  # the replica restarted
+                    state.eviction_rate = 0.0
+                elif now > then:
+                    rate = (num_evictions - before) / (now - then)
+                    state.eviction_rate += alpha * (rate - state.eviction_rate)
+            state.last_evictions = (now, num_evictions)
+        if num_lru_pages is not None or num_evictions is not None:
+            lru = max(num_lru_pages or 0, 0)
+            state.horizon_s = lru / state.eviction_rate if state.eviction_rate > 1e-9 else math.inf
+        if retained is not None:
+            offset = now - (time.time() if wall_now is None else wall_now)
+            state.retained = {key: math.inf if group.expires_at is None else group.expires_at + offset
+                              for group in retained for key in group.keys}
+
+    def expected_resident(self, replica_id: str, page_keys: Sequence[PageKey], num_matched: int, at: float) -> int:
+        """How many of the ``num_matched`` leading ``page_keys`` the replica holds (per the index) are expected still
+        there at router time ``at``: retained ones until their retention ends, the others while ``at`` is within
+        the replica's eviction horizon of their last touch."""
+        state = self._replica_id_to_state.get(replica_id)
+        if state is None or num_matched <= 0:
+            return 0
+        horizon, retained, held = state.horizon_s, state.retained, state.keys
+        if horizon == math.inf and not retained:
+            return num_matched
+        deadline = at - horizon  # touched before this: evicted by then
+        for position in range(num_matched):
+            key = page_keys[position]
+            until = retained.get(key)
+            if until is not None and until >= at:
+                continue
+            touched = held.get(key)
+            if touched is None or touched < deadline:
+                return position
+        return num_matched
+
+    def is_retained(self, replica_id: str, key: PageKey, at: float) -> bool:
+        state = self._replica_id_to_state.get(replica_id)
+        return state is not None and state.retained.get(key, -math.inf) >= at
+
+    def horizon_s(self, replica_id: str) -> float:
+        state = self._replica_id_to_state.get(replica_id)
+        return math.inf if state is None else state.horizon_s
+
     # ---- checks ----------------------------------------------------------------------------------------------------
     def expect_keys(self, replica_id: str, page_keys: Sequence[PageKey]) -> None:
         """Optimistically mark ``page_keys`` as held by ``replica_id`` right after a request was routed there: its
@@ -182,9 +261,16 @@ class PrefixIndex:
         (the request failed, the pages were evicted) costs one cache miss and is corrected by the replica's next
         snapshot or removal event."""
         state = self._state_of(replica_id)
-        new_keys = [key for key in page_keys if key not in state.keys]
+        held = state.keys
+        now = self.clock()
+        new_keys = []
+        for key in page_keys:
+            if key in held:
+                held[key] = now  # the routed request will use it: LRU moves it to the tail
+            else:
+                new_keys.append(key)
         if new_keys:
-            self._add_keys(state, new_keys)
+            self._add_keys(state, new_keys, now)
             state.guessed = True
 
     def check_integrity(self) -> None:
@@ -249,24 +335,30 @@ class PrefixIndex:
 
     def _replace_keys(self, state: _ReplicaState, snapshot: IndexSnapshot) -> None:
         wanted = set(snapshot.keys)
-        self._drop_keys(state, state.keys - wanted)
-        self._add_keys(state, wanted - state.keys)
+        self._drop_keys(state, [key for key in state.keys if key not in wanted])
+        self._add_keys(state, [key for key in wanted if key not in state.keys])
         state.last_seq = snapshot.seq
         state.needs_snapshot = False
         state.guessed = False
 
     def _reset(self, state: _ReplicaState) -> None:
         self._drop_keys(state, list(state.keys))
+        state.retained = {}
+        state.last_evictions = None
+        state.eviction_rate = 0.0
+        state.horizon_s = math.inf
         state.last_seq = None
         state.needs_snapshot = True
         state.guessed = False
 
-    def _add_keys(self, state: _ReplicaState, keys: Collection[PageKey]) -> None:
+    def _add_keys(self, state: _ReplicaState, keys: Collection[PageKey], now: float | None = None) -> None:
         holder_masks = self._key_to_holder_mask
         bit = state.bit
+        held = state.keys
+        touched = self.clock() if now is None else now  # one float object shared by the batch
         for key in keys:
             holder_masks[key] = holder_masks.get(key, 0) | bit
-        state.keys.update(keys)
+            held[key] = touched
 
     def _drop_keys(self, state: _ReplicaState, keys: Collection[PageKey]) -> None:
         holder_masks = self._key_to_holder_mask
@@ -277,7 +369,9 @@ class PrefixIndex:
                 holder_masks[key] = mask
             else:
                 holder_masks.pop(key, None)
-        state.keys.difference_update(keys)
+        held = state.keys
+        for key in keys:
+            held.pop(key, None)
 
 
 def _is_newer(seq: int, than: int | None) -> bool:
