@@ -172,3 +172,69 @@ def test_replicas_joining_and_leaving():
         index.remove_replica(replica_id)
     index.check_integrity()
     assert index.longest_prefix([K0]) == {}
+
+
+# ---- residency ahead: retained pages stay, the others age by the replica's LRU horizon ---------------------------------
+import math  # noqa: E402
+
+from common.routing_stats import RetainedPages  # noqa: E402
+
+
+class FakeClock:
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def churning_index(clock: FakeClock) -> PrefixIndex:
+    """The docstring's example: a stores k0 k1 at t=2, then reports 400 LRU pages and 100 evictions per second."""
+    index = PrefixIndex(clock=clock)
+    clock.now = 2.0
+    index.apply_events("a", [PagesStored(1, (K0, K1))])
+    index.note_residency("a", num_evictions=0, num_lru_pages=400)
+    clock.now = 3.0
+    index.note_residency("a", num_evictions=200, num_lru_pages=400, alpha=1.0)  # 200 pages in 1 s
+    return index
+
+
+def test_the_horizon_is_lru_pages_over_the_eviction_rate():
+    clock = FakeClock()
+    index = churning_index(clock)
+    assert index.horizon_s("a") == 2.0
+    assert index.horizon_s("unknown") == math.inf
+    clock.now = 4.0
+    index.note_residency("a", num_evictions=200, num_lru_pages=400, alpha=0.5)  # idle for 1 s: the rate halves
+    assert index.horizon_s("a") == 4.0
+
+
+def test_retained_pages_stay_until_their_retention_ends_and_the_others_age():
+    clock = FakeClock()
+    index = churning_index(clock)
+    index.note_residency("a", num_evictions=200, num_lru_pages=400, alpha=1.0, wall_now=1000.0,
+                         retained=[RetainedPages(100, 1000.0 + 17.0, (K0,))])  # until router time 3 + 17 = 20
+    clock.now = 10.0
+    # admitted at 11: k0 retained until 20 stays; k1, touched at 2, is 9 s past its touch > the 4 s horizon
+    index.note_residency("a", num_evictions=200 + 700 * 7, num_lru_pages=2800, alpha=1.0)  # rate 700/s -> 4 s
+    assert index.horizon_s("a") == 4.0
+    assert index.expected_resident("a", [K0, K1], 2, at=11.0) == 1
+    assert index.is_retained("a", K0, 11.0) and not index.is_retained("a", K1, 11.0)
+    # admitted after the retention ends: k0 ages like any page
+    assert index.expected_resident("a", [K0, K1], 2, at=21.0) == 0
+    # a request routed there touches the pages: fresh again
+    index.expect_keys("a", [K0, K1])
+    assert index.expected_resident("a", [K0, K1], 2, at=11.0) == 2
+
+
+def test_without_evictions_nothing_ages_and_a_new_epoch_forgets_retention():
+    clock = FakeClock()
+    index = PrefixIndex(clock=clock)
+    index.sync("a", epoch="e1", events=[PagesStored(1, (K0, K1))])
+    index.note_residency("a", num_evictions=0, num_lru_pages=10, retained=[RetainedPages(5, None, (K0,))])
+    clock.now = 1e6
+    index.note_residency("a", num_evictions=0, num_lru_pages=10)
+    assert index.expected_resident("a", [K0, K1], 2, at=2e6) == 2
+    assert index.is_retained("a", K0, 2e6)  # pinned: no expiry
+    index.sync("a", epoch="e2")
+    assert not index.is_retained("a", K0, 0.0) and index.horizon_s("a") == math.inf
