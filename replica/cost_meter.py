@@ -6,9 +6,14 @@ Two meters, both cheap enough for every engine step and every routing-stats peri
   exponentially weighted least squares (each step's weight decays by ``decay`` per later step, ~1/(1 - decay) steps
   remembered) to the router's own step model (router/policy.py)::
 
-      step seconds * 1000 = step_ms + prefill_token_ms * P + attention_pair_us / 1000 * A + decode_row_ms * D
+      step seconds * 1000 = step_ms + prefill_token_ms * P + attention_pair_us / 1000 * A + row_ms * D
+                            + context_us / 1000 * C
           P = prompt tokens computed in the step, A = sum over prefill chunks of new * (context + new / 2),
-          D = decode rows (requests generating one token)
+          D = decode rows (requests generating one token), C = the sum of their contexts in tokens
+
+  and ``decode_row_ms`` reported = row_ms + context_us / 1000 * (the decode rows' mean context, same weighting): the
+  router prices a running request's row at a typical context, and fitting the context term separately keeps it out of
+  the other coefficients.
 
   A ridge prior pulls each coefficient toward the router's default with the weight of ``prior_steps`` typical steps,
   so a replica that has only ever run one kind of step (say, decodes) reports the defaults for what it cannot tell
@@ -31,48 +36,56 @@ from common.types import CacheSource, SourceStats
 
 STEP_FEATURES = ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms")
 DEFAULT_STEP_COSTS = (16.0, 0.417, 0.35, 6.0)
-"""router/policy.py ``PolicyConfig`` defaults, the prior of the fit (in the order of ``STEP_FEATURES``)."""
-_TYPICAL = (1.0, 256.0, 256.0 * 512.0 * 1e-3, 4.0)
-"""A typical step's feature values (scales the prior; the attention feature is in thousands of pairs)."""
+"""router/policy.py ``PolicyConfig`` defaults (in the order of ``STEP_FEATURES``)."""
+_PRIOR = (16.0, 0.417, 0.35, 4.0, 2.0)
+"""The fit's prior: the defaults with the decode row split into 4.0 ms + 2.0 us per context token (benchmarks/
+router_sim/costs.py); the last coefficient is the context term."""
+_TYPICAL = (1.0, 256.0, 256.0 * 512.0 * 1e-3, 4.0, 4.0 * 1024 * 1e-3)
+"""A typical step's feature values (scales the prior; attention pairs and contexts in thousands)."""
 
 
 class StepCostFit:
     """Exponentially weighted ridge regression of step time on (1, P, A/1000, D); see the module docstring."""
 
-    def __init__(self, *, decay: float = 0.995, prior_steps: float = 2.0,
-                 prior: Sequence[float] = DEFAULT_STEP_COSTS) -> None:
+    def __init__(self, *, decay: float = 0.995, prior_steps: float = 0.05, prior: Sequence[float] = _PRIOR) -> None:
         if not 0.0 < decay <= 1.0 or prior_steps <= 0:
             raise ValueError(f"decay must be in (0, 1] and prior_steps > 0, got {decay}, {prior_steps}")
         self.decay = decay
         self.prior = tuple(float(value) for value in prior)
         self._ridge = [prior_steps * scale * scale for scale in _TYPICAL]
-        n = len(STEP_FEATURES)
+        n = len(_PRIOR)
         self._xtx = [[0.0] * n for _ in range(n)]
         self._xty = [0.0] * n
+        self._rows = 0.0
+        self._contexts = 0.0
         self.num_steps = 0
 
-    def observe(self, seconds: float, num_prefill_tokens: int, attention_pairs: float, num_decode_rows: int) -> None:
+    def observe(self, seconds: float, num_prefill_tokens: int, attention_pairs: float, num_decode_rows: int,
+                decode_context: float = 0.0) -> None:
         if not seconds >= 0.0:
             return
-        x = (1.0, float(num_prefill_tokens), attention_pairs * 1e-3, float(num_decode_rows))
+        x = (1.0, float(num_prefill_tokens), attention_pairs * 1e-3, float(num_decode_rows), decode_context * 1e-3)
         y = seconds * 1000.0
         decay, xtx, xty = self.decay, self._xtx, self._xty
-        for i in range(4):
+        n = len(x)
+        for i in range(n):
             row, xi = xtx[i], x[i]
-            for j in range(4):
+            for j in range(n):
                 row[j] = row[j] * decay + xi * x[j]
             xty[i] = xty[i] * decay + xi * y
+        self._rows = self._rows * decay + num_decode_rows
+        self._contexts = self._contexts * decay + decode_context
         self.num_steps += 1
 
     def coefficients(self) -> tuple[float, ...]:
-        """(step_ms, prefill_token_ms, attention_pair_us, decode_row_ms), each >= 0."""
-        n = len(STEP_FEATURES)
+        """(step_ms, prefill_token_ms, attention_pair_us, decode_row_ms at the mean context), each >= 0."""
+        n = len(_PRIOR)
         a = [[self._xtx[i][j] + (self._ridge[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
         b = [self._xty[i] + self._ridge[i] * self.prior[i] for i in range(n)]
-        solution = _solve(a, b)
-        if solution is None:
-            return self.prior
-        return tuple(max(0.0, value) for value in solution)
+        solution = _solve(a, b) or list(self.prior)
+        step_ms, prefill_ms, pair_us, row_ms, context_us = (max(0.0, value) for value in solution)
+        mean_context = self._contexts / self._rows if self._rows > 1e-9 else 1024.0
+        return step_ms, prefill_ms, pair_us, row_ms + context_us * 1e-3 * mean_context
 
 
 class SourceCostMeter:
@@ -111,9 +124,9 @@ class ReplicaCostMeter:
     def observe_step(self, seconds: float, chunks: Sequence) -> None:
         """The engine's step observer: ``chunks`` are the step's scheduled chunks (``seq``, ``num_new_tokens``),
         before their ``num_computed_tokens`` advanced."""
-        prefill_tokens, pairs, decode_rows = step_features(chunks)
+        prefill_tokens, pairs, decode_rows, decode_context = step_features(chunks)
         with self._lock:
-            self.step_fit.observe(seconds, prefill_tokens, pairs, decode_rows)
+            self.step_fit.observe(seconds, prefill_tokens, pairs, decode_rows, decode_context)
 
     def observe_sources(self, source_to_stats: Mapping[CacheSource, SourceStats]) -> None:
         self.sources.observe(source_to_stats)
@@ -131,18 +144,19 @@ class ReplicaCostMeter:
         return MeasuredCosts(**values) if values else None
 
 
-def step_features(chunks: Sequence) -> tuple[int, float, int]:
-    """(prompt tokens computed, attention pairs of those, decode rows) of one step's chunks."""
-    prefill_tokens, pairs, decode_rows = 0, 0.0, 0
+def step_features(chunks: Sequence) -> tuple[int, float, int, int]:
+    """(prompt tokens computed, attention pairs of those, decode rows, their contexts summed) of one step's chunks."""
+    prefill_tokens, pairs, decode_rows, decode_context = 0, 0.0, 0, 0
     for chunk in chunks:
         num_new = chunk.num_new_tokens
         start = chunk.seq.num_computed_tokens
         if num_new == 1 and start >= chunk.seq.num_prompt_tokens:
             decode_rows += 1
+            decode_context += start
         else:
             prefill_tokens += num_new
             pairs += num_new * (start + num_new / 2)
-    return prefill_tokens, pairs, decode_rows
+    return prefill_tokens, pairs, decode_rows, decode_context
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

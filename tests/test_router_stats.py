@@ -292,7 +292,7 @@ def test_step_cost_fit_recovers_the_step_model_and_keeps_the_prior_for_what_it_c
     for rows in (1, 2, 4, 8) * 50:
         decodes.observe((truth[0] + truth[3] * rows) / 1000.0, 0, 0.0, rows)
     step_ms, prefill_ms, pair_us, row_ms = decodes.coefficients()
-    assert (step_ms, row_ms) == pytest.approx((truth[0], truth[3]), rel=0.05)
+    assert (step_ms, row_ms) == pytest.approx((truth[0], truth[3]), rel=0.01)
     assert (prefill_ms, pair_us) == pytest.approx(DEFAULT_STEP_COSTS[1:3], rel=1e-3)
 
 
