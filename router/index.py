@@ -26,16 +26,18 @@ Sync protocol, per replica (``sync`` applies one routing-stats report):
 Staleness only costs a cache miss: the chosen replica matches against its own cache and computes what it lacks.
 
 Residency ahead (``expected_resident``). A request routed now is admitted later (after the replica's queue), and a
-page the index holds may be evicted meanwhile. Each held key keeps the router's time it was last touched (stored, or
-a request routed there that uses it); each replica reports how fast it evicts and how many pages its LRU queue holds
-(``note_residency``). LRU evicts a page once the queue ahead of it is drained, so a page touched at ``t`` is expected
-gone at ``t + lru_pages / eviction_rate``. Retained pages (priority > 0, the replica says until when) are not in that
-queue: they are certain holdings until their retention ends, whatever the eviction rate::
+page the index holds may be evicted meanwhile. Each replica reports its evictions so far and how many pages its LRU
+queue holds (``note_residency``); each held key keeps the replica's eviction count when it was last touched (stored,
+or a request routed there that uses it). LRU evicts a page once the queue ahead of it has drained, so a page is
+expected gone once ``lru_pages`` more pages than at its touch have been evicted. Only the admission wait is
+extrapolated, at the replica's recent eviction rate: an idle replica ages nothing, however fast it evicted before.
+Retained pages (priority > 0, the replica says until when) are not in that queue: they are certain holdings until
+their retention ends, whatever the eviction rate::
 
-    replica a: lru_pages 400, eviction rate 100/s -> horizon 4 s
-    key   touched   retained until   admitted at now + 1 s (now = 10)
-    k0    2.0       20.0             stays (retained past 11)
-    k1    2.0       -                gone (11 - 2 > 4)            -> expected_resident = 1
+    replica a: 10_000 evictions so far, lru_pages 400, 100 evictions/s, admission in 1 s -> 10_100 by then
+    key   touched at eviction   retained until (router time)   admitted at now + 1 s (now = 10)
+    k0    9_600                 20.0                           stays (retained past 11)
+    k1    9_600                 -                              gone (10_100 - 9_600 > 400)    -> expected_resident = 1
 """
 
 from __future__ import annotations
@@ -72,16 +74,18 @@ class _ReplicaState:
     needs_snapshot: bool = True
     guessed: bool = False
     """Keys were added by ``expect_keys`` since the last snapshot: the next snapshot replaces them with the truth."""
-    keys: dict[PageKey, float] = field(default_factory=dict)
-    """Held key -> router time (``time.monotonic``) it was last touched (stored here or routed here)."""
+    keys: dict[PageKey, int] = field(default_factory=dict)
+    """Held key -> the replica's eviction count (``evictions``) when it was last touched (stored or routed here)."""
     retained: dict[PageKey, float] = field(default_factory=dict)
     """Keys the replica holds under a retention -> router time the retention ends (``math.inf``: pinned)."""
-    horizon_s: float = math.inf
-    """Expected seconds from a page's last touch to its eviction (LRU queue length / eviction rate)."""
+    evictions: int = 0
+    """The replica's evictions so far, as last reported."""
+    lru_pages: float = math.inf
+    """Pages in its LRU queue (evicted before a page touched now), as last reported (inf: never reported)."""
     eviction_rate: float = 0.0
     """Pages evicted per second (EWMA over reports)."""
-    last_evictions: tuple[float, int] | None = None
-    """(router time, the replica's cumulative evictions) at the last report."""
+    last_report_s: float | None = None
+    """Router time of the last report with an eviction count."""
 
 
 class PrefixIndex:
@@ -199,49 +203,57 @@ class PrefixIndex:
         self._replace_keys(self._state_of(replica_id), snapshot)
 
     # ---- residency ahead (module docstring) --------------------------------------------------------------------------
-    def note_residency(self, replica_id: str, *, num_evictions: int | None = None, num_lru_pages: int | None = None,
-                       retained: Sequence[RetainedPages] | None = None, wall_now: float | None = None,
-                       alpha: float = 0.5) -> None:
-        """Apply a replica's report: its cumulative ``num_evictions`` (the rate is the EWMA of its growth between
-        reports, by ``alpha``), the pages in its LRU queue, and the pages it holds under a retention (replacing the
-        previous list; expiries in wall-clock seconds, converted to router time). None leaves a part unchanged."""
+    def note_residency(self, replica_id: str, *, epoch: str | None = None, num_evictions: int | None = None,
+                       num_lru_pages: int | None = None, retained: Sequence[RetainedPages] | None = None,
+                       wall_now: float | None = None, alpha: float = 0.5) -> None:
+        """Apply a replica's report: its cumulative ``num_evictions`` (the rate is the EWMA, by ``alpha``, of its growth
+        between reports), the pages in its LRU queue, and the pages it holds under a retention (replacing the previous
+        list; expiries in wall-clock seconds, converted to router time). None leaves a part unchanged. Apply it before
+        the same report's events, so the pages they store count as touched at its eviction count. ``epoch``: the
+        report's; a new one drops what was known first, as ``sync`` does."""
         state = self._state_of(replica_id)
+        if epoch is not None and state.epoch != epoch:
+            self._reset(state)
+            state.epoch = epoch
         now = self.clock()
         if num_evictions is not None:
-            if state.last_evictions is not None:
-                then, before = state.last_evictions
-                if num_evictions < before:  # the replica restarted
-                    state.eviction_rate = 0.0
-                elif now > then:
-                    rate = (num_evictions - before) / (now - then)
-                    state.eviction_rate += alpha * (rate - state.eviction_rate)
-            state.last_evictions = (now, num_evictions)
-        if num_lru_pages is not None or num_evictions is not None:
-            lru = max(num_lru_pages or 0, 0)
-            state.horizon_s = lru / state.eviction_rate if state.eviction_rate > 1e-9 else math.inf
+            if num_evictions < state.evictions:  # the replica restarted: its keys' counts mean nothing now
+                state.eviction_rate = 0.0
+                for key in state.keys:
+                    state.keys[key] = num_evictions
+            elif state.last_report_s is not None and now > state.last_report_s:
+                rate = (num_evictions - state.evictions) / (now - state.last_report_s)
+                state.eviction_rate += alpha * (rate - state.eviction_rate)
+            state.evictions = num_evictions
+            state.last_report_s = now
+        if num_lru_pages is not None:
+            state.lru_pages = max(num_lru_pages, 0)
         if retained is not None:
             offset = now - (time.time() if wall_now is None else wall_now)
             state.retained = {key: math.inf if group.expires_at is None else group.expires_at + offset
                               for group in retained for key in group.keys}
 
-    def expected_resident(self, replica_id: str, page_keys: Sequence[PageKey], num_matched: int, at: float) -> int:
+    def expected_resident(self, replica_id: str, page_keys: Sequence[PageKey], num_matched: int, wait_s: float = 0.0,
+                          now: float | None = None) -> int:
         """How many of the ``num_matched`` leading ``page_keys`` the replica holds (per the index) are expected still
-        there at router time ``at``: retained ones until their retention ends, the others while ``at`` is within
-        the replica's eviction horizon of their last touch."""
+        there when a request is admitted in ``wait_s`` seconds: retained ones until their retention ends, the others
+        while fewer than ``lru_pages`` pages have been evicted since their touch (the module docstring)."""
         state = self._replica_id_to_state.get(replica_id)
         if state is None or num_matched <= 0:
             return 0
-        horizon, retained, held = state.horizon_s, state.retained, state.keys
-        if horizon == math.inf and not retained:
+        retained, held = state.retained, state.keys
+        if state.lru_pages == math.inf and not retained:
             return num_matched
-        deadline = at - horizon  # touched before this: evicted by then
+        wait_s = max(wait_s, 0.0)
+        at = (self.clock() if now is None else now) + wait_s
+        oldest_kept = state.evictions + state.eviction_rate * wait_s - state.lru_pages  # touched before: evicted
         for position in range(num_matched):
             key = page_keys[position]
             until = retained.get(key)
             if until is not None and until >= at:
                 continue
             touched = held.get(key)
-            if touched is None or touched < deadline:
+            if touched is None or touched < oldest_kept:
                 return position
         return num_matched
 
@@ -249,9 +261,9 @@ class PrefixIndex:
         state = self._replica_id_to_state.get(replica_id)
         return state is not None and state.retained.get(key, -math.inf) >= at
 
-    def horizon_s(self, replica_id: str) -> float:
+    def eviction_rate(self, replica_id: str) -> float:
         state = self._replica_id_to_state.get(replica_id)
-        return math.inf if state is None else state.horizon_s
+        return 0.0 if state is None else state.eviction_rate
 
     # ---- checks ----------------------------------------------------------------------------------------------------
     def expect_keys(self, replica_id: str, page_keys: Sequence[PageKey]) -> None:
@@ -262,7 +274,7 @@ class PrefixIndex:
         snapshot or removal event."""
         state = self._state_of(replica_id)
         held = state.keys
-        now = self.clock()
+        now = state.evictions
         new_keys = []
         for key in page_keys:
             if key in held:
@@ -270,7 +282,7 @@ class PrefixIndex:
             else:
                 new_keys.append(key)
         if new_keys:
-            self._add_keys(state, new_keys, now)
+            self._add_keys(state, new_keys)
             state.guessed = True
 
     def check_integrity(self) -> None:
@@ -344,18 +356,19 @@ class PrefixIndex:
     def _reset(self, state: _ReplicaState) -> None:
         self._drop_keys(state, list(state.keys))
         state.retained = {}
-        state.last_evictions = None
+        state.evictions = 0
+        state.lru_pages = math.inf
         state.eviction_rate = 0.0
-        state.horizon_s = math.inf
+        state.last_report_s = None
         state.last_seq = None
         state.needs_snapshot = True
         state.guessed = False
 
-    def _add_keys(self, state: _ReplicaState, keys: Collection[PageKey], now: float | None = None) -> None:
+    def _add_keys(self, state: _ReplicaState, keys: Collection[PageKey]) -> None:
         holder_masks = self._key_to_holder_mask
         bit = state.bit
         held = state.keys
-        touched = self.clock() if now is None else now  # one float object shared by the batch
+        touched = state.evictions  # one object shared by the batch
         for key in keys:
             holder_masks[key] = holder_masks.get(key, 0) | bit
             held[key] = touched

@@ -66,8 +66,9 @@ A candidate that measured its host-tier fetch (``host_page_ms``, so it has a sha
 prices an evicted page at the least of recomputing it and fetching it back.
 
 Residency ahead (cost model only). ``matched(r)`` counts only the leading pages expected still on r when the request
-is admitted there (now + wait(r)): pages r holds under a retention until it ends, other pages while r's LRU eviction
-horizon since their last touch has not passed (router/index.py ``expected_resident``). So a prefix held under a
+is admitted there (now + wait(r)): pages r holds under a retention until it ends, other pages while fewer than r's LRU
+queue length have been evicted there since their last touch, counting r's evictions until the admission at its
+recent rate (router/index.py ``expected_resident``). So a prefix held under a
 retention stays a prefix hit on its replica however fast that replica churns, while an unretained one on a churning,
 busy replica counts as (partly) gone.
 
@@ -319,7 +320,7 @@ class PrefixAwarePolicy:
         for s in scored:
             if s.matched:
                 wait_s = busy_until.get(s.replica_id, now) - now if s.load else 0.0
-                resident = self.index.expected_resident(s.replica_id, page_keys, s.matched, now + max(wait_s, 0.0))
+                resident = self.index.expected_resident(s.replica_id, page_keys, s.matched, wait_s, now)
                 if resident != s.matched:
                     s = s._replace(matched=resident)
             out.append(s)

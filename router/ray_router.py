@@ -139,8 +139,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         if report.replica_id != replica_id:
             logger.warning("replica %s reports itself as %r; indexing it as %s", replica_id, report.replica_id,
                            replica_id)
+        apply_residency(self.index, replica_id, report)  # before the events: they count as touched at this report
         self.index.sync(replica_id, epoch=report.epoch, events=report.events, snapshot=report.snapshot)
-        apply_residency(self.index, replica_id, report)
         self._replica_id_to_load[replica_id] = dataclasses.replace(report.to_load(), replica_id=replica_id)
 
     def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
@@ -210,8 +210,8 @@ def apply_residency(index: PrefixIndex, replica_id: str, report: ReplicaReport) 
     num_lru_pages = None
     if report.num_evictions is not None:
         num_lru_pages = report.num_pages_free - (report.num_pages_retained or 0)
-    index.note_residency(replica_id, num_evictions=report.num_evictions, num_lru_pages=num_lru_pages,
-                         retained=report.retained)
+    index.note_residency(replica_id, epoch=report.epoch, num_evictions=report.num_evictions,
+                         num_lru_pages=num_lru_pages, retained=report.retained)
 
 
 def target_replica_of(pending_request: Optional[PendingRequest]) -> str | None:

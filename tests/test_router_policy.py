@@ -390,10 +390,8 @@ def test_a_measured_host_tier_caps_the_price_of_an_eviction():
 
 
 def churn(policy: PrefixAwarePolicy, clock, replica_id: str) -> None:
-    """``replica_id`` evicts 1000 pages a second out of an LRU queue of 100 pages: a 0.1 s horizon."""
+    """``replica_id`` evicted 1000 pages in the last second out of an LRU queue of 100 pages since it stored PROMPT."""
     index = policy.index
-    index.note_residency(replica_id, num_evictions=0, num_lru_pages=100)
-    clock.now += 1.0
     index.note_residency(replica_id, num_evictions=1000, num_lru_pages=100, alpha=1.0)
 
 
@@ -409,12 +407,13 @@ def test_a_retained_prefix_stays_a_hit_on_a_churning_replica_and_an_unretained_o
     def route(retained: bool, cost_model: bool = True) -> RoutingDecision:
         clock = Clock()
         index = PrefixIndex(clock=clock)
+        index.note_residency("a", num_evictions=0, num_lru_pages=100)
         index.apply_events("a", [PagesStored(1, tuple(PROMPT))])
         policy = PrefixAwarePolicy(index, PolicyConfig(enable_cost_model=cost_model))
-        churn(policy, clock, "a")
+        clock.now += 1.0
+        churn(policy, clock, "a")  # 1000 pages evicted since the prompt was stored, past the queue of 100
         if retained:  # the replica reports the prompt's pages retained for another 60 s
             index.note_residency("a", retained=[RetainedPages(50, 2000.0 + 60.0, tuple(PROMPT))], wall_now=2000.0)
-        clock.now += 5.0  # 5 s since the pages were stored: far past the 0.1 s horizon
         return policy.choose(PROMPT, loads(a=1, b=0), now=clock.now)
 
     kept, aged = route(retained=True), route(retained=False)

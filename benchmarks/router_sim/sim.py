@@ -175,19 +175,19 @@ class Simulation:
     def _sync(self) -> None:
         index = self.view.index
         loads = self.view.loads
+        measured = getattr(self.router, "uses_measured_costs", False)
         for replica in self.replicas:
+            if measured:  # before the events, as the Ray adapter does
+                index.note_residency(replica.replica_id, num_evictions=replica.num_evicted,
+                                     num_lru_pages=replica.num_not_in_use)
             events = replica.drain_events()
             if events:
                 self.num_events += len(events)
                 if self.router.uses_index:
                     index.sync(replica.replica_id, epoch="sim", events=events)
-            measured = getattr(self.router, "uses_measured_costs", False)
             loads[replica.number] = ReplicaLoad(replica.replica_id, replica.num_requests, replica.num_not_in_use,
                                                 replica.num_pages,
                                                 costs=replica.measured_costs() if measured else None)
-            if measured:
-                index.note_residency(replica.replica_id, num_evictions=replica.num_evicted,
-                                     num_lru_pages=replica.num_not_in_use)
 
     def _result(self, requests: list, wall_s: float) -> RunResult:
         page_size = self.cost.page_size
