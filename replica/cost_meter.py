@@ -15,6 +15,8 @@ Two meters, both cheap enough for every engine step and every routing-stats peri
   router prices a running request's row at a typical context, and fitting the context term separately keeps it out of
   the other coefficients.
 
+  Outliers (a step slower than ``outlier_factor`` x the fit's prediction + 50 ms, once 16 steps are in: a compile, a
+  stall of the machine) are counted and left out.
   A ridge prior pulls each coefficient toward the router's default with the weight of ``prior_steps`` typical steps,
   so a replica that has only ever run one kind of step (say, decodes) reports the defaults for what it cannot tell
   apart instead of noise. Coefficients are clamped at 0.
@@ -47,7 +49,8 @@ _TYPICAL = (1.0, 256.0, 256.0 * 512.0 * 1e-3, 4.0, 4.0 * 1024 * 1e-3)
 class StepCostFit:
     """Exponentially weighted ridge regression of step time on (1, P, A/1000, D); see the module docstring."""
 
-    def __init__(self, *, decay: float = 0.995, prior_steps: float = 0.05, prior: Sequence[float] = _PRIOR) -> None:
+    def __init__(self, *, decay: float = 0.995, prior_steps: float = 0.05, prior: Sequence[float] = _PRIOR,
+                 outlier_factor: float = 5.0) -> None:
         if not 0.0 < decay <= 1.0 or prior_steps <= 0:
             raise ValueError(f"decay must be in (0, 1] and prior_steps > 0, got {decay}, {prior_steps}")
         self.decay = decay
@@ -59,6 +62,10 @@ class StepCostFit:
         self._rows = 0.0
         self._contexts = 0.0
         self.num_steps = 0
+        self.num_outliers = 0
+        self.outlier_factor = outlier_factor
+        self._solution: list[float] | None = None
+        """The fit as of the last refresh (every 32 steps), for the outlier test."""
 
     def observe(self, seconds: float, num_prefill_tokens: int, attention_pairs: float, num_decode_rows: int,
                 decode_context: float = 0.0) -> None:
@@ -66,6 +73,13 @@ class StepCostFit:
             return
         x = (1.0, float(num_prefill_tokens), attention_pairs * 1e-3, float(num_decode_rows), decode_context * 1e-3)
         y = seconds * 1000.0
+        if self.num_steps >= 16:
+            if self._solution is None or self.num_steps % 32 == 0:
+                self._solution = self._solve()
+            predicted = sum(c * v for c, v in zip(self._solution, x))
+            if y > self.outlier_factor * predicted + 50.0:
+                self.num_outliers += 1
+                return
         decay, xtx, xty = self.decay, self._xtx, self._xty
         n = len(x)
         for i in range(n):
@@ -79,13 +93,16 @@ class StepCostFit:
 
     def coefficients(self) -> tuple[float, ...]:
         """(step_ms, prefill_token_ms, attention_pair_us, decode_row_ms at the mean context), each >= 0."""
+        step_ms, prefill_ms, pair_us, row_ms, context_us = (max(0.0, value) for value in self._solve())
+        mean_context = self._contexts / self._rows if self._rows > 1e-9 else 1024.0
+        return step_ms, prefill_ms, pair_us, row_ms + context_us * 1e-3 * mean_context
+
+
+    def _solve(self) -> list[float]:
         n = len(_PRIOR)
         a = [[self._xtx[i][j] + (self._ridge[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
         b = [self._xty[i] + self._ridge[i] * self.prior[i] for i in range(n)]
-        solution = _solve(a, b) or list(self.prior)
-        step_ms, prefill_ms, pair_us, row_ms, context_us = (max(0.0, value) for value in solution)
-        mean_context = self._contexts / self._rows if self._rows > 1e-9 else 1024.0
-        return step_ms, prefill_ms, pair_us, row_ms + context_us * 1e-3 * mean_context
+        return _solve(a, b) or list(self.prior)
 
 
 class SourceCostMeter:

@@ -334,3 +334,14 @@ def test_engine_steps_feed_the_meter_and_retained_keys_reach_the_payload():
     same_left = [(key, priority, 59.5) for key, priority, _ in retained]
     [group] = retained_groups(same_left, now_wall=1000.2)  # 1059.7, rounded up to the second
     assert (group.priority, group.expires_at, set(group.keys)) == (40, 1060.0, set(engine.page_keys(prompt)))
+
+
+def test_a_stall_is_left_out_of_the_step_fit():
+    from replica.cost_meter import StepCostFit
+
+    fit = StepCostFit(decay=1.0)
+    for rows in (1, 2, 4, 8) * 10:
+        fit.observe((20.0 + 3.0 * rows) / 1000.0, 0, 0.0, rows)
+    fit.observe(2.0, 0, 0.0, 1)  # a 2 s compile
+    assert fit.num_outliers == 1
+    assert fit.coefficients()[0] == pytest.approx(20.0, rel=0.01)
