@@ -74,7 +74,7 @@ class _ReplicaState:
     needs_snapshot: bool = True
     guessed: bool = False
     """Keys were added by ``expect_keys`` since the last snapshot: the next snapshot replaces them with the truth."""
-    keys: dict[PageKey, int] = field(default_factory=dict)
+    keys: dict[PageKey, float] = field(default_factory=dict)
     """Held key -> the replica's eviction count (``evictions``) when it was last touched (stored or routed here)."""
     retained: dict[PageKey, float] = field(default_factory=dict)
     """Keys the replica holds under a retention -> router time the retention ends (``math.inf``: pinned)."""
@@ -266,23 +266,27 @@ class PrefixIndex:
         return 0.0 if state is None else state.eviction_rate
 
     # ---- checks ----------------------------------------------------------------------------------------------------
-    def expect_keys(self, replica_id: str, page_keys: Sequence[PageKey]) -> None:
+    def expect_keys(self, replica_id: str, page_keys: Sequence[PageKey], wait_s: float = 0.0) -> None:
         """Optimistically mark ``page_keys`` as held by ``replica_id`` right after a request was routed there: its
         stored events arrive only after the prefill, and without this a second request with the same new prefix,
         routed meanwhile, would find no holder and could land elsewhere (computing the prefix twice). A wrong guess
         (the request failed, the pages were evicted) costs one cache miss and is corrected by the replica's next
-        snapshot or removal event."""
+        snapshot or removal event. ``wait_s``: when the request is expected to be admitted there; its pages count as
+        touched then (at the eviction count projected for that moment), since the request will use them."""
         state = self._state_of(replica_id)
         held = state.keys
         now = state.evictions
+        if wait_s > 0.0 and state.eviction_rate > 0.0:
+            now = state.evictions + state.eviction_rate * wait_s
         new_keys = []
         for key in page_keys:
             if key in held:
-                held[key] = now  # the routed request will use it: LRU moves it to the tail
+                if held[key] < now:
+                    held[key] = now  # the routed request will use it: LRU moves it to the tail
             else:
                 new_keys.append(key)
         if new_keys:
-            self._add_keys(state, new_keys)
+            self._add_keys(state, new_keys, now)
             state.guessed = True
 
     def check_integrity(self) -> None:
@@ -364,14 +368,17 @@ class PrefixIndex:
         state.needs_snapshot = True
         state.guessed = False
 
-    def _add_keys(self, state: _ReplicaState, keys: Collection[PageKey]) -> None:
+    def _add_keys(self, state: _ReplicaState, keys: Collection[PageKey], touched: float | None = None) -> None:
         holder_masks = self._key_to_holder_mask
         bit = state.bit
         held = state.keys
-        touched = state.evictions  # one object shared by the batch
+        if touched is None:
+            touched = state.evictions  # one object shared by the batch
         for key in keys:
             holder_masks[key] = holder_masks.get(key, 0) | bit
-            held[key] = touched
+            before = held.get(key)
+            if before is None or before < touched:  # a touch expected later (a routed request) stands
+                held[key] = touched
 
     def _drop_keys(self, state: _ReplicaState, keys: Collection[PageKey]) -> None:
         holder_masks = self._key_to_holder_mask

@@ -409,7 +409,7 @@ def test_a_retained_prefix_stays_a_hit_on_a_churning_replica_and_an_unretained_o
         index = PrefixIndex(clock=clock)
         index.note_residency("a", num_evictions=0, num_lru_pages=100)
         index.apply_events("a", [PagesStored(1, tuple(PROMPT))])
-        policy = PrefixAwarePolicy(index, PolicyConfig(enable_cost_model=cost_model))
+        policy = PrefixAwarePolicy(index, PolicyConfig(enable_cost_model=cost_model, enable_residency_aging=True))
         clock.now += 1.0
         churn(policy, clock, "a")  # 1000 pages evicted since the prompt was stored, past the queue of 100
         if retained:  # the replica reports the prompt's pages retained for another 60 s
@@ -419,8 +419,13 @@ def test_a_retained_prefix_stays_a_hit_on_a_churning_replica_and_an_unretained_o
     kept, aged = route(retained=True), route(retained=False)
     assert (kept.replica_id, kept.reason, kept.matched_pages) == ("a", RoutingReason.PREFIX_HIT, 4)
     assert (aged.replica_id, aged.reason, aged.peer_hint) == ("b", RoutingReason.NO_MATCH, None)
-    # pure affinity believes the index as it is
+    # pure affinity believes the index as it is, and so does the cost model without residency aging (the default)
     assert route(retained=False, cost_model=False).reason is RoutingReason.PREFIX_HIT
+    index = PrefixIndex()
+    index.apply_events("a", [PagesStored(1, tuple(PROMPT))])
+    index.note_residency("a", num_evictions=0, num_lru_pages=1)
+    index.note_residency("a", num_evictions=10**6, num_lru_pages=1)
+    assert PrefixAwarePolicy(index).choose(PROMPT, loads(a=1, b=0), now=0.0).reason is RoutingReason.PREFIX_HIT
 
 
 def test_decisions_are_counted_by_replica_and_reason():

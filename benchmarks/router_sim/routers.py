@@ -244,6 +244,15 @@ def make_router(name: str, view, cost: CostModel, seed: int = 0) -> Router:
         router = Ours(view, seed, page_size=cost.page_size, max_num_batched_tokens=cost.max_num_batched_tokens)
         router.name = name
         router.uses_measured_costs = True
+        router.uses_residency = True
+        return router
+    if name == "prefixserve-residency":
+        # prefixserve-measured with residency aging on (PolicyConfig.enable_residency_aging)
+        router = Ours(view, seed, page_size=cost.page_size, max_num_batched_tokens=cost.max_num_batched_tokens,
+                      enable_residency_aging=True)
+        router.name = name
+        router.uses_measured_costs = True
+        router.uses_residency = True
         return router
     if name == "prefixserve-defaults":
         # the cost model with PolicyConfig's defaults only (what the router had before replicas measured anything)

@@ -176,8 +176,9 @@ class Simulation:
         index = self.view.index
         loads = self.view.loads
         measured = getattr(self.router, "uses_measured_costs", False)
+        residency = getattr(self.router, "uses_residency", False)
         for replica in self.replicas:
-            if measured:  # before the events, as the Ray adapter does
+            if residency:  # before the events, as the Ray adapter does
                 index.note_residency(replica.replica_id, num_evictions=replica.num_evicted,
                                      num_lru_pages=replica.num_not_in_use)
             events = replica.drain_events()
