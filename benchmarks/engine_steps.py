@@ -3,11 +3,13 @@ busy box inflates them less than wall time): a cold 1792-token prefill; a batch-
 1536-token prefixes (one each) + 256 own tokens; a step that adds a new request's 256-token suffix against a cached
 prefix to those 4 decodes; and a batch-8 decode step where pairs of requests share their prefixes.
 
-With ``--compare-generic`` every measurement is repeated, alternating, with the device-generic attention path (SDPA over
-gathered K/V with masks) instead of the CPU in-place path, and the two are printed side by side.
+With ``--compare-aten-decode`` every measurement is repeated, alternating, with the decode rows attended by ATen's
+flash kernel run by run (merged by log-sum-exp) instead of the C++ decode kernel (``replica.cpu_kernels``); with
+``--compare-generic``, with the device-generic attention path (SDPA over gathered K/V with masks). The paths are
+printed side by side, with the first one's time over each other's.
 
     PYTHONPATH=. .venv/bin/python benchmarks/engine_steps.py --model DIR [--dtype bfloat16] [--rounds 3]
-        [--compare-generic] [--enforce-eager]
+        [--compare-aten-decode] [--compare-generic] [--enforce-eager]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 import torch
 
 import replica.paged_attention as paged_attention
+from replica import cpu_kernels
 from common.types import EngineRequest, SamplingParams
 from replica.config import EngineConfig
 from replica.engine import build_engine
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compare-aten-decode", action="store_true")
     parser.add_argument("--compare-generic", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
@@ -85,23 +89,30 @@ def main() -> None:
         drain()
         return out
 
-    paths = {"in place": True, "generic": False} if args.compare_generic else {"in place": True}
+    kernel = cpu_kernels.load()
+    paths = {("in place, C++ decode" if kernel else "in place"): (True, kernel)}  # name: (_CPU_SEGMENTS, kernel)
+    if args.compare_aten_decode and kernel:
+        paths["in place, ATen decode"] = (True, False)
+    if args.compare_generic:
+        paths["generic"] = (False, False)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
     for round_index in range(args.rounds + 1):  # round 0 warms up (first use of each shape)
-        for name, flag in paths.items():
-            paged_attention._CPU_SEGMENTS = flag
+        for name, (segments, decode_kernel) in paths.items():
+            paged_attention._CPU_SEGMENTS = segments
+            paged_attention._CPU_DECODE_KERNEL = decode_kernel
             measured = one_round()
             if round_index:
                 results[name].append(measured)
+    first, *others = paths
     header = " | ".join(f"{name} (best of {args.rounds})" for name in paths)
-    print(f"| step ({args.dtype}, CPU ms of the engine thread) | {header} |" + (" in place / generic |"
-                                                                              if args.compare_generic else ""))
-    print("|---|" + "---|" * (len(paths) + (1 if args.compare_generic else 0)))
+    ratios = "".join(f" {first} / {other} |" for other in others)
+    print(f"| step ({args.dtype}, CPU ms of the engine thread) | {header} |{ratios}")
+    print("|---|" + "---|" * (2 * len(paths) - 1))
     for measurement in MEASUREMENTS:
         best = {name: min(r[measurement] for r in rounds) for name, rounds in results.items()}
         cells = " | ".join(f"{best[name]:.1f}" for name in paths)
-        ratio = f" {best['in place'] / best['generic']:.2f}x |" if args.compare_generic else ""
-        print(f"| {measurement} | {cells} |{ratio}")
+        ratio_cells = "".join(f" {best[first] / best[other]:.2f}x |" for other in others)
+        print(f"| {measurement} | {cells} |{ratio_cells}")
 
 
 if __name__ == "__main__":

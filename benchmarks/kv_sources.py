@@ -1,7 +1,10 @@
 """Time to obtain the KV pages of a shared prefix from each source, side by side in one run:
 recompute (prefill), peer copy (another process, through Ray's object store), Redis host tier, Arrow disk tier.
-Then TTFT of a request whose prefix lives on the other replica with peer copy on, with copy off (shared tier only),
-and with no shared tier at all (recompute).
+Each fetch includes the write into the reader's page pool; wall time and the reading thread's CPU time are reported
+(the peer row's CPU excludes the holder process and Ray's threads).
+Then TTFT of a request (prefix + new suffix) whose prefix is: in the replica's own cache (local hit, the reference),
+on the other replica (peer copy on), only in Redis, only on disk, or nowhere (recompute); with the ratio to the local
+hit. Background tier writes are flushed between measurements so one row does not slow the next.
 
 Usage (needs a redis-server binary; the script starts its own on a free port):
     python benchmarks/kv_sources.py [--prefix-len 2048] [--rounds 5] [--dtype bfloat16] [--tiers-only]
@@ -40,6 +43,14 @@ from bench.tiny_models import write_tiny_model
 MODEL_DIR = Path(tempfile.gettempdir()) / "prefixserve-bench-llama-512x8"
 
 
+def export_pages(engine, keys):
+    """What a replica's ``export_pages`` answers a peer (one contiguous tensor where this checkout supports it)."""
+    try:
+        return engine.export_pages(keys, contiguous=True)
+    except TypeError:  # a checkout before contiguous exports
+        return engine.export_pages(keys)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -52,7 +63,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def engine_config(args, replica_id: str) -> EngineConfig:
-    return EngineConfig(model=str(MODEL_DIR), dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
+    return EngineConfig(model=str(MODEL_DIR), dtype=args.dtype, kv_cache_memory_bytes=256 << 20,
                         max_num_batched_tokens=4096, max_model_len=4096, replica_id=replica_id)
 
 
@@ -71,7 +82,7 @@ class Holder:
         return len(self.engine.page_keys(prompt))
 
     def export(self, keys):
-        return bundle_pages(self.engine.export_pages(list(keys)))
+        return bundle_pages(export_pages(self.engine, list(keys)))
 
 
 class RayPeerClient:
@@ -110,6 +121,7 @@ def main(argv=None) -> int:
                                   stdout=subprocess.DEVNULL)
     disk_dir = tempfile.mkdtemp(prefix="prefixserve-bench-disk-")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not args.tiers_only:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -120,18 +132,21 @@ def main(argv=None) -> int:
         page_format = page_format_of(reader)
         host, disk = build_tiers(page_format, redis_url=redis_url, disk_cache_dir=disk_dir, disk_budget_bytes=4 << 30)
         results = {"recompute": [], "peer": [], "host": [], "disk": []}
+        cpu = {name: [] for name in results}
         if args.tiers_only:
             del results["peer"]
+            del cpu["peer"]
         for r in range(args.rounds):
             prefix = tokens(args.prefix_len, seed=r)
             keys = reader.page_keys(prefix)
             slices = [prefix[i * 128:(i + 1) * 128] for i in range(len(keys))]
             # recompute: prefill the prefix on the reader
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             reader.add_request(EngineRequest(f"r{r}", prefix, SamplingParams(max_tokens=1, temperature=0.0)))
             while reader.has_work():
                 reader.step()
             results["recompute"].append(time.perf_counter() - start)
+            cpu["recompute"].append(time.thread_time() - cpu_start)
             pages = reader.export_pages(keys)
             PrefixFetcher(page_format, tiers=[host, disk]).store(pages)
             host.flush(30)
@@ -140,66 +155,83 @@ def main(argv=None) -> int:
             if not args.tiers_only:
                 ray.get(holder.compute.remote(prefix))
                 # peer: export on the holder process, object store, unbundle, write into the reader's pool
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.thread_time()
                 got = unbundle_pages(ray.get(holder.export.remote(keys)))
                 for page in got:
                     reader.runner.write_page(page_id, page.kv)
                 results["peer"].append(time.perf_counter() - start)
+                cpu["peer"].append(time.thread_time() - cpu_start)
                 assert len(got) == len(keys)
             for name, tier in (("host", host), ("disk", disk)):
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.thread_time()
                 loaded = tier.load(keys, slices)
                 for kv in loaded:
                     reader.runner.write_page(page_id, kv)
                 results[name].append(time.perf_counter() - start)
+                cpu[name].append(time.thread_time() - cpu_start)
                 assert len(loaded) == len(keys), name
 
         med = statistics.median
         base = med(results["recompute"])
-        print(f"\n| source ({args.prefix_len}-token prefix, {len(keys)} pages, {args.dtype}) | median | min | "
-              f"speed-up vs recompute |")
-        print("|---|---|---|---|")
         num_bytes = len(keys) * page_format.page_num_bytes
-        print(f"\n{len(keys)} pages = {num_bytes / 2**20:.1f} MiB; effective GB/s = bytes / median time "
-              "(fetch + verify + decode + write into the pool)")
+        print(f"\n{len(keys)} pages = {num_bytes / 2**20:.1f} MiB; effective GB/s = bytes / median wall time "
+              "(fetch + verify + decrypt + write into the pool); CPU = the reading thread's time.thread_time")
+        print(f"\n| source ({args.prefix_len}-token prefix, {len(keys)} pages, {args.dtype}) | median | min | "
+              "speed-up vs recompute | effective GB/s | reader thread CPU median | GB/s per CPU-second |")
+        print("|---|---|---|---|---|---|---|")
         for name, values in results.items():
             print(f"| {name} | {med(values) * 1000:.1f} ms | {min(values) * 1000:.1f} ms | {base / med(values):.1f}x |"
-                  f" {num_bytes / med(values) / 1e9:.2f} GB/s |")
+                  f" {num_bytes / med(values) / 1e9:.2f} | {med(cpu[name]) * 1000:.1f} ms |"
+                  f" {num_bytes / med(cpu[name]) / 1e9:.2f} |")
         if args.tiers_only:
             host.close()
             disk.close()
             return 0
 
-        # TTFT of a request whose prefix lives on the other replica
-        def make(peer: bool, tiers: bool, rid: str) -> AsyncEngine:
+        # TTFT of a request whose prefix is local, on the other replica, in one shared tier, or nowhere
+        def make(rid: str, *, peer: bool = False, redis: bool = False, disk: bool = False) -> AsyncEngine:
             engine = build_engine(engine_config(args, rid))
             fmt = page_format_of(engine)
-            fetcher = PrefixFetcher(fmt, tiers=build_tiers(fmt, redis_url=redis_url, disk_cache_dir=None,
-                                                            disk_budget_bytes=0) if tiers else [],
-                                    peer_client=RayPeerClient(holder) if peer else None, own_replica_id=rid)
+            tiers = build_tiers(fmt, redis_url=redis_url if redis else None, disk_cache_dir=disk_dir if disk else None,
+                                disk_budget_bytes=4 << 30) if (redis or disk) else []
+            fetcher = PrefixFetcher(fmt, tiers=tiers, peer_client=RayPeerClient(holder) if peer else None,
+                                    own_replica_id=rid)
             return AsyncEngine(engine, fetcher)
 
-        modes = {"copy on (peer)": make(True, True, "m1"), "copy off (Redis tier)": make(False, True, "m2"),
-                 "no shared tier (recompute)": make(False, False, "m3")}
+        modes = {"local hit (reference)": make("m0"), "peer copy (copy on, Redis behind it)": make("m1", peer=True,
+                                                                                                 redis=True),
+                 "Redis tier (copy off)": make("m2", redis=True), "disk tier": make("m3", disk=True),
+                 "recompute (no shared tier)": make("m4")}
         ttfts = {name: [] for name in modes}
         sources = {}
-        for r in range(args.rounds):
+
+        def settle(eng: AsyncEngine) -> None:
+            for tier in eng.fetcher.tiers:
+                tier.flush(30)
+
+        for r in range(args.rounds + 1):  # round 0 warms every engine up and is not counted
             prefix = tokens(args.prefix_len, seed=100 + r)
             ray.get(holder.compute.remote(prefix))
             keys = reader.page_keys(prefix)
             writer_pages = unbundle_pages(ray.get(holder.export.remote(keys)))
-            PrefixFetcher(page_format, tiers=[host]).store(writer_pages)
+            PrefixFetcher(page_format, tiers=[host, disk]).store(writer_pages)
             host.flush(30)
+            disk.flush(30)
+            ttft(modes["local hit (reference)"], prefix, f"warm-{r}")  # the prefix into the local replica's cache
             for name, eng in modes.items():
                 prompt = prefix + tokens(args.suffix_len, seed=200 + r)
                 elapsed, cached = ttft(eng, prompt, f"{name}-{r}", peer_hint="holder")
-                ttfts[name].append(elapsed)
-                sources[name] = cached
-        print(f"\n| TTFT, prefix held by the other replica ({args.prefix_len}+{args.suffix_len} tokens) | median | "
-              f"cached tokens by source |")
-        print("|---|---|---|")
+                settle(eng)
+                if r:
+                    ttfts[name].append(elapsed)
+                    sources[name] = cached
+        reference = med(ttfts["local hit (reference)"])
+        print(f"\n| TTFT ({args.prefix_len}+{args.suffix_len} tokens, {args.dtype}), prefix from | median | min | "
+              "ratio to the local hit (median) | cached tokens by source |")
+        print("|---|---|---|---|---|")
         for name, values in ttfts.items():
-            print(f"| {name} | {med(values) * 1000:.1f} ms | {sources[name]} |")
+            print(f"| {name} | {med(values) * 1000:.1f} ms | {min(values) * 1000:.1f} ms | "
+                  f"{med(values) / reference:.2f}x | {sources[name]} |")
         for eng in modes.values():
             eng.shutdown()
         host.close()

@@ -1,6 +1,7 @@
 """Cost of loading 16 pages (16 MiB, bfloat16, 8 layers x 4 KV heads x 64) from the Redis and disk tiers and writing them
-into a page pool: wall time and this process's CPU time, so that two page codecs can be compared on a busy machine
-(wall time there mostly measures the neighbours; CPU time per byte is what the codec costs).
+into a page pool: wall time, the loading thread's CPU time (``time.thread_time``) and, for Redis, the server's CPU time
+(from /proc), so that two page codecs can be compared on a busy machine (wall time there mostly measures the
+neighbours; CPU time per byte is what the codec costs).
 
 Runs against whatever checkout is first on the path; compare two by running it from each, alternating:
 
@@ -42,6 +43,13 @@ NUM_PAGES = 16
 ROUNDS = 21
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc; clock-tick resolution)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     torch.set_num_threads(1)
     fmt = PageFormat(model_fingerprint="m", dtype="bfloat16", page_size=128, num_layers=8, num_kv_heads=4,
@@ -55,9 +63,9 @@ def main() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--save", "", "--appendonly", "no",
-                               "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"],
-                              stdout=subprocess.DEVNULL)
+    server_proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--save", "", "--appendonly",
+                                    "no", "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"],
+                                   stdout=subprocess.DEVNULL)
     time.sleep(0.5)
     folder = tempfile.mkdtemp(prefix="prefixserve-tier-load-")
     extra = {"tier_key": TierKey.generate()} if TierKey and "tier_key" in inspect.signature(DiskTier).parameters else {}
@@ -79,18 +87,24 @@ def main() -> int:
         for name, tier in tiers.items():
             for _ in range(3):
                 load(tier)
-            wall, cpu = [], []
+            wall, cpu, server = [], [], []
             for _ in range(ROUNDS):
-                started, cpu_started = time.perf_counter(), time.process_time()
+                server_started = process_cpu_seconds(server_proc.pid)
+                started, cpu_started = time.perf_counter(), time.thread_time()
                 load(tier)
                 wall.append(time.perf_counter() - started)
-                cpu.append(time.process_time() - cpu_started)
+                cpu.append(time.thread_time() - cpu_started)
+                server.append(process_cpu_seconds(server_proc.pid) - server_started)
             wall.sort()
             cpu.sort()
+            server.sort()
             mid = ROUNDS // 2
+            server_note = (f" | redis-server CPU mean {sum(server) / ROUNDS * 1e3:.1f} ms (clock ticks, summed "
+                           "over the rounds)" if name == "host" else "")
             print(f"{name}: wall median {wall[mid] * 1e3:.1f} ms min {wall[0] * 1e3:.1f} ms "
                   f"({num_bytes / wall[mid] / 1e9:.2f} GB/s median, {num_bytes / wall[0] / 1e9:.2f} best) | "
-                  f"CPU median {cpu[mid] * 1e3:.1f} ms ({num_bytes / cpu[mid] / 1e9:.2f} GB/s per CPU-second)")
+                  f"thread CPU median {cpu[mid] * 1e3:.1f} ms min {cpu[0] * 1e3:.1f} ms "
+                  f"({num_bytes / cpu[mid] / 1e9:.2f} GB/s per CPU-second){server_note}")
             if "--prof" in sys.argv:
                 profile = cProfile.Profile()
                 profile.enable()
@@ -101,7 +115,7 @@ def main() -> int:
     finally:
         for tier in tiers.values():
             tier.close()
-        server.terminate()
+        server_proc.terminate()
         shutil.rmtree(folder, ignore_errors=True)
     return 0
 

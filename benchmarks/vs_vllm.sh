@@ -20,6 +20,9 @@
 # budget and max-model-len 4096. Threads: prefixserve runs 1 torch thread per replica (--num-cpus-per-replica 1);
 # vLLM with VLLM_CPU_OMP_THREADS_BIND=auto binds 1 OpenMP thread to core 0 and reserves core 1 for its API server.
 # KV_GIB (2): KV cache memory of both servers (vLLM's VLLM_CPU_KVCACHE_SPACE, prefixserve's --kv-cache-memory).
+# PREFIXSERVE_ARGS: more `prefixserve serve` flags (e.g. --no-direct-ingress); VC_TAG: a suffix for vllm-client's raw
+# file names (e.g. -proxy), so runs of one server in two configurations sit side by side;
+# VC_SERVERS ("prefixserve vllm"): the servers vllm-client runs, in order.
 # prefixserve's disk KV tier is off (--no-enable-disk-cache) so no state carries over between runs.
 # Servers this script starts are stopped when it exits, however it exits.
 set -euo pipefail
@@ -164,7 +167,8 @@ start_prefixserve() {
     "$PROJECT_PY" -m cluster serve --model "$MODEL_DIR" --served-model-name tiny-llama --dtype "$DTYPE" \
       --kv-cache-page-size 128 --max-model-len 4096 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
       --max-num-seqs "$MAX_NUM_SEQS" --data-parallel-degree 1 --num-cpus-per-replica "${PREFIXSERVE_CPUS:-1}" --devices cpu \
-      --kv-cache-memory "${KV_GIB}GiB" --no-enable-disk-cache --host 127.0.0.1 --port "$PREFIXSERVE_PORT" "$flag"
+      --kv-cache-memory "${KV_GIB}GiB" --no-enable-disk-cache --host 127.0.0.1 --port "$PREFIXSERVE_PORT" "$flag" \
+      ${PREFIXSERVE_ARGS:-}
   wait_ready "$PREFIXSERVE_PORT" "$name"
   PORT="$PREFIXSERVE_PORT"
 }
@@ -214,6 +218,7 @@ run_server() {
 vllm_client() {
   local server="$1" cmd tag=""
   [[ "${VC_CACHING:-on}" == off ]] && tag="-caching-off"
+  tag="$tag${VC_TAG:-}"
   log "$server $DTYPE: vllm bench serve (prefix_repetition, caching ${VC_CACHING:-on})"
   cmd=(env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_TARGET_DEVICE=cpu
        "$VLLM_VENV/bin/python" "$HERE/vllm_wrapper.py" bench serve --backend openai

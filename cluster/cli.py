@@ -106,6 +106,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     cache.add_argument("--enable-dp-cross-replica-prefix-copy", action=argparse.BooleanOptionalAction, default=None,
                        help="copy cached pages from the replica that holds them instead of recomputing "
                             "(default: on with prefix caching)")
+    cache.add_argument("--enable-hot-prefix-replication", action=argparse.BooleanOptionalAction,
+                       default=default("enable_hot_prefix_replication"),
+                       help="copy a prefix whose holders are all busy to a less loaded replica ahead of need, by peer "
+                            "copy (needs cross-replica prefix copy; off by default)")
+    cache.add_argument("--hot-prefix-min-requests", type=int, default=default("hot_prefix_min_requests"),
+                       help="requests of one prefix within 5 s before it counts as hot")
+    cache.add_argument("--hot-prefix-busy-requests", type=int, default=default("hot_prefix_busy_requests"),
+                       help="running + waiting requests at which a holder of a hot prefix is busy")
+    cache.add_argument("--hot-prefix-copy-budget", type=int, default=default("hot_prefix_copy_budget"),
+                       help="KV pages copied ahead of need per 10 s, all prefixes together")
     cache.add_argument("--redis-url", default=None,
                        help="shared host-memory KV tier, e.g. redis://:PASSWORD@127.0.0.1:6379/0, or rediss://... "
                             "for TLS (default: off)")
@@ -138,6 +148,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=default("host"), help="HTTP bind address (0.0.0.0: all interfaces)")
     server.add_argument("--port", type=int, default=default("port"), help="HTTP port")
+    server.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=default("direct_ingress"),
+                        help="with a Ray started here, the ingress replica serves --port itself, with no Serve HTTP "
+                             "proxy hop in front (on by default)")
     server.add_argument("--api-key", default=os.environ.get("PREFIXSERVE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/*, /metrics and the admin routes "
                              "(default: $PREFIXSERVE_API_KEY, else none)")
@@ -236,6 +249,9 @@ def run_serve(config: ServeConfig) -> int:
             return fail(f"prefixserve serve: error: {problem}", EXIT_USAGE)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     ray_options = local_ray_options(config)  # before importing ray: it reads its environment at import
+    proxy_port = config.port
+    if local and config.direct_ingress:
+        proxy_port = enable_direct_ingress(config)
 
     import ray
     from ray import serve
@@ -269,12 +285,14 @@ def run_serve(config: ServeConfig) -> int:
         problem = check_cluster_resources(config, ray.cluster_resources(), local=local)
         if problem:
             return fail(f"prefixserve serve: error: {problem}", EXIT_USAGE)
-        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.start(http_options={"host": config.host, "port": proxy_port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         deployed = True
+        path = (f"direct ingress; Serve's HTTP proxy at port {proxy_port}" if proxy_port != config.port
+                else "through Serve's HTTP proxy")
         print(
             f"prefixserve: serving {config.served_model_name!r} at http://{config.host}:{config.port}/v1 with "
-            f"{config.data_parallel_degree} replica(s) on {config.devices}; Ctrl-C to stop",
+            f"{config.data_parallel_degree} replica(s) on {config.devices} ({path}); Ctrl-C to stop",
             flush=True,
         )
         while True:
@@ -326,6 +344,23 @@ def local_ray_options(config: ServeConfig) -> dict:
         return {}
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     return {"_node_ip_address": "127.0.0.1", "dashboard_host": "127.0.0.1"}
+
+
+def enable_direct_ingress(config: ServeConfig) -> int:
+    """Environment of a Ray started here (every Ray process inherits it) for Serve's direct ingress: the ingress
+    replica's own HTTP server takes ``--port`` (the port range is that one port), Serve's proxy gets a free port
+    (returned), and the replica is not held open after a drain (``drain_app`` already waited for requests)."""
+    with socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET) as probe:
+        probe.bind((config.host, 0))
+        proxy_port = probe.getsockname()[1]
+    os.environ.update({
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(config.port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(config.port + 1),  # range(min, max): max is excluded
+        "RAY_SERVE_DIRECT_INGRESS_PORT_RETRY_COUNT": "3",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    })
+    return proxy_port
 
 
 def is_loopback(host: str) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from replica.config import DEVICES, DTYPES, EngineConfig, KVEventsConfig, default_cache_dir, field_default
+from router.replication import ReplicationConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 BUNDLED_MODEL_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -107,6 +108,11 @@ class ServeConfig:
     """Fraction of each replica's pages that may hold a retention (priority + TTL) at once."""
     host: str = "127.0.0.1"
     port: int = 8000
+    direct_ingress: bool = True
+    """When the CLI starts Ray here: the ingress replica serves HTTP on ``port`` itself (Ray Serve's direct ingress),
+    without Serve's HTTP proxy process in front of it (the proxy moves to a free port). One process hop less for every
+    request and every streamed message (BENCHMARKS.md: 4-stream TPOT 40-52 -> 26-30 ms on 2 cores). On a cluster
+    joined with ``--ray-address`` it is the cluster's setting (``RAY_SERVE_ENABLE_DIRECT_INGRESS`` at ``ray start``)."""
     api_key: str | None = None
     """When set, /v1/* and /reset_prefix_cache require ``Authorization: Bearer <api_key>``."""
     redis_url: str | None = None
@@ -158,6 +164,17 @@ class ServeConfig:
     """/metrics is rendered at most once per this many seconds (scrapers share the result)."""
     require_redis: bool = False
     """Fail at start when --redis-url does not answer (default: a warning and the host tier off)."""
+    # ---- hot-prefix replication (issue 12; router/replication.py) ---------------------------------------------------
+    enable_hot_prefix_replication: bool = False
+    """Copy a prefix whose holders are all busy to a less loaded replica ahead of need. Off by default: on this
+    project's DP=2 CPU measurements (BENCHMARKS.md, hot-prefix replication) it gave no clear gain over the router's
+    reactive spread (busy holder -> peer copy on the request's path)."""
+    hot_prefix_min_requests: int = field_default(ReplicationConfig, "min_requests")
+    """Requests of one prefix within the demand window (5 s) before it counts as hot."""
+    hot_prefix_busy_requests: int = field_default(ReplicationConfig, "busy_requests")
+    """Load (running + waiting requests) at which every holder of a hot prefix counts as busy: copy it elsewhere."""
+    hot_prefix_copy_budget: int = field_default(ReplicationConfig, "budget_pages")
+    """Pages copied ahead of need per 10 s, all prefixes together."""
 
     def __post_init__(self) -> None:
         def set_field(name: str, value: Any) -> None:
@@ -196,6 +213,12 @@ class ServeConfig:
                 "--enable-dp-cross-replica-prefix-copy copies prefix-cache pages, so it needs prefix caching; "
                 "drop it or drop --no-enable-prefix-caching"
             )
+        if self.enable_hot_prefix_replication and not self.enable_dp_cross_replica_prefix_copy:
+            raise ValueError(
+                "--enable-hot-prefix-replication copies prefixes between replicas, so it needs "
+                "--enable-dp-cross-replica-prefix-copy (and prefix caching); drop it or turn copying on"
+            )
+        self.replication_config()  # raises with the flag's rule
         if not isinstance(self.port, int) or not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port!r}")
         if not self.host:
@@ -263,6 +286,16 @@ class ServeConfig:
         return tuple(key for key in (self.metrics_api_key, self.api_key, self.admin_api_key) if key)
 
     # ---- derived ---------------------------------------------------------------------------------------------------
+    def replication_config(self) -> ReplicationConfig:
+        """The hot-prefix planner's settings (ValueError naming the flag when one is out of range)."""
+        try:
+            return ReplicationConfig(min_requests=self.hot_prefix_min_requests,
+                                     busy_requests=self.hot_prefix_busy_requests,
+                                     budget_pages=self.hot_prefix_copy_budget)
+        except ValueError as error:
+            raise ValueError(f"--hot-prefix-min-requests, --hot-prefix-busy-requests and --hot-prefix-copy-budget "
+                             f"must be integers >= 1 ({error})") from None
+
     @property
     def num_threads_per_replica(self) -> int:
         """torch intra-op threads of one replica: its reserved CPUs rounded down, at least one."""

@@ -26,7 +26,8 @@ Names (all prefixed ``prefixserve_``)::
     preemptions_total{replica}             counter
     requests_finished_total{replica}       counter
     kv_fetch_{pages,bytes,seconds,errors}_total{replica,source}   counter  source = peer | host | disk
-    kv_tier_{pages_stored,bytes_stored,pages_dropped,discarded_corrupt,errors}_total{replica,tier}  counter
+    kv_tier_{pages_stored,bytes_stored,pages_dropped,discarded_corrupt,pages_evicted,errors,events_stored,
+             events_removed}_total{replica,tier}  counter
     kv_tier_available{replica,tier}        gauge      1 while the shared tier answers
     kv_peer_pages_total{replica,transport} counter    transport = cuda_ipc (device to device) | host
     kv_page_lifetime_seconds{replica}      histogram  cached -> evicted (like vLLM's --kv-cache-metrics)
@@ -43,6 +44,13 @@ Names (all prefixed ``prefixserve_``)::
     retried_requests_total                 counter    sent again to another replica after theirs was lost
                                                       before the first token
     drained_requests_total{outcome}        counter    in flight at SIGTERM: completed | aborted (past the timeout)
+    hot_prefix_copies_total{outcome}       counter    hot-prefix replication (the ingress's planner): copies
+                                                      planned | started | done | cancelled | failed
+    hot_prefix_copy_pages_total{stage}     counter    pages of those copies: started (budget) | copied (reported)
+    hot_prefix_prefetches_total{replica,outcome}  counter  copies a target replica answered: ok | failed
+    hot_prefix_pages_total{replica,kind}   counter    pages a target replica copied ahead of need | found present
+    hot_prefix_hit_pages_total{replica}    counter    local prefix-cache hits on pages that arrived by a proactive copy
+    hot_prefix_hit_requests_total{replica} counter    requests whose local hit included such a page
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from cluster.vllm_metrics import VllmMetrics
 from common.types import EngineStats, KVSourceStats, RequestOutput
 from router.decision_metrics import DECISIONS, DecisionCounts
 from router.policy import RoutingReason
+from router.replication import ReplicationStats
 
 PREFIX = "prefixserve_"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
@@ -147,7 +156,11 @@ class ReplicaStatsCollector(Collector):
         tier_fields = {"pages_stored": "pages written", "bytes_stored": "KV bytes written",
                        "pages_dropped": "pages not written (queue full or store unreachable)",
                        "discarded_corrupt": "entries discarded as corrupt, stale or foreign",
-                       "errors": "failed operations against the store"}
+                       "pages_evicted": "entries this tier deleted to stay within its budget (disk; Redis evicts "
+                                        "on its own)",
+                       "errors": "failed operations against the store",
+                       "events_stored": "pages announced as stored in KV events (--kv-events-config)",
+                       "events_removed": "pages announced as removed in KV events (evicted, expired or deleted)"}
         for field_name, documentation in tier_fields.items():
             family = CounterMetricFamily(PREFIX + f"kv_tier_{field_name}", f"shared tier: {documentation}",
                                          labels=["replica", "tier"])
@@ -188,6 +201,48 @@ class RouterDecisionsCollector(Collector):
             for reason in RoutingReason:
                 family.add_metric([replica_id, reason.value], totals.get((replica_id, reason.value), 0))
         yield family
+class HotPrefixCollector(Collector):
+    """Hot-prefix replication: the planner's copies (this ingress) and each replica's proactive pages and their hits."""
+
+    def __init__(self) -> None:
+        self._planner: ReplicationStats | None = None
+        self._stats: list[EngineStats] = []
+
+    def set(self, planner: ReplicationStats | None, stats: Iterable[EngineStats]) -> None:
+        self._planner = planner
+        self._stats = sorted((s for s in stats if s.proactive is not None), key=lambda s: s.replica_id)
+
+    def collect(self):
+        copies = CounterMetricFamily(PREFIX + "hot_prefix_copies", "hot-prefix copies by outcome (planner)",
+                                     labels=["outcome"])
+        pages = CounterMetricFamily(PREFIX + "hot_prefix_copy_pages", "pages of hot-prefix copies: started | copied",
+                                    labels=["stage"])
+        planner = self._planner
+        if planner is not None:
+            for outcome in ("planned", "started", "done", "cancelled", "failed"):
+                copies.add_metric([outcome], getattr(planner, f"num_{outcome}"))
+            pages.add_metric(["started"], planner.num_pages_started)
+            pages.add_metric(["copied"], planner.num_pages_copied)
+        prefetches = CounterMetricFamily(PREFIX + "hot_prefix_prefetches", "proactive copies a replica answered",
+                                         labels=["replica", "outcome"])
+        replica_pages = CounterMetricFamily(PREFIX + "hot_prefix_pages",
+                                            "pages a replica copied ahead of need | found already cached",
+                                            labels=["replica", "kind"])
+        hit_pages = CounterMetricFamily(PREFIX + "hot_prefix_hit_pages",
+                                        "local prefix-cache hits on pages that arrived by a proactive copy",
+                                        labels=["replica"])
+        hit_requests = CounterMetricFamily(PREFIX + "hot_prefix_hit_requests",
+                                           "requests whose local hit included a proactively copied page",
+                                           labels=["replica"])
+        for stats in self._stats:
+            report = stats.proactive
+            prefetches.add_metric([stats.replica_id, "ok"], report.num_prefetches - report.num_failed)
+            prefetches.add_metric([stats.replica_id, "failed"], report.num_failed)
+            replica_pages.add_metric([stats.replica_id, "copied"], report.num_pages_copied)
+            replica_pages.add_metric([stats.replica_id, "present"], report.num_pages_present)
+            hit_pages.add_metric([stats.replica_id], report.num_hit_pages)
+            hit_requests.add_metric([stats.replica_id], report.num_hit_requests)
+        yield from (copies, pages, prefetches, replica_pages, hit_pages, hit_requests)
 
 
 class IngressMetrics:
@@ -230,6 +285,8 @@ class IngressMetrics:
         self.registry.register(RouterDecisionsCollector())
         self.vllm = VllmMetrics(model_name)  # the same numbers under vLLM's names (cluster/vllm_metrics.py)
         self.registry.register(self.vllm)
+        self.hot_prefix = HotPrefixCollector()
+        self.registry.register(self.hot_prefix)
 
     def observe_first_token(self, seconds: float, output: RequestOutput | None = None) -> None:
         self.ttft.observe(seconds)
@@ -244,9 +301,17 @@ class IngressMetrics:
             self.cached_prompt_tokens.labels(replica, source).inc(value)
         self.vllm.observe_finished(output)
 
-    def render(self, replica_stats: Sequence[EngineStats], kv_sources: Sequence[KVSourceStats] = ()) -> bytes:
-        """Prometheus text exposition with ``replica_stats`` as the per-replica engine numbers and ``kv_sources``
-        as each replica's ``kv_source_stats()``."""
+    def observe_aborted(self, reason: str, replica_id: str | None, key: str | None = None) -> None:
+        """A request ended before finishing (``reason``: client_gone, deadline, replica_lost, ...) on ``replica_id``
+        (None: not known); ``key``: its engine request id."""
+        self.aborted.labels(reason).inc()
+        self.vllm.observe_aborted(reason, replica_id, key)
+
+    def render(self, replica_stats: Sequence[EngineStats], kv_sources: Sequence[KVSourceStats] = (),
+               hot_prefix: ReplicationStats | None = None) -> bytes:
+        """Prometheus text exposition with ``replica_stats`` as the per-replica engine numbers, ``kv_sources``
+        as each replica's ``kv_source_stats()`` and ``hot_prefix`` as the replication planner's counters (None: off)."""
         self.replica_stats.set(replica_stats, kv_sources)
+        self.hot_prefix.set(hot_prefix, replica_stats)
         self.vllm.set_replicas(replica_stats)
         return generate_latest(self.registry)

@@ -28,6 +28,9 @@ error event and ``data: [DONE]``. ``drain()`` (SIGTERM in the CLI) turns new req
 shutdown_timeout_s for those in flight, then cuts the rest that way.
 
 Page keys are computed with the replicas' model fingerprint, asked once from a replica (``info()``) on first use.
+
+With hot-prefix replication on, the ingress owns the replication planner (``cluster/hot_prefix.py``): the router in
+this process feeds it, and a task on this loop sends its copies to the replicas, off the request path.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI must see the real ``Request`` annotation on the methods that
@@ -53,6 +56,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import admin_api
 from cluster.config import ServeConfig
+from cluster.hot_prefix import HotPrefixCopier
 from cluster.metrics import IngressMetrics
 from cluster.protocol import (
     CHARS_PER_TOKEN_BOUND,
@@ -230,6 +234,14 @@ class OpenAIIngress:
         self._metrics_body = b""
         self._metrics_at = -float("inf")
         self._metrics_lock = asyncio.Lock()
+        self.hot_prefix = self._hot_prefix_copier(replicas, config)
+
+    @staticmethod
+    def _hot_prefix_copier(replicas: Any, config: ServeConfig) -> "HotPrefixCopier | None":
+        """Hot-prefix replication (cluster/hot_prefix.py), when on: its planner is fed by this process's router."""
+        if not config.enable_hot_prefix_replication or getattr(replicas, "deployment_id", None) is None:
+            return None
+        return HotPrefixCopier(replicas, config.replication_config())
 
     # ---- endpoints -------------------------------------------------------------------------------------------------
     @api.post("/v1/completions")
@@ -319,6 +331,8 @@ class OpenAIIngress:
         ones in flight, then end the rest with an SSE error event and [DONE]. Returns how many completed and how many
         were cut; calling it again only waits again."""
         self._draining = True
+        if self.hot_prefix is not None:
+            self.hot_prefix.stop()
         timeout_s = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
         num_at_start = self._num_inflight
         logger.info("draining: %d request(s) in flight, waiting up to %.0f s", num_at_start, timeout_s)
@@ -344,6 +358,8 @@ class OpenAIIngress:
                                                status=503, type="server_error", code="shutting_down",
                                                retry_after_s=RETRY_AFTER_S))
         self._enter()
+        if self.hot_prefix is not None:
+            self.hot_prefix.ensure_started()
         handed_to_stream = False
         try:
             response = await self._generation_response(http_request, kind)
@@ -382,7 +398,7 @@ class OpenAIIngress:
                     error = APIError(f"the replica serving the request was lost twice ({lost}); retry later",
                                      status=503, type="server_error", code="replica_lost",
                                      retry_after_s=RETRY_AFTER_S)
-                    self.metrics.aborted.labels("replica_lost").inc()
+                    self.metrics.observe_aborted("replica_lost", None, key=engine_request.request_id)
                     return api_error_response(error)
                 self.metrics.retried.inc()
                 logger.warning("request %s: its replica was lost before the first token (%s); sending it again",
@@ -407,7 +423,7 @@ class OpenAIIngress:
             if request.stream:
                 events = self._stream_events(kind, request_id, request.include_usage, first, stream, key, timer)
                 # the stream's own finally cleans up; a client gone before it started leaves it never iterated
-                weakref.finalize(events, self._end_unstarted_stream, key, stream, timer)
+                weakref.finalize(events, self._end_unstarted_stream, key, stream, timer, first.replica_id)
                 handed_to_stream = True
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
             return JSONResponse(await self._collect(kind, request_id, first, stream, key), headers=headers)
@@ -514,7 +530,7 @@ class OpenAIIngress:
         except StopAsyncIteration:
             raise APIError("the replica ended the request early", status=500, type="server_error") from None
         except RequestCancelledError:
-            self.metrics.aborted.labels(self._request_to_cut.get(key, "cancelled")).inc()
+            self.metrics.observe_aborted(self._request_to_cut.get(key, "cancelled"), first.replica_id, key)
             raise self._cut_error(key) from None
         except REPLICA_LOST_ERRORS as error:
             raise ReplicaLost(type(error).__name__) from None
@@ -555,24 +571,24 @@ class OpenAIIngress:
                     yield sse(chunk_body(kind, request_id, model, created, replica_id, usage=Usage.of(output)))
                 completed = True
             except StopAsyncIteration:
-                self.metrics.aborted.labels("replica_ended").inc()
+                self.metrics.observe_aborted("replica_ended", replica_id, key)
                 yield sse(error_body("the replica ended the request early", type="server_error"))
             except RequestCancelledError:
                 reason = self._request_to_cut.get(key, "cancelled")
-                self.metrics.aborted.labels(reason).inc()
+                self.metrics.observe_aborted(reason, replica_id, key)
                 yield sse(self._cut_error(key, num_tokens).body())
             except REPLICA_LOST_ERRORS as error:
-                self.metrics.aborted.labels("replica_lost").inc()
+                self.metrics.observe_aborted("replica_lost", replica_id, key)
                 yield sse(error_body(f"the replica serving this request was lost ({type(error).__name__}) after "
                                      f"{num_tokens} tokens were sent; send the request again", type="server_error",
                                      code="replica_lost"))
             except Exception as error:  # noqa: BLE001 - reported in the stream
-                self.metrics.aborted.labels("error").inc()
+                self.metrics.observe_aborted("error", replica_id, key)
                 yield sse(replica_error(error).body())
             yield SSE_DONE
         except (asyncio.CancelledError, GeneratorExit):
             if not completed:
-                self.metrics.aborted.labels("client_gone").inc()
+                self.metrics.observe_aborted("client_gone", replica_id, key)
             raise
         finally:
             timer.cancel()
@@ -582,7 +598,7 @@ class OpenAIIngress:
             self._request_to_cut.pop(key, None)
             self._leave()
 
-    def _end_unstarted_stream(self, key: str, stream: Any, timer: asyncio.TimerHandle) -> None:
+    def _end_unstarted_stream(self, key: str, stream: Any, timer: asyncio.TimerHandle, replica_id: str = "") -> None:
         """An SSE response dropped before its generator ran (the client went away first): what its finally would do.
         A no-op when the generator ran (it removed ``key``)."""
         if self._request_to_stream.get(key) is not stream:
@@ -591,7 +607,7 @@ class OpenAIIngress:
         stream.cancel()
         self._request_to_stream.pop(key, None)
         self._request_to_cut.pop(key, None)
-        self.metrics.aborted.labels("client_gone").inc()
+        self.metrics.observe_aborted("client_gone", replica_id, key)
         self._leave()
 
     # ---- in flight, deadlines, drain -------------------------------------------------------------------------------
@@ -647,7 +663,8 @@ class OpenAIIngress:
             kv_sources = [item for item in sources if isinstance(item, KVSourceStats)]
         except Exception:  # noqa: BLE001 - the ingress's own metrics are still worth serving
             logger.warning("could not read the replicas' stats for /metrics", exc_info=True)
-        return self.metrics.render(replica_stats, kv_sources)
+        return self.metrics.render(replica_stats, kv_sources,
+                                   self.hot_prefix.planner.snapshot() if self.hot_prefix is not None else None)
 
     async def _replica_info(self) -> ReplicaInfo:
         """The replicas' model fingerprint, max_model_len and page size, asked once."""

@@ -7,7 +7,8 @@ They are a second view of what cluster/metrics.py measures; the ``prefixserve_*`
 
     vllm:* name (type)                            read from         equals, per replica (prefixserve_*)
     prefix_cache_queries_total (counter)          EngineStats       prefix_cache_queries_total
-    prefix_cache_hits_total (counter)             EngineStats       prefix_cache_hits_total
+    prefix_cache_hits_total (counter)             EngineStats       the local part of prefix_cache_hits_total (as
+                                                                    vLLM: external hits are counted below)
     num_requests_running, _waiting (gauges)       EngineStats       num_requests_running, _waiting
     kv_cache_usage_perc (gauge, 0..1)             EngineStats       kv_pages{state="in_use"} / kv_pages{state="total"}
     num_preemptions_total (counter)               EngineStats       preemptions_total
@@ -18,16 +19,33 @@ They are a second view of what cluster/metrics.py measures; the ``prefixserve_*`
     prompt_tokens_by_source_total{source=         finished request  prompt - cached; local; peer + host + disk
         local_compute|local_cache_hit|external_kv_transfer}
     generation_tokens_total (counter)             finished request
-    request_success_total{finished_reason}        finished request  routing_decisions_total, summed over cache
+    external_prefix_cache_queries_total           finished request  prompt - local cached tokens (what the local
+        (counter)                                                     cache missed and the peer / host / disk
+                                                                    sources were asked for)
+    external_prefix_cache_hits_total (counter)    finished request  cached_prompt_tokens_total{source=peer|host|disk}
+    request_success_total{finished_reason=        finished request  routing_decisions_total, summed over cache
+        stop|length}
+    request_success_total{finished_reason=        ingress           aborted_requests_total: client_gone, deadline,
+        abort|error}                                                  cancelled, shutdown -> abort; replica_lost,
+                                                                    replica_ended, error -> error (where known, the
+                                                                    replica that was serving it, else "unknown")
     time_to_first_token_seconds (histogram)       ingress           time_to_first_token_seconds
     e2e_request_latency_seconds (histogram)       ingress           (parsed request -> last token)
-    inter_token_latency_seconds (histogram)       ingress           (last - first token) / tokens after the first,
-                                                                    observed once per such token: sum and count
-                                                                    exact, intervals averaged within a request
-    request_time_per_output_token_seconds         ingress           the same mean, once per request (vLLM's)
+    inter_token_latency_seconds (histogram)       EngineStats       one observation per output token after the
+                                                                    first: the time since that request's previous
+                                                                    token, on the engine thread
+    request_time_per_output_token_seconds         EngineStats       decode time / (tokens - 1), once per request
+    request_queue_time_seconds (histogram)        EngineStats       queued in the engine -> first scheduled
+    request_prefill_time_seconds (histogram)      EngineStats       first scheduled -> first token
+    request_decode_time_seconds (histogram)       EngineStats       first token -> last token
 
-Times are measured at the ingress (vLLM measures them in its API server process too). Requests the client abandoned
-mid-stream are not counted as finished (vLLM counts them as ``abort``).
+TTFT and e2e latency are measured at the ingress (vLLM measures them in its API server process). The engine-side
+times (common/types.py ``RequestLatencyStats``) come from the replica's engine thread, as vLLM's come from its engine
+core's timestamps: an inter-token interval is the time between two engine steps that each produced one token of the
+request. The Serve stream between replica and ingress coalesces tokens that queue up while the ingress is busy into
+one message; that changes when the client sees them, not these intervals (a client-side ITL, SSE chunk to chunk, is
+what ``prefixserve bench`` reports). As vLLM does, ``request_success`` has a series for every finish reason of every
+replica from the start (0 until it happens).
 """
 
 from __future__ import annotations
@@ -40,15 +58,28 @@ from typing import Iterable, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from common.types import EngineStats, RequestOutput
+from common.types import (VLLM_INTER_TOKEN_LATENCY_BUCKETS, VLLM_REQUEST_LATENCY_BUCKETS, EngineStats, RequestOutput,
+                          TimeHistogram)
 
 TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                               20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+INTER_TOKEN_LATENCY_BUCKETS = VLLM_INTER_TOKEN_LATENCY_BUCKETS
+REQUEST_LATENCY_BUCKETS = VLLM_REQUEST_LATENCY_BUCKETS
 """vLLM's default buckets (``vllm/v1/metrics/buckets.py``)."""
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+"""vLLM's ``FINISH_REASON_STRINGS``: every replica gets a ``request_success`` series for each."""
+ABORT_REASON_TO_FINISH_REASON = {"replica_lost": "error", "replica_ended": "error", "error": "error"}
+"""Our ``aborted_requests`` reasons that are vLLM's "error" (a request-level internal failure); the others (the
+client went away, the deadline, a cancel, shutdown) are "abort"."""
+ENGINE_HISTOGRAMS = {
+    "inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", "inter_token"),
+    "request_time_per_output_token_seconds": ("Histogram of time_per_output_token_seconds per request.",
+                                              "time_per_output_token"),
+    "request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request.", "queue"),
+    "request_prefill_time_seconds": ("Histogram of time spent in PREFILL phase for request.", "prefill"),
+    "request_decode_time_seconds": ("Histogram of time spent in DECODE phase for request.", "decode"),
+}
+"""vLLM's engine-side histograms -> ``RequestLatencyStats`` attributes (measured on the replicas)."""
 SOURCE_TO_VLLM_CACHE_SOURCE = {"local": "device", "peer": "p2p", "host": "host", "disk": "disk"}
 """Our CacheSource values -> vLLM's ``CacheHitSource`` label values."""
 MAX_TRACKED_REQUESTS = 65536
@@ -83,17 +114,15 @@ class VllmMetrics(Collector):
 
     HISTOGRAMS = {
         "time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TIME_TO_FIRST_TOKEN_BUCKETS),
-        "inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", INTER_TOKEN_LATENCY_BUCKETS),
-        "request_time_per_output_token_seconds": ("Histogram of time_per_output_token_seconds per request.",
-                                                  INTER_TOKEN_LATENCY_BUCKETS),
         "e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
     }
+    """Measured at the ingress; the engine-side ones are ``ENGINE_HISTOGRAMS``."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self._histograms: dict[tuple[str, str], BucketCounts] = {}
         self._counters: dict[tuple[str, tuple[str, ...]], float] = {}
-        self._request_to_timing: OrderedDict[str, tuple[float, float, int]] = OrderedDict()
+        self._request_to_started: OrderedDict[str, float] = OrderedDict()
         self._stats: list[EngineStats] = []
 
     # ---- observations ----------------------------------------------------------------------------------------------
@@ -103,10 +132,9 @@ class VllmMetrics(Collector):
         self._histogram("time_to_first_token_seconds", engine).observe(seconds)
         if output is None:
             return
-        now = time.perf_counter()
-        self._request_to_timing[output.request_id] = (now - seconds, now, len(output.new_token_ids))
-        while len(self._request_to_timing) > MAX_TRACKED_REQUESTS:
-            self._request_to_timing.popitem(last=False)
+        self._request_to_started[output.request_id] = time.perf_counter() - seconds
+        while len(self._request_to_started) > MAX_TRACKED_REQUESTS:
+            self._request_to_started.popitem(last=False)
 
     def observe_finished(self, output: RequestOutput) -> None:
         """The last output of a request (``finished``)."""
@@ -123,17 +151,18 @@ class VllmMetrics(Collector):
                               ("local_cache_hit", cached["local"]),
                               ("external_kv_transfer", num_cached - cached["local"])):
             self._add("prompt_tokens_by_source", (engine, source), value)
-        timing = self._request_to_timing.pop(output.request_id, None)
-        if timing is None:
-            return
-        started, first_at, num_first_tokens = timing
-        now = time.perf_counter()
-        self._histogram("e2e_request_latency_seconds", engine).observe(now - started)
-        num_later_tokens = output.num_output_tokens - num_first_tokens
-        if num_later_tokens > 0:
-            mean_interval = (now - first_at) / num_later_tokens
-            self._histogram("inter_token_latency_seconds", engine).observe(mean_interval, num_later_tokens)
-            self._histogram("request_time_per_output_token_seconds", engine).observe(mean_interval)
+        self._add("external_prefix_cache_queries", (engine,), output.num_prompt_tokens - cached["local"])
+        self._add("external_prefix_cache_hits", (engine,), num_cached - cached["local"])
+        started = self._request_to_started.pop(output.request_id, None)
+        if started is not None:
+            self._histogram("e2e_request_latency_seconds", engine).observe(time.perf_counter() - started)
+
+    def observe_aborted(self, reason: str, replica_id: str | None, request_id: str | None = None) -> None:
+        """A request ended before finishing (our ``aborted_requests`` ``reason``), on ``replica_id`` where known."""
+        finish_reason = ABORT_REASON_TO_FINISH_REASON.get(reason, "abort")
+        self._add("request_success", (replica_id or "unknown", finish_reason), 1)
+        if request_id is not None:
+            self._request_to_started.pop(request_id, None)
 
     def set_replicas(self, stats: Iterable[EngineStats]) -> None:
         self._stats = sorted(stats, key=lambda s: s.replica_id)
@@ -145,12 +174,16 @@ class VllmMetrics(Collector):
         for name, (documentation, attribute) in {
             "prefix_cache_queries": ("Prefix cache queries, in terms of number of queried tokens.",
                                      "num_prompt_tokens_queried"),
-            "prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.", "num_prompt_tokens_hit"),
+            "prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.",
+                                  "num_prompt_tokens_hit_local"),
             "num_preemptions": ("Cumulative number of preemption from the engine.", "num_preemptions"),
         }.items():
             family = CounterMetricFamily("vllm:" + name, documentation, labels=labels)
             for stats in self._stats:
-                family.add_metric([model, stats.replica_id], getattr(stats, attribute))
+                value = getattr(stats, attribute)
+                if value is None:  # an older replica: no local/external split, its total
+                    value = stats.num_prompt_tokens_hit
+                family.add_metric([model, stats.replica_id], value)
             yield family
         running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
                                     labels=labels)
@@ -172,17 +205,32 @@ class VllmMetrics(Collector):
              "(the replica's own pages), host (Redis), disk (Arrow files), p2p (copied from another replica).",
              ["source"]),
             ("request_success", "Count of successfully processed requests.", ["finished_reason"]),
+            ("external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache "
+             "sharing, in terms of number of queried tokens.", []),
+            ("external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache "
+             "sharing, in terms of number of cached tokens.", []),
         ):
             family = CounterMetricFamily("vllm:" + name, documentation, labels=labels + extra)
-            for (counter, label_values), value in sorted(self._counters.items()):
-                if counter == name:
-                    family.add_metric([model, *label_values], value)
+            counters = {key: value for key, value in self._counters.items() if key[0] == name}
+            if name == "request_success":  # every reason of every replica, from the start (vLLM's convention)
+                for stats in self._stats:
+                    for reason in FINISH_REASONS:
+                        counters.setdefault((name, (stats.replica_id, reason)), 0)
+            for (_, label_values), value in sorted(counters.items()):
+                family.add_metric([model, *label_values], value)
             yield family
         for name, (documentation, _) in self.HISTOGRAMS.items():
             family = HistogramMetricFamily("vllm:" + name, documentation, labels=labels)
             for (histogram, engine), counts in sorted(self._histograms.items()):
                 if histogram == name:
                     family.add_metric([model, engine], counts.cumulative(), counts.sum)
+            yield family
+        for name, (documentation, attribute) in ENGINE_HISTOGRAMS.items():
+            family = HistogramMetricFamily("vllm:" + name, documentation, labels=labels)
+            for stats in self._stats:
+                if stats.latency is not None:
+                    histogram = getattr(stats.latency, attribute)
+                    family.add_metric([model, stats.replica_id], cumulative_buckets(histogram), histogram.total)
             yield family
 
     # ---- internals -------------------------------------------------------------------------------------------------
@@ -195,3 +243,12 @@ class VllmMetrics(Collector):
     def _add(self, name: str, label_values: tuple[str, ...], value: float) -> None:
         key = (name, label_values)
         self._counters[key] = self._counters.get(key, 0) + value
+
+
+def cumulative_buckets(histogram: TimeHistogram) -> list[tuple[str, int]]:
+    """A ``TimeHistogram``'s counts as Prometheus' cumulative ``(le, count)`` pairs, +Inf last."""
+    running, out = 0, []
+    for bound, count in zip((*map(str, histogram.bounds), "+Inf"), histogram.counts):
+        running += count
+        out.append((bound, running))
+    return out

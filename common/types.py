@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass, field
 
@@ -182,6 +183,13 @@ class EngineStats:
     page_size: int
     kv_cache: "KVCacheMetrics | None" = None
     """Page lifetime, idle-before-evict, reuse gaps, evictions by reason and priority (None from older replicas)."""
+    proactive: "ProactiveCopyStats | None" = None
+    """Hot-prefix replication on this replica: prefixes copied here ahead of need and the hits on them."""
+    latency: "RequestLatencyStats | None" = None
+    """Inter-token, queue, prefill and decode times measured on the engine thread (None from older replicas)."""
+    num_prompt_tokens_hit_local: int | None = None
+    """The part of ``num_prompt_tokens_hit`` found in this replica's own pages (vLLM's ``prefix_cache_hits``; pages
+    from a peer or a tier are its ``external_prefix_cache_hits``). None from older replicas."""
 
 
 PAGE_TIME_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 4 * 3600.0)
@@ -199,15 +207,53 @@ class TimeHistogram:
     count: int = 0
 
     def observe(self, seconds: float) -> None:
-        index = 0
-        while index < len(self.bounds) and seconds > self.bounds[index]:
-            index += 1
+        index = bisect.bisect_left(self.bounds, seconds)  # the first bound >= seconds (le semantics)
         self.counts[index] += 1
         self.total += seconds
         self.count += 1
 
     def copy(self) -> "TimeHistogram":
         return TimeHistogram(self.bounds, list(self.counts), self.total, self.count)
+
+
+VLLM_INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                                    10.0, 20.0, 40.0, 80.0)
+VLLM_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                                240.0, 480.0, 960.0, 1920.0, 7680.0)
+"""vLLM's default buckets (``vllm/v1/metrics/buckets.py``) for inter-token and per-request latencies."""
+
+
+def _itl_histogram() -> TimeHistogram:
+    return TimeHistogram(VLLM_INTER_TOKEN_LATENCY_BUCKETS, [0] * (len(VLLM_INTER_TOKEN_LATENCY_BUCKETS) + 1))
+
+
+def _request_histogram() -> TimeHistogram:
+    return TimeHistogram(VLLM_REQUEST_LATENCY_BUCKETS, [0] * (len(VLLM_REQUEST_LATENCY_BUCKETS) + 1))
+
+
+@dataclass
+class RequestLatencyStats:
+    """Engine-side request timings of one replica since start (vLLM measures these from its engine core's
+    timestamps too), all on the replica's monotonic clock:
+
+        add() (queued) --queue-- first scheduled --prefill-- token 1 --itl-- token 2 --itl-- ... token n
+                                                              |<------------- decode ------------>|
+
+    ``inter_token``: one observation per token after the first, the time since the request's previous token: an
+    engine step produces at most one token per request, so each is one step-to-step interval, however the HTTP path
+    later coalesces tokens into messages. ``queue`` / ``prefill`` / ``decode`` / ``time_per_output_token``
+    (decode / (n - 1)) are observed once per request that finished in the engine (stop or length; a preemption's
+    recompute stays inside the phase it hit, as in vLLM)."""
+
+    inter_token: TimeHistogram = field(default_factory=_itl_histogram)
+    time_per_output_token: TimeHistogram = field(default_factory=_itl_histogram)
+    queue: TimeHistogram = field(default_factory=_request_histogram)
+    prefill: TimeHistogram = field(default_factory=_request_histogram)
+    decode: TimeHistogram = field(default_factory=_request_histogram)
+
+    def copy(self) -> "RequestLatencyStats":
+        return RequestLatencyStats(self.inter_token.copy(), self.time_per_output_token.copy(), self.queue.copy(),
+                                   self.prefill.copy(), self.decode.copy())
 
 
 @dataclass
@@ -285,6 +331,10 @@ class TierStats:
     """Wall time spent in ``load`` (caller's thread)."""
     store_seconds: float = 0.0
     """Wall time the background writer spent writing."""
+    events_stored: int = 0
+    """Pages this replica announced as stored in the tier (KV events, ``--kv-events-config``; replica/tiers/events.py)."""
+    events_removed: int = 0
+    """Of those, pages announced as removed (evicted, expired or deleted by anyone)."""
 
 
 @dataclass(frozen=True)
@@ -340,3 +390,54 @@ class PrefixReport:
     cached_tokens: int
     idle_s: float
     """Seconds since a request last used it here."""
+
+
+# ---- hot-prefix replication (router/replication.py plans, the ingress sends, the target replica copies) ------------
+@dataclass(frozen=True)
+class PrefetchRequest:
+    """Copy a prompt prefix's full pages from the replica ``peer_hint`` into ``target_replica``'s prefix cache, ahead
+    of the requests that will need them (no compute). The router sends a request carrying ``target_replica`` to exactly
+    that replica. The target hashes the page keys itself from ``token_ids`` (its fingerprint, ``cache_salt``) and
+    checks every copied page's key and token ids, as every peer copy does."""
+
+    copy_id: str
+    target_replica: str
+    peer_hint: str
+    token_ids: list[int]
+    """The prompt the prefix was seen in; its first ``num_pages`` full pages are copied."""
+    num_pages: int
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """What a ``prefetch_prefix`` call did on the target replica."""
+
+    replica_id: str
+    num_pages: int
+    """Pages of the prefix asked for."""
+    num_pages_present: int = 0
+    """... already cached here before the copy."""
+    num_pages_copied: int = 0
+    """... copied from the peer (or a shared tier) and cached here now."""
+    error: str | None = None
+    """Why nothing (or less than asked) was copied: peer copy off, wrong replica, the peer had no pages, no room."""
+
+
+@dataclass
+class ProactiveCopyStats:
+    """One replica's side of hot-prefix replication, since start."""
+
+    num_prefetches: int = 0
+    """``prefetch_prefix`` calls answered."""
+    num_failed: int = 0
+    """... that copied nothing they were asked for (error set)."""
+    num_pages_copied: int = 0
+    """Pages that arrived by a proactive copy and entered the prefix cache."""
+    num_pages_present: int = 0
+    """Pages a proactive copy found already cached (nothing to do)."""
+    num_hit_pages: int = 0
+    """Local prefix-cache hits of requests on pages that arrived by a proactive copy (a page hit by three requests
+    counts three)."""
+    num_hit_requests: int = 0
+    """Requests whose local hit included at least one such page."""

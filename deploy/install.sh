@@ -16,6 +16,31 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 
+# Prometheus (Debian's package, ~19 MB download, ~10-30 s; without the recommended node exporter): the dashboard's
+# queries are checked against a real one (tests/test_e2e_ecosystem.py, slow). Its service is NOT started: apt runs
+# with a policy-rc.d that refuses daemon starts, and a service that starts anyway (systemd hosts) is stopped again.
+# Skip it with PREFIXSERVE_NO_PROMETHEUS=1.
+if [ -z "${PREFIXSERVE_NO_PROMETHEUS:-}" ] && ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      policy=/usr/sbin/policy-rc.d
+      printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy"
+    fi
+    if ! { apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+           || { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; }; then
+      echo "prometheus could not be installed; the dashboard test will skip" >&2
+    fi
+    [ -n "$policy" ] && rm -f "$policy"
+    if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheus 2>/dev/null; then
+      systemctl stop prometheus && systemctl disable --quiet prometheus || true
+    fi
+  else
+    echo "prometheus is missing: sudo apt-get install -y --no-install-recommends prometheus (the dashboard test)" >&2
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable
 
 from common.errors import EngineDeadError, InvalidRequestError
 from common.events import KVEvent
-from common.types import EngineRequest, EngineStats, RequestOutput
+from common.types import EngineRequest, EngineStats, PrefetchRequest, PrefetchResult, RequestOutput
 from replica.engine import AdmissionPlan, LLMEngine
 from replica.kv_sources import PrefixFetcher
 from replica.page_record import PageRecord
@@ -103,10 +103,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def export_pages(self, keys: list[bytes], to_cpu: bool = True) -> list[PageRecord]:
+    async def export_pages(self, keys: list[bytes], to_cpu: bool = True, contiguous: bool = False) -> list[PageRecord]:
         """Copies of the leading pages of ``keys`` this replica holds (for a peer's copy), pinned while copied; on the
-        CPU, or (``to_cpu=False``) on this replica's device."""
-        return await self._call(lambda: self.engine.export_pages(list(keys), to_cpu=to_cpu))
+        CPU, or (``to_cpu=False``) on this replica's device; ``contiguous``: slots of one tensor."""
+        return await self._call(lambda: self.engine.export_pages(list(keys), to_cpu=to_cpu, contiguous=contiguous))
 
     async def _fetch(self, plan: AdmissionPlan) -> list[PageRecord]:
         """The plan's missing pages from a peer / the shared tiers (verified), on the caller's event loop."""
@@ -120,6 +120,59 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - sources degrade to recompute, never fail the request
             logger.exception("fetching prefix pages failed; recomputing them")
             return []
+
+    async def prefetch_prefix(self, request: PrefetchRequest) -> PrefetchResult:
+        """Hot-prefix replication, target side: copy the first ``request.num_pages`` full pages of ``request.token_ids``
+        from the peer ``request.peer_hint`` (then the shared tiers) into this replica's prefix cache, with no compute.
+        The keys are hashed here from the tokens (this replica's fingerprint and the request's salt); the fetcher checks
+        every page's key and token ids. Never raises for a missing or failing source: the result says what happened.
+        Cancelling the call (the planner's demand dropped) stops it before the pages are cached."""
+        engine = self.engine
+        stats = engine.proactive
+        try:
+            result = await self._prefetch(request)
+        except (asyncio.CancelledError, EngineDeadError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a proactive copy must never hurt the replica
+            logger.exception("proactive copy %s failed", request.copy_id)
+            result = PrefetchResult(engine.config.replica_id, request.num_pages, error=f"failed: {exc!r}")
+        stats.num_prefetches += 1
+        stats.num_failed += result.error is not None and result.num_pages_copied == 0
+        stats.num_pages_present += result.num_pages_present
+        return result
+
+    async def _prefetch(self, request: PrefetchRequest) -> PrefetchResult:
+        engine = self.engine
+        replica_id = engine.config.replica_id
+        page_size = engine.config.page_size
+        num_pages = min(request.num_pages, len(request.token_ids) // page_size,
+                        max(engine.max_model_len - 1, 0) // page_size)
+        if not engine.enable_prefix_caching:
+            return PrefetchResult(replica_id, num_pages, error="prefix caching is off")
+        if self.fetcher is None or self.fetcher.peer_client is None:
+            return PrefetchResult(replica_id, num_pages, error="cross-replica prefix copy is off")
+        if num_pages <= 0:
+            return PrefetchResult(replica_id, 0, error="no full page to copy")
+        tokens = request.token_ids[: num_pages * page_size]
+        if not all(isinstance(t, int) and 0 <= t < engine.vocab_size for t in tokens):
+            return PrefetchResult(replica_id, num_pages, error="token ids out of the vocabulary")
+        keys = engine.page_keys(tokens, request.cache_salt)
+        num_local = await self._call(lambda: len(engine.kv.match_prefix(keys)))
+        if num_local == num_pages:
+            return PrefetchResult(replica_id, num_pages, num_pages_present=num_local)
+        pages = await self.fetcher.fetch(
+            keys[num_local:], [tokens[i * page_size : (i + 1) * page_size] for i in range(num_local, num_pages)],
+            peer_hint=request.peer_hint, parent_key=keys[num_local - 1] if num_local else None)
+        if not pages:
+            return PrefetchResult(replica_id, num_pages, num_pages_present=num_local,
+                                  error=f"{request.peer_hint} had none of the missing pages")
+        num_copied, _ = await self._call(lambda: engine.import_prefix(
+            keys, num_local, pages, salted=request.cache_salt is not None))
+        error = None
+        if num_local + num_copied < num_pages:
+            error = f"{num_pages - num_local - num_copied} page(s) not copied (peer lacked them or no room)"
+        return PrefetchResult(replica_id, num_pages, num_pages_present=num_local, num_pages_copied=num_copied,
+                              error=error)
 
     def drain_kv_events(self) -> list[KVEvent]:
         events = []

@@ -23,7 +23,9 @@ import torch
 
 from common.errors import InvalidRequestError
 from common.page_keys import PageKey, compute_page_keys, hash_page
-from common.types import CachedTokens, EngineRequest, EngineStats, PinPrefix, PrefixReport, RequestOutput
+from common.types import (CachedTokens, EngineRequest, EngineStats, PinPrefix, PrefixReport, ProactiveCopyStats,
+                          RequestLatencyStats,
+                          RequestOutput)
 from replica.config import EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
 from replica.kv_manager import KVCacheManager
@@ -59,6 +61,11 @@ class _Tracked:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     num_reported_tokens: int = 0
+    queued_at: float = 0.0
+    """Monotonic times of the request's phases (``RequestLatencyStats``); 0.0: not yet."""
+    scheduled_at: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
 
 
 class LLMEngine:
@@ -109,7 +116,10 @@ class LLMEngine:
         replica's cost meter, replica/cost_meter.py)."""
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
+        self.latency = RequestLatencyStats()
         self.num_requests_finished = 0
+        self.proactive = ProactiveCopyStats()
+        """Hot-prefix replication counters (``import_prefix`` and the async engine's ``prefetch_prefix``)."""
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -179,7 +189,8 @@ class LLMEngine:
             num_retained_pages=(request.retention.num_pages(len(request.prompt_token_ids), self.config.page_size)
                                 if request.retention is not None and self.enable_prefix_caching else 0),
         )
-        self._tracked[request.request_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, request.sampling.stop))
+        self._tracked[request.request_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, request.sampling.stop),
+                                                     queued_at=time.monotonic())
         self.scheduler.add(seq)
 
     def add_request(self, request: EngineRequest) -> None:
@@ -227,6 +238,7 @@ class LLMEngine:
         if not plan.chunks:
             return []
         self._import_pages(plan.imports)
+        self._note_scheduled(plan.admitted)
         inputs = []
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -259,10 +271,38 @@ class LLMEngine:
                                           retention_priority=priority, retain_until=until))
             self.page_sink(records)
         outputs = []
+        produced_at = time.monotonic()
         for seq, token in zip(sampling_seqs, new_tokens):
             seq.output_token_ids.append(token)
+            self._note_token(self._tracked[seq.request_id], produced_at)
             outputs.append(self._advance(seq))
         return [output for output in outputs if output is not None]
+
+    # ---- request timings (RequestLatencyStats: vLLM's engine-side queue / prefill / decode / inter-token times) ----
+    def _note_scheduled(self, admitted: list[Sequence]) -> None:
+        now = time.monotonic()
+        for seq in admitted:
+            tracked = self._tracked.get(seq.request_id)
+            if tracked is not None and not tracked.scheduled_at:  # a preempted request's re-admission keeps the first
+                tracked.scheduled_at = now
+
+    def _note_token(self, tracked: _Tracked, produced_at: float) -> None:
+        if tracked.first_token_at:
+            self.latency.inter_token.observe(produced_at - tracked.last_token_at)
+        else:
+            tracked.first_token_at = produced_at
+        tracked.last_token_at = produced_at
+
+    def _note_finished(self, tracked: _Tracked) -> None:
+        latency = self.latency
+        scheduled_at = tracked.scheduled_at or tracked.first_token_at
+        latency.queue.observe(scheduled_at - tracked.queued_at)
+        latency.prefill.observe(tracked.first_token_at - scheduled_at)
+        decode_s = tracked.last_token_at - tracked.first_token_at
+        latency.decode.observe(decode_s)
+        num_later_tokens = len(tracked.seq.output_token_ids) - 1
+        if num_later_tokens > 0:
+            latency.time_per_output_token.observe(decode_s / num_later_tokens)
 
     def _tier_retention(self, page_id: int) -> tuple[int, float]:
         """(priority, wall-clock end) of a page's retention, for the shared tiers ((0, 0.0): none)."""
@@ -301,6 +341,7 @@ class LLMEngine:
         tracked.num_reported_tokens = len(seq.output_token_ids)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            self._note_finished(tracked)
             del self._tracked[seq.request_id]
             self.num_requests_finished += 1
         return self._output(tracked, new_ids, detok.new_text, finished=reason is not None)
@@ -320,23 +361,75 @@ class LLMEngine:
             cache_write_tokens=seq.num_cache_write_tokens,
         )
 
-    def export_pages(self, keys: list[PageKey], *, to_cpu: bool = True) -> list[PageRecord]:
+    def export_pages(self, keys: list[PageKey], *, to_cpu: bool = True, contiguous: bool = False) -> list[PageRecord]:
         """Copies of the leading run of ``keys`` held in this replica's cache, on the CPU
         or (``to_cpu=False``) on this replica's device, for a device-to-device copy into a peer on the same GPU
-        host. The pages are pinned (referenced) while they are copied. Runs on the engine thread between steps."""
+        host. The pages are pinned (referenced) while they are copied. Runs on the engine thread between steps.
+        ``contiguous``: the copies are the consecutive slots of one tensor (a peer bundle is then that tensor, with
+        no second copy; see ``peer_copy.bundle_pages``)."""
         page_ids = self.kv.match_prefix(keys)
         self.kv.acquire(page_ids)
         try:
             pages = []
-            for key, page_id in zip(keys, page_ids):
+            stacked = None
+            if contiguous and page_ids:
+                first = self.runner.read_page(page_ids[0])
+                stacked = torch.empty((len(page_ids), *first.shape), dtype=first.dtype,
+                                      device="cpu" if to_cpu else first.device)
+            for index, (key, page_id) in enumerate(zip(keys, page_ids)):
                 kv = self.runner.read_page(page_id)
+                if stacked is not None:
+                    copy = stacked[index].copy_(kv)
+                else:
+                    copy = kv.to("cpu", copy=True) if to_cpu else kv.clone()
                 priority, until = self._tier_retention(page_id)
-                pages.append(PageRecord(key, self.kv.cache.page_to_token_ids[page_id],
-                                        kv.to("cpu", copy=True) if to_cpu else kv.clone(),
+                pages.append(PageRecord(key, self.kv.cache.page_to_token_ids[page_id], copy,
                                         retention_priority=priority, retain_until=until))
             return pages
         finally:
             self.kv.release(page_ids)
+
+    def import_prefix(self, page_keys: list[PageKey], first_index: int, pages: list[PageRecord] | tuple = (), *,
+                      salted: bool = False) -> tuple[int, int]:
+        """Hot-prefix replication: cache verified ``pages`` (``pages[i]`` is the page of ``page_keys[first_index + i]``)
+        ahead of the requests that will need them, with no compute. Runs on the engine thread between steps::
+
+            page index  | 0 | 1 | 2 | 3 | 4 |
+            cached now  | x | x | x |            num_local = 3 (a request cached page 2 while the copy ran)
+            pages           | p1| p2| p3| p4|    first_index = 1  -> p3, p4 are written; p1, p2 are not needed
+
+        The cached run is pinned while pages are allocated (allocation may evict the least recently used free pages,
+        never those). Only free pages are used, and the imported pages are released at once (cached, free: the next
+        request hits them, allocation can still evict them), so running requests never lose a page to a copy. Pages
+        that no longer continue the cached run (a page before them was evicted meanwhile) are not imported.
+        Returns (pages newly cached, pages of the prefix that were already cached)."""
+        local_ids = self.kv.match_prefix(page_keys)
+        num_local = len(local_ids)
+        skip = num_local - first_index
+        if skip < 0 or skip >= len(pages):
+            return 0, num_local
+        self.kv.acquire(local_ids)
+        try:
+            todo = list(pages[skip : skip + self.kv.num_free_pages])
+            page_ids = self.kv.allocate(len(todo)) if todo else []
+            held, new_keys = [], []
+            for offset, (page_id, page) in enumerate(zip(page_ids, todo)):
+                index = num_local + offset
+                if page.key != page_keys[index]:  # the fetcher verified the order; never cache a page under a wrong key
+                    self.kv.release(page_ids[offset:])
+                    break
+                self.runner.write_page(page_id, page.kv)
+                result = self.kv.commit_page(page_id, page.key, page.token_ids,
+                                             parent_key=page_keys[index - 1] if index else None, salted=salted)
+                held.append(result.page_id)
+                if result.newly_cached:
+                    new_keys.append(page.key)
+            self.kv.release(held)
+        finally:
+            self.kv.release(local_ids)
+        self.kv.mark_proactive(new_keys)
+        self.proactive.num_pages_copied += len(new_keys)
+        return len(new_keys), num_local
 
     # ---- management ----------------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -359,6 +452,7 @@ class LLMEngine:
             replica_id=self.config.replica_id,
             num_prompt_tokens_queried=self.scheduler.num_prompt_tokens_queried,
             num_prompt_tokens_hit=self.scheduler.num_prompt_tokens_hit,
+            num_prompt_tokens_hit_local=self.scheduler.num_prompt_tokens_hit_local,
             num_pages_total=self.kv.num_pages,
             num_pages_free=self.kv.num_free_pages,
             num_pages_cached=self.kv.num_cached_pages,
@@ -370,7 +464,15 @@ class LLMEngine:
             num_requests_finished=self.num_requests_finished,
             page_size=self.config.page_size,
             kv_cache=self.kv.kv_cache_metrics(),
+            proactive=self.proactive_stats(),
+            latency=self.latency.copy(),
         )
+
+    def proactive_stats(self) -> ProactiveCopyStats:
+        stats = self.proactive
+        return ProactiveCopyStats(stats.num_prefetches, stats.num_failed, stats.num_pages_copied,
+                                  stats.num_pages_present, self.kv.num_proactive_hit_pages,
+                                  self.kv.num_proactive_hit_requests)
 
     def check_integrity(self) -> None:
         tables = [seq.page_ids for seq in self.scheduler.running]

@@ -18,15 +18,24 @@ covers one stats period) as vLLM does:
              | {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": "GPU"}
              | {"type": "AllBlocksCleared"}
 
+    medium   = "GPU"    the replica's own page pool (vLLM's name for the engine's KV pool, also on vLLM's CPU backend)
+             | "CPU"    the Redis host tier (vLLM's name for KV offloaded to host memory)
+             | "DISK"   the disk tier (the name KV-event consumers use for a disk tier)
+
 Block hashes are our page keys: by default as vLLM publishes its own (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``),
 the key's low 64 bits as an unsigned int (``block_hash_format: "int"``), or the whole 32-byte key
 (``"bytes"``, which vLLM's ``ExternalBlockHash = bytes | int`` also allows). A ``BlockStored`` covers one run of a
-chain: each block's parent is the block before it, the first block's parent is ``parent_block_hash``. ``medium`` is
-"GPU" for the replica's own page pool (vLLM's name for the engine's KV pool, also on vLLM's CPU backend). A chain
+chain: each block's parent is the block before it, the first block's parent is ``parent_block_hash``. A chain
 whose first page folds in a ``cache_salt`` carries ``("salted",)`` as that page's ``extra_keys``: the salt's presence,
 never the salt (vLLM publishes the salt itself). Data-parallel replicas publish on ``endpoint`` / ``replay_endpoint``
 with the port offset by the replica's rank (vLLM's rule for data-parallel ranks: tcp ports + rank, ``inproc://`` /
 ``ipc://`` names + ``_dp<rank>``); each batch carries that rank.
+
+The shared tiers' events ("CPU", "DISK") come from each tier's event tracker (replica/tiers/events.py): a replica
+announces the pages it stored in a tier and their removal by anyone, Redis' own evictions included, so that per
+replica and medium a subscriber's index equals what the tier holds of that replica's pages. They travel in their own
+batches on the same socket and sequence. The tiers do not know a chain's salt, so their blocks carry no
+``extra_keys`` (the key itself folds the salt in, as for device blocks).
 
 Contract: ``publish`` never blocks the caller and does no conversion work (a full queue drops the batch and counts it
 in ``num_dropped``); converting, encoding and the sockets live on the publisher's own thread; ``close`` stops it.
@@ -52,7 +61,7 @@ from replica.config import KVEventsConfig
 logger = logging.getLogger(__name__)
 
 MEDIUM_DEVICE = "GPU"
-"""vLLM's medium name for the engine's own KV pool (``MEDIUM_GPU``); its host and disk tiers are "CPU" / "STORAGE"."""
+"""vLLM's medium name for the engine's own KV pool (``MEDIUM_GPU``); the tiers' are in replica/tiers/events.py."""
 SALTED_EXTRA_KEY = ("salted",)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
@@ -74,22 +83,23 @@ def external_hash(key: PageKey, block_hash_format: str) -> int | bytes:
     return int.from_bytes(key[-8:], "big")
 
 
-def to_vllm_events(events: Iterable[KVEvent], page_size: int, block_hash_format: str = "int") -> list[dict]:
-    """Our events as vLLM event dicts (field order as vLLM's msgspec structs encode them). A ``PagesStored`` becomes
-    one ``BlockStored`` per run of keys that continue one chain."""
+def to_vllm_events(events: Iterable[KVEvent], page_size: int, block_hash_format: str = "int",
+                   medium: str = MEDIUM_DEVICE) -> list[dict]:
+    """Our events as vLLM event dicts (field order as vLLM's msgspec structs encode them), on ``medium``. A
+    ``PagesStored`` becomes one ``BlockStored`` per run of keys that continue one chain."""
     out: list[dict] = []
     for event in events:
         if isinstance(event, PagesStored):
-            out.extend(_blocks_stored(event, page_size, block_hash_format))
+            out.extend(_blocks_stored(event, page_size, block_hash_format, medium))
         elif isinstance(event, PagesRemoved):
             hashes = [external_hash(key, block_hash_format) for key in event.keys]
-            out.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": MEDIUM_DEVICE})
+            out.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": medium})
         elif isinstance(event, AllPagesCleared):
             out.append({"type": "AllBlocksCleared"})
     return out
 
 
-def _blocks_stored(event: PagesStored, page_size: int, block_hash_format: str) -> list[dict]:
+def _blocks_stored(event: PagesStored, page_size: int, block_hash_format: str, medium: str) -> list[dict]:
     if len(event.infos) != len(event.keys):
         raise ValueError(f"PagesStored seq {event.seq} has {len(event.keys)} keys but {len(event.infos)} page infos")
     runs: list[list[int]] = []
@@ -110,7 +120,7 @@ def _blocks_stored(event: PagesStored, page_size: int, block_hash_format: str) -
             "token_ids": list(itertools.chain.from_iterable(event.infos[i].token_ids for i in run)),
             "block_size": page_size,
             "lora_id": None,
-            "medium": MEDIUM_DEVICE,
+            "medium": medium,
             "lora_name": None,
         }
         extra_keys = [SALTED_EXTRA_KEY if event.infos[i].salted and event.infos[i].parent_key is None else None
@@ -143,7 +153,7 @@ class ZmqKVEventPublisher:
         self.num_published = 0
         self.num_dropped = 0
         self._zmq = zmq
-        self._queue: queue.Queue[list[KVEvent] | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._queue: queue.Queue[tuple[str, list[KVEvent]] | None] = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
         self._context = zmq.Context.instance()
@@ -165,13 +175,17 @@ class ZmqKVEventPublisher:
         logger.info("publishing KV events on %s (replay: %s, rank %d)", self.endpoint, self.replay_endpoint, rank)
 
     def publish(self, events: Iterable[KVEvent]) -> None:
-        """Queue one batch of ``events`` (nothing when there are none); the publisher's thread converts, encodes and
-        sends it. Never blocks."""
+        """Queue one batch of the page pool's ``events`` (nothing when there are none); the publisher's thread
+        converts, encodes and sends it. Never blocks."""
+        self.publish_tier(MEDIUM_DEVICE, events)
+
+    def publish_tier(self, medium: str, events: Iterable[KVEvent]) -> None:
+        """Queue one batch of ``events`` on ``medium`` (a tier's event tracker calls this). Never blocks."""
         events = list(events)
         if not events:
             return
         try:
-            self._queue.put_nowait(events)
+            self._queue.put_nowait((medium, events))
         except queue.Full:
             self.num_dropped += 1
             logger.warning("KV event queue full (%d batches): a batch was dropped", self.config.max_queue_size)
@@ -213,8 +227,9 @@ class ZmqKVEventPublisher:
             if self._replay is not None:
                 self._replay.close(linger=0)
 
-    def _send(self, events: list[KVEvent]) -> None:
-        converted = to_vllm_events(events, self.page_size, self.config.block_hash_format)
+    def _send(self, batch: tuple[str, list[KVEvent]]) -> None:
+        medium, events = batch
+        converted = to_vllm_events(events, self.page_size, self.config.block_hash_format, medium)
         if not converted:
             return
         seq = self.num_published
@@ -248,6 +263,9 @@ class NullKVEventPublisher:
     def publish(self, events: Iterable[KVEvent]) -> None:
         pass
 
+    def publish_tier(self, medium: str, events: Iterable[KVEvent]) -> None:
+        pass
+
     def close(self, timeout_s: float = 1.0) -> None:
         pass
 
@@ -262,16 +280,23 @@ def current_replica_rank() -> int:
         return 0
 
 
-def build_publisher(config: KVEventsConfig | None, *, page_size: int,
-                    rank: int | None = None) -> ZmqKVEventPublisher | NullKVEventPublisher:
-    """The replica's publisher (``rank``: None = this Serve replica's rank). Events off, or a socket that cannot be
-    opened (port taken; logged), give a publisher that publishes nothing: serving goes on."""
+def build_publisher(config: KVEventsConfig | None, *, page_size: int, rank: int | None = None,
+                    tiers: Iterable[Any] = ()) -> ZmqKVEventPublisher | NullKVEventPublisher:
+    """The replica's publisher (``rank``: None = this Serve replica's rank), also publishing the events of the
+    shared ``tiers`` (``KVTier``s). Events off, or a socket that cannot be opened (port taken; logged), give a
+    publisher that publishes nothing: serving goes on."""
     if config is None or not config.enabled:
         return NullKVEventPublisher()
     rank = current_replica_rank() if rank is None else rank
     try:
-        return ZmqKVEventPublisher(config, page_size=page_size, rank=rank)
+        publisher = ZmqKVEventPublisher(config, page_size=page_size, rank=rank)
     except Exception:  # noqa: BLE001 - events are an add-on; serving goes on without them
         logger.exception("could not open the KV event sockets %s / %s; serving without KV events",
                          offset_endpoint(config.endpoint, rank), offset_endpoint(config.replay_endpoint, rank))
         return NullKVEventPublisher()
+    for tier in tiers:
+        try:
+            tier.enable_events(publisher.publish_tier)
+        except Exception:  # noqa: BLE001 - a tier without events: the others and the device events go on
+            logger.exception("the %s tier publishes no KV events", getattr(tier, "name", "?"))
+    return publisher

@@ -55,6 +55,10 @@ class KVCacheManager:
         self.registry = RetentionRegistry(page_size, clock)
         self._events: list[KVEvent] = []
         self._event_seq = 0
+        self._proactive_keys: set[PageKey] = set()
+        """Cached keys whose pages arrived by a proactive copy (hot-prefix replication), until evicted."""
+        self.num_proactive_hit_pages = 0
+        self.num_proactive_hit_requests = 0
 
     # ---- queries -------------------------------------------------------------------------------------------------
     @property
@@ -107,6 +111,7 @@ class KVCacheManager:
             key = self.cache.remove(taken.page_id)
             if key is not None:
                 evicted.append(key)
+                self._proactive_keys.discard(key)
                 self._observe_eviction(taken.page_id, "ttl" if taken.expired else "capacity", taken.priority)
         if evicted:
             self.num_evictions += len(evicted)
@@ -173,6 +178,20 @@ class KVCacheManager:
                 out.append((key, retention.priority, retention.expires_at - now))
         return out
 
+    # ---- hot-prefix replication ---------------------------------------------------------------------------------
+    def mark_proactive(self, keys: Sequence[PageKey]) -> None:
+        """These cached pages arrived by a proactive copy: hits on them are counted (``observe_local_hit``)."""
+        self._proactive_keys.update(key for key in keys if self.cache.lookup(key) is not None)
+
+    def observe_local_hit(self, keys: Sequence[PageKey]) -> None:
+        """A request's first admission reused the cached pages ``keys``: count those that a proactive copy brought."""
+        if not self._proactive_keys:
+            return
+        num_hit = sum(1 for key in keys if key in self._proactive_keys)
+        if num_hit:
+            self.num_proactive_hit_pages += num_hit
+            self.num_proactive_hit_requests += 1
+
     def kv_cache_metrics(self) -> KVCacheMetrics:
         """A snapshot of the page-time metrics and retention gauges."""
         self.metrics.num_retained_pages = self.pool.num_retained
@@ -226,6 +245,7 @@ class KVCacheManager:
         self.pool.clear_retention()
         self.registry.clear_requests()
         self.cache.clear()
+        self._proactive_keys.clear()
         self._emit_cleared()
         return True
 

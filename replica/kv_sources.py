@@ -79,6 +79,7 @@ class PrefixFetcher:
         self.source_to_stats: dict[CacheSource, SourceStats] = {source: SourceStats() for source in FETCH_SOURCES}
         self._known_lock = threading.Lock()
         self._key_to_known_until: collections.OrderedDict[PageKey, float] = collections.OrderedDict()
+        self._background: set[asyncio.Future] = set()
 
     @property
     def enabled(self) -> bool:
@@ -98,8 +99,9 @@ class PrefixFetcher:
         pages: list[PageRecord] = []
         if self.peer_client is not None and peer_hint and peer_hint != self.own_replica_id:
             pages.extend(await self._fetch_from_peer(peer_hint, keys, token_ids_per_page))
-            if pages and self.tiers:
-                self._store_chain([page for page in pages if not self._is_known(page.key)], parent_key, pages)
+            if pages and self.tiers:  # off the request's path: the copies for the writers run on a worker thread
+                self._store_in_background([page for page in pages if not self._is_known(page.key)], parent_key,
+                                          list(pages))
         for tier in self.tiers:
             if len(pages) == len(keys):
                 break
@@ -133,13 +135,9 @@ class PrefixFetcher:
         started = time.perf_counter()
         errors_before = tier.stats().errors
         timed_out = False
-        try:
-            num_present = await asyncio.wait_for(asyncio.to_thread(tier.lookup, keys), self.tier_timeout_s)
-            if num_present == 0:
-                return []
-            tensors = await asyncio.wait_for(
-                asyncio.to_thread(tier.load, keys[:num_present], token_ids_per_page[:num_present]),
-                self.tier_timeout_s)
+        try:  # no separate ``lookup``: a load stops at the first miss, and one round trip fewer is what matters here
+            tensors = await asyncio.wait_for(asyncio.to_thread(tier.load, keys, token_ids_per_page),
+                                             self.tier_timeout_s)
         except asyncio.TimeoutError:
             timed_out = True
             logger.warning("the %s tier did not answer within %.1f s; recomputing", tier.name, self.tier_timeout_s)
@@ -186,6 +184,23 @@ class PrefixFetcher:
         """Queue ``pages`` (consecutive pages of one chain, ``parent_key`` before the first) for every tier,
         unconditionally (non-blocking; tiers copy pool views before returning)."""
         self._store_chain(pages, parent_key, pages)
+
+    def _store_in_background(self, pages: Sequence[PageRecord], parent_key: PageKey | None,
+                             chain: Sequence[PageRecord]) -> None:
+        """``_store_chain`` on a worker thread (the tiers copy the pages before queueing them: ~1 ms per MiB that the
+        request need not wait for). Never raises; a failure is logged."""
+        if not pages:
+            return
+
+        def store() -> None:
+            try:
+                self._store_chain(pages, parent_key, chain)
+            except Exception:  # noqa: BLE001 - a lost tier write is only a lost cache entry
+                logger.exception("queueing copied pages for the shared tiers failed")
+
+        task = asyncio.get_running_loop().run_in_executor(None, store)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _store_chain(self, pages: Sequence[PageRecord], parent_key: PageKey | None,
                      chain: Sequence[PageRecord]) -> None:

@@ -24,6 +24,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from replica import cpu_kernels
 from replica.attention_op import forward_context
 from replica.compile import CompiledEntry, cached_compiled_forward
 from replica.llama import CompactCausalLM, unsupported_reason
@@ -143,6 +144,7 @@ class ModelRunner:
             device=self.device,
         )
         self.fingerprint = compute_model_fingerprint(model, self.dtype)
+        self.decode_kernel = self.device.type == "cpu" and cpu_kernels.load()  # built once per machine type
         self.fallback_reason = unsupported_reason(model) if backend != "transformers" else "asked for"
         if backend in ("compiled", "eager") and self.fallback_reason is not None:
             raise ValueError(f"backend {backend!r} cannot run this model: {self.fallback_reason}")
@@ -164,7 +166,9 @@ class ModelRunner:
         else:
             self._compact = CompactCausalLM(model)
         self.startup_seconds = time.perf_counter() - start
-        logger.info("model runner: %s forward ready in %.1f s", self.backend, self.startup_seconds)
+        logger.info("model runner: %s forward ready in %.1f s, decode attention by %s", self.backend,
+                    self.startup_seconds, "the C++ kernel" if self.decode_kernel else
+                    ("ATen's flash kernel" if self.device.type == "cpu" else "SDPA"))
 
     @property
     def num_compiles(self) -> int:

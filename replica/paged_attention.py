@@ -20,7 +20,9 @@ request; each request's own pages are attended separately and the softmax spans 
 On CPU (``_attend_segments``) no context is gathered and no mask is built: every query row's context is a few runs
 of consecutive pool slots, each run is attended in place by ATen's flash kernel (which also returns each row's
 log-sum-exp), and the parts are merged exactly by their log-sum-exp; rows sharing a prefix run attend it in one call.
-A chunk with nothing before it is one causal SDPA call. The gathered/masked SDPA path below is the device-generic
+A chunk with nothing before it is one causal SDPA call. Decode rows (and one-token chunks) go to one C++ kernel call
+per layer instead when it is built (``replica.cpu_kernels``): every row's runs in one pass, with the running softmax
+kept inside the kernel, and rows sharing a prefix run read it once. The gathered/masked SDPA path below is the device-generic
 one (GPU, and CPU prefill chunks longer than a sliding window).
 
 ``attend`` is the whole computation, token-major; it is called by ``paged_attention`` (transformers' attention
@@ -39,9 +41,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from replica import cpu_kernels
+
 ATTENTION_NAME = "prefixserve_paged"
 _CPU_SEGMENTS = True
 """CPU steps use ``_attend_segments``; False runs the device-generic path on CPU too (tests compare the two)."""
+_CPU_DECODE_KERNEL = True
+"""CPU decode rows use the C++ kernel when it is built; False keeps ATen's flash kernel per run (tests compare)."""
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -344,10 +351,63 @@ class SegmentPlan:
     direct: list[int]
     """Prefill slices attended in one SDPA call (``_attend_prefill_masked``): those with no context before them
     (plain causal, nothing to merge) and those longer than the sliding window (masked)."""
+    decode_kernel: "DecodeKernelPlan | None" = None
+    """The decode rows, when the C++ decode kernel attends them (``replica.cpu_kernels``); their segments are then
+    not in ``segments``."""
 
 
-def segment_plan(meta: PagedAttentionMetadata, window: int | None) -> SegmentPlan:
-    cache_key = ("segments", window)
+@dataclass(frozen=True)
+class DecodeKernelPlan:
+    """The decode rows' segments as the C++ kernel reads them (``replica/csrc/decode_attention.cpp``).
+
+    A component is a set of rows and every segment touching them: a shared-run group (its shared run, then each row's
+    own runs) or a row alone. Components share no rows, so the kernel runs them in parallel."""
+
+    segments: torch.Tensor
+    """[S, 4] int64: first slot, length, and the segment's rows as a range of ``rows``."""
+    rows: torch.Tensor
+    """int64 packed positions: the rows of each segment, then of each component."""
+    components: torch.Tensor
+    """[C, 4] int64: its segments as a range of ``segments``, its rows as a range of ``rows``."""
+
+    @staticmethod
+    def build(batch: "DecodeBatch", window: int | None) -> "DecodeKernelPlan":
+        segments: list[tuple[int, int, int, int]] = []
+        rows: list[int] = []
+        components: list[tuple[int, int, int, int]] = []
+
+        def add_segment(positions: list[int], start: int, length: int) -> None:
+            segments.append((start, length, len(rows), len(rows) + len(positions)))
+            rows.extend(positions)
+
+        def add_component(first_segment: int, positions: list[int]) -> None:
+            components.append((first_segment, len(segments), len(rows), len(rows) + len(positions)))
+            rows.extend(positions)
+
+        groups, singles = batch.plan(window)
+        for shared in groups:
+            first = len(segments)
+            positions = [batch.rows[row].q_index for row in shared.rows]
+            add_segment(positions, shared.start, shared.length)
+            for position, runs in zip(positions, shared.private_runs):
+                for start, length in runs:
+                    add_segment([position], start, length)
+            add_component(first, positions)
+        for row in singles:
+            first = len(segments)
+            position = batch.rows[row].q_index
+            for start, length in batch.runs(row, window):
+                add_segment([position], start, length)
+            add_component(first, [position])
+        as_tensor = lambda values, width: torch.tensor(values, dtype=torch.long).view(-1, width)  # noqa: E731
+        return DecodeKernelPlan(as_tensor(segments, 4), torch.tensor(rows, dtype=torch.long),
+                                as_tensor(components, 4))
+
+
+def segment_plan(meta: PagedAttentionMetadata, window: int | None, decode_kernel: bool = False) -> SegmentPlan:
+    """Segments of every query row (see ``_attend_segments``); with ``decode_kernel`` the decode rows go to a
+    ``DecodeKernelPlan`` instead."""
+    cache_key = ("segments", window, decode_kernel)
     if cache_key in meta._step_cache:
         return meta._step_cache[cache_key]
     segments: list[Segment] = []
@@ -361,7 +421,10 @@ def segment_plan(meta: PagedAttentionMetadata, window: int | None) -> SegmentPla
         segments.append(Segment(rows, part.q_start, part.q_len, causal_own=True))
         segments.extend(Segment(rows, start, length) for start, length in part.context_runs)
         num_covered += part.q_len
-    if meta.decode is not None:
+    kernel_plan = None
+    if meta.decode is not None and decode_kernel:
+        kernel_plan = DecodeKernelPlan.build(meta.decode, window)
+    elif meta.decode is not None:
         batch = meta.decode
         groups, singles = batch.plan(window)
         for shared in groups:
@@ -372,7 +435,7 @@ def segment_plan(meta: PagedAttentionMetadata, window: int | None) -> SegmentPla
             segments.extend(_decode_segments(batch, row, batch.runs(row, window)))
         num_covered += len(batch.rows)
     positions = torch.cat([segment.rows for segment in segments]) if segments else torch.empty(0, dtype=torch.long)
-    plan = SegmentPlan(segments, positions, num_covered, direct)
+    plan = SegmentPlan(segments, positions, num_covered, direct, kernel_plan)
     meta._step_cache[cache_key] = plan
     return plan
 
@@ -411,7 +474,7 @@ def _attend_segments(
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
     by_kv_head = query.view(num_tokens, num_kv_heads, group, head_dim)
-    plan = segment_plan(meta, window)
+    plan = segment_plan(meta, window, decode_kernel=_decode_kernel_for(query))
     outs: list[torch.Tensor] = []  # [r, kv_heads, group, D] each
     lses: list[torch.Tensor] = []  # [r, kv_heads, group] float32 each
     for segment in plan.segments:
@@ -442,7 +505,17 @@ def _attend_segments(
         output[part.q_start : part.q_start + part.q_len] = _attend_prefill_masked(
             meta, index, query, key, value, k_cache, v_cache, scaling, window
         )
+    if plan.decode_kernel is not None:
+        kernels = plan.decode_kernel
+        cpu_kernels.decode_attention(query.contiguous(), k_cache, v_cache, kernels.segments, kernels.rows,
+                                     kernels.components, output, head_dim**-0.5 if scaling is None else scaling)
     return output
+
+
+def _decode_kernel_for(query: torch.Tensor) -> bool:
+    """Whether this step's decode rows go to the C++ kernel (``replica.cpu_kernels``): CPU, a dtype it takes, and
+    the kernel built on this machine (``_CPU_DECODE_KERNEL`` lets tests and benchmarks compare with ATen's path)."""
+    return _CPU_DECODE_KERNEL and query.dtype in _KERNEL_DTYPES and cpu_kernels.available()
 
 
 def _merge_segments(

@@ -1,7 +1,9 @@
 """Peer copy: moving pages between replicas without pickling tensors.
 
 The holder exports the pages (pinned while copied, see ``LLMEngine.export_pages``) as a ``PageBundle``: one contiguous
-numpy array ``[num_pages, layers, 2, page_size, kv_heads, head_dim]`` plus keys and token ids. Ray stores numpy
+numpy array ``[num_pages, layers, 2, page_size, kv_heads, head_dim]`` plus keys and token ids. The export copies the
+pool pages straight into that array (``contiguous=True``), so the holder copies each byte once before Ray puts it in
+the object store; the receiver writes the pages into its pool from the store's memory. Ray stores numpy
 arrays in its object store and hands them to the reader zero-copy, so a bundle crosses processes at memory-copy speed
 (torch tensors would be pickled). bfloat16 has no numpy dtype: its bits travel as uint16 and are viewed back.
 
@@ -46,16 +48,37 @@ class PageBundle:
 
 
 def bundle_pages(pages: list[PageRecord]) -> PageBundle:
-    """Pack exported pages into one array (a single copy)."""
+    """Pack exported pages into one array: no copy when they are already the consecutive slots of one CPU tensor
+    (``export_pages(..., contiguous=True)``), else one copy."""
     if not pages:
         return PageBundle([], [], np.empty(0, dtype=np.float32), "float32")
-    stacked = torch.stack([page.kv for page in pages]).cpu()
+    stacked = stacked_view(pages)
+    if stacked is None:
+        stacked = torch.stack([page.kv for page in pages]).cpu()
     return PageBundle(
         keys=[page.key for page in pages],
         token_ids=[list(page.token_ids) for page in pages],
         kv=stacked.view(_WIRE_VIEW[stacked.dtype]).numpy(),
         dtype=dtype_name(stacked.dtype),
     )
+
+
+def stacked_view(pages: list[PageRecord]) -> torch.Tensor | None:
+    """``[num_pages, *page_shape]`` over the pages' own memory if page i's KV is slot i of one contiguous CPU tensor
+    that holds exactly these pages, else None."""
+    first = pages[0].kv
+    if first.device.type != "cpu" or not first.is_contiguous() or first.storage_offset() != 0:
+        return None
+    storage = first.untyped_storage()
+    numel = first.numel()
+    if storage.nbytes() != len(pages) * numel * first.element_size():
+        return None
+    for index, page in enumerate(pages):
+        kv = page.kv
+        if (kv.untyped_storage().data_ptr() != storage.data_ptr() or kv.storage_offset() != index * numel
+                or kv.dtype != first.dtype or kv.shape != first.shape or not kv.is_contiguous()):
+            return None
+    return torch.empty(0, dtype=first.dtype).set_(storage, 0, (len(pages), *first.shape))
 
 
 def unbundle_pages(bundle: PageBundle) -> list[PageRecord]:

@@ -95,6 +95,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_queried = 0
         self.num_prompt_tokens_hit = 0
+        self.num_prompt_tokens_hit_local = 0  # of those, found in this replica's own pages
 
     # ---- queues --------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -176,6 +177,8 @@ class Scheduler:
                     seq.cached_by_source[page.source] = seq.cached_by_source.get(page.source, 0) + self.page_size
                 self.num_prompt_tokens_queried += seq.num_prompt_tokens
                 self.num_prompt_tokens_hit += num_computed
+                self.num_prompt_tokens_hit_local += min(num_computed, len(hit_page_ids) * self.page_size)
+                self.kv.observe_local_hit(page_keys[: len(hit_page_ids)])
                 self.kv.registry.observe_request(page_keys[:max_match], num_cached_pages)
                 if seq.retention is not None and seq.num_retained_pages:
                     self.kv.registry.add(page_keys[: seq.num_retained_pages], priority=seq.retention.priority,

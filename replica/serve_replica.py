@@ -11,6 +11,7 @@ prefix-aware request router). The ingress calls it through a ``DeploymentHandle`
     handle.broadcast("pin_prefix", PinPrefix) / ("unpin_prefix", id) / ("prefix_reports")   -> admin (retention)
     handle.export_pages.remote(PeerExportRequest)                 -> PageBundle | CudaIpcBundle (peer copy, holder)
     handle.release_pages.remote(PeerRelease)                      -> bool (a CUDA IPC copy is done)
+    handle.prefetch_prefix.remote(PrefetchRequest)                -> PrefetchResult (hot-prefix replication, target)
 
 Serve itself calls ``record_routing_stats()`` every ``request_routing_stats_period_s``; the dict it returns reaches the
 router in every process holding a handle (common/routing_stats.py describes the format). The replica's id is Serve's
@@ -31,8 +32,8 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from common.types import (EngineRequest, EngineStats, KVSourceStats, PinPrefix, PrefixReport, ReplicaInfo,
-                          RequestOutput, TierReport)
+from common.types import (EngineRequest, EngineStats, KVSourceStats, PinPrefix, PrefetchRequest, PrefetchResult,
+                          PrefixReport, ReplicaInfo, RequestOutput, TierReport)
 from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
 from replica.cost_meter import ReplicaCostMeter, retained_groups
@@ -105,7 +106,8 @@ class ServeReplica:
         self._event_log = ReplicaEventLog(replica_id)
         self._cost_meter = ReplicaCostMeter()  # per-unit costs measured here, sent in the routing stats
         self.engine.engine.step_observer = self._cost_meter.observe_step
-        self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size)
+        self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size,
+                                             tiers=self.engine.fetcher.tiers if self.engine.fetcher else ())
         self._tokenizer_files = tokenizer_files(self.engine.tokenizer)
         logger.info(
             "replica %s ready: model fingerprint %s, max_model_len %d, prefix caching %s",
@@ -136,13 +138,21 @@ class ServeReplica:
             if pages:
                 return self.ipc_exporter.export(pages)
             return bundle_pages([])
-        return bundle_pages(await self.engine.export_pages(list(request.keys)))
+        return bundle_pages(await self.engine.export_pages(list(request.keys), contiguous=True))
 
     def release_pages(self, request: PeerRelease) -> bool:
         """Peer copy, holder side: the receiver of a CUDA IPC bundle is done with it (False: unknown lease)."""
         if self.ipc_exporter is None or request.target_replica != self.replica_id:
             return False
         return self.ipc_exporter.release(request.lease_id)
+
+    async def prefetch_prefix(self, request: PrefetchRequest) -> PrefetchResult:
+        """Hot-prefix replication, target side: copy the prefix's pages from the peer ``request.peer_hint`` into this
+        replica's prefix cache ahead of need (``AsyncEngine.prefetch_prefix``); the stored events that follow tell the
+        routers. A request that reached another replica than its target (the target left) copies nothing."""
+        if request.target_replica != self.replica_id:
+            return PrefetchResult(self.replica_id, request.num_pages, error="addressed to another replica")
+        return await self.engine.prefetch_prefix(request)
 
     def kv_source_stats(self) -> KVSourceStats:
         """Pages, bytes, seconds and errors per source (peer, host, disk), plus the shared tiers' own counters."""

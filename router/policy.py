@@ -142,7 +142,7 @@ class PolicyConfig:
     """Count only the pages expected still on a replica at admission (router/index.py ``expected_resident``):
     retained pages until their TTL, others by the replica's LRU eviction count. Off by default: in the simulator at
     saturation (llm-d shared prefix, DP 4) it raised p99 TTFT 18x, because pages held by running requests are out of
-    the LRU queue until released, and the router cannot see when that is (BENCHMARKS.md section 11)."""
+    the LRU queue until released, and the router cannot see when that is (BENCHMARKS.md section 14)."""
     duplicate_work_weight: float = 1.0
     """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
     delays the replica's later requests and, for recomputed pages, stores a second copy)."""

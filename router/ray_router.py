@@ -24,6 +24,10 @@ Ray Serve 2.60 facts this relies on (read from ray/serve/_private/request_router
 - ``on_request_completed(replica_id, internal_request_id)`` fires when a sent request finishes, fails or is rejected;
   with the pending request's future (cancelled, or resolved to the replica actually used) it keeps the policy's
   in-flight counts exact.
+- Hot-prefix replication: the ingress registers a planner for this deployment in its process
+  (``router/replication.py``); the router of that process feeds it every request's page keys, holders and loads
+  (``_observe_hot_prefix``) and tells it when a replica leaves. Routers elsewhere (replicas' peer-copy handles) find
+  no planner and skip this.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from common.page_keys import PageKey
 from router import decision_metrics
 from router.index import PrefixIndex
+from router import replication
 from router.policy import PolicyConfig, PrefixAwarePolicy, RoutingDecision
 from common.routing_stats import ReplicaLoad, ReplicaReport, RoutingStatsError, parse_routing_stats
 
@@ -89,13 +94,17 @@ class PrefixAwareRequestRouter(RequestRouter):
         target = target_replica_of(pending_request)
         if target is not None:
             # a request for one specific replica (peer copy); if it is gone, any replica answers "no pages"
+            if self._hot_prefix_planner() is not None:  # pinned requests are demand too
+                self._observe_hot_prefix(pending_request, page_keys_of(pending_request),
+                                         [self._load_of(r) for r in candidate_replicas])
             if target in replica_id_to_replica:
                 self._hint_best_holder(pending_request, target)
                 return [[replica_id_to_replica[target]]]
             return [list(candidate_replicas)]
         page_keys = page_keys_of(pending_request)
-        decision = self.policy.choose(page_keys, [self._load_of(r) for r in candidate_replicas],
-                                      num_prompt_tokens=num_prompt_tokens_of(pending_request))
+        loads = [self._load_of(r) for r in candidate_replicas]
+        self._observe_hot_prefix(pending_request, page_keys, loads)
+        decision = self.policy.choose(page_keys, loads, num_prompt_tokens=num_prompt_tokens_of(pending_request))
         decision_metrics.DECISIONS.add(self._deployment_name(), decision.replica_id, decision.reason.value)
         if pending_request is not None:
             set_peer_hint(pending_request, hint_for_request(decision))
@@ -109,6 +118,31 @@ class PrefixAwareRequestRouter(RequestRouter):
         holder = self.policy.hint_for_pinned(page_keys_of(pending_request), target)
         if holder is not None:
             set_peer_hint(pending_request, holder)
+
+    def _observe_hot_prefix(self, pending_request: Optional[PendingRequest], page_keys: Sequence[PageKey],
+                            loads: List[ReplicaLoad]) -> None:
+        """Hot-prefix replication (router/replication.py): count the request's demand in the planner the ingress
+        registered for this deployment in this process (none: the feature is off here). Before ``choose``, which
+        makes the index expect the chosen replica to hold the keys. Never fails the routing."""
+        planner = self._hot_prefix_planner()
+        found = engine_request_of(pending_request)
+        if planner is None or not page_keys or found is None:
+            return
+        try:
+            request = found[2]
+            keys = page_keys[: planner.config.max_prefix_pages]
+            matched = self.index.longest_prefix(keys, [load.replica_id for load in loads])
+            replica_id_to_load = {load.replica_id: self.policy.effective_load(load) for load in loads}
+            planner.observe(keys, request.prompt_token_ids, getattr(request, "cache_salt", None), matched,
+                            replica_id_to_load)
+        except Exception:  # noqa: BLE001 - replication is an optimisation; routing goes on
+            logger.exception("hot-prefix planner failed on a request; routing it anyway")
+
+    def _hot_prefix_planner(self) -> "replication.HotPrefixPlanner | None":
+        deployment_id = getattr(self, "_deployment_id", None)
+        if deployment_id is None:
+            return None
+        return replication.planner_for(deployment_id.app_name, deployment_id.name)
 
     # ---- internals -------------------------------------------------------------------------------------------------
     def _deployment_name(self) -> str:
@@ -171,6 +205,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.policy.note_routed(request_id, replica_id_of(future.result()))
 
     def _forget(self, replica_id: str) -> None:
+        planner = self._hot_prefix_planner()
+        if planner is not None:
+            planner.forget_replica(replica_id)
         self.index.remove_replica(replica_id)
         self.policy.forget_replica(replica_id)
         self._replica_id_to_raw_stats.pop(replica_id, None)

@@ -1,5 +1,5 @@
-"""SIGTERM drain of a real ``prefixserve serve`` process (issue 10): in-flight requests complete, new ones are refused
-with 503, a stream still running at --shutdown-timeout ends with an error event and [DONE], the process exits 0 and
+"""SIGTERM drain of a real ``prefixserve serve`` process (issue 10), served by direct ingress (the ingress replica
+listens on --port itself): in-flight requests complete, new ones are refused with 503, a stream still running at --shutdown-timeout ends with an error event and [DONE], the process exits 0 and
 leaves none of the processes it started (its local Ray) running.
 
 Its own local Ray (the CLI starts one), so it is marked slow: 90 s on a loaded 2-core machine.
@@ -37,6 +37,24 @@ def stream(base: str, max_tokens: int, out: dict) -> None:
         out["lines"] = [line for line in response.iter_lines() if line]
 
 
+def listener_title(port: int) -> str:
+    """Process title (Ray sets ``ray::<actor>``) of the process listening on 127.0.0.1:``port``, from /proc."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":  # 0A: LISTEN
+                inodes.add(fields[9])
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                if os.readlink(fd).removeprefix("socket:[").rstrip("]") in inodes:
+                    return (fd_dir.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # a process gone, or not ours to read
+            continue
+    return ""
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
 def test_sigterm_drains_then_exits_leaving_nothing_running(tiny_llama_dir, tmp_path):
     port = find_free_port()
@@ -56,6 +74,11 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tiny_llama_dir, tmp_p
             assert time.monotonic() < deadline, "prefixserve serve did not start"
             time.sleep(1)
         assert httpx.get(f"{base}/health").status_code == 200
+        # direct ingress (the default with a Ray started here): --port is the ingress replica's own server, which
+        # has no Serve proxy routes; the proxy moved to the port the CLI names
+        proxy_port = int(re.search(r"Serve's HTTP proxy at port (\d+)", (tmp_path / "serve.log").read_text()).group(1))
+        assert "OpenAIIngress" in listener_title(port)
+        assert "ProxyActor" in listener_title(proxy_port)
         started = live_descendants(process.pid)
         assert len(started) >= 3  # gcs_server, raylet, workers ...
 

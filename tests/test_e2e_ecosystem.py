@@ -4,6 +4,9 @@ into exactly the pages the replica caches.
 
 One app: two data-parallel replicas of the tiny random Llama, KV events on ipc:// endpoints (rank r adds ``_dp<r>``),
 block hashes as the full 32-byte page keys so the subscriber can re-hash each block from its parent and token ids.
+Besides the replicas' pools ("GPU"), the disk tier's events ("DISK") must add up to the pages its index holds; the
+metric checks include per-token inter-token latency and the request phases (measured on the engines), the external
+prefix cache, and a client that hangs up mid-stream counted as ``abort`` in both metric sets.
 The slow test starts a real Prometheus on deploy/prometheus.yml, drives ``prefixserve bench`` traffic and evaluates
 every query of deploy/grafana/prefixserve-dashboard.json through Prometheus' HTTP API (skipped without prometheus).
 """
@@ -146,6 +149,26 @@ def test_kv_events_from_every_replica_rebuild_its_cache(app, http):
         for subscriber in subscribers:
             assert len(subscriber.blocks) == cached[rank_to_replica[subscriber.rank]]
 
+        # the disk tier's events (medium DISK): together, the replicas announced exactly the pages the tier holds
+        import sqlite3
+
+        index = sqlite3.connect(f"file:{folder}/disk/index.sqlite?mode=ro", uri=True)
+
+        def disk_rows() -> int:
+            return index.execute("SELECT COUNT(*) FROM pages").fetchone()[0]
+
+        def announced() -> set:
+            return set().union(*(subscriber.by_medium.get("DISK", {}) for subscriber in subscribers))
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (disk_rows() == 0 or len(announced()) != disk_rows()):
+            for subscriber in subscribers:
+                subscriber.poll(0.2)
+        assert disk_rows() > 0 and len(announced()) == disk_rows()  # chain 0's reuse wrote its pages
+        counters = scrape(http)
+        assert sum(by(counters["prefixserve_kv_tier_events_stored_total"], "tier", tier="disk").values()) >= disk_rows()
+        index.close()
+
         # reset: every replica publishes AllBlocksCleared
         assert http.post("/reset_prefix_cache").json()["all_reset"]
         deadline = time.monotonic() + 10
@@ -177,7 +200,9 @@ def test_vllm_metric_names_agree_with_ours(app, http):
     # read from the replicas in the same scrape: equal per replica
     assert len(theirs("prefix_cache_queries_total")) == 2
     assert theirs("prefix_cache_queries_total") == ours("prefix_cache_queries_total")
-    assert theirs("prefix_cache_hits_total") == ours("prefix_cache_hits_total")
+    # vLLM's hits are its local cache's; ours add the pages imported from peers and tiers
+    assert all(theirs("prefix_cache_hits_total")[replica] <= hits for replica, hits in
+               ours("prefix_cache_hits_total").items())
     assert sum(theirs("prefix_cache_hits_total").values()) > 0
     assert theirs("num_requests_running") == ours("num_requests_running")
     assert theirs("num_requests_waiting") == ours("num_requests_waiting")
@@ -205,10 +230,53 @@ def test_vllm_metric_names_agree_with_ours(app, http):
     assert sum(theirs("e2e_request_latency_seconds_count").values()) == num_requests
     assert sum(theirs("e2e_request_latency_seconds_sum").values()) > sum(
         theirs("time_to_first_token_seconds_sum").values())
-    generated = sum(theirs("generation_tokens_total").values())
-    assert 0 < sum(theirs("inter_token_latency_seconds_count").values()) <= generated - num_requests
+    # measured on the engines: one inter-token interval per token after each request's first, one phase each
+    generated = theirs("generation_tokens_total")
+    finished = theirs("request_success_total")
+    assert theirs("inter_token_latency_seconds_count") == {
+        replica: generated[replica] - finished[replica] for replica in finished}
+    for phase in ("queue", "prefill", "decode"):
+        assert theirs(f"request_{phase}_time_seconds_count") == finished
+    assert sum(theirs("request_decode_time_seconds_sum").values()) == pytest.approx(
+        sum(theirs("inter_token_latency_seconds_sum").values()))
+    # the external prefix cache (peer copy, host and disk tiers): what the local cache missed, and what they supplied
+    local = ours("cached_prompt_tokens_total", source="local")
+    external = {replica: sum(ours("cached_prompt_tokens_total", source=source).get(replica, 0)
+                             for source in ("peer", "host", "disk")) for replica in local}
+    assert theirs("external_prefix_cache_queries_total") == {
+        replica: ours("prompt_tokens_total")[replica] - local[replica] for replica in local}
+    assert theirs("external_prefix_cache_hits_total") == external
+    # every vLLM finish reason exists for every replica from the start
+    reasons = by(samples["vllm:request_success_total"], "finished_reason")
+    assert set(reasons) == {"stop", "length", "abort", "error", "repetition"} and reasons["abort"] == 0
     ttft_buckets = [dict(labels)["le"] for labels in samples["vllm:time_to_first_token_seconds_bucket"]]
     assert "2560.0" in ttft_buckets and "0.001" in ttft_buckets  # vLLM's buckets
+
+
+def test_a_client_gone_mid_stream_counts_as_abort_in_both_sets(app, http):
+    """vLLM counts a request its client abandoned as request_success{finished_reason="abort"}; so do we, on the
+    replica that was serving it, beside our aborted_requests_total{reason="client_gone"}."""
+    before = scrape(http)
+    body = {"model": MODEL, "prompt": prompt_of(7, 40), "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=app["base_url"], timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            replica = response.headers["x-prefixserve-replica"]
+            next(response.iter_lines())  # one chunk, then hang up
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        after = scrape(http)
+        aborted = by(after["vllm:request_success_total"], "engine", finished_reason="abort")
+        if aborted.get(replica, 0) == by(before["vllm:request_success_total"], "engine",
+                                         finished_reason="abort").get(replica, 0) + 1:
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError("the abort never reached vllm:request_success")
+    gone = lambda samples: sum(by(samples["prefixserve_aborted_requests_total"], "reason").get(reason, 0)  # noqa: E731
+                               for reason in ("client_gone", "cancelled", "deadline", "shutdown"))
+    assert gone(after) - gone(before) == 1
+    assert sum(by(after["vllm:request_success_total"], "engine", finished_reason="abort").values()) == gone(after)
 
 
 # ---- a real Prometheus on deploy/prometheus.yml, every dashboard panel's query -------------------------------------
@@ -274,7 +342,14 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(app, http, tm
                 show_progress=False))
             assert run.metrics.num_completed == 8
             time.sleep(3)
-        pending = set(dashboard_queries())
+        from tests.test_deploy_observability import PENDING_METRICS, pending_names
+
+        exported = set(scrape(http))
+        waiting_for_branch = {(title, expr) for title, expr in dashboard_queries() if pending_names(expr, exported)}
+        for title, expr in sorted(waiting_for_branch):  # TODO(H1, at merge): gone once the metric is exported
+            print(f"not checked until {pending_names(expr, exported)} is exported: {title} "
+                  f"({PENDING_METRICS[pending_names(expr, exported)[0]]})")
+        pending = set(dashboard_queries()) - waiting_for_branch
         deadline = time.monotonic() + 120  # Ray's metrics agents report every few seconds
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as prometheus:
             while pending and time.monotonic() < deadline:
@@ -290,5 +365,10 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(app, http, tm
         assert not pending, f"queries without data: {sorted(pending)}"
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+        assert process.poll() is not None  # nothing left running
 

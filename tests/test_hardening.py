@@ -285,8 +285,8 @@ def test_a_stream_dropped_before_it_started_leaves_the_in_flight_count():
     ingress_class = getattr(OpenAIIngress, "func_or_class", OpenAIIngress)
     left, cancelled, aborted = [], [], []
     fake = types.SimpleNamespace(_request_to_stream={}, _request_to_cut={}, _leave=lambda: left.append(1),
-                                 metrics=types.SimpleNamespace(aborted=types.SimpleNamespace(
-                                     labels=lambda reason: types.SimpleNamespace(inc=lambda: aborted.append(reason)))))
+                                 metrics=types.SimpleNamespace(
+                                     observe_aborted=lambda reason, replica_id, key=None: aborted.append(reason)))
     end = ingress_class._end_unstarted_stream.__get__(fake)
 
     class Stream:

@@ -5,14 +5,22 @@ the way our router gets them (ReplicaEventLog -> routing-stats payload -> Prefix
 plain pyzmq subscriber (msgpack, no prefixserve code) joins late, misses batches and later loses one on purpose,
 replays both gaps from the ROUTER socket, and rebuilds an index that must equal the router's, block for block; every
 ``BlockStored`` must re-hash (parent + token ids) to the page key it names.
+
+The shared tiers publish too (replica/tiers/events.py): after stores into a real redis-server bounded by maxmemory
+(Redis evicts silently), a DEL, an expiry and a FLUSHALL, and after another "process" evicts from a shared disk tier,
+the subscriber's index for medium "CPU" / "DISK" equals what the tier holds of the pages this replica stored. The
+engine's vLLM-style timings (one inter-token interval per token, queue / prefill / decode per request) are checked on
+a real engine at the end.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgpack
 import pytest
+import redis
 import zmq
 
 from common.events import AllPagesCleared, PagesRemoved, PagesStored, StoredPageInfo
@@ -129,7 +137,8 @@ class Subscriber:
         self.replay = context.socket(zmq.DEALER)  # one request, many replies: a REQ socket takes only one
         self.replay.connect(replay)
         self.next_seq = 0
-        self.blocks: dict = {}
+        self.by_medium: dict[str, dict] = {"GPU": {}}
+        """medium -> block hash -> (parent, token ids, salted): "GPU" the replica's pool, "CPU" / "DISK" its tiers."""
         self.num_replayed = 0
         self.num_gaps = 0
         self.num_removed = 0
@@ -137,6 +146,11 @@ class Subscriber:
         self.payloads: list[bytes] = []
         self.drop_seqs: set[int] = set()
         """Live batches to throw away as if the network lost them."""
+
+    @property
+    def blocks(self) -> dict:
+        """The replica's own pool (medium "GPU")."""
+        return self.by_medium["GPU"]
 
     def close(self) -> None:
         self.sub.close(0)
@@ -180,21 +194,23 @@ class Subscriber:
         ts, events, rank = msgpack.unpackb(payload)
         assert isinstance(ts, float) and rank == self.rank
         for event in events:
+            if event["type"] == "AllBlocksCleared":
+                self.blocks.clear()  # vLLM's engine reset: its own pool
+                continue
+            blocks = self.by_medium.setdefault(event["medium"], {})
             if event["type"] == "BlockStored":
                 size = event["block_size"]
                 parent = event["parent_block_hash"]
                 for i, block_hash in enumerate(event["block_hashes"]):
                     salted = bool(event.get("extra_keys") and event["extra_keys"][i])
                     self.num_salted += salted
-                    self.blocks[block_hash] = (parent, tuple(event["token_ids"][i * size:(i + 1) * size]), salted)
+                    blocks[block_hash] = (parent, tuple(event["token_ids"][i * size:(i + 1) * size]), salted)
                     parent = block_hash
-            elif event["type"] == "BlockRemoved":
-                for block_hash in event["block_hashes"]:
-                    self.blocks.pop(block_hash, None)
-                    self.num_removed += 1
             else:
-                assert event["type"] == "AllBlocksCleared"
-                self.blocks.clear()
+                assert event["type"] == "BlockRemoved"
+                for block_hash in event["block_hashes"]:
+                    blocks.pop(block_hash, None)
+                    self.num_removed += 1
 
 
 @pytest.fixture(scope="module")
@@ -278,3 +294,175 @@ def test_int_block_hashes_are_the_page_keys_low_64_bits():
     key = bytes(range(32))
     assert external_hash(key, "int") == int.from_bytes(bytes(range(24, 32)), "big")
     assert external_hash(key, "bytes") == key
+
+
+# ---- the shared tiers' events (replica/tiers/events.py) -----------------------------------------------------------
+class MediumSubscriber(Subscriber):
+    """Also checks that a removal names a block the subscriber was told about (per medium)."""
+
+    def apply(self, payload: bytes) -> None:
+        _, events, _ = msgpack.unpackb(payload)
+        for event in events:
+            if event["type"] == "BlockRemoved":
+                known = self.by_medium.get(event["medium"], {})
+                assert all(h in known for h in event["block_hashes"]), "a removal of a block never announced"
+        super().apply(payload)
+
+    def blocks_on(self, medium: str) -> dict:
+        return self.by_medium.get(medium, {})
+
+
+def wait_until(condition, subscriber: Subscriber, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        subscriber.poll(0.1)
+        if condition():
+            return True
+    return False
+
+
+@pytest.fixture
+def tier_events(tmp_path):
+    """A publisher with a replay socket and a subscriber to it (``block_hash_format: bytes``: hashes are page keys)."""
+    pub, replay = f"ipc://{tmp_path}/tier-events", f"ipc://{tmp_path}/tier-replay"
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=pub, replay_endpoint=replay, topic="kv",
+                            block_hash_format="bytes")
+    publisher = ZmqKVEventPublisher(config, page_size=128, rank=0)
+    context = zmq.Context()
+    subscriber = MediumSubscriber(context, pub, replay, b"kv")
+    time.sleep(0.2)
+    yield publisher, subscriber
+    publisher.close()
+    subscriber.close()
+    context.term()
+
+
+def test_redis_tier_events_follow_redis_evictions_deletes_and_expiry(tier_events, redis_process_factory):
+    """Redis evicts under maxmemory without telling its clients: the tier's events still end equal to what it holds."""
+    from replica.tiers.events import MEDIUM_HOST
+    from replica.tiers.redis_tier import RedisTier
+    from tests.test_tiers import make_format, make_pages
+
+    publisher, subscriber = tier_events
+    server = redis_process_factory()
+    admin = redis.Redis.from_url(server.url)
+    assert admin.config_get("notify-keyspace-events")["notify-keyspace-events"] == ""  # off, as Redis ships
+    page_format = make_format()
+    tier = RedisTier(server.url, page_format)
+    tier.enable_events(publisher.publish_tier, resync_interval_s=3600)
+    pages = [page for seed in range(6) for page in make_pages(page_format, 8, seed=seed)]  # 48 chained pages
+    try:
+        assert wait_until(lambda: set(admin.config_get("notify-keyspace-events")["notify-keyspace-events"])
+                          >= set("Egxe"), subscriber, 5)  # the tier enabled the notifications it needs
+        # room for ~20 of the 48 pages (each ~17 KB sealed): Redis evicts the rest as they arrive
+        used = admin.info("memory")["used_memory"]
+        admin.config_set("maxmemory", used + 20 * 17_000)
+
+        def held() -> set[bytes]:
+            return {page.key for page in pages if admin.exists(tier.redis_key(page.key))}
+
+        def in_sync() -> bool:
+            return set(subscriber.blocks_on(MEDIUM_HOST)) == held()
+
+        for start in range(0, len(pages), 8):  # later stores evict pages announced earlier
+            assert tier.store(pages[start:start + 8]) == 8
+            tier.flush(timeout=10)
+            assert wait_until(in_sync, subscriber), (start, len(subscriber.blocks_on(MEDIUM_HOST)), len(held()))
+        assert 0 < len(held()) < len(pages) and subscriber.num_removed > 0  # evictions happened and were published
+        # stored blocks carry the chain: parent key and token ids, as the tier stored them
+        by_key = {page.key: page for page in pages}
+        for block_hash, (parent, token_ids, _) in subscriber.blocks_on(MEDIUM_HOST).items():
+            assert token_ids == by_key[block_hash].token_ids
+        # a DEL by someone else, and an expiry
+        survivors = sorted(held())
+        admin.delete(tier.redis_key(survivors[0]))
+        admin.pexpire(tier.redis_key(survivors[1]), 1)
+        gone = set(survivors[:2])  # (Redis may evict another page meanwhile: its memory use moves)
+        assert wait_until(lambda: in_sync() and not gone & held(), subscriber), (
+            len(survivors), len(held()), len(subscriber.blocks_on(MEDIUM_HOST)), len(tier.event_tracker.announced),
+            admin.config_get("notify-keyspace-events"), admin.exists(tier.redis_key(survivors[1])))
+        assert publisher.num_dropped == 0
+    finally:
+        tier.close()
+    assert tier.event_tracker._thread.is_alive() is False
+
+
+def test_redis_tier_events_are_repaired_by_the_full_check_when_notifications_are_missed(tier_events,
+                                                                                          redis_process_factory):
+    """FLUSHALL makes no per-key notification: the periodic full check publishes the removals."""
+    from replica.tiers.events import MEDIUM_HOST
+    from replica.tiers.redis_tier import RedisTier
+    from tests.test_tiers import make_format, make_pages
+
+    publisher, subscriber = tier_events
+    server = redis_process_factory()
+    admin = redis.Redis.from_url(server.url)
+    page_format = make_format()
+    tier = RedisTier(server.url, page_format)
+    tier.enable_events(publisher.publish_tier, resync_interval_s=0.5)
+    pages = make_pages(page_format, 4, seed=1)
+    try:
+        tier.store(pages)
+        tier.flush(timeout=10)
+        assert wait_until(lambda: len(subscriber.blocks_on(MEDIUM_HOST)) == 4, subscriber)
+        admin.flushall()
+        assert wait_until(lambda: len(subscriber.blocks_on(MEDIUM_HOST)) == 0, subscriber)
+    finally:
+        tier.close()
+
+
+def test_disk_tier_events_follow_evictions_by_any_process_sharing_the_folder(tier_events, tmp_path):
+    from replica.tiers.disk_tier import DiskTier
+    from replica.tiers.events import MEDIUM_DISK
+    from replica.tiers.seal import TierKey
+    from tests.test_tiers import make_format, make_pages
+
+    publisher, subscriber = tier_events
+    page_format = make_format()
+    tier_key = TierKey.generate()
+    root = tmp_path / "disk"
+    page_bytes = 17_000
+    ours = DiskTier(root, page_format, budget_bytes=12 * page_bytes, tier_key=tier_key)
+    other = DiskTier(root, page_format, budget_bytes=12 * page_bytes, tier_key=tier_key)  # "another process"
+    ours.enable_events(publisher.publish_tier, resync_interval_s=3600)
+    mine = [page for seed in range(3) for page in make_pages(page_format, 4, seed=seed)]
+    theirs = make_pages(page_format, 8, seed=50)
+    try:
+        def held() -> set[bytes]:
+            return {page.key for page in mine if os.path.exists(ours.page_path(page.key))}
+
+        def in_sync() -> bool:
+            return set(subscriber.blocks_on(MEDIUM_DISK)) == held()
+
+        ours.store(mine)
+        ours.flush(timeout=10)
+        assert wait_until(lambda: in_sync() and len(held()) > 0, subscriber)
+        num_before = len(held())
+        other.store(theirs)  # its writes evict our pages: only the shared index's removal log tells us
+        other.flush(timeout=10)
+        assert wait_until(lambda: in_sync() and len(held()) < num_before, subscriber), (
+            len(subscriber.blocks_on(MEDIUM_DISK)), len(held()))
+        assert subscriber.num_removed > 0 and not subscriber.blocks_on("CPU")
+        assert publisher.num_dropped == 0
+    finally:
+        ours.close()
+        other.close()
+
+
+# ---- vLLM's engine-side timings (common/types.py RequestLatencyStats, rendered by cluster/vllm_metrics.py) ----------
+def test_engine_observes_one_inter_token_interval_per_token_and_each_phase_per_request(tiny_llama):
+    engine = tiny_llama.engine(num_pages=16, max_num_batched_tokens=512, enforce_eager=True, max_num_seqs=2)
+    num_tokens = {"a": 5, "b": 3, "c": 1, "d": 4}  # max_num_seqs=2: c and d wait in the queue for a and b
+    for index, (request_id, max_tokens) in enumerate(num_tokens.items()):
+        engine.add_request(EngineRequest(request_id, random_prompt(PAGE + 20, seed=60 + index), greedy(max_tokens)))
+    while engine.has_work():
+        engine.step()
+    latency = engine.stats().latency
+    assert latency.inter_token.count == sum(n - 1 for n in num_tokens.values())  # per token, not per request
+    assert latency.queue.count == latency.prefill.count == latency.decode.count == len(num_tokens)
+    assert latency.time_per_output_token.count == sum(1 for n in num_tokens.values() if n > 1)
+    assert latency.decode.total == pytest.approx(latency.inter_token.total)  # decode = the sum of the intervals
+    assert latency.queue.total > 0  # c and d waited for a free slot
+    stats_copy = engine.stats().latency
+    stats_copy.inter_token.observe(1.0)
+    assert engine.stats().latency.inter_token.count == latency.inter_token.count  # a snapshot, not the live one

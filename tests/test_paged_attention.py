@@ -1,7 +1,8 @@
 """The CPU attention path (each query row's context attended run by run in place with ATen's flash kernel, parts
-merged by log-sum-exp) against the device-generic path (SDPA over gathered K/V with masks), on the same pool, packed
-batch and metadata: cold and continued prefill chunks, scattered pages, decode rows sharing a prefix and alone, grouped
--query attention, sliding windows and a padding row."""
+merged by log-sum-exp; decode rows by the C++ decode kernel, or by ATen's kernel run by run) against the
+device-generic path (SDPA over gathered K/V with masks), on the same pool, packed batch and metadata: cold and
+continued prefill chunks, scattered pages, decode rows sharing a prefix and alone, grouped-query attention, sliding
+windows and a padding row."""
 
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ import pytest
 import torch
 
 import replica.paged_attention as pa
+from replica import cpu_kernels
 from replica.paged_attention import DecodeBatch, DecodeRow, PagedAttentionMetadata, PrefillSlice, attend, slot_runs
 
 PAGE = 8
 NUM_PAGES = 40
 
 
-def build_step(chunks, *, num_kv_heads, dtype, padding=0):
+def build_step(chunks, *, num_kv_heads, dtype, padding=0, head_dim=16):
     """``chunks``: (start_pos, num_new, page_ids). Returns (metadata, query, key, value) for one packed step whose
-    contexts before ``start_pos`` are random K/V already in the pool."""
+    contexts before ``start_pos`` are random K/V already in the pool. ``head_dim`` 16: the C++ kernel's plain loops;
+    64: its vector code."""
     gen = torch.Generator().manual_seed(0)
-    head_dim, group = 16, 2
+    group = 2
     kv_cache = torch.randn(1, 2, NUM_PAGES, PAGE, num_kv_heads, head_dim, generator=gen).to(dtype)
     slots, prefills, decode_rows = [], [], []
     offset = 0
@@ -44,13 +47,23 @@ def build_step(chunks, *, num_kv_heads, dtype, padding=0):
     return meta, query, key, value
 
 
-def both_paths(meta, query, key, value, window, monkeypatch):
+KERNEL = [pytest.param(False, id="aten-decode"),
+          pytest.param(True, id="cpp-decode", marks=pytest.mark.skipif(not cpu_kernels.load(),
+                                                                        reason="no C++ compiler here"))]
+
+
+def both_paths(meta, query, key, value, window, monkeypatch, kernel=False):
+    """(in-place CPU path, its pool), (generic path, its pool); ``kernel``: decode rows by the C++ kernel."""
     results = []
+    monkeypatch.setattr(pa, "_CPU_DECODE_KERNEL", kernel)
     for segments in (True, False):
         monkeypatch.setattr(pa, "_CPU_SEGMENTS", segments)
         cache = meta.kv_cache.clone()
         step = PagedAttentionMetadata(cache, meta.slot_mapping, meta.prefills, meta.decode, meta.num_padding)
         results.append((attend(step, 0, query, key, value, None, window), cache))
+        if segments and meta.decode is not None:  # the decode rows went where they were sent
+            plan = step._step_cache[("segments", window, kernel)]
+            assert (plan.decode_kernel is not None) == kernel
     return results
 
 
@@ -66,23 +79,70 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("kernel", KERNEL)
 @pytest.mark.parametrize("window", [None, 12])
 @pytest.mark.parametrize("num_kv_heads", [1, 2])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_in_place_segments_match_the_generic_path(case, num_kv_heads, window, monkeypatch):
-    meta, query, key, value = build_step(CASES[case], num_kv_heads=num_kv_heads, dtype=torch.float32, padding=1)
-    (segments, cache_a), (generic, cache_b) = both_paths(meta, query, key, value, window, monkeypatch)
+def test_in_place_segments_match_the_generic_path(case, num_kv_heads, window, kernel, head_dim, monkeypatch):
+    meta, query, key, value = build_step(CASES[case], num_kv_heads=num_kv_heads, dtype=torch.float32, padding=1,
+                                         head_dim=head_dim)
+    (segments, cache_a), (generic, cache_b) = both_paths(meta, query, key, value, window, monkeypatch, kernel)
     assert torch.equal(cache_a, cache_b)  # both wrote the step's K/V into the same slots
     torch.testing.assert_close(segments, generic, rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(segments[-1]) == 0  # the padding row attends to nothing
 
 
-def test_bfloat16_close_to_float32(monkeypatch):
+@pytest.mark.parametrize("kernel", KERNEL)
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_bfloat16_close_to_float32(kernel, head_dim, monkeypatch):
     steps = CASES["two prefills and decodes"] + CASES["decodes sharing a prefix"][:2]
-    meta, query, key, value = build_step(steps, num_kv_heads=2, dtype=torch.float32)
-    (reference, _), _ = both_paths(meta, query, key, value, None, monkeypatch)
+    meta, query, key, value = build_step(steps, num_kv_heads=2, dtype=torch.float32, head_dim=head_dim)
+    (reference, _), _ = both_paths(meta, query, key, value, None, monkeypatch, kernel)
     meta16 = PagedAttentionMetadata(meta.kv_cache.bfloat16(), meta.slot_mapping, meta.prefills, meta.decode)
     monkeypatch.setattr(pa, "_CPU_SEGMENTS", True)
     out = attend(meta16, 0, query.bfloat16(), key.bfloat16(), value.bfloat16(), None, None)
     assert out.dtype is torch.bfloat16
     torch.testing.assert_close(out.float(), reference, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")
+def test_decode_kernel_long_runs_across_blocks_and_many_rows(monkeypatch):
+    """Runs longer than the kernel's key block (64) and a group of 3 rows sharing a 5-block prefix: the running
+    softmax across blocks and segments matches one softmax over the gathered context."""
+    gen = torch.Generator().manual_seed(1)
+    num_kv_heads, group, head_dim, slots = 2, 4, 32, 2000
+    k_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen) * 3  # large scores: rescaling matters
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(5, num_kv_heads * group, head_dim, generator=gen)
+    contexts = {0: [(100, 320), (900, 75)], 2: [(100, 320), (1500, 3)], 3: [(100, 200)], 4: [(10, 1)]}
+    segments = [(100, 200, 0, 3), (300, 120, 3, 4), (900, 75, 4, 5), (300, 120, 5, 6), (1500, 3, 6, 7),
+                (10, 1, 7, 8)]
+    rows = [0, 2, 3, 0, 0, 2, 2, 4, 0, 2, 3, 4]
+    components = [(0, 5, 8, 11), (5, 6, 11, 12)]
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    plan = as_long(segments), as_long(rows), as_long(components)
+    out, plain = torch.zeros_like(query), torch.zeros_like(query)
+    cpu_kernels.decode_attention(query, k_cache, v_cache, *plan, out, 0.2)  # head_dim 32: vector code
+    cpu_kernels.decode_attention(query, k_cache, v_cache, *plan, plain, 0.2, vector_code=False)
+    torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
+    for position, runs in contexts.items():
+        index = torch.cat([torch.arange(start, start + length) for start, length in runs])
+        k = k_cache[index].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = v_cache[index].repeat_interleave(group, dim=1).transpose(0, 1)
+        probs = torch.softmax(query[position][:, None] @ k.transpose(1, 2) * 0.2, dim=-1)
+        torch.testing.assert_close(out[position], (probs @ v)[:, 0], rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(out[1]) == 0  # a row in no component is not written
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")
+def test_decode_kernel_refuses_a_plan_outside_the_pool():
+    query, cache = torch.randn(2, 2, 8), torch.randn(50, 1, 8)
+    out = torch.zeros_like(query)
+    as_long = lambda values: torch.tensor(values, dtype=torch.long).view(-1, 4)  # noqa: E731
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.decode_attention(query, cache, cache, as_long([45, 10, 0, 1]), torch.tensor([0]),
+                                     as_long([0, 1, 0, 1]), out, 1.0)
+    with pytest.raises(RuntimeError, match="outside the batch"):
+        cpu_kernels.decode_attention(query, cache, cache, as_long([0, 10, 0, 1]), torch.tensor([7, 7]),
+                                     as_long([0, 1, 1, 2]), out, 1.0)

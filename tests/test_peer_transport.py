@@ -25,7 +25,8 @@ from replica.cuda_ipc import CudaIpcBundle, CudaIpcHandle, IpcTarget
 from common.types import EngineRequest
 from common.types import CacheSource
 from replica.page_record import PageRecord
-from replica.peer_copy import PeerExportRequest, ServePeerClient, bundle_pages
+from replica.peer_copy import (PeerExportRequest, ServePeerClient, bundle_pages,
+                               unbundle_pages)
 from common.types import SamplingParams
 
 PAGE_SIZE = 128
@@ -223,3 +224,20 @@ def test_unopenable_ipc_bundle_falls_back_to_a_host_copy():
     assert {page.source for page in got} == {CacheSource.PEER}
     assert client.transport_stats.pages == {"cuda_ipc": 0, "host": 3}
     assert client.transport_stats.ipc_failures == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_contiguous_export_is_the_bundle_itself_and_round_trips_bit_exact(dtype):
+    """Pages exported as slots of one tensor travel without a second copy; any other pages are stacked (one copy)."""
+    stacked = torch.randn(3, 2, 2, 4, 1, 2).to(dtype)
+    pages = [PageRecord(bytes([index + 1]) * 32, (index,), stacked[index]) for index in range(3)]
+    bundle = bundle_pages(pages)
+    assert bundle.kv.ctypes.data == stacked.data_ptr() and bundle.dtype == str(dtype).removeprefix("torch.")
+
+    for subset in (pages[:2], pages[1:], [pages[0], pages[2]]):  # not the whole tensor: copied, same bits
+        assert bundle_pages(subset).kv.ctypes.data != stacked.data_ptr()
+        got = unbundle_pages(bundle_pages(subset))
+        assert all(torch.equal(page.kv.view(torch.uint8), want.kv.view(torch.uint8)) for page, want in zip(got, subset))
+    got = unbundle_pages(bundle)
+    assert [page.key for page in got] == [page.key for page in pages]
+    assert all(torch.equal(page.kv.view(torch.uint8), want.kv.view(torch.uint8)) for page, want in zip(got, pages))

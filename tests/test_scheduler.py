@@ -73,6 +73,7 @@ def test_a_finished_prefix_is_matched_and_its_partial_page_reused_first():
     assert b.page_ids == [0, 1, 2]
     assert b.cached_by_source == {CacheSource.LOCAL: 256}
     assert (scheduler.num_prompt_tokens_queried, scheduler.num_prompt_tokens_hit) == (300 + 306, 256)
+    assert scheduler.num_prompt_tokens_hit_local == 256  # all from its own pages
 
 
 def test_a_request_waits_a_step_for_a_prefix_being_computed_then_shares_it():
@@ -133,6 +134,7 @@ def test_fetched_pages_continuing_the_local_hit_become_imports():
     assert chunks_of(out2) == [("b", 16)]
     assert seq2.page_ids == [0, 1, 2, 3] and seq2.fetched == ()
     assert seq2.cached_by_source == {CacheSource.LOCAL: 128, CacheSource.HOST: 256}
+    assert (scheduler2.num_prompt_tokens_hit, scheduler2.num_prompt_tokens_hit_local) == (384, 128)
 
 
 def test_caching_off_matches_nothing_and_hashes_nothing():

@@ -396,6 +396,10 @@ def test_a_tier_that_hangs_costs_the_request_its_timeout_not_more(tmp_path):
             time.sleep(3)
             return len(keys)
 
+        def load(self, keys, token_ids_per_page):  # what the fetcher calls (it skips lookup)
+            time.sleep(3)
+            return []
+
     tier = HangingDiskTier(tmp_path / "kv", make_format(), budget_bytes=1 << 30, tier_key=TierKey(SECRET))
     try:
         pages = chain_pages(tier.page_format, 2, seed=30)

@@ -664,3 +664,102 @@ def test_redis_unreachable_at_start_does_not_raise(open_tiers):
     assert tier.store(pages) == 1 and tier.flush(timeout=10)
     stats = tier.stats()
     assert (stats.errors, stats.pages_dropped) == (1, 1)
+
+
+# ---- the Redis reply reader (pages read straight off the socket) ---------------------------------------------------
+
+
+def test_redis_load_with_a_gap_returns_the_leading_pages_and_keeps_its_connection(make_tier):
+    """A reply larger than the reader's buffer (values arrive in pieces, the buffer is compacted), a missing page in
+    the middle (the rest of the reply is read and dropped), and the same connection serving the next load."""
+    page_format = make_format()
+    tier = make_tier("redis", page_format)
+    pages = make_pages(page_format, 6)
+    tier.store(pages[:3] + pages[4:])
+    assert tier.flush(timeout=10)
+
+    server = redis.Redis.from_url(tier.url)
+    connections_before = server.info("stats")["total_connections_received"]
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:3])
+    tier.store(pages[3:4])
+    assert tier.flush(timeout=10)
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages)
+    assert server.info("stats")["total_connections_received"] == connections_before  # never reconnected
+    assert tier.stats().errors == 0
+
+
+def test_redis_oversized_value_is_discarded_without_reading_it(make_tier):
+    page_format = make_format()
+    tier = make_tier("redis", page_format)
+    pages = make_pages(page_format, 3)
+    tier.store(pages)
+    assert tier.flush(timeout=10)
+    redis.Redis.from_url(tier.url).set(tier.redis_key(pages[1].key), b"\0" * (4 << 20))
+
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:1])
+    assert tier.stats().discarded_corrupt == 1 and not entry_exists(tier, pages[1].key)
+    assert_bit_identical(tier.load(keys_of(pages[:1]), tokens_of(pages[:1])), pages[:1])  # a fresh connection
+
+
+def reply_reader_over(data: bytes, buffer_bytes: int = 64, chunk: int = 3):
+    """A ReplyReader over a socket pair whose other end sends ``data`` ``chunk`` bytes at a time."""
+    from replica.tiers.redis_tier import ReplyReader
+
+    ours, theirs = socket.socketpair()
+    ours.settimeout(5)
+
+    def send() -> None:
+        for start in range(0, len(data), chunk):
+            theirs.sendall(data[start : start + chunk])
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    return ReplyReader(ours, bytearray(buffer_bytes)), sender, (ours, theirs)
+
+
+def test_reply_reader_parses_resp2_and_resp3_nulls_across_partial_reads():
+    from replica.tiers.redis_tier import OVERSIZED
+
+    data = b"*5\r\n$5\r\nhello\r\n$-1\r\n_\r\n$0\r\n\r\n$40\r\n" + b"x" * 40 + b"\r\n"
+    reader, sender, sockets = reply_reader_over(data)
+    try:
+        assert reader.array_length() == 5
+        assert bytes(reader.bulk(32)) == b"hello"
+        assert reader.bulk(32) is None and reader.bulk(32) is None
+        assert bytes(reader.bulk(32)) == b""
+        assert reader.bulk(32) is OVERSIZED  # longer than the caller accepts: not read
+    finally:
+        sender.join()
+        for sock in sockets:
+            sock.close()
+
+
+@pytest.mark.parametrize("data, error", [
+    (b"-WRONGTYPE Operation against a key\r\n", redis.ResponseError),
+    (b"+OK\r\n", ValueError),
+    (b"*1\r\n:12\r\n", ValueError),
+    (b"*1\r\n$3\r\nabcXY", ValueError),  # no CRLF after the value
+    (b"*1\r\n$" + b"9" * 80 + b"\r\n", ValueError),  # header line too long
+])
+def test_reply_reader_rejects_what_is_not_an_mget_reply(data, error):
+    reader, sender, sockets = reply_reader_over(data)
+    try:
+        with pytest.raises(error):
+            reader.array_length()
+            reader.bulk(32)
+    finally:
+        sender.join()
+        for sock in sockets:
+            sock.close()
+
+
+def test_reply_reader_raises_when_the_server_closes_mid_reply():
+    reader, sender, (ours, theirs) = reply_reader_over(b"*1\r\n$10\r\nabc")
+    sender.join()
+    theirs.close()
+    try:
+        assert reader.array_length() == 1
+        with pytest.raises(ConnectionError):
+            reader.bulk(32)
+    finally:
+        ours.close()

@@ -101,6 +101,20 @@ def scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def trace(args: argparse.Namespace) -> int:
+    from benchmarks.router_sim.sim import Simulation
+    from benchmarks.router_sim.trace import load_trace, read_trace
+
+    cost = CostModel(**json.loads(args.cost)) if args.cost else CostModel()
+    rows = read_trace(args.trace)
+    for router in args.routers.split(","):
+        workload = load_trace(rows, cost.page_size, mode=args.mode, num_pages_per_replica=args.pages)
+        result = Simulation(workload, router, args.dp, cost, seed=args.seed, concurrency=args.concurrency,
+                            cores=args.cores).run()
+        print(json.dumps(result.row(), default=str))
+    return 0
+
+
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.router_sim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,6 +135,17 @@ def main(argv: list | None = None) -> int:
     two.add_argument("--seed", type=int, default=0)
     two.add_argument("--out", default="")
     two.set_defaults(func=scale)
+    three = sub.add_parser("trace", help="replay a trace file (benchmarks/router_sim/trace.py); one JSON line per router")
+    three.add_argument("trace")
+    three.add_argument("--dp", type=int, default=2)
+    three.add_argument("--routers", default=OURS)
+    three.add_argument("--mode", choices=("timed", "closed"), default="timed")
+    three.add_argument("--concurrency", type=int, default=0, help="closed mode: requests in flight at most (0: any)")
+    three.add_argument("--cores", type=float, default=0.0, help="cores the replicas share (0: one each)")
+    three.add_argument("--pages", type=int, default=1024, help="KV pages per replica")
+    three.add_argument("--cost", default="", help="JSON object of CostModel fields")
+    three.add_argument("--seed", type=int, default=0)
+    three.set_defaults(func=trace)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -38,6 +38,12 @@ class CostModel:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     page_size: int = PAGE_SIZE
+    cached_token_us: float = 0.0
+    """Replica time per locally cached prompt token reused (matching and mapping its pages), in the admitting step;
+    0 in the published calibration, fitted by benchmarks/sim_calibration.py."""
+    request_overhead_ms: float = 0.0
+    """Time a request spends before the engine sees it (HTTP, ingress, routing), added to TTFT only by callers that
+    model it (benchmarks/sim_calibration.py); it occupies no replica."""
 
     def prefill_chunk_ms(self, num_new: int, num_context: int) -> float:
         """Cost of computing ``num_new`` prompt tokens after ``num_context`` tokens already in the KV cache."""

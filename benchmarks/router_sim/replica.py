@@ -49,6 +49,8 @@ class SimReplica:
         self.stepping = False
         self.step_started = 0.0
         self.num_decode_steps = 1
+        self.slowdown = 1.0
+        """Set by the simulation when replicas share cores: this step runs that many times slower."""
         self.version = 0
         self._chunks: list = []
         self.num_routed = 0
@@ -120,6 +122,7 @@ class SimReplica:
                 pairs += take * (run.context + take / 2)
 
         self.stepping = True
+        self.slowdown = 1.0
         self.step_started = now
         if not self._chunks and not import_ms:
             # decode only: nothing changes until a request finishes or one arrives, so run the steps up to the next
@@ -156,7 +159,7 @@ class SimReplica:
         Returns the new end time, or None when the run is a single step (its end event stands)."""
         if self.num_decode_steps <= 1:
             return None
-        elapsed_ms = (now - self.step_started) * 1000.0
+        elapsed_ms = (now - self.step_started) * 1000.0 / self.slowdown
         low, high = 1, self.num_decode_steps
         while low < high:
             middle = (low + high) // 2
@@ -167,7 +170,7 @@ class SimReplica:
         if low == self.num_decode_steps:
             return None
         self.num_decode_steps = low
-        return self.step_started + self._decode_run_ms(low) / 1000.0
+        return self.step_started + self._decode_run_ms(low) * self.slowdown / 1000.0
 
     def end_step(self, now: float, cluster) -> None:
         """Apply the step that just ended: decode tokens, finished prefills (first tokens), finished requests."""
@@ -240,6 +243,7 @@ class SimReplica:
             self.num_private += need_new
             run = _Running(request, held, need_new, request.prompt_len - local * page_size, local * page_size, local)
             request.cached_local = local * page_size
+            import_ms += local * page_size * cost.cached_token_us * 1e-3
             if copied:
                 self._commit(run, keys[local:local + copied])
                 import_ms += copied * cost.peer_copy_page_ms

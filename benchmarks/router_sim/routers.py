@@ -231,11 +231,13 @@ class DynamoCost(Router):
         return self.rng.choice(best_numbers), None, "least_cost"
 
 
-def make_router(name: str, view, cost: CostModel, seed: int = 0) -> Router:
+def make_router(name: str, view, cost: CostModel, seed: int = 0, policy_kwargs: dict | None = None) -> Router:
+    """``policy_kwargs``: our router's PolicyConfig fields (default: the cost model's numbers)."""
+    config = dict(cost.policy_kwargs() if policy_kwargs is None else policy_kwargs)
     if name == "prefixserve":
-        return Ours(view, seed, **cost.policy_kwargs())
+        return Ours(view, seed, **config)
     if name == "prefixserve-affinity":
-        router = Ours(view, seed, enable_cost_model=False, **cost.policy_kwargs())
+        router = Ours(view, seed, **{**config, "enable_cost_model": False})
         router.name = name
         return router
     if name == "prefixserve-measured":
@@ -260,7 +262,7 @@ def make_router(name: str, view, cost: CostModel, seed: int = 0) -> Router:
         router.name = name
         return router
     if name == "prefixserve-nocopy":
-        router = Ours(view, seed, enable_peer_hint=False, **cost.policy_kwargs())
+        router = Ours(view, seed, **{**config, "enable_peer_hint": False})
         router.name = name
         return router
     classes = {cls.name: cls for cls in (RoundRobin, PowerOfTwo, SGLangCacheAware, LlmdScorers, RayPrefixAffinity,

@@ -86,14 +86,24 @@ def percentile(values: list, q: float) -> float:
 
 class Simulation:
     def __init__(self, workload: Workload, router_name: str, dp: int, cost: CostModel, *, seed: int = 0,
-                 stats_period_s: float = 0.5) -> None:
+                 stats_period_s: float = 0.5, concurrency: int = 0, cores: float = 0.0,
+                 policy_kwargs: dict | None = None) -> None:
+        """``concurrency`` > 0: a client that keeps at most that many requests in flight (``prefixserve bench
+        --concurrency``; held requests are sent in arrival order, and TTFT counts from the send). ``cores`` > 0: the
+        replicas share that many CPU cores: a step that starts while n replicas are stepping runs max(1, n / cores)
+        times slower (0: every replica has a core of its own). ``policy_kwargs`` replace our router's PolicyConfig
+        fields (default: the cost model's numbers)."""
         self.workload = workload
         self.cost = cost
         self.dp = dp
         self.stats_period_s = stats_period_s
+        self.concurrency = concurrency
+        self.cores = cores
+        self.in_flight = 0
+        self.held: list = []
         self.replicas = [SimReplica(n, f"replica-{n:02d}", workload.num_pages_per_replica, cost) for n in range(dp)]
         self.view = ClusterView(self.replicas, cost.page_size, clock=lambda: self.now)
-        self.router = make_router(router_name, self.view, cost, seed)
+        self.router = make_router(router_name, self.view, cost, seed, policy_kwargs)
         self.heap: list = []
         self.counter = 0
         self.decision_s: list = []
@@ -117,6 +127,12 @@ class Simulation:
             at, _, kind, payload = heapq.heappop(self.heap)
             self.now = at
             if kind == _ARRIVAL:
+                if self.concurrency > 0 and not getattr(payload, "holds_slot", False):
+                    if self.in_flight >= self.concurrency:
+                        self.held.append(payload)
+                        continue
+                    self.in_flight += 1
+                payload.arrival_s = at  # sent now (a held request: TTFT counts from its send, as the client's does)
                 self._arrive(payload, at)
             elif kind == _STEP_END:
                 replica, version = payload
@@ -136,9 +152,17 @@ class Simulation:
     def on_finished(self, request, replica) -> None:
         self.num_done += 1
         self.router.on_finished(request)
+        if self.concurrency > 0:
+            if self.held:  # the slot passes to the longest-held request
+                waiting = self.held.pop(0)
+                waiting.holds_slot = True
+                self.push(self.now, _ARRIVAL, waiting)
+            else:
+                self.in_flight -= 1
         if request.next_turn is not None:
             following = request.next_turn
-            following.arrival_s = self.now + following.arrival_s
+            following.arrival_s = max(self.now + following.arrival_s, request.arrival_s + following.min_gap_s,
+                                      following.not_before_s)
             self.push(following.arrival_s, _ARRIVAL, following)
 
     def on_rejected(self, request, replica) -> None:
@@ -168,6 +192,10 @@ class Simulation:
                 self.push(cut_at, _STEP_END, (replica, replica.version))
             return
         duration = replica.start_step(now, self.router.copy_enabled, self)
+        if replica.stepping and self.cores > 0:
+            stepping = sum(1 for other in self.replicas if other.stepping)
+            replica.slowdown = max(1.0, stepping / self.cores)
+            duration *= replica.slowdown
         if replica.stepping:
             replica.version += 1
             self.push(now + duration, _STEP_END, (replica, replica.version))
@@ -216,6 +244,7 @@ class Simulation:
 
 def simulate(workload_name: str, router_name: str, dp: int, *, seed: int = 0, scale: float = 1.0,
              cost: CostModel | None = None, **workload_kwargs) -> RunResult:
+    """One generated workload (workloads.py) under one router; a trace runs with ``Simulation`` directly."""
     from benchmarks.router_sim.workloads import WORKLOADS
 
     cost = cost or CostModel()

@@ -43,6 +43,10 @@ class SimRequest:
     ideal_cached_pages: int = 0
     """Leading reusable pages some earlier request already had: what a perfect cluster cache would reuse."""
     next_turn: "SimRequest | None" = None
+    min_gap_s: float = 0.0
+    """A later turn: sent no sooner than this long after the previous turn was sent (bench's multi-round-qa pacing)."""
+    not_before_s: float = 0.0
+    """A later turn: sent no sooner than this absolute time (a timed trace's recorded send time)."""
     # filled by the simulator
     first_turn: bool = True
     routed_s: float = 0.0

@@ -260,6 +260,30 @@ class QueuedWriteTier(KVTier):
     def stats(self) -> TierStats:
         return self._stats.snapshot()
 
+    # ---- KV events for outside routers (replica/tiers/events.py); off unless ``enable_events`` was called --------------
+    _events = None
+    """The ``TierEventTracker`` publishing this tier's stores and removals, or None."""
+
+    def enable_events(self, sink, *, resync_interval_s: float = 60.0) -> None:
+        """Publish BlockStored / BlockRemoved for the pages this tier stores and loses to ``sink(medium, events)``."""
+        raise NotImplementedError(f"{type(self).__name__} publishes no KV events")
+
+    @property
+    def event_tracker(self):
+        return self._events
+
+    def _note_written(self, pages: Sequence[StoredPage]) -> None:
+        """Writer thread, after a batch: hand it to the event tracker (a deque append; nothing when events are off)."""
+        if self._events is not None:
+            self._events.on_written(pages)
+
+    def _count_events(self, num_stored: int, num_removed: int) -> None:
+        self._stats.add(events_stored=num_stored, events_removed=num_removed)
+
+    def _close_events(self) -> None:
+        if self._events is not None:
+            self._events.close()
+
     def _count_dropped(self, pages: Sequence[StoredPage]) -> None:
         if pages:
             self._stats.add(pages_dropped=len(pages))

@@ -169,20 +169,35 @@ def seal_page(page: StoredPage, tier_key: TierKey, header: PageHeader, header_by
     tier_key.seal_into(header.nonce, tensor_bytes(page.kv), associated_data(header_bytes, page.key), out)
 
 
+def new_page_tensors(page_format: PageFormat, num_pages: int) -> torch.Tensor:
+    """One contiguous, uninitialized ``[num_pages, *kv_shape]`` tensor to decrypt a load's pages into (one allocation
+    per load instead of one per page; ``tensor[i]`` is page i, and the pages of one load stay adjacent in memory)."""
+    return torch.empty((num_pages, *page_format.kv_shape), dtype=getattr(torch, page_format.dtype))
+
+
 def open_payload(header_bytes: bytes | memoryview, page_format: PageFormat, tier_key: TierKey, key: bytes,
-                 token_ids: Sequence[int], sealed: bytes | memoryview) -> torch.Tensor:
-    """The verified KV of a sealed entry, as a new tensor (owned, writable, decrypted straight into it);
-    RejectedEntry if it must not be reused."""
+                 token_ids: Sequence[int], sealed: bytes | memoryview,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The verified KV of a sealed entry, decrypted straight into ``out`` (a contiguous CPU tensor of the page's shape
+    and dtype, e.g. one slot of ``new_page_tensors``; a new tensor if None) and returned; RejectedEntry if it must not
+    be reused (``out`` then holds garbage the caller must not use: nothing is returned for it)."""
     header = PageHeader.unpack(header_bytes)
     header.check(page_format, tier_key, token_ids)
     if len(sealed) != header.num_bytes + TAG_BYTES:
         raise RejectedEntry(f"truncated entry: {len(sealed)} sealed bytes, header says {header.num_bytes + TAG_BYTES}")
-    flat = torch.empty(header.num_bytes, dtype=torch.uint8)
+    dtype = getattr(torch, header.dtype)
+    if out is None:
+        out = torch.empty(header.kv_shape, dtype=dtype)
+    elif (out.dtype != dtype or tuple(out.shape) != header.kv_shape or not out.is_contiguous()
+          or out.device.type != "cpu"):
+        raise ValueError(f"open_payload needs a contiguous CPU {dtype} tensor of shape {header.kv_shape}, "
+                         f"got {out.dtype} {list(out.shape)}")
     try:
-        tier_key.open_into(header.nonce, sealed, associated_data(bytes(header_bytes), key), flat.numpy())
+        tier_key.open_into(header.nonce, sealed, associated_data(bytes(header_bytes), key),
+                           out.view(-1).view(torch.uint8).numpy())
     except SealError as exc:
         raise RejectedEntry(str(exc)) from None
-    return flat.view(getattr(torch, header.dtype)).reshape(header.kv_shape)
+    return out
 
 
 def encode_blob(page: StoredPage, tier_key: TierKey) -> bytearray:
@@ -196,9 +211,10 @@ def encode_blob(page: StoredPage, tier_key: TierKey) -> bytearray:
     return blob
 
 
-def decode_blob(blob: bytes, page_format: PageFormat, tier_key: TierKey, key: bytes,
-                token_ids: Sequence[int]) -> torch.Tensor:
-    """The verified KV of a blob written by ``encode_blob``; RejectedEntry if it must not be reused."""
+def decode_blob(blob: bytes | memoryview, page_format: PageFormat, tier_key: TierKey, key: bytes,
+                token_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The verified KV of a blob written by ``encode_blob`` (decrypted into ``out`` if given, see ``open_payload``);
+    RejectedEntry if it must not be reused."""
     view = memoryview(blob)
     if len(view) < _BLOB_PREFIX.size:
         raise RejectedEntry(f"truncated entry: {len(view)} bytes")
@@ -209,4 +225,4 @@ def decode_blob(blob: bytes, page_format: PageFormat, tier_key: TierKey, key: by
     if header_len > MAX_HEADER_BYTES or header_end > len(view):
         raise RejectedEntry("truncated entry: header runs past the end")
     return open_payload(view[_BLOB_PREFIX.size : header_end], page_format, tier_key, key, token_ids,
-                        view[header_end:])
+                        view[header_end:], out)

@@ -59,7 +59,7 @@ from replica.tiers.base import (
     WarningThrottle,
     check_load_args,
 )
-from replica.tiers.codec import RejectedEntry
+from replica.tiers.codec import RejectedEntry, new_page_tensors
 from replica.tiers.seal import TierKey
 from replica.tiers.writer import BackgroundWriter
 
@@ -82,6 +82,8 @@ INDEX_VERSION = 2
 ``retain_until``. An index of an older version is migrated in place (the new columns default to plain LRU, which
 version 1 code still writes correctly); one of a newer version refuses the tier; a file that is not a SQLite database
 is recreated (start-up then deletes the page files no row names)."""
+REMOVAL_LOG_ROWS = 65536
+"""Rows the index's removal log keeps (``PageIndex.CREATE_REMOVAL_LOG``); a reader further behind checks everything."""
 MAX_PRIORITY = 1 << 31
 """Retention priorities are clamped into ``[0, MAX_PRIORITY]`` before they reach the index."""
 
@@ -170,6 +172,7 @@ class PageIndex:
                     cursor.execute("ALTER TABLE pages ADD COLUMN priority INTEGER NOT NULL DEFAULT 0")
                 if "retain_until" not in columns:
                     cursor.execute("ALTER TABLE pages ADD COLUMN retain_until REAL NOT NULL DEFAULT 0")
+                cursor.execute(self.CREATE_REMOVAL_LOG)
                 cursor.execute("CREATE INDEX IF NOT EXISTS pages_by_parent ON pages(parent)")
                 cursor.execute("CREATE INDEX IF NOT EXISTS pages_by_last_used ON pages(last_used)")
                 if version != INDEX_VERSION:
@@ -199,6 +202,42 @@ class PageIndex:
                 cursor.execute("ROLLBACK")
                 raise
             cursor.execute("COMMIT")
+
+    # ---- the removal log (KV events for outside routers: replica/tiers/events.py) -------------------------------------
+    CREATE_REMOVAL_LOG = "CREATE TABLE IF NOT EXISTS removed (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL)"
+    """Every page deleted from ``pages`` (evicted, discarded, reconciled away), logged in the deleting transaction,
+    so every process sharing root can tell which of the pages it announced are gone. The newest ``REMOVAL_LOG_ROWS``
+    are kept. Added without a schema version bump: older code neither reads nor writes it (while an older process
+    shares root, its deletions are missing here; readers still catch them at their periodic full check)."""
+
+    @staticmethod
+    def delete_page(cursor: sqlite3.Cursor, page_id: str) -> None:
+        """Delete ``page_id``'s row and log the removal (inside a ``write()`` transaction)."""
+        if cursor.execute("DELETE FROM pages WHERE id = ?", (page_id,)).rowcount:
+            cursor.execute("INSERT INTO removed (id) VALUES (?)", (page_id,))
+
+    @staticmethod
+    def trim_removal_log(cursor: sqlite3.Cursor) -> None:
+        cursor.execute("DELETE FROM removed WHERE seq <= (SELECT MAX(seq) FROM removed) - ?", (REMOVAL_LOG_ROWS,))
+
+    def last_removal_seq(self) -> int:
+        with self._lock:
+            return self._conn.execute("SELECT COALESCE(MAX(seq), 0) FROM removed").fetchone()[0]
+
+    def removals_after(self, seq: int, limit: int = 8192) -> list[tuple[int, str]]:
+        """``(seq, page id)`` of the logged removals after ``seq``, oldest first."""
+        with self._lock:
+            return self._conn.execute("SELECT seq, id FROM removed WHERE seq > ? ORDER BY seq LIMIT ?",
+                                      (seq, limit)).fetchall()
+
+    def existing(self, page_ids: Sequence[str]) -> set[str]:
+        """Which of ``page_ids`` are indexed now."""
+        if not page_ids:
+            return set()
+        marks = ",".join("?" * len(page_ids))
+        with self._lock:
+            return {row[0] for row in self._conn.execute(f"SELECT id FROM pages WHERE id IN ({marks})",
+                                                         tuple(page_ids))}
 
     def total_bytes(self, cursor: sqlite3.Cursor | None = None) -> int:
         if cursor is not None:
@@ -371,13 +410,14 @@ class DiskTier(QueuedWriteTier):
         start_time = time.perf_counter()
         deadline = start_time + self._load_timeout_s
         loaded: list[torch.Tensor] = []
+        pages = new_page_tensors(self._page_format, len(keys)) if keys else None  # decrypted straight into these
         try:
             for key, token_ids in zip(keys, token_ids_per_page):
                 if time.perf_counter() > deadline:
                     self._count_error("timeout", f"a load passed its {self._load_timeout_s} s limit; "
                                                  f"{len(loaded)} of {len(keys)} pages read")
                     break
-                kv = self._load_one(key, token_ids)
+                kv = self._load_one(key, token_ids, pages[len(loaded)])
                 if kv is None:
                     break
                 loaded.append(kv)
@@ -390,17 +430,27 @@ class DiskTier(QueuedWriteTier):
         if self._closed:
             return
         self._writer.close(timeout)
+        self._close_events()
         self._closed = True
         if self._index is not None:
             self._index.close()
 
+    def enable_events(self, sink, *, resync_interval_s: float = 60.0) -> None:
+        """Publish KV events (medium "DISK") for the pages this tier stores, and their removal by any process sharing
+        root (the index's removal log, see ``replica.tiers.events.DiskRemovalSource``)."""
+        from replica.tiers.events import MEDIUM_DISK, DiskRemovalSource, TierEventTracker
+
+        if self._events is None and self._index is not None:
+            self._events = TierEventTracker(MEDIUM_DISK, DiskRemovalSource(self._index), sink, self.page_id,
+                                            resync_interval_s=resync_interval_s, on_published=self._count_events)
+
     # ---- reading ------------------------------------------------------------------------------------------------
 
-    def _load_one(self, key: PageKey, token_ids: Sequence[int]) -> torch.Tensor | None:
+    def _load_one(self, key: PageKey, token_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor | None:
         page_id = self.page_id(key)
         path = self._path_of(page_id)
         try:
-            return read_page_file(path, self._page_format, self._tier_key, key, token_ids)
+            return read_page_file(path, self._page_format, self._tier_key, key, token_ids, out)
         except FileNotFoundError:
             return None
         except RejectedEntry as exc:
@@ -418,7 +468,7 @@ class DiskTier(QueuedWriteTier):
             logger.warning("disk KV tier: discarding %s: %s", path, reason)
         try:
             with self._index.write() as cursor:
-                cursor.execute("DELETE FROM pages WHERE id = ?", (page_id,))
+                PageIndex.delete_page(cursor, page_id)
                 remove_quietly(path)
         except IsADirectoryError:
             self._count_error("discard", f"{path} is a folder; remove it by hand")
@@ -496,6 +546,7 @@ class DiskTier(QueuedWriteTier):
             pages_evicted=num_evicted,
             store_seconds=time.perf_counter() - start_time,
         )
+        self._note_written(pages)
 
     def _merge_retention(self, cursor: sqlite3.Cursor, page: StoredPage, page_id: str) -> None:
         """Mark an indexed page most recently used and merge ``page``'s retention into its row (see
@@ -526,7 +577,7 @@ class DiskTier(QueuedWriteTier):
             while heap and num_fetched_left and total > target:
                 _, _, page_id, size, parent = heapq.heappop(heap)
                 num_fetched_left -= page_id in fetched
-                cursor.execute("DELETE FROM pages WHERE id = ?", (page_id,))
+                PageIndex.delete_page(cursor, page_id)
                 remove_quietly(self._path_of(page_id))
                 total -= size
                 num_evicted += 1
@@ -534,6 +585,8 @@ class DiskTier(QueuedWriteTier):
                 if promoted is not None:
                     heapq.heappush(heap, (promoted.rank, promoted.last_used, promoted.page_id, promoted.size,
                                           promoted.parent))
+        if num_evicted:
+            PageIndex.trim_removal_log(cursor)
         return total, num_evicted
 
     # ---- bookkeeping --------------------------------------------------------------------------------------------
@@ -616,7 +669,9 @@ class DiskTier(QueuedWriteTier):
                     elif name.endswith(TEMP_SUFFIX) and info.st_mtime < stale_before:
                         remove_quietly(path)
             missing = indexed - on_disk
-            cursor.executemany("DELETE FROM pages WHERE id = ?", [(page_id,) for page_id in missing])
+            for page_id in missing:
+                PageIndex.delete_page(cursor, page_id)
+            PageIndex.trim_removal_log(cursor)
 
     def _next_use_ns(self) -> int:
         """Wall-clock nanoseconds, strictly increasing within this tier (so LRU order has no ties)."""

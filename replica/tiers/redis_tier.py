@@ -16,6 +16,10 @@ Eviction order: Redis' own. Run the server with a memory bound and an LRU policy
 writes instead). The format marker may be evicted like any key; that is harmless because every page header carries
 the key format version too, and the marker is claimed again on the next (re)connection.
 
+Loads: one MGET per 32 MiB of pages; the reply is read off the socket into a reusable buffer a page at a time and each
+page is decrypted from there straight into the tensor handed back (``ReplyReader``), so a loaded byte is copied once by
+the kernel and written once by the decryption.
+
 Faults: every call uses short socket timeouts (0.5 s) and no client-side retries. When Redis is unreachable the tier
 logs one warning, counts an error, and answers misses (lookup 0, load [], store drops) without touching the network
 until a backoff passes; then one call probes, and on success the tier is back (one more log line).
@@ -24,6 +28,8 @@ until a backoff passes; then one call probes, and on success the tier is back (o
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 import urllib.parse
 from typing import Callable, Sequence, TypeVar
@@ -44,7 +50,14 @@ from replica.tiers.base import (
     check_load_args,
 )
 from replica.tiers.circuit import BackoffPolicy, CircuitBreaker
-from replica.tiers.codec import RejectedEntry, decode_blob, encode_blob
+from replica.tiers.codec import (
+    MAX_HEADER_BYTES,
+    RejectedEntry,
+    decode_blob,
+    encode_blob,
+    new_page_tensors,
+    sealed_size,
+)
 from replica.tiers.seal import TierKey
 from replica.tiers.writer import BackgroundWriter
 
@@ -54,6 +67,8 @@ T = TypeVar("T")
 
 _UNREACHABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 _EVICTING_POLICIES = {"allkeys-lru", "allkeys-lfu", "allkeys-random"}
+LOAD_BATCH_BYTES = 32 << 20
+"""At most this many sealed bytes per MGET (bounds the reply a load holds at once)."""
 
 
 class RedisTier(QueuedWriteTier):
@@ -78,7 +93,7 @@ class RedisTier(QueuedWriteTier):
         queue_size: int = 256,
         socket_timeout_s: float = 0.5,
         backoff: BackoffPolicy = BackoffPolicy(),
-        load_batch_pages: int = 8,
+        load_batch_pages: int = 32,
         write_batch_pages: int = 16,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -89,7 +104,8 @@ class RedisTier(QueuedWriteTier):
         self._key_prefix = key_prefix
         self._marker_key = f"{key_prefix}format"
         self._page_key_prefix = f"{key_prefix}{page_format.dtype}:"
-        self._load_batch_pages = load_batch_pages
+        self._load_batch_pages = max(1, min(load_batch_pages, LOAD_BATCH_BYTES // sealed_size(page_format)))
+        self._max_value_bytes = sealed_size(page_format) + MAX_BLOB_OVERHEAD_BYTES
         self._url = url
         self._where = describe_url(url)
         self._client = redis.Redis.from_url(
@@ -153,15 +169,17 @@ class RedisTier(QueuedWriteTier):
         return count_leading_true(self._run(probe, default=[]))
 
     def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """MGET in batches of ``load_batch_pages``; verify each page in order; stop at the first miss."""
+        """MGET in batches of ``load_batch_pages`` (one round trip for a usual prefix); verify each page in order,
+        decrypting it straight into one tensor of the load's pages; stop at the first miss."""
         check_load_args(self._page_format, keys, token_ids_per_page)
         start_time = time.perf_counter()
         loaded: list[torch.Tensor] = []
+        pages = new_page_tensors(self._page_format, len(keys)) if keys else None
         try:
             for batch_start in range(0, len(keys), self._load_batch_pages):
                 batch_keys = keys[batch_start : batch_start + self._load_batch_pages]
                 batch_tokens = token_ids_per_page[batch_start : batch_start + self._load_batch_pages]
-                batch_loaded = self._load_batch(batch_keys, batch_tokens)
+                batch_loaded = self._load_batch(batch_keys, batch_tokens, pages[batch_start:])
                 loaded.extend(batch_loaded)
                 if len(batch_loaded) < len(batch_keys):
                     break
@@ -173,8 +191,19 @@ class RedisTier(QueuedWriteTier):
         if self._closed:
             return
         self._writer.close(timeout)
+        self._close_events()
         self._closed = True
         self._client.close()
+
+    def enable_events(self, sink, *, resync_interval_s: float = 60.0) -> None:
+        """Publish KV events (medium "CPU") for the pages this tier stores, and their removal by anyone (Redis'
+        evictions included: keyevent notifications, see ``replica.tiers.events.RedisRemovalSource``)."""
+        from replica.tiers.events import MEDIUM_HOST, RedisRemovalSource, TierEventTracker
+
+        if self._events is None:
+            source = RedisRemovalSource(self._client, self._page_key_prefix, self._run, self._url)
+            self._events = TierEventTracker(MEDIUM_HOST, source, sink, self.redis_key,
+                                            resync_interval_s=resync_interval_s, on_published=self._count_events)
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
@@ -182,18 +211,82 @@ class RedisTier(QueuedWriteTier):
         """The Redis key of page ``key`` in this tier's namespace."""
         return self._page_key_prefix + self._tier_key.storage_id(key)
 
-    def _load_batch(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        values = self._run(lambda client: client.mget([self.redis_key(key) for key in keys]), default=None)
+    def _load_batch(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
+                    out: torch.Tensor) -> list[torch.Tensor]:
+        """One MGET; each value is decrypted into ``out[i]`` as soon as it has arrived (see ``_read_mget``)."""
         loaded: list[torch.Tensor] = []
-        for key, token_ids, value in zip(keys, token_ids_per_page, values or ()):
+        redis_keys = [self.redis_key(key) for key in keys]
+
+        def take(index: int, value) -> bool:
             if value is None:
-                break
+                return False
+            if value is OVERSIZED:
+                rejected.append((keys[index], f"a value over {self._max_value_bytes} bytes"))
+                return False
             try:
-                loaded.append(decode_blob(value, self._page_format, self._tier_key, key, token_ids))
+                loaded.append(decode_blob(value, self._page_format, self._tier_key, keys[index],
+                                          token_ids_per_page[index], out[index]))
             except RejectedEntry as exc:
-                self._discard(key, str(exc))
-                break
+                rejected.append((keys[index], str(exc)))
+                return False
+            return True
+
+        rejected: list[tuple[PageKey, str]] = []
+        self._run(lambda client: self._mget_streaming(client, redis_keys, take), default=None)
+        for key, reason in rejected:
+            self._discard(key, reason)
         return loaded
+
+    def _mget_streaming(self, client: redis.Redis, redis_keys: list[str], take: Callable[[int, object], bool]) -> None:
+        """MGET ``redis_keys`` and call ``take(i, value)`` for each value in order (a memoryview valid only during the
+        call, or None for a missing key) until it returns False.
+
+        The reply is read straight off the connection's socket into this thread's reusable buffer (a page at a
+        time): redis-py would copy every value twice more (into its parser, then into a new bytes object), which
+        cost more CPU than decrypting. Falls back to redis-py's parser on a connection without a plain socket. After
+        ``take`` says stop the rest of the reply is read and dropped; a timeout, an oversized value or anything
+        unexpected closes that connection instead."""
+        pool = client.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_command("MGET", *redis_keys)
+            sock = getattr(connection, "_sock", None)
+            if sock is None or not hasattr(sock, "recv_into"):
+                values = connection.read_response()
+                for index, value in enumerate(values):
+                    if not take(index, value):
+                        break
+                return
+            reader = ReplyReader(sock, reply_buffer(self._max_value_bytes + 64))
+            try:
+                num_values = reader.array_length()
+                if num_values != len(redis_keys):
+                    raise redis.ResponseError(f"MGET answered {num_values} values for {len(redis_keys)} keys")
+                for index in range(num_values):
+                    value = reader.bulk(self._max_value_bytes)
+                    if not take(index, value):
+                        if value is OVERSIZED:  # not read: the connection cannot be reused
+                            raise _AbandonedReply()
+                        for _ in range(index + 1, num_values):  # read and drop the rest (the connection stays)
+                            if reader.bulk(self._max_value_bytes) is OVERSIZED:
+                                raise _AbandonedReply()
+                        break
+            except _AbandonedReply:
+                connection.disconnect()
+            except socket.timeout as exc:
+                connection.disconnect()
+                raise redis.TimeoutError(f"reading an MGET reply: {exc}") from None
+            except (OSError, redis.ResponseError):
+                connection.disconnect()
+                raise
+            except ValueError as exc:  # a malformed reply
+                connection.disconnect()
+                raise redis.ResponseError(f"malformed MGET reply: {exc}") from None
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
 
     def _discard(self, key: PageKey, reason: str) -> None:
         self._stats.add(discarded_corrupt=1)
@@ -222,6 +315,7 @@ class RedisTier(QueuedWriteTier):
         else:
             self._count_dropped(pages)
             self._stats.add(store_seconds=time.perf_counter() - start_time)
+        self._note_written(pages)
 
     def _run(self, operation: Callable[[redis.Redis], T], default: T) -> T:
         """``operation(client)``, or ``default`` when the tier is closed, refused, backing off, or the call fails."""
@@ -298,6 +392,103 @@ class RedisTier(QueuedWriteTier):
                 maxmemory,
                 policy,
             )
+
+
+MAX_BLOB_OVERHEAD_BYTES = 8 + MAX_HEADER_BYTES
+"""A page's Redis value is at most its sealed KV plus this (prefix + the largest accepted header)."""
+
+
+class _AbandonedReply(Exception):
+    """The rest of a reply is not wanted: the connection is closed instead of reading it."""
+
+
+class _Oversized:
+    def __repr__(self) -> str:
+        return "OVERSIZED"
+
+
+OVERSIZED = _Oversized()
+"""What ``ReplyReader.bulk`` answers for a value longer than the caller accepts (it is not read)."""
+
+_reply_buffers = threading.local()
+
+
+def reply_buffer(num_bytes: int) -> bytearray:
+    """This thread's reusable reply buffer (at least ``num_bytes``; twice that so a value and the start of the next
+    fit without moving bytes around often)."""
+    buffer = getattr(_reply_buffers, "buffer", None)
+    if buffer is None or len(buffer) < 2 * num_bytes:
+        buffer = _reply_buffers.buffer = bytearray(2 * num_bytes)
+    return buffer
+
+
+class ReplyReader:
+    """Reads one RESP2 / RESP3 reply of bulk strings (an MGET's) from a socket into ``buffer``.
+
+    Header lines are at most ``MAX_LINE`` bytes; a value is handed out as a view of the buffer that stays valid until
+    the next call. Raises ValueError on anything that is not such a reply, redis.ResponseError for an error reply,
+    ConnectionError when the server closes the connection, and the socket's own errors (timeouts)."""
+
+    MAX_LINE = 64
+
+    def __init__(self, sock, buffer: bytearray) -> None:
+        self._sock = sock
+        self._buffer = buffer
+        self._view = memoryview(buffer)
+        self._start = 0
+        self._end = 0
+
+    def array_length(self) -> int:
+        line = self._line()
+        if line[:1] == b"-":
+            raise redis.ResponseError(line[1:].decode(errors="replace"))
+        if line[:1] != b"*":
+            raise ValueError(f"expected an array, got {line[:16]!r}")
+        return int(line[1:])
+
+    def bulk(self, max_bytes: int):
+        """The next value (a memoryview), None for a missing key, or OVERSIZED (not read) past ``max_bytes``."""
+        line = self._line()
+        if line == b"_" or line == b"$-1":  # RESP3 / RESP2 null
+            return None
+        if line[:1] != b"$":
+            raise ValueError(f"expected a bulk string, got {line[:16]!r}")
+        length = int(line[1:])
+        if length < 0:
+            raise ValueError(f"bulk string of length {length}")
+        if length > max_bytes:
+            return OVERSIZED
+        self._fill(length + 2)
+        start = self._start
+        if self._buffer[start + length : start + length + 2] != b"\r\n":
+            raise ValueError("bulk string not terminated by CRLF")
+        self._start = start + length + 2
+        return self._view[start : start + length]
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buffer.find(b"\r\n", self._start, self._end)
+            if end >= 0:
+                line = bytes(self._view[self._start : end])
+                self._start = end + 2
+                return line
+            if self._end - self._start >= self.MAX_LINE:
+                raise ValueError("header line too long")
+            self._fill(self._end - self._start + 1)
+
+    def _fill(self, num_bytes: int) -> None:
+        """Make ``num_bytes`` bytes available from ``_start`` (moving the unread rest to the front if needed)."""
+        if num_bytes > len(self._buffer):
+            raise ValueError(f"a reply element of {num_bytes} bytes does not fit the {len(self._buffer)}-byte buffer")
+        if self._start + num_bytes > len(self._buffer):
+            unread = self._end - self._start
+            self._view[:unread] = self._view[self._start : self._end]
+            self._start, self._end = 0, unread
+        while self._end - self._start < num_bytes:
+            received = self._sock.recv_into(self._view[self._end :], len(self._buffer) - self._end)
+            if received == 0:
+                raise ConnectionError("the server closed the connection mid-reply")
+            self._end += received
 
 
 def as_text(value: object) -> str:

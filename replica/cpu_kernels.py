@@ -1,0 +1,85 @@
+"""CPU kernels written here in C++ (``replica/csrc``), built on first use with the compiler inductor already needs.
+
+``decode_attention`` is the decode half of the CPU paged attention (``replica.paged_attention._attend_segments``):
+one call per layer attends every decode row of the step to its context where it lies in the pool, in one pass per
+(kv head, group of rows sharing a prefix), with the running softmax kept in float32 inside the kernel. It replaces
+one ATen flash-attention call per run per row plus a log-sum-exp merge in Python; ATen's CPU flash kernel is built
+for long query blocks, and with the 1-16 query vectors of a decode row per kv head its bfloat16 path ran at about
+half its float32 speed here (benchmarks/decode_attention.py).
+
+The library is compiled once per machine type (the build directory's name carries a digest of the source, the
+compiler flags and the CPU's flags, since ``-march=native`` code must not run on another CPU) and loaded with
+``torch.ops.load_library``. When no compiler is available, or ``PREFIXSERVE_CPU_KERNELS=0``, ``available()`` is
+False and the attention keeps its ATen path; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+"""``-ffast-math`` lets the exp loops use glibc's vector exp; the kernel keeps every value finite (no infinities)."""
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode()):
+        digest.update(part)
+    return f"prefixserve_cpu_{digest.hexdigest()[:16]}"
+
+
+def load() -> bool:
+    """Build (first time on this machine type) and load the kernels; True when ``torch.ops.prefixserve_cpu`` works."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        if os.environ.get("PREFIXSERVE_CPU_KERNELS", "1") == "0":
+            _state["ok"], _state["reason"] = False, "PREFIXSERVE_CPU_KERNELS=0"
+            return False
+        try:
+            from torch.utils.cpp_extension import load as build
+
+            build(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                  is_python_module=False, verbose=False)
+            _state["ok"] = True
+        except Exception as error:  # no compiler, no ninja, a build error: keep the ATen path
+            lines = str(error).splitlines()
+            brief = " | ".join(lines[:1] + [line for line in lines if "error" in line][:3])
+            _state["ok"], _state["reason"] = False, f"{type(error).__name__}: {brief}"
+            log.warning("CPU kernels not built, decode attention uses ATen's flash kernel: %s", _state["reason"])
+        return bool(_state["ok"])
+
+
+def available() -> bool:
+    return bool(_state.get("ok")) if "ok" in _state else load()
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: torch.Tensor,
+                     seg_rows: torch.Tensor, components: torch.Tensor, out: torch.Tensor, scale: float,
+                     vector_code: bool = True) -> None:
+    """Write into ``out[p]`` the attention of every decode row p named in ``components`` (see the C++ source).
+    ``vector_code=False`` runs the plain loops written for any head size (tests compare the two)."""
+    torch.ops.prefixserve_cpu.decode_attention(query, k_cache, v_cache, segments, seg_rows, components, out, scale,
+                                               vector_code)

@@ -1,0 +1,397 @@
+// Decode attention over the page pool, in one pass per (kv head, group of rows): see replica/cpu_kernels.py.
+//
+// Every decode row's context is a list of segments, each a run of consecutive pool slots. Rows that share a run (a
+// cached prefix in the same pages) meet in one segment, so its keys and values are read once for all of them. For
+// each kv head, the `group` query heads mapped to it and the segment's rows form the query vectors; keys are read in
+// blocks, converted to float32 once per block, scored against every query vector, and folded into a running softmax
+// (max, sum, weighted values) per query vector. Nothing is gathered, no mask is built, no partial result leaves the
+// kernel: each row's output is written once, normalised, at its packed position.
+//
+// Work items are (kv head, component): a component is a set of rows and the segments that touch them (a shared-run
+// group with its rows' own runs, or a row alone); components have disjoint rows, so items run in parallel with no
+// shared state.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 64;        // keys per block: scores for all query vectors stay in L1
+constexpr float kNoScore = -1.0e30f;  // "minus infinity" that stays finite under -ffast-math
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+template <typename T>
+inline void from_float(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+template <typename T>
+void run_item(const T* query, const T* k_cache, const T* v_cache, const int64_t* segments, const int64_t* seg_rows,
+              const int64_t* component, int64_t kv_head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              float scale, T* out) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t slot_stride = num_kv_heads * head_dim;  // pool: [slots, kv_heads, head_dim]
+  const int64_t seg_begin = component[0], seg_end = component[1];
+  const int64_t row_begin = component[2], row_end = component[3];
+  const int64_t num_rows = row_end - row_begin;
+  const int64_t nq_all = num_rows * group;
+
+  // running softmax state per query vector (row, query head of this kv head), indexed by the row's place in the
+  // component's row list
+  std::vector<float> q_all(nq_all * head_dim), acc(nq_all * head_dim, 0.0f), top(nq_all, kNoScore),
+      total(nq_all, 0.0f);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t position = seg_rows[row_begin + r];
+    for (int64_t g = 0; g < group; ++g) {
+      float* dst = q_all.data() + (r * group + g) * head_dim;
+      to_float(query + (position * num_heads + kv_head * group + g) * head_dim, dst, head_dim);
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] *= scale;
+    }
+  }
+  std::vector<float> keys(kBlock * head_dim), values(kBlock * head_dim), scores;
+  std::vector<int64_t> local;  // per segment: its rows' places in the component's row list
+  for (int64_t s = seg_begin; s < seg_end; ++s) {
+    const int64_t* seg = segments + s * 4;
+    const int64_t start = seg[0], length = seg[1];
+    local.clear();
+    for (int64_t i = seg[2]; i < seg[3]; ++i) {
+      const int64_t position = seg_rows[i];
+      int64_t r = 0;
+      while (seg_rows[row_begin + r] != position) ++r;
+      local.push_back(r);
+    }
+    const int64_t nq = static_cast<int64_t>(local.size()) * group;
+    scores.resize(nq * kBlock);
+    for (int64_t b = 0; b < length; b += kBlock) {
+      const int64_t n = std::min(kBlock, length - b);
+      const T* k_base = k_cache + (start + b) * slot_stride + kv_head * head_dim;
+      const T* v_base = v_cache + (start + b) * slot_stride + kv_head * head_dim;
+      for (int64_t t = 0; t < n; ++t) to_float(k_base + t * slot_stride, keys.data() + t * head_dim, head_dim);
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const int64_t vec = local[qi / group] * group + qi % group;
+        const float* q = q_all.data() + vec * head_dim;
+        float* row_scores = scores.data() + qi * kBlock;
+        float block_top = kNoScore;
+        for (int64_t t = 0; t < n; ++t) {
+          const float* k = keys.data() + t * head_dim;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * k[d];
+          row_scores[t] = dot;
+          block_top = std::max(block_top, dot);
+        }
+        const float new_top = std::max(top[vec], block_top);
+        const float rescale = std::exp(top[vec] - new_top);
+        float block_total = 0.0f;
+#pragma omp simd reduction(+ : block_total)
+        for (int64_t t = 0; t < n; ++t) {
+          row_scores[t] = std::exp(row_scores[t] - new_top);
+          block_total += row_scores[t];
+        }
+        total[vec] = total[vec] * rescale + block_total;
+        top[vec] = new_top;
+        if (rescale != 1.0f) {
+          float* a = acc.data() + vec * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale;
+        }
+      }
+      for (int64_t t = 0; t < n; ++t) to_float(v_base + t * slot_stride, values.data() + t * head_dim, head_dim);
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const int64_t vec = local[qi / group] * group + qi % group;
+        float* a = acc.data() + vec * head_dim;
+        const float* p = scores.data() + qi * kBlock;
+        for (int64_t t = 0; t < n; ++t) {
+          const float weight = p[t];
+          const float* v = values.data() + t * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * v[d];
+        }
+      }
+    }
+  }
+  std::vector<float> result(head_dim);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t position = seg_rows[row_begin + r];
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t vec = r * group + g;
+      const float inverse = total[vec] > 0.0f ? 1.0f / total[vec] : 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) result[d] = acc[vec * head_dim + d] * inverse;
+      from_float(result.data(), out + (position * num_heads + kv_head * group + g) * head_dim, head_dim);
+    }
+  }
+}
+
+// The same computation with head_dim = 16 * N, on GCC vector types (AVX-512 registers where the CPU has them, pairs
+// of AVX2 registers where it has not): a key row is converted to float once and dotted with every query vector; a
+// value row is converted once and added into up to `kTile` query vectors' accumulators held in registers.
+typedef float vfloat __attribute__((vector_size(64)));
+typedef uint16_t vhalf __attribute__((vector_size(32)));
+typedef uint32_t vbits __attribute__((vector_size(64)));
+
+inline vfloat load16(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vfloat load16(const c10::BFloat16* p) {
+  vhalf h;
+  std::memcpy(&h, p, sizeof(h));
+  const vbits bits = __builtin_convertvector(h, vbits) << 16;
+  vfloat v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline vfloat load16(const c10::Half* p) {
+  float tmp[16];
+  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load16(tmp);
+}
+
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef float vfloat4 __attribute__((vector_size(16)));
+
+inline float hsum(vfloat v) {  // a shuffle tree: 16 -> 8 -> 4 -> 1 lanes
+  const vfloat8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vfloat4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) + __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+  return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+}
+
+template <typename T, int N>
+void run_item_vec(const T* query, const T* k_cache, const T* v_cache, const int64_t* segments, const int64_t* seg_rows,
+                  const int64_t* component, int64_t head_begin, int64_t head_end, int64_t num_heads,
+                  int64_t num_kv_heads, float scale, T* out) {
+  // kv heads [head_begin, head_end) of one component; the head loop sits inside the key-block loop so that one block
+  // of slots is read whole (all its heads) before the next
+  constexpr int64_t head_dim = 16 * N;
+  constexpr int64_t kTile = N >= 8 ? 2 : 4;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t slot_stride = num_kv_heads * head_dim;
+  const int64_t seg_begin = component[0], seg_end = component[1];
+  const int64_t row_begin = component[2], row_end = component[3];
+  const int64_t num_rows = row_end - row_begin;
+  const int64_t nq_all = num_rows * group;
+  const int64_t num_local_heads = head_end - head_begin;
+
+  // state index: (local head, row place in the component, query head of the group)
+  std::vector<vfloat> q_all(num_local_heads * nq_all * N), acc(num_local_heads * nq_all * N);
+  std::vector<float> top(num_local_heads * nq_all, kNoScore), total(num_local_heads * nq_all, 0.0f);
+  for (auto& a : acc) a = vfloat{};
+  for (int64_t h = 0; h < num_local_heads; ++h)
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const int64_t position = seg_rows[row_begin + r];
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = query + (position * num_heads + (head_begin + h) * group + g) * head_dim;
+        for (int c = 0; c < N; ++c) q_all[(h * nq_all + r * group + g) * N + c] = load16(src + 16 * c) * scale;
+      }
+    }
+  std::vector<float> scores;
+  std::vector<int64_t> vecs;  // per segment: the query vectors (places in the state, head 0) of its rows
+  for (int64_t s = seg_begin; s < seg_end; ++s) {
+    const int64_t* seg = segments + s * 4;
+    const int64_t start = seg[0], length = seg[1];
+    vecs.clear();
+    for (int64_t i = seg[2]; i < seg[3]; ++i) {
+      int64_t r = 0;
+      while (seg_rows[row_begin + r] != seg_rows[i]) ++r;
+      for (int64_t g = 0; g < group; ++g) vecs.push_back(r * group + g);
+    }
+    const int64_t nq = static_cast<int64_t>(vecs.size());
+    scores.resize(nq * kBlock);
+    for (int64_t b = 0; b < length; b += kBlock) {
+      const int64_t n = std::min(kBlock, length - b);
+      for (int64_t h = 0; h < num_local_heads; ++h) {
+        const int64_t base = h * nq_all;
+        const T* k_base = k_cache + (start + b) * slot_stride + (head_begin + h) * head_dim;
+        const T* v_base = v_cache + (start + b) * slot_stride + (head_begin + h) * head_dim;
+        for (int64_t t = 0; t < n; ++t) {
+          vfloat k[N];
+          for (int c = 0; c < N; ++c) k[c] = load16(k_base + t * slot_stride + 16 * c);
+          for (int64_t qi = 0; qi < nq; ++qi) {
+            const vfloat* q = q_all.data() + (base + vecs[qi]) * N;
+            vfloat dot = q[0] * k[0];
+            for (int c = 1; c < N; ++c) dot += q[c] * k[c];
+            scores[qi * kBlock + t] = hsum(dot);
+          }
+        }
+        for (int64_t qi = 0; qi < nq; ++qi) {
+          const int64_t vec = base + vecs[qi];
+          float* row_scores = scores.data() + qi * kBlock;
+          float block_top = kNoScore;
+          for (int64_t t = 0; t < n; ++t) block_top = std::max(block_top, row_scores[t]);
+          const float new_top = std::max(top[vec], block_top);
+          const float rescale = std::exp(top[vec] - new_top);
+          float block_total = 0.0f;
+#pragma omp simd reduction(+ : block_total)
+          for (int64_t t = 0; t < n; ++t) {
+            row_scores[t] = std::exp(row_scores[t] - new_top);
+            block_total += row_scores[t];
+          }
+          total[vec] = total[vec] * rescale + block_total;
+          top[vec] = new_top;
+          if (rescale != 1.0f)
+            for (int c = 0; c < N; ++c) acc[vec * N + c] *= rescale;
+        }
+        for (int64_t q0 = 0; q0 < nq; q0 += kTile) {
+          const int64_t tile = std::min(kTile, nq - q0);
+          vfloat a[kTile][N];
+          for (int64_t j = 0; j < tile; ++j)
+            for (int c = 0; c < N; ++c) a[j][c] = acc[(base + vecs[q0 + j]) * N + c];
+          for (int64_t t = 0; t < n; ++t) {
+            vfloat v[N];
+            for (int c = 0; c < N; ++c) v[c] = load16(v_base + t * slot_stride + 16 * c);
+            for (int64_t j = 0; j < tile; ++j) {
+              const float weight = scores[(q0 + j) * kBlock + t];
+              for (int c = 0; c < N; ++c) a[j][c] += weight * v[c];
+            }
+          }
+          for (int64_t j = 0; j < tile; ++j)
+            for (int c = 0; c < N; ++c) acc[(base + vecs[q0 + j]) * N + c] = a[j][c];
+        }
+      }
+    }
+  }
+  float result[head_dim];
+  for (int64_t h = 0; h < num_local_heads; ++h)
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const int64_t position = seg_rows[row_begin + r];
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t vec = h * nq_all + r * group + g;
+        const float inverse = total[vec] > 0.0f ? 1.0f / total[vec] : 0.0f;
+        for (int c = 0; c < N; ++c) {
+          const vfloat o = acc[vec * N + c] * inverse;
+          std::memcpy(result + 16 * c, &o, sizeof(o));
+        }
+        from_float(result, out + (position * num_heads + (head_begin + h) * group + g) * head_dim, head_dim);
+      }
+    }
+}
+
+template <typename T>
+using ItemFn = void (*)(const T*, const T*, const T*, const int64_t*, const int64_t*, const int64_t*, int64_t, int64_t,
+                        int64_t, int64_t, float, T*);
+
+template <typename T>
+ItemFn<T> vector_item(int64_t head_dim) {
+  switch (head_dim) {
+    case 32: return &run_item_vec<T, 2>;
+    case 64: return &run_item_vec<T, 4>;
+    case 80: return &run_item_vec<T, 5>;
+    case 96: return &run_item_vec<T, 6>;
+    case 128: return &run_item_vec<T, 8>;
+    case 256: return &run_item_vec<T, 16>;
+    default: return nullptr;
+  }
+}
+
+// query [T, H, D]; k_cache / v_cache [slots, KVH, D] (contiguous); segments [S, 4] int64 (first slot, length, rows
+// begin, rows end into seg_rows); seg_rows int64 packed positions; components [C, 4] int64 (segments begin/end,
+// component rows begin/end into seg_rows). Writes out[position] for every component row.
+void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& segments, const at::Tensor& seg_rows, const at::Tensor& components,
+                      at::Tensor& out, double scale, bool use_vector_code) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && out.sizes() == query.sizes(),
+              "decode_attention: bad shapes");
+  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
+              "decode_attention: tensors must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "decode_attention: dtypes differ");
+  TORCH_CHECK(segments.scalar_type() == at::kLong && seg_rows.scalar_type() == at::kLong &&
+                  components.scalar_type() == at::kLong && segments.is_contiguous() && seg_rows.is_contiguous() &&
+                  components.is_contiguous(),
+              "decode_attention: index tensors must be contiguous int64");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2), num_kv_heads = k_cache.size(1);
+  const int64_t num_slots = k_cache.size(0), num_tokens = query.size(0);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(2) == head_dim, "decode_attention: head mismatch");
+  const int64_t num_segments = segments.size(0), num_components = components.size(0);
+  const int64_t num_seg_rows = seg_rows.numel();
+  const int64_t* seg = segments.data_ptr<int64_t>();
+  const int64_t* rows = seg_rows.data_ptr<int64_t>();
+  const int64_t* comp = components.data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_segments; ++s) {  // bounds: a bad plan must not read outside the pool
+    TORCH_CHECK(seg[s * 4] >= 0 && seg[s * 4 + 1] >= 0 && seg[s * 4] + seg[s * 4 + 1] <= num_slots,
+                "decode_attention: segment outside the pool");
+    TORCH_CHECK(0 <= seg[s * 4 + 2] && seg[s * 4 + 2] <= seg[s * 4 + 3] && seg[s * 4 + 3] <= num_seg_rows,
+                "decode_attention: bad segment rows");
+  }
+  for (int64_t i = 0; i < num_seg_rows; ++i)
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < num_tokens, "decode_attention: row outside the batch");
+  for (int64_t c = 0; c < num_components; ++c) {
+    TORCH_CHECK(0 <= comp[c * 4] && comp[c * 4] <= comp[c * 4 + 1] && comp[c * 4 + 1] <= num_segments &&
+                    0 <= comp[c * 4 + 2] && comp[c * 4 + 2] <= comp[c * 4 + 3] && comp[c * 4 + 3] <= num_seg_rows,
+                "decode_attention: bad component");
+    for (int64_t s = comp[c * 4]; s < comp[c * 4 + 1]; ++s)
+      for (int64_t i = seg[s * 4 + 2]; i < seg[s * 4 + 3]; ++i) {
+        bool found = false;
+        for (int64_t r = comp[c * 4 + 2]; r < comp[c * 4 + 3] && !found; ++r) found = rows[r] == rows[i];
+        TORCH_CHECK(found, "decode_attention: a segment row is not in its component");
+      }
+  }
+  const float fscale = static_cast<float>(scale);
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    const scalar_t* k = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v = v_cache.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const ItemFn<scalar_t> vectorised = use_vector_code ? vector_item<scalar_t>(head_dim) : nullptr;
+    if (vectorised) {
+      // items: (component, chunk of kv heads); heads are split only as far as the threads need work
+      const int64_t threads = at::get_num_threads();
+      const int64_t chunks = std::min(num_kv_heads, std::max<int64_t>(1, (threads + num_components - 1) / num_components));
+      const int64_t per_chunk = (num_kv_heads + chunks - 1) / chunks;
+      at::parallel_for(0, num_components * chunks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t c = item / chunks, h0 = (item % chunks) * per_chunk;
+          const int64_t h1 = std::min(num_kv_heads, h0 + per_chunk);
+          if (h0 < h1) vectorised(q, k, v, seg, rows, comp + c * 4, h0, h1, num_heads, num_kv_heads, fscale, o);
+        }
+      });
+      return;
+    }
+    at::parallel_for(0, num_kv_heads * num_components, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t kv_head = item % num_kv_heads, c = item / num_kv_heads;
+        run_item<scalar_t>(q, k, v, seg, rows, comp + c * 4, kv_head, num_heads, num_kv_heads, head_dim, fscale, o);
+      }
+    });
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "decode_attention: float32, bfloat16 or float16 only");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(prefixserve_cpu, m) {
+  m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor segments, Tensor seg_rows, "
+        "Tensor components, Tensor(a!) out, float scale, bool vector_code=True) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(prefixserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
