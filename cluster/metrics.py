@@ -12,6 +12,9 @@ Names (all prefixed ``prefixserve_``)::
 
     time_to_first_token_seconds            histogram  measured at the ingress, from parsed request to first token
     routing_decisions_total{replica,cache} counter    cache = hit (some prompt tokens reused) | miss
+    router_decisions_total{replica,reason} counter    the prefix-aware router's choices in this process (counted at
+                                                      decision time): reason = prefix_hit | cost_away |
+                                                      balanced_away | no_match (router/policy.py)
     prompt_tokens_total{replica}           counter    prompt tokens of finished requests
     cached_prompt_tokens_total{replica,source}  counter  reused prompt tokens, source = local|peer|host|disk
     prefix_cache_queries_total{replica}    counter    prompt tokens looked up in the replica's prefix cache
@@ -60,6 +63,8 @@ from prometheus_client.registry import Collector
 
 from cluster.vllm_metrics import VllmMetrics
 from common.types import EngineStats, KVSourceStats, RequestOutput
+from router.decision_metrics import DECISIONS, DecisionCounts
+from router.policy import RoutingReason
 from router.replication import ReplicationStats
 
 PREFIX = "prefixserve_"
@@ -178,6 +183,24 @@ class ReplicaStatsCollector(Collector):
         yield available
 
 
+class RouterDecisionsCollector(Collector):
+    """The routing decisions of the prefix-aware routers in this process (``router.decision_metrics``), by chosen
+    replica and reason; every reason is exported (at 0) for each replica seen, so rate() queries have a series."""
+
+    def __init__(self, counts: DecisionCounts = DECISIONS) -> None:
+        self.counts = counts
+
+    def collect(self):
+        family = CounterMetricFamily(PREFIX + "router_decisions",
+                                     "routing decisions of the prefix-aware router, by chosen replica and reason",
+                                     labels=["replica", "reason"])
+        totals: dict[tuple[str, str], int] = {}
+        for (_, replica_id, reason), count in self.counts.snapshot().items():
+            totals[(replica_id, reason)] = totals.get((replica_id, reason), 0) + count
+        for replica_id in sorted({replica_id for replica_id, _ in totals}):
+            for reason in RoutingReason:
+                family.add_metric([replica_id, reason.value], totals.get((replica_id, reason.value), 0))
+        yield family
 class HotPrefixCollector(Collector):
     """Hot-prefix replication: the planner's copies (this ingress) and each replica's proactive pages and their hits."""
 
@@ -259,6 +282,7 @@ class IngressMetrics:
                                ["outcome"], registry=self.registry)
         self.replica_stats = ReplicaStatsCollector()
         self.registry.register(self.replica_stats)
+        self.registry.register(RouterDecisionsCollector())
         self.vllm = VllmMetrics(model_name)  # the same numbers under vLLM's names (cluster/vllm_metrics.py)
         self.registry.register(self.vllm)
         self.hot_prefix = HotPrefixCollector()

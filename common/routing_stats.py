@@ -29,7 +29,18 @@ Wire format (format 1): a plain dict of str / int / None / bytes / lists, which 
                "num_pages_total": 512},
       "events": [["stored", 41, b"<32*n bytes>"], ["removed", 42, b"<32*m bytes>"], ["cleared", 43, b""]],
       "snapshot": None | {"seq": 42, "keys": b"<32*n bytes>"},
+      # optional (older replicas omit them; the router then uses its configured defaults and ages nothing):
+      "costs": {"step_ms": 15.2, "prefill_token_ms": 0.41, "attention_pair_us": 0.33, "decode_row_ms": 5.1,
+                "peer_copy_page_ms": 3.2, "host_page_ms": 2.9, "disk_page_ms": 2.2},   # only those measured
+      "retained": [[priority, expires_at_unix_s | None, b"<32*n bytes>"], ...],  # pages held under a retention,
+                                                    # grouped; None: until unpinned; at most MAX_RETAINED_KEYS keys
+      "load": {..., "num_evictions": 7, "num_pages_retained": 12},
     }
+
+``costs`` are what the replica measured itself (replica/cost_meter.py): a fit of its own engine steps and the mean
+seconds per page of its peer copies and tier fetches, all in milliseconds (attention in microseconds per computed x
+context token pair). The expiry of a retained page is wall-clock (``time.time()``) and restarts on every hit, so it
+is a lower bound; an idle replica's payload still does not change.
 """
 
 from __future__ import annotations
@@ -42,6 +53,13 @@ from common.page_keys import KEY_NUM_BYTES, PageKey
 from common.types import EngineStats
 
 ROUTING_STATS_FORMAT = 1
+
+COST_NAMES = ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms", "peer_copy_page_ms",
+              "host_page_ms", "disk_page_ms")
+"""The measured per-unit costs a payload may carry (``MeasuredCosts`` fields)."""
+
+MAX_RETAINED_KEYS = 8192
+"""Retained page keys per payload (256 KiB of keys); beyond it the highest priorities, then the latest expiries."""
 
 _KIND_STORED = "stored"
 _KIND_REMOVED = "removed"
@@ -61,6 +79,56 @@ class IndexSnapshot:
 
 
 @dataclass(frozen=True)
+class MeasuredCosts:
+    """Per-unit costs one replica measured (None: not measured yet; the router then uses its own default)."""
+
+    step_ms: float | None = None
+    """Fixed cost of one engine step."""
+    prefill_token_ms: float | None = None
+    """Per prompt token computed."""
+    attention_pair_us: float | None = None
+    """Per (computed token x context token) pair of prefill attention."""
+    decode_row_ms: float | None = None
+    """Per running request's decode row in a step."""
+    peer_copy_page_ms: float | None = None
+    """Per page copied from a peer (receiver side: request to verified page)."""
+    host_page_ms: float | None = None
+    """Per page fetched from the host tier (Redis)."""
+    disk_page_ms: float | None = None
+    """Per page fetched from the disk tier."""
+
+    def to_wire(self) -> dict[str, float]:
+        return {name: round(float(value), 6) for name in COST_NAMES
+                if (value := getattr(self, name)) is not None}
+
+    @staticmethod
+    def from_wire(raw: Mapping[str, Any] | None) -> "MeasuredCosts | None":
+        if not raw:
+            return None
+        values = {}
+        for name in COST_NAMES:
+            value = raw.get(name)
+            if value is None:
+                continue
+            value = float(value)
+            if not (value >= 0.0 and value < float("inf")):  # NaN, negative or infinite: not a measurement
+                raise RoutingStatsError(f"cost {name}={value!r} is not a finite non-negative number")
+            values[name] = value
+        return MeasuredCosts(**values) if values else None
+
+
+@dataclass(frozen=True)
+class RetainedPages:
+    """Pages a replica holds under a retention (priority > 0, TTL not expired): they stay while lower-priority pages
+    can be evicted instead."""
+
+    priority: int
+    expires_at: float | None
+    """Wall-clock seconds (``time.time()``) when the retention ends unless hit again; None: until unpinned."""
+    keys: tuple[PageKey, ...]
+
+
+@dataclass(frozen=True)
 class ReplicaLoad:
     """How busy a replica is, as the policy sees it."""
 
@@ -69,6 +137,8 @@ class ReplicaLoad:
     """Requests running or waiting on the replica (num_running + num_waiting, or a fresher estimate)."""
     num_pages_free: int = 0
     num_pages_total: int = 0
+    costs: MeasuredCosts | None = None
+    """What the replica measured (None: an older replica, or nothing measured yet)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +155,11 @@ class ReplicaReport:
     num_pages_total: int
     events: tuple[KVEvent, ...]
     snapshot: IndexSnapshot | None
+    costs: MeasuredCosts | None = None
+    retained: tuple[RetainedPages, ...] | None = None
+    """None: the replica does not report retention (older format); () : nothing retained."""
+    num_evictions: int | None = None
+    num_pages_retained: int | None = None
 
     def to_load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -92,6 +167,7 @@ class ReplicaReport:
             num_requests=self.num_running + self.num_waiting,
             num_pages_free=self.num_pages_free,
             num_pages_total=self.num_pages_total,
+            costs=self.costs,
         )
 
 
@@ -104,14 +180,17 @@ def make_routing_stats(
     *,
     epoch: str = "",
     last_seq: int | None = None,
+    costs: MeasuredCosts | None = None,
+    retained: Sequence[RetainedPages] | None = None,
 ) -> dict[str, Any]:
     """Build one payload. ``last_seq`` defaults to the newest event's seq (0 without events); it labels the snapshot.
 
     ``snapshot_keys`` must describe the cache no earlier than ``last_seq`` (taken later is fine: see router/index.py).
+    ``costs`` / ``retained``: the optional measured costs and retained pages (omitted when None).
     """
     if last_seq is None:
         last_seq = events[-1].seq if events else 0
-    return {
+    payload = {
         "format": ROUTING_STATS_FORMAT,
         "replica_id": replica_id,
         "epoch": epoch,
@@ -126,6 +205,29 @@ def make_routing_stats(
         "events": [encode_event(event) for event in events],
         "snapshot": None if snapshot_keys is None else {"seq": last_seq, "keys": join_keys(snapshot_keys)},
     }
+    kv_cache = getattr(stats, "kv_cache", None)
+    payload["load"]["num_evictions"] = stats.num_evictions
+    if kv_cache is not None:
+        payload["load"]["num_pages_retained"] = kv_cache.num_retained_pages
+    if costs is not None:
+        payload["costs"] = costs.to_wire()
+    if retained is not None:
+        payload["retained"] = encode_retained(retained)
+    return payload
+
+
+def encode_retained(groups: Sequence[RetainedPages]) -> list[list[Any]]:
+    """Groups as wire lists, at most ``MAX_RETAINED_KEYS`` keys: highest priority first, then latest expiry."""
+    ordered = sorted(groups, key=lambda g: (-g.priority, -(float("inf") if g.expires_at is None else g.expires_at)))
+    out, budget = [], MAX_RETAINED_KEYS
+    for group in ordered:
+        if budget <= 0:
+            break
+        keys = group.keys[:budget]
+        budget -= len(keys)
+        out.append([int(group.priority), None if group.expires_at is None else float(group.expires_at),
+                    join_keys(keys)])
+    return out
 
 
 def encode_event(event: KVEvent) -> list[Any]:
@@ -172,6 +274,12 @@ def parse_routing_stats(raw: Mapping[str, Any] | None) -> ReplicaReport | None:
             num_pages_total=int(load["num_pages_total"]),
             events=tuple(decode_event(item) for item in raw["events"]),
             snapshot=None if snapshot is None else IndexSnapshot(int(snapshot["seq"]), split_keys(snapshot["keys"])),
+            costs=MeasuredCosts.from_wire(raw.get("costs")),
+            retained=None if raw.get("retained") is None else tuple(
+                RetainedPages(int(priority), None if expires is None else float(expires), split_keys(blob))
+                for priority, expires, blob in raw["retained"]),
+            num_evictions=None if load.get("num_evictions") is None else int(load["num_evictions"]),
+            num_pages_retained=None if load.get("num_pages_retained") is None else int(load["num_pages_retained"]),
         )
     except (KeyError, TypeError, ValueError) as error:
         if isinstance(error, RoutingStatsError):

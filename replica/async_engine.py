@@ -195,6 +195,10 @@ class AsyncEngine:
     async def cached_page_keys(self) -> list[bytes]:
         return await self._call(self.engine.kv.cached_keys)
 
+    async def retained_page_keys(self) -> list[tuple[bytes, int, float]]:
+        """(key, priority, seconds left) of the cached pages held under a retention (``KVCacheManager``)."""
+        return await self._call(self.engine.kv.retained_keys)
+
     async def check_integrity(self) -> None:
         await self._call(self.engine.check_integrity)
 

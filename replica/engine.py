@@ -111,6 +111,9 @@ class LLMEngine:
         )
         self.page_sink = None
         """Called with the ``PageRecord``s (kv: views of pool pages) newly computed and cached (the shared tiers)."""
+        self.step_observer = None
+        """Called as ``(seconds, chunks)`` after each step's forward and sampling, before the chunks advance (the
+        replica's cost meter, replica/cost_meter.py)."""
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
         self.latency = RequestLatencyStats()
@@ -248,11 +251,14 @@ class LLMEngine:
                     sample=start + chunk.num_new_tokens == seq.num_tokens,
                 )
             )
+        started = time.perf_counter()
         logits = self.runner.run(inputs)
         sampling_seqs = [chunk.seq for chunk, inp in zip(plan.chunks, inputs) if inp.sample]
         new_tokens = sample_tokens(
             logits, [seq.sampling for seq in sampling_seqs], [seq.generator for seq in sampling_seqs]
         )
+        if self.step_observer is not None:
+            self.step_observer(time.perf_counter() - started, plan.chunks)
         newly_cached = []
         for chunk in plan.chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens

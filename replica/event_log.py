@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable
 
 from common.events import KVEvent, PagesRemoved, PagesStored
 from common.page_keys import PageKey
-from common.routing_stats import make_routing_stats
+from common.routing_stats import MeasuredCosts, RetainedPages, make_routing_stats
 from common.types import EngineStats
 
 
@@ -82,9 +82,11 @@ class ReplicaEventLog:
         self._drop_overflow()
 
     def stats_payload(
-        self, engine_stats: EngineStats, snapshot_keys_fn: Callable[[], Iterable[PageKey]]
+        self, engine_stats: EngineStats, snapshot_keys_fn: Callable[[], Iterable[PageKey]], *,
+        costs: MeasuredCosts | None = None, retained: Iterable[RetainedPages] | None = None,
     ) -> dict[str, Any]:
-        """The dict ``record_routing_stats()`` returns now. Calls ``snapshot_keys_fn`` only when a snapshot is due."""
+        """The dict ``record_routing_stats()`` returns now. Calls ``snapshot_keys_fn`` only when a snapshot is due.
+        ``costs`` and ``retained`` ride along as they are (common/routing_stats.py)."""
         snapshot_keys = list(snapshot_keys_fn()) if self.snapshot_due else None
         self._snapshot_due = False
         self._payload_last_seqs.append(self._last_seq)
@@ -97,6 +99,8 @@ class ReplicaEventLog:
             snapshot_keys,
             epoch=self.epoch,
             last_seq=self._last_seq,
+            costs=costs,
+            retained=None if retained is None else list(retained),
         )
 
     # ---- internals -------------------------------------------------------------------------------------------------

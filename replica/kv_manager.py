@@ -167,6 +167,17 @@ class KVCacheManager:
                 idle_s=round(now - entry.last_used_at, 3)))
         return reports
 
+    def retained_keys(self) -> list[tuple[PageKey, int, float]]:
+        """(key, priority, seconds left or ``math.inf``) of every cached page whose retention holds now (routers treat
+        them as staying here)."""
+        now = self.clock()
+        out = []
+        for page_id, retention in self.pool.retentions().items():
+            key = self.cache.page_to_key.get(page_id) if hasattr(self.cache, "page_to_key") else None
+            if key is not None:
+                out.append((key, retention.priority, retention.expires_at - now))
+        return out
+
     # ---- hot-prefix replication ---------------------------------------------------------------------------------
     def mark_proactive(self, keys: Sequence[PageKey]) -> None:
         """These cached pages arrived by a proactive copy: hits on them are counted (``observe_local_hit``)."""

@@ -98,6 +98,11 @@ class PagePool:
         self.expire()
         return self._page_to_retention.get(page_id)
 
+    def retentions(self) -> dict[int, PageRetention]:
+        """Page id -> its retention, for every page whose retention holds now (a copy)."""
+        self.expire()
+        return dict(self._page_to_retention)
+
     def priority_of(self, page_id: int) -> int:
         retention = self.retention_of(page_id)
         return retention.priority if retention is not None else 0

@@ -36,6 +36,7 @@ from common.types import (EngineRequest, EngineStats, KVSourceStats, PinPrefix, 
                           PrefixReport, ReplicaInfo, RequestOutput, TierReport)
 from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
+from replica.cost_meter import ReplicaCostMeter, retained_groups
 from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
 from replica.event_log import ReplicaEventLog
 from replica.kv_event_publisher import build_publisher
@@ -103,6 +104,8 @@ class ServeReplica:
         device = self.engine.engine.device
         self.ipc_exporter = IpcExporter(device) if device.type == "cuda" else None
         self._event_log = ReplicaEventLog(replica_id)
+        self._cost_meter = ReplicaCostMeter()  # per-unit costs measured here, sent in the routing stats
+        self.engine.engine.step_observer = self._cost_meter.observe_step
         self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size,
                                              tiers=self.engine.fetcher.tiers if self.engine.fetcher else ())
         self._tokenizer_files = tokenizer_files(self.engine.tokenizer)
@@ -207,7 +210,11 @@ class ServeReplica:
         self._kv_publisher.publish(events)  # vLLM-schema events over ZMQ (a no-op without --kv-events-config)
         self._event_log.append(events)
         snapshot_keys = await self.engine.cached_page_keys()
-        return self._event_log.stats_payload(stats, lambda: snapshot_keys)
+        if self.engine.fetcher is not None:
+            self._cost_meter.observe_sources(self.engine.fetcher.source_to_stats)
+        retained = retained_groups(await self.engine.retained_page_keys())
+        return self._event_log.stats_payload(stats, lambda: snapshot_keys, costs=self._cost_meter.costs(),
+                                             retained=retained)
 
     def __del__(self) -> None:
         """Serve calls this when the replica stops: stop the engine thread (requests in flight fail)."""

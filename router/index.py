@@ -24,16 +24,32 @@ Sync protocol, per replica (``sync`` applies one routing-stats report):
   event's effect on a key is overwritten by the next event touching that key.
 
 Staleness only costs a cache miss: the chosen replica matches against its own cache and computes what it lacks.
+
+Residency ahead (``expected_resident``). A request routed now is admitted later (after the replica's queue), and a
+page the index holds may be evicted meanwhile. Each replica reports its evictions so far and how many pages its LRU
+queue holds (``note_residency``); each held key keeps the replica's eviction count when it was last touched (stored,
+or a request routed there that uses it). LRU evicts a page once the queue ahead of it has drained, so a page is
+expected gone once ``lru_pages`` more pages than at its touch have been evicted. Only the admission wait is
+extrapolated, at the replica's recent eviction rate: an idle replica ages nothing, however fast it evicted before.
+Retained pages (priority > 0, the replica says until when) are not in that queue: they are certain holdings until
+their retention ends, whatever the eviction rate::
+
+    replica a: 10_000 evictions so far, lru_pages 400, 100 evictions/s, admission in 1 s -> 10_100 by then
+    key   touched at eviction   retained until (router time)   admitted at now + 1 s (now = 10)
+    k0    9_600                 20.0                           stays (retained past 11)
+    k1    9_600                 -                              gone (10_100 - 9_600 > 400)    -> expected_resident = 1
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Collection, Iterable, Sequence
 
 from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from common.page_keys import PageKey
-from common.routing_stats import IndexSnapshot
+from common.routing_stats import IndexSnapshot, RetainedPages
 
 
 @dataclass(frozen=True)
@@ -58,7 +74,18 @@ class _ReplicaState:
     needs_snapshot: bool = True
     guessed: bool = False
     """Keys were added by ``expect_keys`` since the last snapshot: the next snapshot replaces them with the truth."""
-    keys: set[PageKey] = field(default_factory=set)
+    keys: dict[PageKey, float] = field(default_factory=dict)
+    """Held key -> the replica's eviction count (``evictions``) when it was last touched (stored or routed here)."""
+    retained: dict[PageKey, float] = field(default_factory=dict)
+    """Keys the replica holds under a retention -> router time the retention ends (``math.inf``: pinned)."""
+    evictions: int = 0
+    """The replica's evictions so far, as last reported."""
+    lru_pages: float = math.inf
+    """Pages in its LRU queue (evicted before a page touched now), as last reported (inf: never reported)."""
+    eviction_rate: float = 0.0
+    """Pages evicted per second (EWMA over reports)."""
+    last_report_s: float | None = None
+    """Router time of the last report with an eviction count."""
 
 
 class PrefixIndex:
@@ -69,7 +96,8 @@ class PrefixIndex:
     loop. Updates cost O(keys touched); ``longest_prefix`` costs O(leading pages matched).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
         self._replica_id_to_state: dict[str, _ReplicaState] = {}
         self._bit_to_replica_id: dict[int, str] = {}
         self._key_to_holder_mask: dict[PageKey, int] = {}
@@ -174,17 +202,91 @@ class PrefixIndex:
         """Make the index hold exactly ``snapshot.keys`` for ``replica_id``, in sync as of ``snapshot.seq``."""
         self._replace_keys(self._state_of(replica_id), snapshot)
 
+    # ---- residency ahead (module docstring) --------------------------------------------------------------------------
+    def note_residency(self, replica_id: str, *, epoch: str | None = None, num_evictions: int | None = None,
+                       num_lru_pages: int | None = None, retained: Sequence[RetainedPages] | None = None,
+                       wall_now: float | None = None, alpha: float = 0.5) -> None:
+        """Apply a replica's report: its cumulative ``num_evictions`` (the rate is the EWMA, by ``alpha``, of its growth
+        between reports), the pages in its LRU queue, and the pages it holds under a retention (replacing the previous
+        list; expiries in wall-clock seconds, converted to router time). None leaves a part unchanged. Apply it before
+        the same report's events, so the pages they store count as touched at its eviction count. ``epoch``: the
+        report's; a new one drops what was known first, as ``sync`` does."""
+        state = self._state_of(replica_id)
+        if epoch is not None and state.epoch != epoch:
+            self._reset(state)
+            state.epoch = epoch
+        now = self.clock()
+        if num_evictions is not None:
+            if num_evictions < state.evictions:  # the replica restarted: its keys' counts mean nothing now
+                state.eviction_rate = 0.0
+                for key in state.keys:
+                    state.keys[key] = num_evictions
+            elif state.last_report_s is not None and now > state.last_report_s:
+                rate = (num_evictions - state.evictions) / (now - state.last_report_s)
+                state.eviction_rate += alpha * (rate - state.eviction_rate)
+            state.evictions = num_evictions
+            state.last_report_s = now
+        if num_lru_pages is not None:
+            state.lru_pages = max(num_lru_pages, 0)
+        if retained is not None:
+            offset = now - (time.time() if wall_now is None else wall_now)
+            state.retained = {key: math.inf if group.expires_at is None else group.expires_at + offset
+                              for group in retained for key in group.keys}
+
+    def expected_resident(self, replica_id: str, page_keys: Sequence[PageKey], num_matched: int, wait_s: float = 0.0,
+                          now: float | None = None) -> int:
+        """How many of the ``num_matched`` leading ``page_keys`` the replica holds (per the index) are expected still
+        there when a request is admitted in ``wait_s`` seconds: retained ones until their retention ends, the others
+        while fewer than ``lru_pages`` pages have been evicted since their touch (the module docstring)."""
+        state = self._replica_id_to_state.get(replica_id)
+        if state is None or num_matched <= 0:
+            return 0
+        retained, held = state.retained, state.keys
+        if state.lru_pages == math.inf and not retained:
+            return num_matched
+        wait_s = max(wait_s, 0.0)
+        at = (self.clock() if now is None else now) + wait_s
+        oldest_kept = state.evictions + state.eviction_rate * wait_s - state.lru_pages  # touched before: evicted
+        for position in range(num_matched):
+            key = page_keys[position]
+            until = retained.get(key)
+            if until is not None and until >= at:
+                continue
+            touched = held.get(key)
+            if touched is None or touched < oldest_kept:
+                return position
+        return num_matched
+
+    def is_retained(self, replica_id: str, key: PageKey, at: float) -> bool:
+        state = self._replica_id_to_state.get(replica_id)
+        return state is not None and state.retained.get(key, -math.inf) >= at
+
+    def eviction_rate(self, replica_id: str) -> float:
+        state = self._replica_id_to_state.get(replica_id)
+        return 0.0 if state is None else state.eviction_rate
+
     # ---- checks ----------------------------------------------------------------------------------------------------
-    def expect_keys(self, replica_id: str, page_keys: Sequence[PageKey]) -> None:
+    def expect_keys(self, replica_id: str, page_keys: Sequence[PageKey], wait_s: float = 0.0) -> None:
         """Optimistically mark ``page_keys`` as held by ``replica_id`` right after a request was routed there: its
         stored events arrive only after the prefill, and without this a second request with the same new prefix,
         routed meanwhile, would find no holder and could land elsewhere (computing the prefix twice). A wrong guess
         (the request failed, the pages were evicted) costs one cache miss and is corrected by the replica's next
-        snapshot or removal event."""
+        snapshot or removal event. ``wait_s``: when the request is expected to be admitted there; its pages count as
+        touched then (at the eviction count projected for that moment), since the request will use them."""
         state = self._state_of(replica_id)
-        new_keys = [key for key in page_keys if key not in state.keys]
+        held = state.keys
+        now = state.evictions
+        if wait_s > 0.0 and state.eviction_rate > 0.0:
+            now = state.evictions + state.eviction_rate * wait_s
+        new_keys = []
+        for key in page_keys:
+            if key in held:
+                if held[key] < now:
+                    held[key] = now  # the routed request will use it: LRU moves it to the tail
+            else:
+                new_keys.append(key)
         if new_keys:
-            self._add_keys(state, new_keys)
+            self._add_keys(state, new_keys, now)
             state.guessed = True
 
     def check_integrity(self) -> None:
@@ -249,24 +351,34 @@ class PrefixIndex:
 
     def _replace_keys(self, state: _ReplicaState, snapshot: IndexSnapshot) -> None:
         wanted = set(snapshot.keys)
-        self._drop_keys(state, state.keys - wanted)
-        self._add_keys(state, wanted - state.keys)
+        self._drop_keys(state, [key for key in state.keys if key not in wanted])
+        self._add_keys(state, [key for key in wanted if key not in state.keys])
         state.last_seq = snapshot.seq
         state.needs_snapshot = False
         state.guessed = False
 
     def _reset(self, state: _ReplicaState) -> None:
         self._drop_keys(state, list(state.keys))
+        state.retained = {}
+        state.evictions = 0
+        state.lru_pages = math.inf
+        state.eviction_rate = 0.0
+        state.last_report_s = None
         state.last_seq = None
         state.needs_snapshot = True
         state.guessed = False
 
-    def _add_keys(self, state: _ReplicaState, keys: Collection[PageKey]) -> None:
+    def _add_keys(self, state: _ReplicaState, keys: Collection[PageKey], touched: float | None = None) -> None:
         holder_masks = self._key_to_holder_mask
         bit = state.bit
+        held = state.keys
+        if touched is None:
+            touched = state.evictions  # one object shared by the batch
         for key in keys:
             holder_masks[key] = holder_masks.get(key, 0) | bit
-        state.keys.update(keys)
+            before = held.get(key)
+            if before is None or before < touched:  # a touch expected later (a routed request) stands
+                held[key] = touched
 
     def _drop_keys(self, state: _ReplicaState, keys: Collection[PageKey]) -> None:
         holder_masks = self._key_to_holder_mask
@@ -277,7 +389,9 @@ class PrefixIndex:
                 holder_masks[key] = mask
             else:
                 holder_masks.pop(key, None)
-        state.keys.difference_update(keys)
+        held = state.keys
+        for key in keys:
+            held.pop(key, None)
 
 
 def _is_newer(seq: int, than: int | None) -> bool:

@@ -59,6 +59,19 @@ with the most matched pages (same ties).
                    full page scores on the replica id alone. Within one router a new prefix also sticks to the replica
                    it was sent to before that replica's stored events arrive: the index expects the routed keys there.
 
+Measured costs. ``step_ms``, ``prefill_token_ms``, ``attention_pair_us``, ``decode_row_ms`` and ``peer_copy_page_ms``
+are taken per candidate from what that replica measured and sent in its routing stats (``ReplicaLoad.costs``,
+replica/cost_meter.py); the ``PolicyConfig`` values are the defaults for a replica that sent none (or not that one).
+A candidate that measured its host-tier fetch (``host_page_ms``, so it has a shared tier that keeps reused pages)
+prices an evicted page at the least of recomputing it and fetching it back.
+
+Residency ahead (cost model and ``enable_residency_aging``, off by default). ``matched(r)`` counts only the leading pages expected still on r when the request
+is admitted there (now + wait(r)): pages r holds under a retention until it ends, other pages while fewer than r's LRU
+queue length have been evicted there since their last touch, counting r's evictions until the admission at its
+recent rate (router/index.py ``expected_resident``). So a prefix held under a
+retention stays a prefix hit on its replica however fast that replica churns, while an unretained one on a churning,
+busy replica counts as (partly) gone.
+
 The load bound follows sgl-router's cache-aware policy: both an absolute and a relative gap are needed before a
 replica is excluded. The per-unit costs default to the engine's measured numbers (BENCHMARKS.md sections 0-2 and 6,
 tiny Llama on one CPU core, float32); set them from the deployment's own measurements. Free pages enter only through
@@ -125,6 +138,11 @@ class PolicyConfig:
     per page of recomputing this prompt."""
     enable_overload_exception: bool = True
     """Keep an overloaded holder as a candidate when every eligible replica would evict cached pages to take over."""
+    enable_residency_aging: bool = False
+    """Count only the pages expected still on a replica at admission (router/index.py ``expected_resident``):
+    retained pages until their TTL, others by the replica's LRU eviction count. Off by default: in the simulator at
+    saturation (llm-d shared prefix, DP 4) it raised p99 TTFT 18x, because pages held by running requests are out of
+    the LRU queue until released, and the router cannot see when that is (BENCHMARKS.md section 14)."""
     duplicate_work_weight: float = 1.0
     """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
     delays the replica's later requests and, for recomputed pages, stores a second copy)."""
@@ -164,6 +182,17 @@ class RoutingDecision:
     """The cost model's estimate for the chosen replica (0.0 without the cost model)."""
 
 
+class _Costs(NamedTuple):
+    """The per-unit costs of one candidate: its measured ones where it sent them, else the config's."""
+
+    step_ms: float
+    prefill_token_ms: float
+    attention_pair_us: float
+    decode_row_ms: float
+    peer_copy_page_ms: float
+    host_page_ms: float | None
+
+
 class _Scored(NamedTuple):
     replica_id: str
     matched: int
@@ -190,6 +219,11 @@ class PrefixAwarePolicy:
         self._ready_order: deque[tuple[float, str, PageKey]] = deque()
         self.num_decisions_by_reason: dict[RoutingReason, int] = {reason: 0 for reason in RoutingReason}
         """Decisions made so far, by reason (for metrics; ``choose`` counts, ``hint_for_pinned`` does not)."""
+        self.num_decisions_by_replica_reason: dict[tuple[str, RoutingReason], int] = {}
+        """The same, by (chosen replica, reason)."""
+        self._default_costs = _Costs(self.config.step_ms, self.config.prefill_token_ms, self.config.attention_pair_us,
+                                     self.config.decode_row_ms, self.config.peer_copy_page_ms, None)
+        self._measured_to_costs: dict[int, tuple[object, _Costs]] = {}
 
     # ---- the decision ----------------------------------------------------------------------------------------------
     def choose(
@@ -217,6 +251,11 @@ class PrefixAwarePolicy:
             if c.num_requests > load:
                 load = c.num_requests
             scored.append(_Scored(replica_id, replica_id_to_matched.get(replica_id, 0), load, num_keys(replica_id), c))
+        if self.config.enable_cost_model and self.config.enable_residency_aging and replica_id_to_matched:
+            if now is None:
+                now = time.monotonic()
+            scored = self._resident(scored, page_keys, now)
+            replica_id_to_matched = {s.replica_id: s.matched for s in scored if s.matched}
         min_load = min(s.load for s in scored)
         abs_bound = min_load + self.config.balance_abs_threshold
         rel_bound = self.config.balance_rel_threshold * min_load
@@ -230,7 +269,7 @@ class PrefixAwarePolicy:
                 chosen = _best(eligible, _new_prefix_preference, anchor)
             decision = self._explain(chosen, holder, min_load, cost_chosen=False)
             self.index.expect_keys(decision.replica_id, page_keys)
-            self.num_decisions_by_reason[decision.reason] += 1
+            self._count(decision)
             return decision
         if now is None:
             now = time.monotonic()
@@ -269,9 +308,44 @@ class PrefixAwarePolicy:
             key_to_ready_s[(replica_id, key)] = busy_until
             ready_order.append((busy_until, replica_id, key))
         decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms)
-        self.index.expect_keys(replica_id, page_keys)
-        self.num_decisions_by_reason[decision.reason] += 1
+        self.index.expect_keys(replica_id, page_keys, busy_until - now - busy_ms / 1000.0)  # its admission
+        self._count(decision)
         return decision
+
+    def _count(self, decision: RoutingDecision) -> None:
+        self.num_decisions_by_reason[decision.reason] += 1
+        key = (decision.replica_id, decision.reason)
+        counts = self.num_decisions_by_replica_reason
+        counts[key] = counts.get(key, 0) + 1
+
+    def _resident(self, scored: list, page_keys: Sequence[PageKey], now: float) -> list:
+        """``scored`` with each holder's matched pages cut to those expected still there at its admission."""
+        busy_until = self._replica_id_to_busy_until
+        out = []
+        for s in scored:
+            if s.matched:
+                wait_s = busy_until.get(s.replica_id, now) - now if s.load else 0.0
+                resident = self.index.expected_resident(s.replica_id, page_keys, s.matched, wait_s, now)
+                if resident != s.matched:
+                    s = s._replace(matched=resident)
+            out.append(s)
+        return out
+
+    def costs_of(self, load: ReplicaLoad) -> _Costs:
+        """The per-unit costs used for ``load``'s replica (its measured ones where present)."""
+        measured = load.costs
+        if measured is None:
+            return self._default_costs
+        cached = self._measured_to_costs.get(id(measured))
+        if cached is not None and cached[0] is measured:
+            return cached[1]
+        default = self._default_costs
+        costs = _Costs(*(default[i] if getattr(measured, name) is None else getattr(measured, name)
+                         for i, name in enumerate(_Costs._fields[:5])), measured.host_page_ms)
+        if len(self._measured_to_costs) > 4096:
+            self._measured_to_costs.clear()
+        self._measured_to_costs[id(measured)] = (measured, costs)
+        return costs
 
     def _estimate_all(self, eligible: list, holder: "_Scored", page_keys: Sequence[PageKey], num_prompt_tokens: int,
                       now: float) -> list:
@@ -284,14 +358,20 @@ class PrefixAwarePolicy:
             copy_ready_s = (self._key_to_ready_s.get((holder.replica_id, page_keys[copy_from - 1]), now) - now
                             ) * _READY_MARGIN
         busy_until = self._replica_id_to_busy_until
-        step_ms, decode_row_ms = config.step_ms, config.decode_row_ms
         prompt_pages = -(-num_prompt_tokens // config.page_size)
-        reused_to_work: dict[tuple[int, int], tuple[float, int]] = {(0, 0): self._work_ms(0, 0, num_prompt_tokens)}
-        # an evicted page is priced as this prompt's pages cost on average to recompute (the attention term makes deep
-        # pages of long prompts dearer than the weights alone)
-        eviction_page_ms = config.eviction_weight * reused_to_work[(0, 0)][0] / max(prompt_pages, 1)
+        reused_to_work: dict[tuple, tuple[float, int]] = {}
         estimates = []
         for s in eligible:
+            costs = self.costs_of(s.load_report)
+            step_ms, decode_row_ms = costs.step_ms, costs.decode_row_ms
+            cold = reused_to_work.get((costs, 0, 0))
+            if cold is None:
+                cold = reused_to_work[(costs, 0, 0)] = self._work_ms(0, 0, num_prompt_tokens, costs)
+            # an evicted page is priced as this prompt's pages cost on average to recompute (the attention term makes
+            # deep pages of long prompts dearer than the weights alone), or as fetching it back from a shared tier
+            eviction_page_ms = config.eviction_weight * cold[0] / max(prompt_pages, 1)
+            if costs.host_page_ms is not None and costs.host_page_ms < eviction_page_ms:
+                eviction_page_ms = config.eviction_weight * costs.host_page_ms
             # the forecast of queued work only counts while the replica has requests: one with none is idle now,
             # however long the model expected its last requests to take (it has no other feedback that they ended)
             wait_s = busy_until.get(s.replica_id, now) - now if s.load else 0.0
@@ -302,9 +382,10 @@ class PrefixAwarePolicy:
                 # no copy: too few pages, or the holder is still computing them when this replica would start (a
                 # replica copies what its peer holds at admission and computes the rest)
                 copied = 0
-            work = reused_to_work.get((s.matched, copied))
+            work = reused_to_work.get((costs, s.matched, copied))
             if work is None:
-                work = reused_to_work[(s.matched, copied)] = self._work_ms(s.matched, copied, num_prompt_tokens)
+                work = reused_to_work[(costs, s.matched, copied)] = self._work_ms(s.matched, copied, num_prompt_tokens,
+                                                                                  costs)
             work_ms, num_steps = work
             busy_ms = work_ms + num_steps * (step_ms + s.load * decode_row_ms)
             ttft_ms = wait_s * 1000.0 + busy_ms
@@ -318,15 +399,17 @@ class PrefixAwarePolicy:
             estimates.append((ttft_ms, busy_ms, work_ms, scored_ms))
         return estimates
 
-    def _work_ms(self, matched: int, copied: int, num_prompt_tokens: int) -> tuple[float, int]:
+    def _work_ms(self, matched: int, copied: int, num_prompt_tokens: int, costs: _Costs | None = None
+                 ) -> tuple[float, int]:
         """(copy and compute work, engine steps) of a prompt with ``matched`` pages local and ``copied`` copied."""
         config = self.config
+        costs = costs or self._default_costs
         reused_tokens = min((matched + copied) * config.page_size, max(num_prompt_tokens - 1, 0))
         computed = max(num_prompt_tokens - reused_tokens, 1)
         work_ms = (
-            copied * config.peer_copy_page_ms
-            + computed * config.prefill_token_ms
-            + config.attention_pair_us / 1000.0 * computed * (reused_tokens + computed / 2)
+            copied * costs.peer_copy_page_ms
+            + computed * costs.prefill_token_ms
+            + costs.attention_pair_us / 1000.0 * computed * (reused_tokens + computed / 2)
         )
         return work_ms, -(-computed // config.max_num_batched_tokens)
 

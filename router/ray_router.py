@@ -17,6 +17,10 @@ Ray Serve 2.60 facts this relies on (read from ray/serve/_private/request_router
 - Replica ids are ``RunningReplica.replica_id.unique_id``; inside a replica the same string is
   ``serve.get_replica_context().replica_id.unique_id``; a replica reaches the peer named by ``peer_hint`` through its
   own deployment's handle (a request carrying ``target_replica`` is routed to exactly that replica).
+- ``pending_request.args`` holds the ``EngineRequest`` (``generate(request)``), so its ``prompt_token_ids`` give the
+  prompt length the cost model needs (``num_prompt_tokens_of``); requests without one fall back to the full pages.
+- Every decision is also added to this process's ``router.decision_metrics.DECISIONS`` (chosen replica, reason),
+  which the ingress exports on ``/metrics`` as ``prefixserve_router_decisions_total``.
 - ``on_request_completed(replica_id, internal_request_id)`` fires when a sent request finishes, fails or is rejected;
   with the pending request's future (cancelled, or resolved to the replica actually used) it keeps the policy's
   in-flight counts exact.
@@ -37,10 +41,11 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from common.page_keys import PageKey
+from router import decision_metrics
 from router.index import PrefixIndex
 from router import replication
 from router.policy import PolicyConfig, PrefixAwarePolicy, RoutingDecision
-from common.routing_stats import ReplicaLoad, RoutingStatsError, parse_routing_stats
+from common.routing_stats import ReplicaLoad, ReplicaReport, RoutingStatsError, parse_routing_stats
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +104,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         page_keys = page_keys_of(pending_request)
         loads = [self._load_of(r) for r in candidate_replicas]
         self._observe_hot_prefix(pending_request, page_keys, loads)
-        decision = self.policy.choose(page_keys, loads)
+        decision = self.policy.choose(page_keys, loads, num_prompt_tokens=num_prompt_tokens_of(pending_request))
+        decision_metrics.DECISIONS.add(self._deployment_name(), decision.replica_id, decision.reason.value)
         if pending_request is not None:
             set_peer_hint(pending_request, hint_for_request(decision))
             self._count_inflight(pending_request, decision.replica_id)
@@ -139,6 +145,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         return replication.planner_for(deployment_id.app_name, deployment_id.name)
 
     # ---- internals -------------------------------------------------------------------------------------------------
+    def _deployment_name(self) -> str:
+        deployment_id = getattr(self, "_deployment_id", None)
+        return getattr(deployment_id, "name", "") or ""
+
     def _configure(self, config: PolicyConfig) -> None:
         self.index = PrefixIndex()
         self.policy = PrefixAwarePolicy(self.index, config)
@@ -163,6 +173,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if report.replica_id != replica_id:
             logger.warning("replica %s reports itself as %r; indexing it as %s", replica_id, report.replica_id,
                            replica_id)
+        apply_residency(self.index, replica_id, report)  # before the events: they count as touched at this report
         self.index.sync(replica_id, epoch=report.epoch, events=report.events, snapshot=report.snapshot)
         self._replica_id_to_load[replica_id] = dataclasses.replace(report.to_load(), replica_id=replica_id)
 
@@ -219,6 +230,25 @@ def engine_request_of(pending_request: Optional[PendingRequest]) -> tuple[str, A
         if hasattr(arg, "page_keys"):
             return ("kwargs", name, arg)
     return None
+
+
+def num_prompt_tokens_of(pending_request: Optional[PendingRequest]) -> int | None:
+    """The prompt length in tokens of the request object (``prompt_token_ids``), or None when it has none."""
+    found = engine_request_of(pending_request)
+    if found is None:
+        return None
+    token_ids = getattr(found[2], "prompt_token_ids", None)
+    return len(token_ids) if token_ids else None
+
+
+def apply_residency(index: PrefixIndex, replica_id: str, report: ReplicaReport) -> None:
+    """Feed the index what the report says about how long pages stay: evictions so far, the LRU queue (free pages
+    not held under a retention) and the retained pages (router/index.py "Residency ahead")."""
+    num_lru_pages = None
+    if report.num_evictions is not None:
+        num_lru_pages = report.num_pages_free - (report.num_pages_retained or 0)
+    index.note_residency(replica_id, epoch=report.epoch, num_evictions=report.num_evictions,
+                         num_lru_pages=num_lru_pages, retained=report.retained)
 
 
 def target_replica_of(pending_request: Optional[PendingRequest]) -> str | None:

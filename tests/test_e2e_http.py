@@ -275,6 +275,21 @@ def test_metrics(http):
     assert metric_sum(text, "prefixserve_cached_prompt_tokens_total") > 0
 
 
+def test_router_decisions_by_reason_in_metrics(client, http):
+    """The prefix-aware router in the ingress process counts its decisions by replica and reason on /metrics, and a
+    repeated prompt is counted as a prefix hit on the replica that served it (the metrics cache lasts 1 s)."""
+    prompt = code_prompt("router-decisions")
+    complete(client, prompt)
+    time.sleep(ROUTING_SETTLE_S)
+    _, replica = complete(client, prompt)
+    time.sleep(1.1)
+    decisions = metric_values(http.get("/metrics").text, "prefixserve_router_decisions_total")
+    assert decisions.get(f'{{reason="prefix_hit",replica="{replica}"}}', 0) >= 1
+    assert sum(value for labels, value in decisions.items() if 'reason="no_match"' in labels) >= 1
+    assert {labels.split('reason="')[1].split('"')[0] for labels in decisions} == {
+        "prefix_hit", "cost_away", "balanced_away", "no_match"}
+
+
 def test_reset_prefix_cache_reaches_every_replica(client, http):
     prompt = code_prompt("reset")
     complete(client, prompt)

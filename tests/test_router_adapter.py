@@ -207,3 +207,45 @@ def test_router_config_and_actor_name():
     assert config.request_routing_stats_period_s == 0.5
     with pytest.raises(ValueError, match="balance_rel_threshold"):
         router_config(balance_rel_threshold=0.1)
+
+
+# ---- issue 12 / 13: prompt length, measured costs, retained pages, decisions on /metrics ------------------------------
+def test_prompt_length_costs_and_retention_reach_the_policy_and_decisions_reach_metrics():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from cluster.metrics import RouterDecisionsCollector
+    from common.routing_stats import MeasuredCosts, RetainedPages
+    from router import decision_metrics
+    from router.ray_router import num_prompt_tokens_of
+
+    async def scenario():
+        router = make_router()
+        a, b = StandInReplica("a"), StandInReplica("b")
+        a.store(PROMPT)
+        stats = engine_stats("a")
+        a.routing_stats = a.log.stats_payload(stats, lambda: a.cached, costs=MeasuredCosts(prefill_token_ms=0.2),
+                                              retained=[RetainedPages(30, None, tuple(PROMPT[:2]))])
+        b.publish()
+        router.update_replicas([a, b])
+        load = router._load_of(a)
+        assert load.costs == MeasuredCosts(prefill_token_ms=0.2)
+        assert router.index.is_retained("a", PROMPT[0], 1e12) and not router.index.is_retained("a", PROMPT[2], 0.0)
+        request = EngineRequest("r1", list(range(700)), page_keys=PROMPT)
+        assert num_prompt_tokens_of(pending(request, "i0")) == 700
+        seen = {}
+        choose = router.policy.choose
+        router.policy.choose = lambda *args, **kwargs: seen.update(kwargs) or choose(*args, **kwargs)
+        before = decision_metrics.DECISIONS.snapshot()
+        tiers = await router.choose_replicas([a, b], pending(request, "i1"))
+        assert ids(tiers)[0] == ["a"] and seen["num_prompt_tokens"] == 700
+        after = decision_metrics.DECISIONS.snapshot()
+        grown = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        assert grown == {("engine", "a", "prefix_hit"): 1}
+        registry = CollectorRegistry()
+        registry.register(RouterDecisionsCollector())
+        text = generate_latest(registry).decode()
+        assert f'prefixserve_router_decisions_total{{reason="prefix_hit",replica="a"}} {float(after[("engine", "a", "prefix_hit")])}' \
+            in text
+        assert 'prefixserve_router_decisions_total{reason="cost_away",replica="a"}' in text  # every reason exported
+
+    run(scenario)

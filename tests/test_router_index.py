@@ -172,3 +172,77 @@ def test_replicas_joining_and_leaving():
         index.remove_replica(replica_id)
     index.check_integrity()
     assert index.longest_prefix([K0]) == {}
+
+
+# ---- residency ahead: retained pages stay, the others age by the replica's LRU horizon ---------------------------------
+import math  # noqa: E402
+
+from common.routing_stats import RetainedPages  # noqa: E402
+
+
+class FakeClock:
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def churning_index(clock: FakeClock) -> PrefixIndex:
+    """The docstring's example: a has evicted 9_600 pages when it stores k0 k1, then 10_000 one second later, with
+    400 pages in its LRU queue (alpha 1: the rate is the last period's, 400/s)."""
+    index = PrefixIndex(clock=clock)
+    clock.now = 9.0
+    index.note_residency("a", num_evictions=9_600, num_lru_pages=400)
+    index.apply_events("a", [PagesStored(1, (K0, K1))])
+    clock.now = 10.0
+    index.note_residency("a", num_evictions=10_000, num_lru_pages=400, alpha=1.0)
+    return index
+
+
+def test_pages_age_by_the_evictions_since_their_touch_and_only_the_wait_is_extrapolated():
+    clock = FakeClock()
+    index = churning_index(clock)
+    assert index.eviction_rate("a") == 400.0
+    assert index.expected_resident("a", [K0, K1], 2) == 2  # 400 evicted since the touch: not more than the queue
+    assert index.expected_resident("a", [K0, K1], 2, wait_s=0.01) == 0  # 4 more by the admission: gone
+    # idle for an hour: no report changes, nothing ages (no wait on an idle replica)
+    clock.now = 3600.0
+    assert index.expected_resident("a", [K0, K1], 2) == 2
+    # a request routed there touches the pages: fresh again
+    index.expect_keys("a", [K0, K1])
+    assert index.expected_resident("a", [K0, K1], 2, wait_s=0.5) == 2
+    assert index.expected_resident("a", [K0, K1], 2, wait_s=1.01) == 0
+
+
+def test_retained_pages_stay_until_their_retention_ends_and_the_others_age():
+    clock = FakeClock()
+    index = churning_index(clock)
+    index.note_residency("a", wall_now=1000.0, retained=[RetainedPages(100, 1000.0 + 10.0, (K0,))])  # until 20
+    # admitted in 1 s (at 11): k0 retained until 20 stays; k1 is past the 400 pages of the queue
+    assert index.expected_resident("a", [K0, K1], 2, wait_s=1.0) == 1
+    assert index.is_retained("a", K0, 11.0) and not index.is_retained("a", K1, 11.0)
+    # admitted after the retention ends: k0 ages like any page
+    assert index.expected_resident("a", [K0, K1], 2, wait_s=11.0) == 0
+
+
+def test_without_reports_nothing_ages_and_a_new_epoch_forgets_retention():
+    clock = FakeClock()
+    index = PrefixIndex(clock=clock)
+    index.sync("a", epoch="e1", events=[PagesStored(1, (K0, K1))])
+    assert index.expected_resident("a", [K0, K1], 2, wait_s=1e6) == 2
+    index.note_residency("a", num_evictions=0, num_lru_pages=10, retained=[RetainedPages(5, None, (K0,))])
+    assert index.is_retained("a", K0, 2e6)  # pinned: no expiry
+    index.sync("a", epoch="e2")
+    assert not index.is_retained("a", K0, 0.0) and index.eviction_rate("a") == 0.0
+
+
+def test_a_residency_report_of_a_new_epoch_drops_the_old_lifetime_first():
+    index = PrefixIndex(clock=FakeClock())
+    index.sync("a", epoch="e1", events=[PagesStored(1, (K0,))])
+    index.note_residency("a", epoch="e1", num_evictions=50, num_lru_pages=10, retained=[RetainedPages(5, None, (K0,))])
+    assert index.holds("a", K0) and index.is_retained("a", K0, 0.0)
+    index.note_residency("a", epoch="e2", num_evictions=3, num_lru_pages=10, retained=[])
+    assert not index.holds("a", K0) and index.needs_snapshot("a")
+    index.sync("a", epoch="e2", events=[PagesStored(1, (K1,))])  # the same epoch: kept
+    assert index.holds("a", K1) and index.expected_resident("a", [K1], 1) == 1

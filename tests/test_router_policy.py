@@ -341,3 +341,97 @@ def test_pinned_request_names_the_replica_holding_more_and_is_expected_on_its_ta
     # each target is expected to hold the whole prompt from then on
     assert policy.index.longest_prefix(PROMPT) == {"a": 4, "b": 4, "c": 4}
     assert policy.hint_for_pinned([key("new")], "b") is None
+
+
+# ---- measured costs, residency ahead, decisions by replica (issue 12) --------------------------------------------------
+from common.routing_stats import MeasuredCosts, RetainedPages  # noqa: E402
+
+
+def test_measured_costs_replace_the_defaults_for_their_replica_only():
+    policy = make_policy()
+    fast = MeasuredCosts(step_ms=4.0, prefill_token_ms=0.1)  # the rest not measured: defaults
+    b, c = ReplicaLoad("b", 1, costs=fast), ReplicaLoad("c", 1)
+    decision = policy.choose(PROMPT, [c, b], now=0.0)
+    # 512 new tokens in one step at load 1: the measured step and token costs, the default attention and decode row
+    assert decision.replica_id == "b"
+    assert decision.estimated_ttft_ms == pytest.approx(512 * 0.1 + 0.35e-3 * 512 * 256 + 4.0 + 1 * 6.0)
+    assert policy.costs_of(c) == policy.costs_of(ReplicaLoad("x"))  # no report: PolicyConfig's numbers
+    assert policy.costs_of(b).prefill_token_ms == 0.1 and policy.costs_of(b).peer_copy_page_ms == 3.5
+
+
+def test_the_measured_peer_copy_cost_decides_between_copying_and_waiting():
+    def route(peer_copy_page_ms: float) -> RoutingDecision:
+        policy = make_policy()
+        long_prompt = [key(f"l{n}") for n in range(16)]
+        policy.index.apply_events("a", [PagesStored(1, tuple(long_prompt))])
+        for number in range(2):  # queue two long new prompts on a (its cache is the only one that is not empty)
+            policy.index.expect_keys("b", [key("b-filler")])
+            policy.choose([key(f"n{number}-{page}") for page in range(16)], [ReplicaLoad("a", 0), ReplicaLoad("b", 9)],
+                          now=0.0, num_prompt_tokens=16 * 128)
+        receiver = ReplicaLoad("b", 2, costs=MeasuredCosts(peer_copy_page_ms=peer_copy_page_ms))
+        return policy.choose(long_prompt + [key("tail")], [ReplicaLoad("a", 2), receiver], now=0.0,
+                             num_prompt_tokens=17 * 128)
+
+    cheap, dear = route(0.5), route(400.0)
+    assert (cheap.replica_id, cheap.reason, cheap.peer_hint) == ("b", RoutingReason.COST_AWAY, "a")
+    assert (dear.replica_id, dear.reason) == ("a", RoutingReason.PREFIX_HIT)
+
+
+def test_a_measured_host_tier_caps_the_price_of_an_eviction():
+    def route(host_page_ms: float | None) -> str:
+        policy = make_policy()
+        policy.index.apply_events("full", [PagesStored(1, tuple(key(f"f{n}") for n in range(100)))])
+        full = ReplicaLoad("full", 0, 100, 100, costs=MeasuredCosts(host_page_ms=host_page_ms))
+        busy = ReplicaLoad("busy", 2, 100, 100)
+        return policy.choose([key("new")] * 4, [full, busy], now=0.0).replica_id
+
+    assert route(None) == "busy"  # recomputing 4 evicted pages later costs more than two decode rows now
+    assert route(0.01) == "full"  # the shared tier gives them back for next to nothing
+
+
+def churn(policy: PrefixAwarePolicy, clock, replica_id: str) -> None:
+    """``replica_id`` evicted 1000 pages in the last second out of an LRU queue of 100 pages since it stored PROMPT."""
+    index = policy.index
+    index.note_residency(replica_id, num_evictions=1000, num_lru_pages=100, alpha=1.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_retained_prefix_stays_a_hit_on_a_churning_replica_and_an_unretained_one_does_not():
+    def route(retained: bool, cost_model: bool = True) -> RoutingDecision:
+        clock = Clock()
+        index = PrefixIndex(clock=clock)
+        index.note_residency("a", num_evictions=0, num_lru_pages=100)
+        index.apply_events("a", [PagesStored(1, tuple(PROMPT))])
+        policy = PrefixAwarePolicy(index, PolicyConfig(enable_cost_model=cost_model, enable_residency_aging=True))
+        clock.now += 1.0
+        churn(policy, clock, "a")  # 1000 pages evicted since the prompt was stored, past the queue of 100
+        if retained:  # the replica reports the prompt's pages retained for another 60 s
+            index.note_residency("a", retained=[RetainedPages(50, 2000.0 + 60.0, tuple(PROMPT))], wall_now=2000.0)
+        return policy.choose(PROMPT, loads(a=1, b=0), now=clock.now)
+
+    kept, aged = route(retained=True), route(retained=False)
+    assert (kept.replica_id, kept.reason, kept.matched_pages) == ("a", RoutingReason.PREFIX_HIT, 4)
+    assert (aged.replica_id, aged.reason, aged.peer_hint) == ("b", RoutingReason.NO_MATCH, None)
+    # pure affinity believes the index as it is, and so does the cost model without residency aging (the default)
+    assert route(retained=False, cost_model=False).reason is RoutingReason.PREFIX_HIT
+    index = PrefixIndex()
+    index.apply_events("a", [PagesStored(1, tuple(PROMPT))])
+    index.note_residency("a", num_evictions=0, num_lru_pages=1)
+    index.note_residency("a", num_evictions=10**6, num_lru_pages=1)
+    assert PrefixAwarePolicy(index).choose(PROMPT, loads(a=1, b=0), now=0.0).reason is RoutingReason.PREFIX_HIT
+
+
+def test_decisions_are_counted_by_replica_and_reason():
+    policy = make_policy(a=4)
+    policy.choose(PROMPT, loads(a=0, b=0), now=0.0)
+    policy.choose([key("x")], loads(a=0, b=0), now=0.0)
+    counts = policy.num_decisions_by_replica_reason
+    assert sum(counts.values()) == 2 and counts[("a", RoutingReason.PREFIX_HIT)] == 1
+    assert sum(policy.num_decisions_by_reason.values()) == 2

@@ -80,7 +80,8 @@ def test_tiny_comparison_reaches_the_ideal_and_beats_round_robin():
 
 @pytest.mark.parametrize("workload", ["llmd-prefix", "zipf", "multi-turn"])
 def test_every_workload_runs_with_every_router_kind(workload):
-    for router in ("prefixserve", "sglang-cache-aware", "llmd-scorers", "ray-prefix", "dynamo-cost", "pow2"):
+    for router in ("prefixserve", "prefixserve-measured", "sglang-cache-aware", "llmd-scorers", "ray-prefix",
+                   "dynamo-cost", "pow2"):
         result = simulate(workload, router, 2, scale=0.02)
         assert result.num_rejected == 0
         assert 0.0 <= result.hit_rate <= result.ideal_hit_rate + 1e-9
@@ -95,3 +96,23 @@ def test_cli_compare_and_scale(tmp_path, capsys):
     assert "## zipf, DP=2" in table and "| prefixserve |" in table and "| round-robin |" in table
     assert main(["scale", "--replicas", "8", "--pages", "2048", "--decisions", "200"]) == 0
     assert "decision wall time" in capsys.readouterr().out
+
+
+def test_simulated_replicas_measure_their_costs_and_the_measured_router_reads_them():
+    from benchmarks.router_sim.costs import COST_MODELS
+
+    slow = COST_MODELS["slow-compute"]
+    from benchmarks.router_sim.workloads import WORKLOADS
+
+    simulation = Simulation(WORKLOADS["sglang-gsp"](2, slow, scale=4 / 64), "prefixserve-measured", 2, slow)
+    simulation.run()
+    replica = simulation.replicas[0]
+    measured = replica.measured_costs()
+    # prefill steps are priced exactly by the step model: the fit finds the true step, token and attention costs
+    # (the decode row absorbs the context term at this workload's contexts)
+    assert (measured.step_ms, measured.prefill_token_ms, measured.attention_pair_us) == pytest.approx(
+        (slow.step_ms, slow.prefill_token_ms, slow.attention_pair_us), rel=0.1)
+    assert measured.decode_row_ms > slow.decode_row_ms
+    load = simulation.view.loads[0]
+    assert load.costs is not None and simulation.router.policy.costs_of(load).prefill_token_ms == pytest.approx(
+        measured.prefill_token_ms, rel=0.05)

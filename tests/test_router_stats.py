@@ -233,3 +233,115 @@ def test_parse_rejects_other_formats_and_broken_payloads():
 def test_event_log_settings_are_validated():
     with pytest.raises(ValueError, match="must be >= 1"):
         ReplicaEventLog("r1", num_payloads_retained=0)
+
+
+# ---- measured costs and retained pages (issue 12) --------------------------------------------------------------------
+from common.routing_stats import MeasuredCosts, RetainedPages  # noqa: E402
+
+
+def test_costs_and_retained_pages_round_trip_and_older_payloads_still_parse():
+    costs = MeasuredCosts(step_ms=12.5, prefill_token_ms=0.3, peer_copy_page_ms=2.25)
+    retained = [RetainedPages(100, None, (key("s0"), key("s1"))), RetainedPages(20, 1_700_000_060.0, (key("t0"),))]
+    payload = make_routing_stats("r1", engine_stats(), [PagesStored(1, (key("s0"),))], None, costs=costs,
+                                 retained=retained)
+    for wire in (msgpack.unpackb(msgpack.packb(payload, use_bin_type=True), raw=False), pickle.loads(
+            pickle.dumps(payload))):
+        report = parse_routing_stats(wire)
+        assert report.costs == costs and report.to_load().costs == costs
+        assert report.retained == tuple(retained)
+        assert (report.num_evictions, report.num_pages_retained) == (0, None)
+    assert payload["costs"] == {"step_ms": 12.5, "prefill_token_ms": 0.3, "peer_copy_page_ms": 2.25}
+    # a payload of an older replica: no costs, no retention, no evictions
+    old = make_routing_stats("r1", engine_stats(), [], None)
+    del old["load"]["num_evictions"]
+    report = parse_routing_stats(old)
+    assert (report.costs, report.retained, report.num_evictions, report.to_load().costs) == (None, None, None, None)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_cost_that_is_not_a_measurement_is_refused(bad):
+    payload = make_routing_stats("r1", engine_stats(), [], None)
+    payload["costs"] = {"prefill_token_ms": bad}
+    with pytest.raises(RoutingStatsError, match="prefill_token_ms"):
+        parse_routing_stats(payload)
+
+
+def test_idle_replica_payloads_stop_changing_with_costs_and_retention():
+    replica = FakeReplica()
+    replica.store("a0")
+    costs = MeasuredCosts(step_ms=10.0)
+    retained = [RetainedPages(50, 1_700_000_000.0, (key("a0"),))]
+    payloads = [replica.log.stats_payload(engine_stats(), replica._snapshot_keys, costs=costs, retained=retained)
+                for _ in range(3)]
+    assert payloads[1] == payloads[2]
+
+
+def test_step_cost_fit_recovers_the_step_model_and_keeps_the_prior_for_what_it_cannot_tell_apart():
+    from replica.cost_meter import DEFAULT_STEP_COSTS, StepCostFit
+
+    truth = (20.0, 0.25, 0.5, 3.0)  # step_ms, prefill_token_ms, attention_pair_us, decode_row_ms
+    fit = StepCostFit(decay=1.0, prior_steps=1e-6)
+    for prefill, context, rows in [(0, 0, 1), (0, 0, 4), (512, 0, 0), (256, 512, 2), (1024, 1024, 1), (64, 2048, 8),
+                                   (128, 128, 3)]:
+        pairs = prefill * (context + prefill / 2)
+        milliseconds = truth[0] + truth[1] * prefill + truth[2] * 1e-3 * pairs + truth[3] * rows
+        fit.observe(milliseconds / 1000.0, prefill, pairs, rows)
+    assert fit.coefficients() == pytest.approx(truth, rel=1e-3)
+    # decode steps only: the step and row costs are measured, prefill and attention stay at the defaults
+    decodes = StepCostFit(decay=1.0)
+    for rows in (1, 2, 4, 8) * 50:
+        decodes.observe((truth[0] + truth[3] * rows) / 1000.0, 0, 0.0, rows)
+    step_ms, prefill_ms, pair_us, row_ms = decodes.coefficients()
+    assert (step_ms, row_ms) == pytest.approx((truth[0], truth[3]), rel=0.01)
+    assert (prefill_ms, pair_us) == pytest.approx(DEFAULT_STEP_COSTS[1:3], rel=1e-3)
+
+
+def test_source_meter_is_an_ewma_of_seconds_per_page_between_periods():
+    from common.types import CacheSource, SourceStats
+    from replica.cost_meter import ReplicaCostMeter
+
+    meter = ReplicaCostMeter(min_steps=2)
+    assert meter.costs() is None
+    stats = {CacheSource.PEER: SourceStats(pages=10, seconds=0.04), CacheSource.HOST: SourceStats()}
+    meter.observe_sources(stats)  # 4 ms per page
+    stats[CacheSource.PEER] = SourceStats(pages=20, seconds=0.04 + 0.02)  # 2 ms per page over the period
+    meter.observe_sources(stats)
+    meter.observe_sources(stats)  # nothing new: unchanged
+    costs = meter.costs()
+    assert costs.peer_copy_page_ms == pytest.approx(4.0 + 0.3 * (2.0 - 4.0))
+    assert (costs.host_page_ms, costs.disk_page_ms, costs.step_ms) == (None, None, None)  # never used, no steps
+
+
+def test_engine_steps_feed_the_meter_and_retained_keys_reach_the_payload():
+    """A real engine (tiny random Llama): its step observer sees every step, and the KV manager lists the pages of a
+    retained prompt with their priority and TTL."""
+    from common.types import EngineRequest, Retention, SamplingParams
+    from replica.cost_meter import ReplicaCostMeter, retained_groups
+    from tests.engine_utils import TinyModel
+
+    engine = TinyModel("llama").engine(page_size=128, enforce_eager=True)
+    meter = ReplicaCostMeter(min_steps=1)
+    seen = []
+    engine.step_observer = lambda seconds, chunks: (seen.append(len(chunks)), meter.observe_step(seconds, chunks))
+    prompt = list(range(1, 300))
+    engine.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                                     retention=Retention(priority=40, ttl_s=60.0)))
+    while engine.has_work():
+        engine.step()
+    assert len(seen) == 3 and meter.costs().step_ms is not None
+    retained = engine.kv.retained_keys()
+    assert [priority for _, priority, _ in retained] == [40, 40] and all(55 < left <= 60 for _, _, left in retained)
+    same_left = [(key, priority, 59.5) for key, priority, _ in retained]
+    [group] = retained_groups(same_left, now_wall=1000.2)  # 1059.7, rounded up to the second
+    assert (group.priority, group.expires_at, set(group.keys)) == (40, 1060.0, set(engine.page_keys(prompt)))
+
+
+def test_a_stall_is_left_out_of_the_step_fit():
+    from replica.cost_meter import StepCostFit
+
+    fit = StepCostFit(decay=1.0)
+    for rows in (1, 2, 4, 8) * 10:
+        fit.observe((20.0 + 3.0 * rows) / 1000.0, 0, 0.0, rows)
+    fit.observe(2.0, 0, 0.0, 1)  # a 2 s compile
+    assert fit.num_outliers == 1
+    assert fit.coefficients()[0] == pytest.approx(20.0, rel=0.01)

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.router_sim.costs import CostModel
+from benchmarks.router_sim.costs import COST_MODELS, CostModel
 from benchmarks.router_sim.routers import ROUTERS
 from benchmarks.router_sim.sim import simulate
 from benchmarks.router_sim.workloads import WORKLOADS
@@ -31,7 +31,7 @@ def cpu_model() -> str:
 
 
 def compare(args: argparse.Namespace) -> int:
-    cost = CostModel()
+    cost = COST_MODELS[args.cost_model]
     rows = []
     began = time.perf_counter()
     for workload in args.workloads.split(","):
@@ -56,7 +56,7 @@ def render(rows: list, args: argparse.Namespace, cost: CostModel, wall_s: float)
         "# Router simulation: our policy and index against the published routing rules",
         "",
         f"Command: `python -m benchmarks.router_sim compare --workloads {args.workloads} --dp {args.dp} "
-        f"--routers {args.routers} --scale {args.scale} --seed {args.seed}`",
+        f"--routers {args.routers} --scale {args.scale} --seed {args.seed} --cost-model {args.cost_model}`",
         f"Machine: {cpu_model()}; Python {platform.python_version()}; {wall_s:.0f} s in all.",
         f"Cost model (benchmarks/router_sim/costs.py): {cost}",
         "",
@@ -124,6 +124,8 @@ def main(argv: list | None = None) -> int:
     one.add_argument("--dp", default="4,16,64")
     one.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's published size")
     one.add_argument("--seed", type=int, default=0)
+    one.add_argument("--cost-model", default="calibrated", choices=sorted(COST_MODELS),
+                     help="the simulated replicas' true costs (benchmarks/router_sim/costs.py COST_MODELS)")
     one.add_argument("--out", default="", help="write OUT.md and OUT.json")
     one.set_defaults(func=compare)
     two = sub.add_parser("scale", help="decision cost, index memory and event rate at 64 replicas / 1M pages")

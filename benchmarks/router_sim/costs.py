@@ -63,3 +63,15 @@ class CostModel:
             "peer_copy_page_ms": self.peer_copy_page_ms,
             "max_num_batched_tokens": self.max_num_batched_tokens,
         }
+
+
+COST_MODELS = {
+    "calibrated": CostModel(),
+    "dear-copy": CostModel(peer_copy_page_ms=35.0),
+    "slow-compute": CostModel(step_ms=48.0, prefill_token_ms=1.25, attention_pair_us=1.05, decode_row_ms=12.0,
+                              decode_context_us=6.0),
+}
+"""``calibrated``: the engine's measured numbers above (PolicyConfig's defaults are these). The other two are
+hypothetical deployments where the defaults are wrong, to show what measuring buys: ``dear-copy`` copies a page 10x
+slower (35 ms: e.g. peers on other nodes through the object store); ``slow-compute`` computes 3x slower (a smaller
+CPU share per replica) with the copy cost unchanged."""

@@ -14,7 +14,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from common.events import PagesRemoved, PagesStored
+from common.routing_stats import MeasuredCosts
 from benchmarks.router_sim.costs import CostModel
+from replica.cost_meter import StepCostFit
 
 
 class _Running:
@@ -55,6 +57,11 @@ class SimReplica:
         self.num_rejected = 0
         self.num_evicted = 0
         self.num_copied_pages = 0
+        self.step_fit = StepCostFit()
+        """What this replica measures of its own steps, as the real replica's cost meter does (replica/cost_meter.py)."""
+        self._decode_run = False
+        self.copy_ms_per_page: float | None = None
+        """EWMA of the copy time per page it saw (the real replica's source meter)."""
 
     # ---- what the router may read ----------------------------------------------------------------------------------
     @property
@@ -102,6 +109,7 @@ class SimReplica:
         budget -= num_decode
         prefill_ms = 0.0
         self._chunks = []
+        prefill_tokens, pairs = 0, 0.0
         for run in self.running:
             if budget <= 0:
                 break
@@ -110,6 +118,9 @@ class SimReplica:
                 prefill_ms += cost.prefill_chunk_ms(take, run.context)
                 self._chunks.append((run, take))
                 budget -= take
+                prefill_tokens += take
+                pairs += take * (run.context + take / 2)
+
         self.stepping = True
         self.slowdown = 1.0
         self.step_started = now
@@ -117,12 +128,27 @@ class SimReplica:
             # decode only: nothing changes until a request finishes or one arrives, so run the steps up to the next
             # finish as one event (an arrival cuts it at the step boundary after it: see cut_decode_run)
             self.num_decode_steps = min(run.request.out_len - run.generated for run in self.running)
+            self._decode_run = True
             self._decode_coefficients = (cost.step_ms + num_decode * cost.decode_row_ms,
                                          cost.decode_context_us * 1e-3, sum_context, num_decode)
             return self._decode_run_ms(self.num_decode_steps) / 1000.0
         self.num_decode_steps = 1
+        self._decode_run = False
         step_ms = cost.step_ms + cost.decode_ms(num_decode, sum_context) + prefill_ms + import_ms
+        # the real meter times forward + sampling only (copies happen before the step, on the fetch path)
+        self.step_fit.observe((step_ms - import_ms) / 1000.0, prefill_tokens, pairs, num_decode, sum_context)
         return step_ms / 1000.0
+
+    def measured_costs(self) -> MeasuredCosts | None:
+        """What a real replica would send in its routing stats: the step fit once 16 steps ran, the copy cost once it
+        copied. Decode runs count as one step each (their mean step)."""
+        values = {}
+        if self.step_fit.num_steps >= 16:
+            values.update(zip(("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms"),
+                              self.step_fit.coefficients()))
+        if self.copy_ms_per_page is not None:
+            values["peer_copy_page_ms"] = self.copy_ms_per_page
+        return MeasuredCosts(**values) if values else None
 
     def _decode_run_ms(self, num_steps: int) -> float:
         fixed, per_context, sum_context, num_rows = self._decode_coefficients
@@ -148,6 +174,12 @@ class SimReplica:
 
     def end_step(self, now: float, cluster) -> None:
         """Apply the step that just ended: decode tokens, finished prefills (first tokens), finished requests."""
+        if self._decode_run:
+            # a run of decode steps (possibly cut short): its mean step
+            num_steps = self.num_decode_steps
+            _, _, sum_context, num_rows = self._decode_coefficients
+            self.step_fit.observe(self._decode_run_ms(num_steps) / num_steps / 1000.0, 0, 0.0, num_rows,
+                                  sum_context + num_rows * (num_steps - 1) / 2)
         chunked = {id(run) for run, _ in self._chunks}
         finished = []
         num_steps = self.num_decode_steps
@@ -215,6 +247,9 @@ class SimReplica:
             if copied:
                 self._commit(run, keys[local:local + copied])
                 import_ms += copied * cost.peer_copy_page_ms
+                previous = self.copy_ms_per_page
+                self.copy_ms_per_page = cost.peer_copy_page_ms if previous is None else (
+                    previous + 0.3 * (cost.peer_copy_page_ms - previous))
                 request.cached_peer = copied * page_size
                 self.num_copied_pages += copied
                 run.prefill_left -= copied * page_size

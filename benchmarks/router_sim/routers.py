@@ -240,6 +240,27 @@ def make_router(name: str, view, cost: CostModel, seed: int = 0, policy_kwargs: 
         router = Ours(view, seed, **{**config, "enable_cost_model": False})
         router.name = name
         return router
+    if name == "prefixserve-measured":
+        # the router as deployed now: PolicyConfig's defaults (not the simulator's numbers) until the replicas' measured
+        # costs arrive, and the replicas' eviction reports for residency ahead
+        router = Ours(view, seed, page_size=cost.page_size, max_num_batched_tokens=cost.max_num_batched_tokens)
+        router.name = name
+        router.uses_measured_costs = True
+        router.uses_residency = True
+        return router
+    if name == "prefixserve-residency":
+        # prefixserve-measured with residency aging on (PolicyConfig.enable_residency_aging)
+        router = Ours(view, seed, page_size=cost.page_size, max_num_batched_tokens=cost.max_num_batched_tokens,
+                      enable_residency_aging=True)
+        router.name = name
+        router.uses_measured_costs = True
+        router.uses_residency = True
+        return router
+    if name == "prefixserve-defaults":
+        # the cost model with PolicyConfig's defaults only (what the router had before replicas measured anything)
+        router = Ours(view, seed, page_size=cost.page_size, max_num_batched_tokens=cost.max_num_batched_tokens)
+        router.name = name
+        return router
     if name == "prefixserve-nocopy":
         router = Ours(view, seed, **{**config, "enable_peer_hint": False})
         router.name = name

@@ -1,6 +1,9 @@
 """The event loop: arrivals are routed by a router (our policy or a baseline) at their arrival time; replicas run
 engine steps priced by the cost model; every ``stats_period_s`` each replica's new KV events and its load reach the
 router (``PrefixIndex.sync`` with the replica's events, as the Ray adapter does with each routing-stats payload).
+For a router that reads measured costs (``prefixserve-measured``) the loads also carry each replica's measured costs
+(a fit of its own simulated steps and its copy time per page, as replica/cost_meter.py measures them) and the index
+hears each replica's evictions and LRU queue (``note_residency``), as the Ray adapter does.
 
 Modeled TTFT = first-token time - arrival time: queueing for admission, copy time, chunked prefill steps shared with
 other requests' decodes and prefills.
@@ -26,13 +29,13 @@ _ARRIVAL, _STEP_END, _SYNC = 0, 1, 2
 class ClusterView:
     """What a router can see (see routers.py)."""
 
-    def __init__(self, replicas: list, page_size: int) -> None:
+    def __init__(self, replicas: list, page_size: int, clock=None) -> None:
         self.replicas = replicas
         self.num_replicas = len(replicas)
         self.replica_ids = [replica.replica_id for replica in replicas]
         self.number_of = {replica.replica_id: replica.number for replica in replicas}
         self.page_size = page_size
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(clock=clock) if clock is not None else PrefixIndex()
         for replica_id in self.replica_ids:
             self.index.add_replica(replica_id)
         self.loads = [ReplicaLoad(r.replica_id, 0, r.num_pages, r.num_pages) for r in replicas]
@@ -99,7 +102,7 @@ class Simulation:
         self.in_flight = 0
         self.held: list = []
         self.replicas = [SimReplica(n, f"replica-{n:02d}", workload.num_pages_per_replica, cost) for n in range(dp)]
-        self.view = ClusterView(self.replicas, cost.page_size)
+        self.view = ClusterView(self.replicas, cost.page_size, clock=lambda: self.now)
         self.router = make_router(router_name, self.view, cost, seed, policy_kwargs)
         self.heap: list = []
         self.counter = 0
@@ -200,14 +203,20 @@ class Simulation:
     def _sync(self) -> None:
         index = self.view.index
         loads = self.view.loads
+        measured = getattr(self.router, "uses_measured_costs", False)
+        residency = getattr(self.router, "uses_residency", False)
         for replica in self.replicas:
+            if residency:  # before the events, as the Ray adapter does
+                index.note_residency(replica.replica_id, num_evictions=replica.num_evicted,
+                                     num_lru_pages=replica.num_not_in_use)
             events = replica.drain_events()
             if events:
                 self.num_events += len(events)
                 if self.router.uses_index:
                     index.sync(replica.replica_id, epoch="sim", events=events)
             loads[replica.number] = ReplicaLoad(replica.replica_id, replica.num_requests, replica.num_not_in_use,
-                                                replica.num_pages)
+                                                replica.num_pages,
+                                                costs=replica.measured_costs() if measured else None)
 
     def _result(self, requests: list, wall_s: float) -> RunResult:
         page_size = self.cost.page_size
