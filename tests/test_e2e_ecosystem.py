@@ -342,14 +342,7 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(app, http, tm
                 show_progress=False))
             assert run.metrics.num_completed == 8
             time.sleep(3)
-        from tests.test_deploy_observability import PENDING_METRICS, pending_names
-
-        exported = set(scrape(http))
-        waiting_for_branch = {(title, expr) for title, expr in dashboard_queries() if pending_names(expr, exported)}
-        for title, expr in sorted(waiting_for_branch):  # TODO(H1, at merge): gone once the metric is exported
-            print(f"not checked until {pending_names(expr, exported)} is exported: {title} "
-                  f"({PENDING_METRICS[pending_names(expr, exported)[0]]})")
-        pending = set(dashboard_queries()) - waiting_for_branch
+        pending = set(dashboard_queries())
         deadline = time.monotonic() + 120  # Ray's metrics agents report every few seconds
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as prometheus:
             while pending and time.monotonic() < deadline:
