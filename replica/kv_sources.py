@@ -118,7 +118,8 @@ class PrefixFetcher:
             raw = await self.peer_client.fetch(peer_id, keys)
         except Exception as exc:  # noqa: BLE001 - a peer failure means "recompute", never a failed request
             stats.errors += 1
-            logger.warning("peer copy from %s failed (%s); falling back to the shared tiers", peer_id, exc)
+            logger.warning("peer copy from %s failed (%s: %s); falling back to the shared tiers", peer_id,
+                           type(exc).__name__, exc)
             return []
         pages = []
         for page, want_key, want_tokens in zip(raw, keys, token_ids_per_page):
