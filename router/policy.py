@@ -331,6 +331,20 @@ class PrefixAwarePolicy:
             out.append(s)
         return out
 
+    def comparable_costs(self, loads: Sequence[ReplicaLoad]) -> list[_Costs]:
+        """``costs_of`` each candidate, with every compute cost (step, prompt token, attention pair, decode row) that
+        not all of them measured set to the default for all of them: one replica's measurement against another's
+        default would favour whichever number is lower, not whichever replica is faster (a replica that has served
+        requests would attract every new prefix from one that has not measured yet). A peer copy is work only the
+        copying candidate does, so its measured cost per page stays its own."""
+        costs = [self.costs_of(load) for load in loads]
+        default = self._default_costs
+        unmeasured = [i for i, name in enumerate(_Costs._fields[:4])
+                      if any(load.costs is None or getattr(load.costs, name) is None for load in loads)]
+        if not unmeasured or all(c is default for c in costs):
+            return costs
+        return [c._replace(**{_Costs._fields[i]: default[i] for i in unmeasured}) for c in costs]
+
     def costs_of(self, load: ReplicaLoad) -> _Costs:
         """The per-unit costs used for ``load``'s replica (its measured ones where present)."""
         measured = load.costs
@@ -361,8 +375,7 @@ class PrefixAwarePolicy:
         prompt_pages = -(-num_prompt_tokens // config.page_size)
         reused_to_work: dict[tuple, tuple[float, int]] = {}
         estimates = []
-        for s in eligible:
-            costs = self.costs_of(s.load_report)
+        for s, costs in zip(eligible, self.comparable_costs([s.load_report for s in eligible])):
             step_ms, decode_row_ms = costs.step_ms, costs.decode_row_ms
             cold = reused_to_work.get((costs, 0, 0))
             if cold is None:

@@ -350,13 +350,28 @@ from common.routing_stats import MeasuredCosts, RetainedPages  # noqa: E402
 def test_measured_costs_replace_the_defaults_for_their_replica_only():
     policy = make_policy()
     fast = MeasuredCosts(step_ms=4.0, prefill_token_ms=0.1)  # the rest not measured: defaults
-    b, c = ReplicaLoad("b", 1, costs=fast), ReplicaLoad("c", 1)
+    slow = MeasuredCosts(step_ms=20.0, prefill_token_ms=0.5)
+    b, c = ReplicaLoad("b", 1, costs=fast), ReplicaLoad("c", 1, costs=slow)
     decision = policy.choose(PROMPT, [c, b], now=0.0)
     # 512 new tokens in one step at load 1: the measured step and token costs, the default attention and decode row
     assert decision.replica_id == "b"
     assert decision.estimated_ttft_ms == pytest.approx(512 * 0.1 + 0.35e-3 * 512 * 256 + 4.0 + 1 * 6.0)
-    assert policy.costs_of(c) == policy.costs_of(ReplicaLoad("x"))  # no report: PolicyConfig's numbers
+    assert policy.costs_of(ReplicaLoad("c", 1)) == policy.costs_of(ReplicaLoad("x"))  # no report: PolicyConfig's
     assert policy.costs_of(b).prefill_token_ms == 0.1 and policy.costs_of(b).peer_copy_page_ms == 3.5
+
+
+def test_a_compute_cost_not_every_candidate_measured_is_compared_at_the_default():
+    """One replica's measured step against another's default favours the lower number, not the faster replica: a
+    replica that has served requests would draw every new prefix from one that has not measured yet."""
+    policy = make_policy()
+    measured = ReplicaLoad("b", 1, costs=MeasuredCosts(step_ms=4.0, prefill_token_ms=0.1, peer_copy_page_ms=0.5))
+    unmeasured = ReplicaLoad("c", 1)
+    both = policy.comparable_costs([measured, unmeasured])
+    assert both[0] == both[1]._replace(peer_copy_page_ms=0.5)  # compute costs: the defaults for both
+    assert both[1] == policy.costs_of(unmeasured)
+    assert policy.comparable_costs([measured, ReplicaLoad("d", 1, costs=MeasuredCosts(step_ms=8.0,
+                                                                                         prefill_token_ms=0.2))]
+                                   )[0].prefill_token_ms == 0.1  # measured by both: each its own
 
 
 def test_the_measured_peer_copy_cost_decides_between_copying_and_waiting():
