@@ -7,6 +7,13 @@ one ATen flash-attention call per run per row plus a log-sum-exp merge in Python
 for long query blocks, and with the 1-16 query vectors of a decode row per kv head its bfloat16 path ran at about
 half its float32 speed here (benchmarks/decode_attention.py).
 
+``linear`` is the float32 linear layer of the compact model (``replica.llama``) for inputs of at most 16 rows: a
+decode batch or a short prompt. ATen's float32 GEMM (MKL) packs the weight matrix on every call, and with 2-16 rows
+that costs as much as the product; the kernel dots each block of weight rows, read from memory once, against every
+input row, and measured 0.4-0.7x ATen's time for 3-16 rows of the 512 x 8 tiny Llama's layers and 0.7-0.9x for 1-2
+(``benchmarks/forward_step.py --compare-linear``). Larger inputs and other dtypes go to ``at::linear`` inside the
+op, so one compiled graph serves every step. bfloat16 keeps inductor's frozen, packed oneDNN GEMMs.
+
 The library is compiled once per machine type (the build directory's name carries a digest of the source, the
 compiler flags and the CPU's flags, since ``-march=native`` code must not run on another CPU) and loaded with
 ``torch.ops.load_library``. When no compiler is available, or ``PREFIXSERVE_CPU_KERNELS=0``, ``available()`` is
@@ -26,7 +33,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "small_linear.cpp"))
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 """``-ffast-math`` lets the exp loops use glibc's vector exp; the kernel keeps every value finite (no infinities)."""
 _lock = threading.Lock()
@@ -45,7 +52,8 @@ def _cpu_flags() -> str:
 
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode()):
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS).encode(), _cpu_flags().encode(),
+                 torch.__version__.encode()):
         digest.update(part)
     return f"prefixserve_cpu_{digest.hexdigest()[:16]}"
 
@@ -61,8 +69,9 @@ def load() -> bool:
         try:
             from torch.utils.cpp_extension import load as build
 
-            build(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+            build(name=_build_name(), sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                   is_python_module=False, verbose=False)
+            torch.library.register_fake("prefixserve_cpu::linear")(_linear_shape)
             _state["ok"] = True
         except Exception as error:  # no compiler, no ninja, a build error: keep the ATen path
             lines = str(error).splitlines()
@@ -83,3 +92,13 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     ``vector_code=False`` runs the plain loops written for any head size (tests compare the two)."""
     torch.ops.prefixserve_cpu.decode_attention(query, k_cache, v_cache, segments, seg_rows, components, out, scale,
                                                vector_code)
+
+
+def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool = True) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernel: bool = True) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 2-D ``x``; float32 inputs of at most 16 rows are computed by the kernel in
+    ``csrc/small_linear.cpp`` (``use_kernel=False``: always ``at::linear``, for tests), everything else by ATen."""
+    return torch.ops.prefixserve_cpu.linear(x, weight, bias, use_kernel)

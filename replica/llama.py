@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import replica.attention_op  # noqa: F401  (registers torch.ops.prefixserve.paged_attention)
+from replica import cpu_kernels
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -124,6 +125,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _small_rows_kernel(weight: torch.Tensor) -> bool:
+    """Whether this model's linear layers go through ``cpu_kernels.linear`` (float32 on CPU, kernels built): ATen's
+    float32 GEMM packs the weight matrix on every call, which for the 2-16 rows of a decode batch or a short prompt
+    costs as much as the product (the kernel's source says more)."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and cpu_kernels.available()
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small_rows: bool) -> torch.Tensor:
+    if small_rows:  # at most 16 rows: the C++ kernel; more: at::linear, decided inside the op (one graph for all T)
+        return torch.ops.prefixserve_cpu.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, source: nn.Module, layer_idx: int, config, gemma: bool, rope_index: int) -> None:
         super().__init__()
@@ -153,13 +167,14 @@ class DecoderLayer(nn.Module):
         self.intermediate = mlp.gate_proj.out_features
         self.down_weight, self.down_bias = _frozen(mlp.down_proj.weight), _frozen(mlp.down_proj.bias)
         self.act_fn = mlp.act_fn
+        self.small_rows = _small_rows_kernel(self.o_weight)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = h.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         residual = h
         x = self.input_norm(h)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.small_rows)
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -170,18 +185,19 @@ class DecoderLayer(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         attn = torch.ops.prefixserve.paged_attention(q, k, v, self.layer_idx, self.scaling, self.sliding_window)
-        out = F.linear(attn.view(num_tokens, q_size), self.o_weight, self.o_bias)
+        out = _linear(attn.view(num_tokens, q_size), self.o_weight, self.o_bias, self.small_rows)
         if self.sandwich:
             h = residual + self.post_attention_norm(out)
             x = self.pre_feedforward_norm(h)
         else:
             h = residual + out
             x = self.post_attention_norm(h)
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-        mlp_out = F.linear(
+        gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, self.small_rows)
+        mlp_out = _linear(
             self.act_fn(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :],
             self.down_weight,
             self.down_bias,
+            self.small_rows,
         )
         if self.sandwich:
             mlp_out = self.post_feedforward_norm(mlp_out)
@@ -231,6 +247,7 @@ class CompactCausalLM(nn.Module):
         self.lm_head_bias = _frozen(getattr(lm_head, "bias", None))
         softcap = getattr(config, "final_logit_softcapping", None)
         self.final_logit_softcapping = float(softcap) if softcap else None
+        self.small_rows = _small_rows_kernel(self.lm_head_weight)
 
     def forward(self, ids_pos: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
         h = F.embedding(ids_pos[0], self.embed_weight)
@@ -248,7 +265,7 @@ class CompactCausalLM(nn.Module):
             cos, sin = rope[layer.rope_index]
             h = layer(h, cos, sin)
         h = self.norm(h.index_select(0, logits_index))  # row-wise: normalizing only the sampled rows is the same
-        logits = F.linear(h, self.lm_head_weight, self.lm_head_bias)
+        logits = _linear(h, self.lm_head_weight, self.lm_head_bias, self.small_rows)
         if self.final_logit_softcapping is not None:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits.float()

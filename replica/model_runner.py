@@ -166,9 +166,12 @@ class ModelRunner:
         else:
             self._compact = CompactCausalLM(model)
         self.startup_seconds = time.perf_counter() - start
-        logger.info("model runner: %s forward ready in %.1f s, decode attention by %s", self.backend,
-                    self.startup_seconds, "the C++ kernel" if self.decode_kernel else
-                    ("ATen's flash kernel" if self.device.type == "cpu" else "SDPA"))
+        compact = self._compiled.forward.module if self._compiled is not None else self._compact
+        logger.info("model runner: %s forward ready in %.1f s, decode attention by %s, linear layers by %s",
+                    self.backend, self.startup_seconds, "the C++ kernel" if self.decode_kernel else
+                    ("ATen's flash kernel" if self.device.type == "cpu" else "SDPA"),
+                    "the small-row C++ kernel up to 16 rows" if compact is not None and compact.small_rows else
+                    "ATen")
 
     @property
     def num_compiles(self) -> int:

@@ -1,0 +1,123 @@
+// float32 linear layers with few input rows (decode batches, short prompts): see replica/cpu_kernels.py.
+//
+// y[M, N] = x[M, K] . w[N, K]^T (+ bias), with w in its own [out, in] layout: nothing is packed or copied, so the
+// weights are stored once. For a handful of rows the product is bound by streaming the weights, and each weight row
+// is read from memory once: a block of 4 weight rows is dotted against up to 4 input rows at a time (4 x 4 running
+// sums of 16 floats, which stay in registers), then the sums are reduced; further input rows reuse the block from L1. MKL's sgemm packs the weight matrix on
+// every call when it is not the packed API, and with 2-16 rows that packing costs as much as the product.
+//
+// Larger inputs, other dtypes, and shapes the tiles do not cover go to at::linear unchanged.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kMaxRows = 16;  // above this, MKL's packing pays for itself (benchmarks/forward_step.py)
+constexpr int64_t kLanes = 16;
+
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));  // unaligned loads of 16 floats
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec4 __attribute__((vector_size(16)));
+
+inline float reduce(vec16 v) {
+  const vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline vec16 load(const float* p) { return *reinterpret_cast<const vec16*>(p); }
+
+// Rows [0, MT) of x against the NT weight rows from n: y[m, n + j], K a multiple of 16.
+template <int MT, int NT, bool PREFETCH>
+__attribute__((noinline)) void tile(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n) {
+  vec16 acc[MT][NT];
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) acc[m][j] = vec16{};
+  const float* rows = w + n * K;
+  for (int64_t k = 0; k < K; k += kLanes) {
+    vec16 wv[NT];
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; ++j) wv[j] = load(rows + j * K + k);
+    if (PREFETCH) {  // the next block's rows, at the same offset: keeps more memory reads in flight
+#pragma GCC unroll 4
+      for (int j = 0; j < NT; ++j) __builtin_prefetch(rows + (NT + j) * K + k);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) {
+      const vec16 xv = load(x + m * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NT; ++j) acc[m][j] += xv * wv[j];
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) y[m * N + n + j] = reduce(acc[m][j]) + (bias ? bias[n + j] : 0.0f);
+}
+
+// Every row of x against NT weight rows at a time: a block of weight rows comes from memory once, and the row tiles
+// after the first read it from L1.
+template <int NT>
+inline void block(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                  int64_t n) {
+  // the first tile reads the block from memory (and asks for the next one); the others find it in L1
+  int64_t m = 0;
+  const int64_t first = M >= 4 ? 4 : M;
+  switch (first) {
+    case 4: tile<4, NT, true>(x, w, bias, y, K, N, n); break;
+    case 3: tile<3, NT, true>(x, w, bias, y, K, N, n); break;
+    case 2: tile<2, NT, true>(x, w, bias, y, K, N, n); break;
+    default: tile<1, NT, true>(x, w, bias, y, K, N, n); break;
+  }
+  m = first;
+  for (; m + 4 <= M; m += 4) tile<4, NT, false>(x + m * K, w, bias, y + m * N, K, N, n);
+  switch (M - m) {
+    case 3: tile<3, NT, false>(x + m * K, w, bias, y + m * N, K, N, n); break;
+    case 2: tile<2, NT, false>(x + m * K, w, bias, y + m * N, K, N, n); break;
+    case 1: tile<1, NT, false>(x + m * K, w, bias, y + m * N, K, N, n); break;
+    default: break;
+  }
+}
+
+void small_rows(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + 4 <= n_end; n += 4) block<4>(x, w, bias, y, M, K, N, n);
+  for (; n < n_end; ++n) block<1>(x, w, bias, y, M, K, N, n);
+}
+
+bool covered(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  if (x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.dim() != 2 || weight.dim() != 2)
+    return false;
+  if (!x.is_contiguous() || !weight.is_contiguous() || x.size(1) != weight.size(1)) return false;
+  if (x.size(0) < 1 || x.size(0) > kMaxRows || x.size(1) % kLanes != 0) return false;
+  if (bias.has_value() && bias->defined() &&
+      (bias->scalar_type() != at::kFloat || !bias->is_contiguous() || bias->numel() != weight.size(0)))
+    return false;
+  return true;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool use_kernel) {
+  if (!use_kernel || !covered(x, weight, bias)) return at::linear(x, weight, bias);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = (bias.has_value() && bias->defined()) ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // whole tiles of weight rows per task; a task of at least 256 rows amortises the thread hand-off
+  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) { small_rows(xp, wp, bp, yp, M, K, N, begin, end); });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(prefixserve_cpu, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, bool use_kernel=True) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(prefixserve_cpu, CPU, m) { m.impl("linear", &linear); }

@@ -1,0 +1,71 @@
+"""The float32 small-row linear kernel (replica/csrc/small_linear.cpp) against a float64 reference: every tile shape
+(1-4 rows per tile, 4 weight rows per block and the single-row tail), the 16-row limit, bias, and the inputs it hands
+to ATen unchanged (more rows, K not a multiple of 16, non-contiguous input, bfloat16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replica import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels not built (no compiler?)")
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16])
+@pytest.mark.parametrize("out_features", [4, 7, 33, 258])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_float64(rows, out_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, 96, generator=generator)
+    weight = torch.randn(out_features, 96, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    out = cpu_kernels.linear(x, weight, bias)
+    assert out.shape == (rows, out_features) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _reference(x, weight, bias), rtol=1e-5, atol=1e-4)
+    # the same numbers as ATen's float32 GEMM up to float32 rounding
+    torch.testing.assert_close(out, cpu_kernels.linear(x, weight, bias, use_kernel=False), rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_result_differs_from_aten_only_by_rounding_and_is_deterministic():
+    """The kernel really runs (its summation order is its own, so some output differs from ATen's in the last bits)
+    and is deterministic call to call."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 512, generator=generator)
+    weight = torch.randn(2048, 512, generator=generator)
+    ours, again = cpu_kernels.linear(x, weight), cpu_kernels.linear(x, weight)
+    assert torch.equal(ours, again)
+    aten = cpu_kernels.linear(x, weight, use_kernel=False)
+    assert not torch.equal(ours, aten)
+    torch.testing.assert_close(ours, aten, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: (torch.randn(17, 64, generator=g), torch.randn(40, 64, generator=g)),  # more rows than the kernel takes
+        lambda g: (torch.randn(3, 40, generator=g), torch.randn(9, 40, generator=g)),  # K not a multiple of 16
+        lambda g: (torch.randn(64, 5, generator=g).t(), torch.randn(9, 64, generator=g)),  # non-contiguous input
+        lambda g: (torch.randn(4, 64, generator=g).bfloat16(), torch.randn(9, 64, generator=g).bfloat16()),
+    ],
+    ids=["17-rows", "k-40", "strided", "bfloat16"],
+)
+def test_inputs_outside_the_kernel_go_to_aten(make):
+    x, weight = make(torch.Generator().manual_seed(3))
+    assert torch.equal(cpu_kernels.linear(x, weight), F.linear(x, weight))
+
+
+def test_float32_compact_model_uses_the_kernel_and_bfloat16_does_not(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from replica.llama import CompactCausalLM
+
+    for dtype, expected in ((torch.float32, True), (torch.bfloat16, False)):
+        model = CompactCausalLM(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=dtype).eval())
+        assert model.small_rows is expected
+        assert all(layer.small_rows is expected for layer in model.layers)
