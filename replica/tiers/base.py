@@ -123,6 +123,11 @@ class RetentionUpdate:
         return self.priority <= 0
 
 
+def wall_time() -> float:
+    """``time.time()``, looked up at each call (the tiers' default wall clock)."""
+    return time.time()
+
+
 class StatsRecorder:
     """Thread-safe accumulator behind ``TierStats``; tiers call ``add`` from the caller's and the writer's thread."""
 

@@ -61,6 +61,7 @@ from replica.tiers.base import (
     StoredPage,
     WarningThrottle,
     check_load_args,
+    wall_time,
 )
 from replica.tiers.codec import RejectedEntry, new_page_tensors
 from replica.tiers.seal import TierKey
@@ -320,7 +321,7 @@ class DiskTier(QueuedWriteTier):
         evict_to_fraction: float = 0.9,
         write_batch_pages: int = 16,
         load_timeout_s: float = 2.0,
-        wall_clock: Callable[[], float] = time.time,
+        wall_clock: Callable[[], float] | None = None,
     ) -> None:
         if budget_bytes < 1:
             raise ValueError(f"the disk tier budget must be positive, got {budget_bytes} bytes")
@@ -335,7 +336,7 @@ class DiskTier(QueuedWriteTier):
         self._evict_to_bytes = int(budget_bytes * evict_to_fraction)
         self._fsync = fsync
         self._load_timeout_s = load_timeout_s
-        self._wall_clock = wall_clock
+        self._wall_clock = wall_clock or wall_time
         self._stats = StatsRecorder()
         self._throttle = WarningThrottle()
         self._clock_lock = threading.Lock()

@@ -70,6 +70,7 @@ from replica.tiers.base import (
     StoredPage,
     WarningThrottle,
     check_load_args,
+    wall_time,
 )
 from replica.tiers.circuit import BackoffPolicy, CircuitBreaker
 from replica.tiers.codec import (
@@ -199,7 +200,7 @@ class RedisTier(QueuedWriteTier):
         clock: Callable[[], float] = time.monotonic,
         plain_ttl_s: int = PLAIN_TTL_S,
         sweep_interval_s: float = 1.0,
-        wall_clock: Callable[[], float] = time.time,
+        wall_clock: Callable[[], float] | None = None,
     ) -> None:
         if load_batch_pages < 1:
             raise ValueError(f"load_batch_pages must be at least 1, got {load_batch_pages}")
@@ -207,7 +208,7 @@ class RedisTier(QueuedWriteTier):
             raise ValueError(f"plain_ttl_s must be a whole number of seconds >= 1, got {plain_ttl_s!r}")
         self._plain_ttl_s = plain_ttl_s
         self._sweep_interval_s = sweep_interval_s
-        self._wall_clock = wall_clock
+        self._wall_clock = wall_clock or wall_time
         self._clock = clock
         self._last_sweep = -math.inf
         self._retained_until_key = f"{key_prefix}retained:until"
