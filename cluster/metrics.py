@@ -160,7 +160,12 @@ class ReplicaStatsCollector(Collector):
                                         "on its own)",
                        "errors": "failed operations against the store",
                        "events_stored": "pages announced as stored in KV events (--kv-events-config)",
-                       "events_removed": "pages announced as removed in KV events (evicted, expired or deleted)"}
+                       "events_removed": "pages announced as removed in KV events (evicted, expired or deleted)",
+                       "retention_updates": "retention changes (pin, unpin, retention of stored pages) applied",
+                       "retention_updates_dropped": "retention changes not applied (queue full or command failed)",
+                       "retention_expired": "retained pages that became plain LRU again here (ended or demoted)",
+                       "oom_refused": "page writes the store refused for lack of memory (Redis: only retained "
+                                      "pages left)"}
         for field_name, documentation in tier_fields.items():
             family = CounterMetricFamily(PREFIX + f"kv_tier_{field_name}", f"shared tier: {documentation}",
                                          labels=["replica", "tier"])

@@ -542,11 +542,16 @@ class RedisTier(QueuedWriteTier):
         if demoted:
             self._stats.add(retention_expired=len(demoted))
         if self._throttle.should_warn("oom"):
+            if demoted:
+                remedy = (f"Ended the retention of {len(demoted)} lowest-priority page(s) so later writes fit. Give "
+                          "Redis more memory or retain less.")
+            else:
+                remedy = ("No retained page was left to release: keys without an expiry that no replica retains fill "
+                          "it (pages written by a version before retention, or other data), or the policy is "
+                          "noeviction. Flush the tier's database once, or run maxmemory-policy allkeys-lru.")
             logger.warning(
                 "Redis KV tier at %s: the server refused %d page write(s) for lack of memory (maxmemory reached and "
-                "nothing it may evict: only retained pages, or maxmemory-policy noeviction); the pages are dropped. "
-                "Ended the retention of %d lowest-priority page(s) so later writes fit. Give Redis more memory or "
-                "retain less.", self._where, num_refused, len(demoted))
+                "nothing it may evict); the pages are dropped. %s", self._where, num_refused, remedy)
 
     def _warn_failures(self, failures: list[BaseException]) -> None:
         other = [failure for failure in failures if not is_out_of_memory(failure)]
