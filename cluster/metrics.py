@@ -27,7 +27,8 @@ Names (all prefixed ``prefixserve_``)::
     requests_finished_total{replica}       counter
     kv_fetch_{pages,bytes,seconds,errors}_total{replica,source}   counter  source = peer | host | disk
     kv_tier_{pages_stored,bytes_stored,pages_dropped,discarded_corrupt,pages_evicted,errors,events_stored,
-             events_removed}_total{replica,tier}  counter
+             events_removed,retention_updates,retention_updates_dropped,retention_expired,
+             oom_refused}_total{replica,tier}  counter
     kv_tier_available{replica,tier}        gauge      1 while the shared tier answers
     kv_peer_pages_total{replica,transport} counter    transport = cuda_ipc (device to device) | host
     kv_page_lifetime_seconds{replica}      histogram  cached -> evicted (like vLLM's --kv-cache-metrics)
