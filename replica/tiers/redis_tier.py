@@ -25,7 +25,8 @@ plain pages go in LRU order. Retention reaches a page in two ways: a store of a 
 or unpin, a request's retention given to cached pages); both merge like the other tiers (the stronger stays), all in
 small Lua scripts so replicas sharing the server never leave a page without an expiry that no set names. A sweeper
 (the writer thread, at most every ``sweep_interval_s``, before it writes) gives the pages whose retention ended their
-expiry back, so they are plain LRU again. When memory is full of retained pages only, Redis refuses writes with
+expiry back, so they are plain LRU again (as if used at that sweep: Redis cannot set a key's idle time without
+rewriting its value, and setting an expiry counts as a use; the same holds for an unpin). When memory is full of retained pages only, Redis refuses writes with
 ``OOM`` (volatile policies never evict a key without an expiry): the tier logs it (throttled), counts the pages in
 ``oom_refused`` and ``pages_dropped``, and ends the retention of the lowest-priority retained pages (earliest end among
 equals), as many as the refused writes, so the next writes fit: as in the page pool, retention orders eviction but
