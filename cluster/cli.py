@@ -465,7 +465,7 @@ def redis_config(port: int, password: str, maxmemory: str) -> str:
         'save ""',
         "appendonly no",
         f"maxmemory {maxmemory}",
-        "maxmemory-policy allkeys-lru",
+        "maxmemory-policy volatile-lru",  # only pages with an expiry (not retained) are evicted
         "",
     ])
 

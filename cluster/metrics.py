@@ -27,7 +27,8 @@ Names (all prefixed ``prefixserve_``)::
     requests_finished_total{replica}       counter
     kv_fetch_{pages,bytes,seconds,errors}_total{replica,source}   counter  source = peer | host | disk
     kv_tier_{pages_stored,bytes_stored,pages_dropped,discarded_corrupt,pages_evicted,errors,events_stored,
-             events_removed}_total{replica,tier}  counter
+             events_removed,retention_updates,retention_updates_dropped,retention_expired,
+             oom_refused}_total{replica,tier}  counter
     kv_tier_available{replica,tier}        gauge      1 while the shared tier answers
     kv_peer_pages_total{replica,transport} counter    transport = cuda_ipc (device to device) | host
     kv_page_lifetime_seconds{replica}      histogram  cached -> evicted (like vLLM's --kv-cache-metrics)
@@ -160,7 +161,12 @@ class ReplicaStatsCollector(Collector):
                                         "on its own)",
                        "errors": "failed operations against the store",
                        "events_stored": "pages announced as stored in KV events (--kv-events-config)",
-                       "events_removed": "pages announced as removed in KV events (evicted, expired or deleted)"}
+                       "events_removed": "pages announced as removed in KV events (evicted, expired or deleted)",
+                       "retention_updates": "retention changes (pin, unpin, retention of stored pages) applied",
+                       "retention_updates_dropped": "retention changes not applied (queue full or command failed)",
+                       "retention_expired": "retained pages that became plain LRU again here (ended or demoted)",
+                       "oom_refused": "page writes the store refused for lack of memory (Redis: only retained "
+                                      "pages left)"}
         for field_name, documentation in tier_fields.items():
             family = CounterMetricFamily(PREFIX + f"kv_tier_{field_name}", f"shared tier: {documentation}",
                                          labels=["replica", "tier"])

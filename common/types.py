@@ -335,6 +335,15 @@ class TierStats:
     """Pages this replica announced as stored in the tier (KV events, ``--kv-events-config``; replica/tiers/events.py)."""
     events_removed: int = 0
     """Of those, pages announced as removed (evicted, expired or deleted by anyone)."""
+    retention_updates: int = 0
+    """Retention changes (pin, unpin, a retention given to pages already stored) applied to pages this tier held."""
+    retention_updates_dropped: int = 0
+    """Retention changes not applied: queue full, tier unavailable, or the command failed."""
+    retention_expired: int = 0
+    """Retained pages whose retention ended here and that became plain LRU again (Redis: the sweeper's work)."""
+    oom_refused: int = 0
+    """Writes the store refused for lack of memory (Redis ``OOM`` under a ``volatile-*`` policy when only retained
+    pages are left); the pages are dropped and the lowest-priority retentions are ended so later writes fit."""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class AsyncEngine:
         self.fetcher = fetcher
         if fetcher is not None and fetcher.tiers and engine.enable_prefix_caching:
             engine.page_sink = fetcher.on_computed
+            engine.retention_sink = fetcher.on_retention
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._stopped = False

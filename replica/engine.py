@@ -34,6 +34,7 @@ from replica.page_record import PageRecord
 from replica.sampling import sample_tokens
 from replica.scheduler import PageImport, Scheduler, num_reusable_pages
 from replica.sequence import Sequence
+from replica.tiers.base import RetentionUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,9 @@ class LLMEngine:
         )
         self.page_sink = None
         """Called with the ``PageRecord``s (kv: views of pool pages) newly computed and cached (the shared tiers)."""
+        self.retention_sink = None
+        """Called with ``RetentionUpdate``s: retention changes of cached or pinned pages that the shared tiers may
+        already hold (after each step, a pin and an unpin; see ``KVCacheManager.drain_tier_retention``)."""
         self.step_observer = None
         """Called as ``(seconds, chunks)`` after each step's forward and sampling, before the chunks advance (the
         replica's cost meter, replica/cost_meter.py)."""
@@ -234,6 +238,21 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            self._forward_tier_retention()
+
+    def _forward_tier_retention(self) -> None:
+        """Hand the retention changes of this step (or pin / unpin) to ``retention_sink``, ends on the wall clock."""
+        changes = self.kv.drain_tier_retention()
+        if not changes or self.retention_sink is None:
+            return
+        offset = time.time() - self.kv.clock()
+        self.retention_sink([RetentionUpdate(key, priority, end + offset if priority else 0.0)
+                             for key, priority, end in changes])
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
@@ -439,10 +458,14 @@ class LLMEngine:
         """Admin: retain a prefix here (see ``KVCacheManager.pin_prefix``); (pages cached here, pages retained)."""
         if not self.enable_prefix_caching:
             return 0, 0
-        return self.kv.pin_prefix(pin)
+        result = self.kv.pin_prefix(pin)
+        self._forward_tier_retention()
+        return result
 
     def unpin_prefix(self, prefix_id: str) -> bool:
-        return self.kv.unpin_prefix(prefix_id)
+        found = self.kv.unpin_prefix(prefix_id)
+        self._forward_tier_retention()
+        return found
 
     def prefix_reports(self) -> list[PrefixReport]:
         return self.kv.prefix_reports(self.config.replica_id)

@@ -12,10 +12,17 @@ released pages are plain free pages.
 Retention (priority + TTL, see page_pool) is given to cached pages with ``retain``; the manager also keeps the page-time
 metrics of vLLM's ``--kv-cache-metrics`` (``KVCacheMetrics``): lifetime (cached -> evicted), idle before eviction (last
 use -> evicted), reuse gap (last use -> next hit), and evictions by reason (capacity | ttl | reset) and priority.
+
+Retention for the shared tiers: a retention the pool gives a cached page (a request's, a pin's, a hit restarting a
+TTL), an admin pin of pages cached elsewhere, and an unpin, are also queued as ``(key, priority, expires_at)`` changes
+(``drain_tier_retention``; priority 0: released) that the engine hands to the tiers, so pages they already hold follow.
+A page's change is queued again only when its priority changes or its end moved by at least a quarter of its TTL (at
+least ``TIER_REFRESH_MIN_S``), so hits on a hot retained prefix do not become a stream of tier commands.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -26,6 +33,11 @@ from common.types import KVCacheMetrics, PinPrefix, PrefixReport
 from replica.page_pool import PagePool
 from replica.prefix_cache import NullPrefixCache, PrefixCache
 from replica.retention import RetentionRegistry
+
+
+TIER_REFRESH_MIN_S = 1.0
+"""A retained page's restarted TTL reaches the tiers again only once its end moved by at least this (and a quarter of
+its TTL)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,10 @@ class KVCacheManager:
         """Cached keys whose pages arrived by a proactive copy (hot-prefix replication), until evicted."""
         self.num_proactive_hit_pages = 0
         self.num_proactive_hit_requests = 0
+        self._tier_retention: list[tuple[PageKey, int, float]] = []
+        """Retention changes for the shared tiers: (key, priority (0: released), monotonic end or ``math.inf``)."""
+        self._key_to_tier_retention: dict[PageKey, tuple[int, float]] = {}
+        """What was last queued for each cached retained page (so a hit re-queues only when its end moved enough)."""
 
     # ---- queries -------------------------------------------------------------------------------------------------
     @property
@@ -102,6 +118,7 @@ class KVCacheManager:
                 self.metrics.reuse_gap.observe(now - last_use)
                 self._page_to_last_use[page_id] = now
             self.pool.acquire(page_id)
+            self._note_tier_retention(page_id)
 
     def allocate(self, num_pages: int) -> list[int]:
         """Fresh pages for new tokens. Cached pages taken from the free queue are evicted from the cache."""
@@ -112,6 +129,7 @@ class KVCacheManager:
             if key is not None:
                 evicted.append(key)
                 self._proactive_keys.discard(key)
+                self._key_to_tier_retention.pop(key, None)
                 self._observe_eviction(taken.page_id, "ttl" if taken.expired else "capacity", taken.priority)
         if evicted:
             self.num_evictions += len(evicted)
@@ -130,18 +148,51 @@ class KVCacheManager:
     def retain(self, page_ids: Sequence[int], priority: int, ttl_s: float | None) -> int:
         """Give the cached pages among ``page_ids`` this retention (see ``PagePool.retain``); returns how many
         took it (the budget may refuse some)."""
-        return sum(1 for page_id in page_ids
-                   if self.cache.key_of(page_id) is not None and self.pool.retain(page_id, priority, ttl_s))
+        num_taken = 0
+        for page_id in page_ids:
+            if self.cache.key_of(page_id) is not None and self.pool.retain(page_id, priority, ttl_s):
+                num_taken += 1
+                self._note_tier_retention(page_id)
+        return num_taken
 
     def unretain(self, page_ids: Sequence[int]) -> int:
         return sum(1 for page_id in page_ids if self.pool.unretain(page_id))
+
+    def drain_tier_retention(self) -> list[tuple[PageKey, int, float]]:
+        """The retention changes queued for the shared tiers since the last call: ``(key, priority, end)``, the end on
+        this manager's clock (``math.inf``: until unpinned); priority 0: the retention was released (unpin)."""
+        changes, self._tier_retention = self._tier_retention, []
+        return changes
+
+    def _note_tier_retention(self, page_id: int) -> None:
+        """Queue the cached page's retention for the tiers if it is new, its priority changed, or its end moved by
+        a quarter of its TTL (at least ``TIER_REFRESH_MIN_S``)."""
+        retention = self.pool.retention_of(page_id)
+        if retention is None:
+            return
+        key = self.cache.key_of(page_id)
+        if key is None:
+            return
+        last = self._key_to_tier_retention.get(key)
+        if last is not None and last[0] == retention.priority:
+            if retention.expires_at == last[1]:
+                return
+            gap = max(TIER_REFRESH_MIN_S, (retention.ttl_s or 0.0) / 4)
+            if math.isfinite(retention.expires_at) and retention.expires_at - last[1] < gap:
+                return
+        self._key_to_tier_retention[key] = (retention.priority, retention.expires_at)
+        self._tier_retention.append((key, retention.priority, retention.expires_at))
 
     def pin_prefix(self, pin: PinPrefix) -> tuple[int, int]:
         """Admin pin: remember it (pages cached later get it) and retain the pages cached now. Returns (pages of the
         prefix cached here, pages that took the retention)."""
         self.registry.add(pin.page_keys, priority=pin.priority, ttl_s=pin.ttl_s, source="admin", label=pin.label)
         page_ids = self.match_prefix(pin.page_keys)
-        return len(page_ids), self.retain(page_ids, pin.priority, pin.ttl_s)
+        num_retained = self.retain(page_ids, pin.priority, pin.ttl_s)
+        end = math.inf if pin.ttl_s is None else self.clock() + pin.ttl_s
+        for key in pin.page_keys[len(page_ids):]:  # not cached here: the tiers may hold them
+            self._tier_retention.append((key, pin.priority, end))
+        return len(page_ids), num_retained
 
     def unpin_prefix(self, prefix_id: str) -> bool:
         """Forget a listed prefix and end the retention of its pages that no other listed prefix shares."""
@@ -151,6 +202,10 @@ class KVCacheManager:
         still = self.registry.keys_still_pinned()
         page_ids = self.match_prefix(entry.keys)
         self.unretain([page_id for page_id, key in zip(page_ids, entry.keys) if key not in still])
+        for key in entry.keys:
+            if key not in still:
+                self._key_to_tier_retention.pop(key, None)
+                self._tier_retention.append((key, 0, 0.0))
         return True
 
     def prefix_reports(self, replica_id: str) -> list[PrefixReport]:
@@ -232,6 +287,7 @@ class KVCacheManager:
         pin = self.registry.pin_for(key)
         if pin is not None:
             self.pool.retain(page_id, *pin)
+            self._note_tier_retention(page_id)
         self._emit(PagesStored, (key,), (StoredPageInfo(parent_key, token_ids, salted),))
         return CommitResult(page_id, False, newly_cached=True)
 
@@ -243,6 +299,7 @@ class KVCacheManager:
         for page_id in list(self.cache.page_to_key):
             self._observe_eviction(page_id, "reset", self.pool.priority_of(page_id))
         self.pool.clear_retention()
+        self._key_to_tier_retention.clear()
         self.registry.clear_requests()
         self.cache.clear()
         self._proactive_keys.clear()

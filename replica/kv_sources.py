@@ -37,7 +37,7 @@ from common.page_format import PageFormat
 from common.page_keys import PageKey
 from common.types import FETCH_SOURCES, CacheSource, SourceStats
 from replica.page_record import PageRecord
-from replica.tiers.base import KVTier, StoredPage
+from replica.tiers.base import KVTier, RetentionUpdate, StoredPage
 from replica.tiers.seal import TierKey
 
 WRITE_POLICIES = ("reused", "all")
@@ -163,6 +163,13 @@ class PrefixFetcher:
         if self.write_policy == "all":
             for page in pages:  # pages of several requests: parents unknown here
                 self._store_one(page, None)
+
+    def on_retention(self, updates: Sequence[RetentionUpdate]) -> None:
+        """The engine's retention sink: retention changes of pages the tiers may already hold (a pin, an unpin, a
+        request's retention given to cached pages, a hit restarting a TTL). Queued for every tier (non-blocking; a
+        full queue drops them, counted by the tier)."""
+        for tier in self.tiers:
+            tier.update_retention(updates)
 
     def share_local_hits(self, keys: Sequence[PageKey], export: Callable[[list[PageKey]], list[PageRecord]]) -> int:
         """A request is reusing the leading pages ``keys`` (page 0 on) from the local cache: write the ones the tiers

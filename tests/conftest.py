@@ -19,11 +19,12 @@ def find_free_port() -> int:
 
 
 class RedisProcess:
-    """A private redis-server on 127.0.0.1: no persistence, 256 MB with LRU eviction. Can be stopped and restarted
-    on the same port."""
+    """A private redis-server on 127.0.0.1: no persistence, 256 MB with LRU eviction (``extra_args`` override, e.g.
+    ``("--maxmemory", "4mb", "--maxmemory-policy", "volatile-lru")``). Can be stopped and restarted on the same port."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or find_free_port()
+        self.extra_args = tuple(extra_args)
         self._process: subprocess.Popen | None = None
 
     @property
@@ -33,7 +34,7 @@ class RedisProcess:
     def start(self, timeout_s: float = 10.0) -> None:
         self._process = subprocess.Popen(
             [REDIS_SERVER_BINARY, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"],
+             "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", *self.extra_args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -81,13 +82,13 @@ def redis_server():
 
 @pytest.fixture
 def redis_process_factory():
-    """Start private redis-servers (``factory() -> RedisProcess``) that a test may stop and restart; all are
-    stopped at the end of the test."""
+    """Start private redis-servers (``factory(port=None, extra_args=()) -> RedisProcess``) that a test may stop and
+    restart; all are stopped at the end of the test."""
     _require_redis_server()
     started: list[RedisProcess] = []
 
-    def start(port: int | None = None) -> RedisProcess:
-        server = RedisProcess(port)
+    def start(port: int | None = None, extra_args: tuple[str, ...] = ()) -> RedisProcess:
+        server = RedisProcess(port, extra_args)
         server.start()
         started.append(server)
         return server

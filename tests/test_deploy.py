@@ -30,13 +30,13 @@ def test_cluster_yaml_passes_rays_validator():
     setup = "\n".join(config["setup_commands"])
     assert setup.index("torch==") < setup.index("prefixserve"), "torch must be installed (pinned) first"
     head = "\n".join(config["head_setup_commands"])
-    assert "redis-server" in head and "allkeys-lru" in head and "--maxmemory" in head
+    assert "redis-server" in head and "volatile-lru" in head and "--maxmemory" in head
 
 
 def test_redis_conf_is_a_bounded_lru_cache():
     lines = {line.split()[0]: line.split()[1:] for line in (DEPLOY / "redis.conf").read_text().splitlines()
              if line.strip() and not line.startswith("#")}
-    assert lines["maxmemory-policy"] == ["allkeys-lru"]
+    assert lines["maxmemory-policy"] == ["volatile-lru"]  # retained pages (no expiry) are not evicted
     assert lines["maxmemory"] and lines["appendonly"] == ["no"]
     assert lines["port"] != ["6379"], "6379 is Ray's GCS port on the head"
 

@@ -217,6 +217,38 @@ def test_admin_pin_applies_now_and_to_pages_cached_later_and_unpin_releases():
     kv.check_integrity()
 
 
+def test_retention_changes_reach_the_tier_queue_rate_limited_with_pins_and_unpins():
+    import math
+
+    clock = FakeClock()
+    kv = KVCacheManager(6, PAGE, clock=clock)
+    tokens = list(range(3 * PAGE))
+    pages, keys = fill(kv, tokens[:2 * PAGE])
+    keys = keys_for(tokens)
+    assert kv.drain_tier_retention() == []  # plain pages: nothing for the tiers
+    assert kv.retain(pages, 50, ttl_s=100) == 2
+    assert kv.drain_tier_retention() == [(keys[0], 50, 1100.0), (keys[1], 50, 1100.0)]
+    clock.now += 10
+    kv.acquire(pages[:1])  # the TTL restarts (end 1110): moved less than a quarter of it, not re-sent
+    kv.release(pages[:1])
+    assert kv.drain_tier_retention() == []
+    clock.now += 20
+    kv.acquire(pages[:1])  # end 1130: 30 s after what the tiers have (>= 25 s)
+    kv.release(pages[:1])
+    assert kv.drain_tier_retention() == [(keys[0], 50, 1130.0)]
+    # an admin pin: the cached pages take it, and page 2 (not cached here; a tier may hold it) is sent as well
+    assert kv.pin_prefix(PinPrefix(tuple(keys), priority=100, ttl_s=None, label="sys")) == (2, 2)
+    assert kv.drain_tier_retention() == [(keys[0], 100, math.inf), (keys[1], 100, math.inf), (keys[2], 100, math.inf)]
+    kv.acquire(pages)  # a pin has no TTL to restart: nothing re-sent
+    kv.release(pages)
+    assert kv.drain_tier_retention() == []
+    assert kv.unpin_prefix(keys[2].hex()[:32])
+    assert kv.drain_tier_retention() == [(keys[0], 0, 0.0), (keys[1], 0, 0.0), (keys[2], 0, 0.0)]
+    assert kv.retain(pages[:1], 30, ttl_s=10) == 1  # forgotten on unpin: a new retention is sent at once
+    assert kv.drain_tier_retention() == [(keys[0], 30, clock.now + 10)]
+    kv.check_integrity()
+
+
 # ---- scheduler: request retention, usage accounting, budget vs running requests ----------------------------------
 def make_seq(request_id, tokens, retention=None, arrival=0, max_tokens=1):
     seq = Sequence(request_id, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0), arrival,

@@ -367,16 +367,15 @@ def present_pages(tier, pages):
     return {page.key for page in pages if os.path.exists(tier.page_path(page.key))}
 
 
-def test_disk_eviction_combines_chain_tails_first_with_retention(tmp_path, open_tiers, monkeypatch):
+def test_disk_eviction_combines_chain_tails_first_with_retention(tmp_path, open_tiers):
     import time as time_module
 
     page_format = make_format()
     tier_key = TierKey.generate()
     size, _ = write_page_file(str(tmp_path / "probe.arrow"), make_pages(page_format, 1)[0], tier_key)
     wall = [time_module.time()]
-    monkeypatch.setattr("replica.tiers.disk_tier.time.time", lambda: wall[0])
     tier = DiskTier(tmp_path / "kv", page_format, budget_bytes=int(8.5 * size), evict_to_fraction=1.0,
-                    tier_key=tier_key)
+                    tier_key=tier_key, wall_clock=lambda: wall[0])
     open_tiers.append(tier)
     retained = chained(make_pages(page_format, 3, seed=1), priority=50, retain_until=wall[0] + 60)  # oldest
     plain = chained(make_pages(page_format, 3, seed=2))

@@ -104,6 +104,30 @@ class StoredPage:
         )
 
 
+@dataclass(frozen=True)
+class RetentionUpdate:
+    """A change of a stored page's retention, sent to the tiers after the page was stored (an admin pin or unpin, a
+    request's retention given to pages already cached, a hit that restarts a retained page's TTL).
+
+    ``priority`` > 0 with ``retain_until`` (wall clock, ``math.inf``: pinned) merges into the page's retention the
+    way a store does (the stronger stays); ``priority`` 0 releases it (unpin): the page is plain LRU again. A tier
+    applies it only to pages it holds; an update for a page it lacks changes nothing (a later store carries the
+    retention itself)."""
+
+    key: PageKey
+    priority: int
+    retain_until: float = 0.0
+
+    @property
+    def releases(self) -> bool:
+        return self.priority <= 0
+
+
+def wall_time() -> float:
+    """``time.time()``, looked up at each call (the tiers' default wall clock)."""
+    return time.time()
+
+
 class StatsRecorder:
     """Thread-safe accumulator behind ``TierStats``; tiers call ``add`` from the caller's and the writer's thread."""
 
@@ -190,6 +214,11 @@ class KVTier(abc.ABC):
         Never blocks on the store. Raises ValueError if a page does not match ``page_format``.
         """
 
+    def update_retention(self, updates: Sequence[RetentionUpdate]) -> int:
+        """Enqueue retention changes of stored pages (applied by the background writer, after the stores queued
+        before them); returns how many were accepted. Never blocks. A tier without retention ignores them (0)."""
+        return 0
+
     @abc.abstractmethod
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every accepted page has been written or dropped; False if ``timeout`` passed first."""
@@ -257,6 +286,14 @@ class QueuedWriteTier(KVTier):
         self._count_dropped(prepared[num_accepted:])
         return num_accepted
 
+    def update_retention(self, updates: Sequence[RetentionUpdate]) -> int:
+        if self._refused or not updates:
+            return 0
+        num_accepted = self._writer.submit(list(updates))
+        if num_accepted < len(updates):
+            self._stats.add(retention_updates_dropped=len(updates) - num_accepted)
+        return num_accepted
+
     def flush(self, timeout: float | None = None) -> bool:
         return self._writer.flush(timeout)
 
@@ -275,6 +312,19 @@ class QueuedWriteTier(KVTier):
     def event_tracker(self):
         return self._events
 
+    def _write_items(self, items: list[StoredPage | RetentionUpdate]) -> None:
+        """Writer thread: the pages of a batch, then its retention updates (both in submission order; an update
+        queued after a store of the same page finds the page written)."""
+        pages = [item for item in items if isinstance(item, StoredPage)]
+        updates = [item for item in items if isinstance(item, RetentionUpdate)]
+        if pages:
+            self._write_pages(pages)
+        if updates:
+            self._apply_retention(updates)
+
+    def _apply_retention(self, updates: list[RetentionUpdate]) -> None:
+        """Writer thread: apply retention changes to the pages stored here (tiers that honour retention)."""
+
     def _note_written(self, pages: Sequence[StoredPage]) -> None:
         """Writer thread, after a batch: hand it to the event tracker (a deque append; nothing when events are off)."""
         if self._events is not None:
@@ -287,9 +337,12 @@ class QueuedWriteTier(KVTier):
         if self._events is not None:
             self._events.close()
 
-    def _count_dropped(self, pages: Sequence[StoredPage]) -> None:
-        if pages:
-            self._stats.add(pages_dropped=len(pages))
+    def _count_dropped(self, items: Sequence[StoredPage | RetentionUpdate]) -> None:
+        num_pages = sum(1 for item in items if isinstance(item, StoredPage))
+        if num_pages:
+            self._stats.add(pages_dropped=num_pages)
+        if len(items) > num_pages:
+            self._stats.add(retention_updates_dropped=len(items) - num_pages)
 
     def _record_load(self, num_loaded: int, start_time: float) -> None:
         self._stats.add(

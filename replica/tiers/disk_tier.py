@@ -22,7 +22,9 @@ the leaves, the lowest *effective priority* goes first (a page's ``StoredPage.re
 leaf of lower effective priority, and once its retention ends it is plain LRU again; retention never exempts a page
 from the budget, and a retained page keeps its (plain) parents while it stays. A store of a page already indexed
 marks it used and merges the new retention into its row (the stronger stays: a higher priority replaces an active
-lower one, the same priority keeps the later end, an expired one is replaced); a load only marks its pages used. A
+lower one, the same priority keeps the later end, an expired one is replaced); a load only marks its pages used; a
+retention change of a page already stored (``update_retention``: an admin pin or unpin, a request's retention given
+to cached pages) merges into its row the same way, or (unpin) sets it back to plain, without changing its recency. A
 load touches its pages in chain order (parents older than children), and the parents of pages being written are never
 evicted by that write.
 
@@ -44,7 +46,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -54,10 +56,12 @@ from common.types import CacheSource
 from replica.tiers.arrow_file import TEMP_SUFFIX, NotRegularFile, read_page_file, remove_quietly, write_page_file
 from replica.tiers.base import (
     QueuedWriteTier,
+    RetentionUpdate,
     StatsRecorder,
     StoredPage,
     WarningThrottle,
     check_load_args,
+    wall_time,
 )
 from replica.tiers.codec import RejectedEntry, new_page_tensors
 from replica.tiers.seal import TierKey
@@ -103,12 +107,13 @@ class IndexedPage:
     passed, else 0."""
 
 
-def retention_of(page: StoredPage) -> tuple[int, float]:
+def retention_of(page: StoredPage | RetentionUpdate) -> tuple[int, float]:
     """``(priority, retain_until)`` of ``page`` as the index stores them: priority clamped into
     ``[0, MAX_PRIORITY]``; no priority, or a ``retain_until`` that is not a positive number (NaN included), is
     ``(0, 0.0)``."""
     try:
-        priority = max(0, min(int(page.retention_priority), MAX_PRIORITY))
+        raw = page.priority if isinstance(page, RetentionUpdate) else page.retention_priority
+        priority = max(0, min(int(raw), MAX_PRIORITY))
         until = float(page.retain_until)
     except (TypeError, ValueError, OverflowError):
         return 0, 0.0
@@ -137,6 +142,10 @@ class PageIndex:
         "WHERE id = :id")
     """Mark a page used and merge a retention into its row: the stronger one stays (a higher priority replaces an
     active lower one, the same priority keeps the later deadline, an expired one is replaced)."""
+    MERGE_RETENTION_ONLY = MERGE_RETENTION.replace("last_used = :used, ", "")
+    """The same merge for a retention update (a pin, a request's retention of pages stored before): recency unchanged."""
+    RELEASE_RETENTION = "UPDATE pages SET priority = 0, retain_until = 0 WHERE id = :id AND priority != 0"
+    """An unpin: the page is plain LRU again (its recency unchanged)."""
 
     def __init__(self, path: str, busy_timeout_s: float = 10.0) -> None:
         self._busy_timeout_ms = int(busy_timeout_s * 1000)
@@ -312,6 +321,7 @@ class DiskTier(QueuedWriteTier):
         evict_to_fraction: float = 0.9,
         write_batch_pages: int = 16,
         load_timeout_s: float = 2.0,
+        wall_clock: Callable[[], float] | None = None,
     ) -> None:
         if budget_bytes < 1:
             raise ValueError(f"the disk tier budget must be positive, got {budget_bytes} bytes")
@@ -326,6 +336,7 @@ class DiskTier(QueuedWriteTier):
         self._evict_to_bytes = int(budget_bytes * evict_to_fraction)
         self._fsync = fsync
         self._load_timeout_s = load_timeout_s
+        self._wall_clock = wall_clock or wall_time
         self._stats = StatsRecorder()
         self._throttle = WarningThrottle()
         self._clock_lock = threading.Lock()
@@ -351,7 +362,7 @@ class DiskTier(QueuedWriteTier):
             )
         self._writer = BackgroundWriter(
             name="disk-tier",
-            write_pages=self._write_pages,
+            write_pages=self._write_items,
             on_failure=self._count_dropped,
             capacity=queue_size,
             max_batch_pages=write_batch_pages,
@@ -552,8 +563,32 @@ class DiskTier(QueuedWriteTier):
         """Mark an indexed page most recently used and merge ``page``'s retention into its row (see
         ``PageIndex.MERGE_RETENTION``)."""
         priority, until = retention_of(page)
-        cursor.execute(PageIndex.MERGE_RETENTION, {"used": self._next_use_ns(), "now": time.time(),
+        cursor.execute(PageIndex.MERGE_RETENTION, {"used": self._next_use_ns(), "now": self._wall_clock(),
                                                    "priority": priority, "until": until, "id": page_id})
+
+    def _apply_retention(self, updates: list[RetentionUpdate]) -> None:
+        """Writer thread: merge retentions into (or release them from) the rows of indexed pages, in one transaction;
+        recency is unchanged and pages not indexed are skipped."""
+        if self._index is None:
+            return
+        now = self._wall_clock()
+        num_applied = 0
+        try:
+            with self._index.write() as cursor:
+                for update in updates:
+                    page_id = self.page_id(update.key)
+                    if update.releases:
+                        num_applied += cursor.execute(PageIndex.RELEASE_RETENTION, {"id": page_id}).rowcount
+                        continue
+                    priority, until = retention_of(update)
+                    if priority:
+                        num_applied += cursor.execute(PageIndex.MERGE_RETENTION_ONLY, {
+                            "now": now, "priority": priority, "until": until, "id": page_id}).rowcount
+        except sqlite3.Error as exc:
+            self._stats.add(retention_updates_dropped=len(updates))
+            self._count_error("index", f"updating retention in the index failed: {exc}")
+            return
+        self._stats.add(retention_updates=num_applied)
 
     def _evict(self, cursor: sqlite3.Cursor, total: int, target: int, protected: Sequence[str]) -> tuple[int, int]:
         """Delete chain tails, lowest effective retention priority first and least recently used among equals,
@@ -565,7 +600,7 @@ class DiskTier(QueuedWriteTier):
         every fetched one, so the heap is right until the fetched batch is used up; then the leaves are listed
         again. Ranks are taken at one ``now`` for the whole eviction."""
         num_evicted = 0
-        now = time.time()
+        now = self._wall_clock()
         while total > target:
             batch = PageIndex.leaves(cursor, protected, EVICTION_BATCH, now)
             if not batch:

@@ -11,10 +11,31 @@ certificates). Page names are keyed digests and the KV is encrypted under the cl
 learns neither prompts nor which prompts were served; one who can write can only delete or plant entries that then
 fail authentication (a miss, counted in ``discarded_corrupt``).
 
-Eviction order: Redis' own. Run the server with a memory bound and an LRU policy, e.g.
-``redis-server --maxmemory 4gb --maxmemory-policy allkeys-lru`` (the tier warns once if the policy would refuse
-writes instead). The format marker may be evicted like any key; that is harmless because every page header carries
-the key format version too, and the marker is claimed again on the next (re)connection.
+Eviction order: Redis' own LRU, steered by expiries, with retention (priority + TTL) on top::
+
+    {prefix}{dtype}:{id}       plain page: stored with an expiry (``plain_ttl_s``, a day; a re-store refreshes it)
+                               retained page: no expiry while its retention holds
+    {prefix}retained:until     sorted set: page's Redis key -> end of its retention (wall clock; a pin: PINNED_UNTIL)
+    {prefix}retained:priority  sorted set: page's Redis key -> its retention priority
+
+Run the server with ``maxmemory`` and ``maxmemory-policy volatile-lru`` (deploy/redis.conf): Redis then evicts only
+keys that have an expiry, least recently used first, so a retained page is never evicted while it is retained, and
+plain pages go in LRU order. Retention reaches a page in two ways: a store of a page that carries a retention
+(``StoredPage.retention_priority`` / ``retain_until``), and ``update_retention`` for pages stored before (an admin pin
+or unpin, a request's retention given to cached pages); both merge like the other tiers (the stronger stays), all in
+small Lua scripts so replicas sharing the server never leave a page without an expiry that no set names. A sweeper
+(the writer thread, at most every ``sweep_interval_s``, before it writes) gives the pages whose retention ended their
+expiry back, so they are plain LRU again (as if used at that sweep: Redis cannot set a key's idle time without
+rewriting its value, and setting an expiry counts as a use; the same holds for an unpin). When memory is full of retained pages only, Redis refuses writes with
+``OOM`` (volatile policies never evict a key without an expiry): the tier logs it (throttled), counts the pages in
+``oom_refused`` and ``pages_dropped``, and ends the retention of the lowest-priority retained pages (earliest end among
+equals), as many as the refused writes, so the next writes fit: as in the page pool, retention orders eviction but
+never exempts a page from the memory bound. With ``allkeys-*`` policies the tier still works as a plain LRU cache,
+but Redis may evict retained pages (the tier warns once); with no ``maxmemory`` pages are only bounded by their
+expiry (the tier warns once). ``noeviction`` refuses writes when full (warned; counted as above).
+
+The format marker may be evicted under ``allkeys-*``; that is harmless because every page header carries the key
+format version too, and the marker is claimed again on the next (re)connection.
 
 Loads: one MGET per 32 MiB of pages; the reply is read off the socket into a reusable buffer a page at a time and each
 page is decrypted from there straight into the tensor handed back (``ReplyReader``), so a loaded byte is copied once by
@@ -28,6 +49,7 @@ until a backoff passes; then one call probes, and on success the tier is back (o
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -44,10 +66,12 @@ from common.page_keys import PageKey
 from common.types import CacheSource
 from replica.tiers.base import (
     QueuedWriteTier,
+    RetentionUpdate,
     StatsRecorder,
     StoredPage,
     WarningThrottle,
     check_load_args,
+    wall_time,
 )
 from replica.tiers.circuit import BackoffPolicy, CircuitBreaker
 from replica.tiers.codec import (
@@ -66,7 +90,86 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _UNREACHABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
-_EVICTING_POLICIES = {"allkeys-lru", "allkeys-lfu", "allkeys-random"}
+_RETAINING_POLICIES = {"volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl"}
+"""Policies that evict only keys with an expiry: retained pages (no expiry) stay."""
+_EVICTING_POLICIES = {"allkeys-lru", "allkeys-lfu", "allkeys-random"} | _RETAINING_POLICIES
+PLAIN_TTL_S = 86400
+"""Expiry of a plain page (seconds): under ``volatile-*`` only keys with one are evicted; a re-store refreshes it."""
+PINNED_UNTIL = 1e15
+"""The end of a pin's retention in the ``retained:until`` set (a wall-clock time in ~31 million years)."""
+SWEEP_LIMIT = 1000
+"""Ended retentions handled per sweep."""
+DEMOTE_MIN_PAGES = 8
+"""At least this many retentions end when a write is refused for lack of memory."""
+
+# Lua scripts (atomic on the server, so replicas sharing it never interleave inside one). KEYS[1] = the
+# ``retained:until`` set, KEYS[2] = the ``retained:priority`` set, KEYS[3] = a page's key. A page key has no expiry
+# only while both sets name it (a retain persists the key after adding it to both; every path that removes it from
+# the sets gives the key its expiry back).
+RETAIN_SCRIPT = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+local priority, deadline, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local old_priority = redis.call('ZSCORE', KEYS[2], KEYS[3])
+local old_deadline = redis.call('ZSCORE', KEYS[1], KEYS[3])
+if old_priority and old_deadline and tonumber(old_deadline) > now then
+  old_priority = tonumber(old_priority)
+  if old_priority > priority then return 1 end
+  if old_priority == priority then deadline = math.max(deadline, tonumber(old_deadline)) end
+end
+redis.call('ZADD', KEYS[2], priority, KEYS[3])
+redis.call('ZADD', KEYS[1], deadline, KEYS[3])
+redis.call('PERSIST', KEYS[3])
+return 1
+"""
+"""Merge a retention (ARGV: priority, end, now) into an existing page: the stronger stays (a higher priority replaces an
+active lower one, the same priority keeps the later end, an ended one is replaced). 1 if the page exists."""
+RELEASE_SCRIPT = """
+local held = redis.call('ZREM', KEYS[2], KEYS[3])
+redis.call('ZREM', KEYS[1], KEYS[3])
+if redis.call('TTL', KEYS[3]) == -1 then redis.call('EXPIRE', KEYS[3], ARGV[1]) end
+return held
+"""
+"""End a page's retention (unpin; ARGV: plain expiry): it gets its expiry back. 1 if it was retained."""
+SWEEP_SCRIPT = """
+local members = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+for _, member in ipairs(members) do
+  redis.call('ZREM', KEYS[1], member)
+  redis.call('ZREM', KEYS[2], member)
+  if redis.call('TTL', member) == -1 then redis.call('EXPIRE', member, ARGV[2]) end
+end
+return #members
+"""
+"""End the retentions whose end is at or before ARGV[1] (at most ARGV[3]); their pages get the expiry ARGV[2]."""
+DEMOTE_SCRIPT = """
+local count = tonumber(ARGV[1])
+local flat = redis.call('ZRANGE', KEYS[2], 0, count * 4 - 1, 'WITHSCORES')
+local candidates = {}
+for i = 1, #flat, 2 do
+  local deadline = redis.call('ZSCORE', KEYS[1], flat[i])
+  table.insert(candidates, {flat[i], tonumber(flat[i + 1]), tonumber(deadline or '0')})
+end
+table.sort(candidates, function(a, b)
+  if a[2] ~= b[2] then return a[2] < b[2] end
+  if a[3] ~= b[3] then return a[3] < b[3] end
+  return a[1] < b[1]
+end)
+local demoted = {}
+for i = 1, math.min(count, #candidates) do
+  local member = candidates[i][1]
+  redis.call('ZREM', KEYS[1], member)
+  redis.call('ZREM', KEYS[2], member)
+  if redis.call('TTL', member) == -1 then redis.call('EXPIRE', member, ARGV[2]) end
+  table.insert(demoted, member)
+end
+return demoted
+"""
+"""Memory is full of retained pages: end the retention of ARGV[1] of them, lowest priority first, then earliest end
+(among the 4 x ARGV[1] lowest-priority ones); they get the expiry ARGV[2], so Redis may evict them. Their keys."""
+REFRESH_SCRIPT = """
+if redis.call('TTL', KEYS[1]) > 0 then return redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+return 0
+"""
+"""Restart a plain page's expiry (ARGV[1]); a retained page (no expiry) is left alone."""
 LOAD_BATCH_BYTES = 32 << 20
 """At most this many sealed bytes per MGET (bounds the reply a load holds at once)."""
 
@@ -96,9 +199,21 @@ class RedisTier(QueuedWriteTier):
         load_batch_pages: int = 32,
         write_batch_pages: int = 16,
         clock: Callable[[], float] = time.monotonic,
+        plain_ttl_s: int = PLAIN_TTL_S,
+        sweep_interval_s: float = 1.0,
+        wall_clock: Callable[[], float] | None = None,
     ) -> None:
         if load_batch_pages < 1:
             raise ValueError(f"load_batch_pages must be at least 1, got {load_batch_pages}")
+        if not isinstance(plain_ttl_s, int) or plain_ttl_s < 1:
+            raise ValueError(f"plain_ttl_s must be a whole number of seconds >= 1, got {plain_ttl_s!r}")
+        self._plain_ttl_s = plain_ttl_s
+        self._sweep_interval_s = sweep_interval_s
+        self._wall_clock = wall_clock or wall_time
+        self._clock = clock
+        self._last_sweep = -math.inf
+        self._retained_until_key = f"{key_prefix}retained:until"
+        self._retained_priority_key = f"{key_prefix}retained:priority"
         self._page_format = page_format
         self._tier_key = tier_key or TierKey.generate()
         self._key_prefix = key_prefix
@@ -124,7 +239,7 @@ class RedisTier(QueuedWriteTier):
         self._throttle = WarningThrottle()
         self._writer = BackgroundWriter(
             name="redis-tier",
-            write_pages=self._write_pages,
+            write_pages=self._write_items,
             on_failure=self._count_dropped,
             capacity=queue_size,
             max_batch_pages=write_batch_pages,
@@ -294,28 +409,156 @@ class RedisTier(QueuedWriteTier):
             logger.warning("Redis KV tier at %s: discarding page %s: %s", self._where, self.redis_key(key), reason)
         self._run(lambda client: client.delete(self.redis_key(key)), default=0)
 
+    def _write_items(self, items: list) -> None:
+        self._sweep_if_due()
+        super()._write_items(items)
+
     def _write_pages(self, pages: list[StoredPage]) -> None:
-        """Writer thread: one pipelined SET per page, one round trip for the batch."""
+        """Writer thread: one pipelined round trip for the batch. Per page ``SET NX`` with the plain expiry (a page
+        already there keeps its value: same key, same tokens), then either ``RETAIN_SCRIPT`` (the page carries a
+        retention that has not ended) or ``REFRESH_SCRIPT`` (restart a plain page's expiry)."""
         start_time = time.perf_counter()
-        entries = [(self.redis_key(page.key), encode_blob(page, self._tier_key)) for page in pages]
+        now = self._wall_clock()
+        entries = []
+        for page in pages:
+            priority, until = retention_of(page)
+            entries.append((self.redis_key(page.key), encode_blob(page, self._tier_key),
+                            priority if until > now else 0, until))
 
-        def write(client: redis.Redis) -> bool:
+        def write(client: redis.Redis) -> list:
             pipe = client.pipeline(transaction=False)
-            for redis_key, blob in entries:
-                pipe.set(redis_key, blob)
-            pipe.execute()
-            return True
+            for redis_key, blob, priority, until in entries:
+                pipe.set(redis_key, blob, nx=True, ex=self._plain_ttl_s)
+                if priority:
+                    pipe.eval(RETAIN_SCRIPT, 3, self._retained_until_key, self._retained_priority_key, redis_key,
+                              priority, repr(min(until, PINNED_UNTIL)), repr(now))
+                else:
+                    pipe.eval(REFRESH_SCRIPT, 1, redis_key, self._plain_ttl_s)
+            return pipe.execute(raise_on_error=False)
 
-        if self._run(write, default=False):
-            self._stats.add(
-                pages_stored=len(pages),
-                bytes_stored=len(pages) * self._page_format.page_num_bytes,
-                store_seconds=time.perf_counter() - start_time,
-            )
-        else:
+        results = self._run(write, default=None)
+        if results is None:
             self._count_dropped(pages)
             self._stats.add(store_seconds=time.perf_counter() - start_time)
-        self._note_written(pages)
+            self._note_written(pages)
+            return
+        num_stored = num_oom = 0
+        failures: list[BaseException] = []
+        written = []
+        for index, page in enumerate(pages):
+            stored, followed = results[2 * index], results[2 * index + 1]
+            if isinstance(stored, BaseException):
+                failures.append(stored)
+                num_oom += is_out_of_memory(stored)
+                continue
+            num_stored += 1
+            written.append(page)
+            if isinstance(followed, BaseException):
+                failures.append(followed)
+                if entries[index][2]:
+                    self._stats.add(retention_updates_dropped=1)
+        self._stats.add(
+            pages_stored=num_stored,
+            bytes_stored=num_stored * self._page_format.page_num_bytes,
+            pages_dropped=len(pages) - num_stored,
+            errors=sum(1 for failure in failures if not is_out_of_memory(failure)),
+            store_seconds=time.perf_counter() - start_time,
+        )
+        self._warn_failures(failures)
+        if num_oom:
+            self._relieve_memory(num_oom)
+        self._note_written(written)
+
+    def _apply_retention(self, updates: list[RetentionUpdate]) -> None:
+        """Writer thread: one pipelined round trip of ``RETAIN_SCRIPT`` / ``RELEASE_SCRIPT`` per update (an update
+        whose retention has already ended changes nothing)."""
+        now = self._wall_clock()
+        sets = (self._retained_until_key, self._retained_priority_key)
+        sent = []
+        for update in updates:
+            priority, until = retention_of(update)
+            if update.releases or until > now:
+                sent.append((self.redis_key(update.key), update.releases, priority, until))
+        if not sent:
+            return
+
+        def apply(client: redis.Redis) -> list:
+            pipe = client.pipeline(transaction=False)
+            for redis_key, releases, priority, until in sent:
+                if releases:
+                    pipe.eval(RELEASE_SCRIPT, 3, *sets, redis_key, self._plain_ttl_s)
+                else:
+                    pipe.eval(RETAIN_SCRIPT, 3, *sets, redis_key, priority, repr(min(until, PINNED_UNTIL)), repr(now))
+            return pipe.execute(raise_on_error=False)
+
+        results = self._run(apply, default=None)
+        if results is None:
+            self._stats.add(retention_updates_dropped=len(sent))
+            return
+        failures = [result for result in results if isinstance(result, BaseException)]
+        self._stats.add(retention_updates=sum(1 for result in results
+                                              if not isinstance(result, BaseException) and result),
+                        retention_updates_dropped=len(failures), errors=len(failures))
+        self._warn_failures(failures)
+
+    def sweep(self) -> int:
+        """End the retentions whose time has passed (their pages get the plain expiry back); returns how many. The
+        writer calls it at most every ``sweep_interval_s`` before writing; any replica's sweep serves every replica
+        sharing the server."""
+        self._last_sweep = self._clock()
+        num_expired = self._run(lambda client: client.eval(
+            SWEEP_SCRIPT, 2, self._retained_until_key, self._retained_priority_key,
+            repr(self._wall_clock()), self._plain_ttl_s, SWEEP_LIMIT), default=0)
+        if num_expired:
+            self._stats.add(retention_expired=int(num_expired))
+        return int(num_expired or 0)
+
+    def retention_of_page(self, key: PageKey) -> tuple[int, float] | None:
+        """``(priority, end)`` of a stored page's retention in the server (``math.inf`` for a pin), or None when it
+        holds none (for tests and debugging)."""
+        redis_key = self.redis_key(key)
+
+        def read(client: redis.Redis):
+            pipe = client.pipeline(transaction=False)
+            pipe.zscore(self._retained_priority_key, redis_key)
+            pipe.zscore(self._retained_until_key, redis_key)
+            return pipe.execute()
+
+        priority, until = self._run(read, default=(None, None))
+        if priority is None or until is None:
+            return None
+        return int(priority), math.inf if until >= PINNED_UNTIL else float(until)
+
+    def _sweep_if_due(self) -> None:
+        if self._clock() - self._last_sweep >= self._sweep_interval_s:
+            self.sweep()
+
+    def _relieve_memory(self, num_refused: int) -> None:
+        """Redis refused writes for lack of memory (only retained pages are left, or ``noeviction``): end the
+        retention of the lowest-priority retained pages so the next writes fit (see the module docstring)."""
+        self._stats.add(oom_refused=num_refused)
+        demoted = self._run(lambda client: client.eval(
+            DEMOTE_SCRIPT, 2, self._retained_until_key, self._retained_priority_key,
+            max(DEMOTE_MIN_PAGES, num_refused), self._plain_ttl_s), default=[]) or []
+        if demoted:
+            self._stats.add(retention_expired=len(demoted))
+        if self._throttle.should_warn("oom"):
+            if demoted:
+                remedy = (f"Ended the retention of {len(demoted)} lowest-priority page(s) so later writes fit. Give "
+                          "Redis more memory or retain less.")
+            else:
+                remedy = ("No retained page was left to release: keys without an expiry that no replica retains fill "
+                          "it (pages written by a version before retention, or other data), or the policy is "
+                          "noeviction. Flush the tier's database once, or run maxmemory-policy allkeys-lru.")
+            logger.warning(
+                "Redis KV tier at %s: the server refused %d page write(s) for lack of memory (maxmemory reached and "
+                "nothing it may evict); the pages are dropped. %s", self._where, num_refused, remedy)
+
+    def _warn_failures(self, failures: list[BaseException]) -> None:
+        other = [failure for failure in failures if not is_out_of_memory(failure)]
+        if other and self._throttle.should_warn("command"):
+            logger.warning("Redis KV tier at %s: command failed: %s: %s", self._where, type(other[0]).__name__,
+                           other[0])
 
     def _run(self, operation: Callable[[redis.Redis], T], default: T) -> T:
         """``operation(client)``, or ``default`` when the tier is closed, refused, backing off, or the call fails."""
@@ -384,13 +627,22 @@ class RedisTier(QueuedWriteTier):
             return
         found = {as_text(name): as_text(value) for name, value in config.items()}
         maxmemory, policy = found.get("maxmemory"), found.get("maxmemory-policy")
-        if (maxmemory == "0" or policy not in _EVICTING_POLICIES) and self._throttle.should_warn("unbounded"):
+        problem = None
+        if maxmemory == "0":
+            problem = (f"no maxmemory: it grows until plain pages expire ({self._plain_ttl_s} s) and pinned pages "
+                       "are unpinned")
+        elif policy not in _EVICTING_POLICIES:
+            problem = "it refuses writes when full (counted in oom_refused)"
+        elif policy not in _RETAINING_POLICIES:
+            problem = "it evicts retained (pinned) pages like any other"
+        if problem is not None and self._throttle.should_warn("unbounded"):
             logger.warning(
-                "Redis KV tier at %s: the server runs with maxmemory %s and maxmemory-policy %s; run it with "
-                "maxmemory set and maxmemory-policy allkeys-lru, or it grows without bound or refuses writes when full",
+                "Redis KV tier at %s: the server runs with maxmemory %s and maxmemory-policy %s: %s. Run it with "
+                "maxmemory set and maxmemory-policy volatile-lru (deploy/redis.conf)",
                 self._where,
                 maxmemory,
                 policy,
+                problem,
             )
 
 
@@ -489,6 +741,25 @@ class ReplyReader:
             if received == 0:
                 raise ConnectionError("the server closed the connection mid-reply")
             self._end += received
+
+
+def retention_of(item: StoredPage | RetentionUpdate) -> tuple[int, float]:
+    """``(priority, end)`` of a page's or an update's retention: priority a non-negative int, end a wall-clock time
+    (``math.inf``: pinned); anything malformed, or no priority, is ``(0, 0.0)``."""
+    try:
+        raw = item.priority if isinstance(item, RetentionUpdate) else item.retention_priority
+        priority = max(0, int(raw))
+        until = float(item.retain_until)
+    except (TypeError, ValueError, OverflowError):
+        return 0, 0.0
+    if priority == 0 or not until > 0.0:
+        return 0, 0.0
+    return priority, until
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Redis' ``OOM command not allowed when used memory > 'maxmemory'`` (also when raised inside a script)."""
+    return isinstance(error, redis.exceptions.OutOfMemoryError) or "OOM" in str(error)[:40]
 
 
 def as_text(value: object) -> str:

@@ -31,8 +31,8 @@ class BackgroundWriter:
         self,
         *,
         name: str,
-        write_pages: Callable[[list[StoredPage]], None],
-        on_failure: Callable[[list[StoredPage]], None],
+        write_pages: Callable[[list], None],
+        on_failure: Callable[[list], None],
         capacity: int,
         max_batch_pages: int = 16,
     ) -> None:
