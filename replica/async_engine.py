@@ -166,8 +166,14 @@ class AsyncEngine:
         self._submit(lambda: self._fetches.finished(fetch))
 
     async def _collect(self, plan: AdmissionPlan, fetch_plan: FetchPlan) -> list[PageRecord]:
-        """The request's pages from its segments, in order, stopping at the first that came back short. Waiting is
-        shielded: a cancelled request stops waiting, the fetch goes on."""
+        missing = plan.missing
+        return await self._collect_pages(plan.page_keys[missing.start : missing.stop],
+                                         plan.missing_token_ids(self.engine.config.page_size), fetch_plan)
+
+    @staticmethod
+    async def _collect_pages(keys, token_ids, fetch_plan: FetchPlan) -> list[PageRecord]:
+        """The pages of ``keys`` that ``fetch_plan``'s segments deliver, in order, stopping at the first segment that
+        came back short. Waiting is shielded: a cancelled caller stops waiting, the fetch goes on for the others."""
         results = []
         for segment in fetch_plan.segments:
             if segment.fetch is None:
@@ -177,10 +183,7 @@ class AsyncEngine:
             results.append(result)
             if len(result) < segment.offset + segment.count:
                 break
-        page_size = self.engine.config.page_size
-        missing = plan.missing
-        return collect_pages(fetch_plan, results, plan.page_keys[missing.start : missing.stop],
-                             plan.missing_token_ids(page_size))
+        return collect_pages(fetch_plan, results, keys, token_ids)
 
     async def prefetch_prefix(self, request: PrefetchRequest) -> PrefetchResult:
         """Hot-prefix replication, target side: copy the first ``request.num_pages`` full pages of ``request.token_ids``
@@ -218,17 +221,38 @@ class AsyncEngine:
         if not all(isinstance(t, int) and 0 <= t < engine.vocab_size for t in tokens):
             return PrefetchResult(replica_id, num_pages, error="token ids out of the vocabulary")
         keys = engine.page_keys(tokens, request.cache_salt)
-        num_local = await self._call(lambda: len(engine.kv.match_prefix(keys)))
-        if num_local == num_pages:
-            return PrefetchResult(replica_id, num_pages, num_pages_present=num_local)
-        pages = await self.fetcher.fetch(
-            keys[num_local:], [tokens[i * page_size : (i + 1) * page_size] for i in range(num_local, num_pages)],
-            peer_hint=request.peer_hint, parent_key=keys[num_local - 1] if num_local else None)
-        if not pages:
-            return PrefetchResult(replica_id, num_pages, num_pages_present=num_local,
-                                  error=f"{request.peer_hint} had none of the missing pages")
-        num_copied, _ = await self._call(lambda: engine.import_prefix(
-            keys, num_local, pages, salted=request.cache_salt is not None))
+        token_ids = [tokens[i * page_size : (i + 1) * page_size] for i in range(num_pages)]
+        participant = object()  # the copy shares fetches with requests for the same pages (fetch_sharing.py)
+        loop = asyncio.get_running_loop()
+
+        def plan_fetch() -> tuple[int, FetchPlan | None]:
+            num_local = len(engine.kv.match_prefix(keys))
+            if num_local == num_pages:
+                return num_local, None
+            fetch_plan = self._fetches.plan(
+                participant, keys[num_local:], token_ids[num_local:],
+                parent_key=keys[num_local - 1] if num_local else None, peer_hint=request.peer_hint, can_fetch=True,
+                pending=engine.pending_fetched_pages(), computing=engine.keys_being_computed())
+            for fetch in fetch_plan.new_fetches:
+                self._start_fetch(fetch, loop)
+            return num_local, fetch_plan
+
+        def import_pages(num_local: int, pages: list[PageRecord]) -> tuple[int, int]:
+            self._fetches.leave(participant)
+            return engine.import_prefix(keys, num_local, pages, salted=request.cache_salt is not None)
+
+        try:
+            num_local, fetch_plan = await self._call(plan_fetch)
+            if fetch_plan is None:
+                return PrefetchResult(replica_id, num_pages, num_pages_present=num_local)
+            pages = await self._collect_pages(keys[num_local:], token_ids[num_local:], fetch_plan)
+            if not pages:
+                error = (f"{request.peer_hint} had none of the missing pages" if fetch_plan.segments
+                         else "the missing pages are being computed here")
+                return PrefetchResult(replica_id, num_pages, num_pages_present=num_local, error=error)
+            num_copied, _ = await self._call(lambda: import_pages(num_local, pages))
+        finally:
+            self._submit(lambda: self._fetches.leave(participant))  # no-op once imported
         error = None
         if num_local + num_copied < num_pages:
             error = f"{num_pages - num_local - num_copied} page(s) not copied (peer lacked them or no room)"
@@ -313,7 +337,7 @@ class AsyncEngine:
         while not self._stopped:
             while self._inbox:
                 self._inbox.popleft()()
-            self._kv_events.extend(self.engine.kv.drain_events())
+                self._kv_events.extend(self.engine.kv.drain_events())  # a command's events precede the next one's result
             if not self.engine.has_work():
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()

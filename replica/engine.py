@@ -401,9 +401,12 @@ class LLMEngine:
         queue are not touched (an export changes no eviction order)."""
         pinned = self.kv.exports.pin_prefix(keys)
         try:
-            return self._copy_pages([page.key for page in pinned], [page.page_id for page in pinned],
-                                    [page.token_ids for page in pinned], to_cpu=to_cpu, contiguous=contiguous,
-                                    peek=True)
+            pages = self._copy_pages([page.key for page in pinned], [page.page_id for page in pinned],
+                                     [page.token_ids for page in pinned], to_cpu=to_cpu, contiguous=contiguous,
+                                     peek=True)
+            if pages and pages[0].kv.device.type == "cuda":  # the copies are queued: done before the pages are free
+                torch.cuda.current_stream(pages[0].kv.device).synchronize()
+            return pages
         finally:
             self.kv.exports.unpin([page.page_id for page in pinned])
 
