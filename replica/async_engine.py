@@ -337,7 +337,7 @@ class AsyncEngine:
         while not self._stopped:
             while self._inbox:
                 self._inbox.popleft()()
-                self._kv_events.extend(self.engine.kv.drain_events())  # a command's events precede the next one's result
+                self._kv_events.extend(self.engine.kv.drain_events())  # a command's events precede the next's result
             if not self.engine.has_work():
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()

@@ -27,7 +27,7 @@ from test_kv_sources import NUM_OUT, ask, make_async_engine, page_kv, tiny  # no
 PAGE = 128
 
 
-# ---- the registry, pure logic ----------------------------------------------------------------------------------------
+# ---- the registry, pure logic ---------------------------------------------------------------------------------------
 def keys(*names):
     return [name.encode() for name in names]
 
@@ -82,7 +82,7 @@ def test_a_fetch_stays_joinable_until_done_and_every_participant_is_gone():
     assert again.new_fetches[0].future.result() == [] and registry.num_fetches == 0
 
 
-# ---- N requests, one fetch (engine level) ----------------------------------------------------------------------------
+# ---- N requests, one fetch (engine level) ---------------------------------------------------------------------------
 class GatedPeerClient:
     """A peer copy that waits for ``gate`` (so the test decides when it lands), records the keys of every call, and
     then copies from the holder's engine or (``fail``) raises."""
@@ -250,7 +250,7 @@ def test_a_waiter_going_away_does_not_cancel_the_fetch_for_the_others(tiny):
         target.shutdown()
 
 
-# ---- exports off the engine thread ------------------------------------------------------------------------------------
+# ---- exports off the engine thread -----------------------------------------------------------------------------------
 def test_a_holder_busy_in_a_step_still_answers_an_export(tiny):
     holder = make_async_engine(tiny, "a")
     prefix = random_prompt(3 * PAGE + 20, seed=97)
