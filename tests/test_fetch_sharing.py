@@ -351,3 +351,38 @@ def test_export_index_pins_only_published_pages_and_waits_for_copies_before_reus
     assert done.is_set() and index.num_pinned_pages == 0 and index.num_reuse_waits == 1
     index.clear()
     assert index.pin_prefix([b"k1"]) == []
+
+
+def test_a_request_cancelled_while_its_admission_is_queued_leaves_the_engine_serving(tiny):
+    # the admission runs on the engine thread after the step; the caller is gone by then (its result has no taker)
+    engine = make_async_engine(tiny, "a")
+    busy_prompt, queued_prompt = random_prompt(PAGE, seed=101), random_prompt(PAGE + 5, seed=102)
+    in_step, release = threading.Event(), threading.Event()
+
+    def stuck_step(seconds, chunks):
+        in_step.set()
+        assert release.wait(60)
+
+    async def scenario():
+        engine.engine.step_observer = stuck_step
+        busy = asyncio.ensure_future(ask(engine, busy_prompt, "busy"))
+        assert await asyncio.to_thread(in_step.wait, 30)
+        queued = asyncio.ensure_future(ask(engine, queued_prompt, "queued"))
+        await asyncio.sleep(0.05)  # its admission now waits behind the stuck step
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        engine.engine.step_observer = None
+        release.set()
+        busy_tokens, _ = await asyncio.wait_for(busy, 20)
+        after_tokens, _ = await asyncio.wait_for(ask(engine, queued_prompt, "after"), 20)
+        await engine.check_integrity()
+        return busy_tokens, after_tokens
+
+    try:
+        busy_tokens, after_tokens = asyncio.run(scenario())
+        assert busy_tokens == tiny.generate(busy_prompt, NUM_OUT)
+        assert after_tokens == tiny.generate(queued_prompt, NUM_OUT)
+    finally:
+        release.set()
+        engine.shutdown()
