@@ -27,6 +27,10 @@ from replica.page_record import PageRecord
 
 logger = logging.getLogger(__name__)
 
+EXPORT_WAIT_S = 2.0
+"""How long a peer export waits for pages this replica is computing right now (below the peer client's 5 s timeout,
+so the requester still gets an answer, and recomputes, if they take longer)."""
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, fetcher: PrefixFetcher | None = None) -> None:
@@ -40,6 +44,7 @@ class AsyncEngine:
         self._request_to_sink: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._kv_events: deque[KVEvent] = deque()
         self._fetches = FetchRegistry()
+        self.export_wait_s = EXPORT_WAIT_S
         self._fetch_tasks: set[asyncio.Future] = set()
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine.config.replica_id}", daemon=True)
         self._thread.start()
@@ -130,9 +135,10 @@ class AsyncEngine:
         """Copies of the leading pages of ``keys`` this replica holds (for a peer's copy), pinned while copied; on the
         CPU, or (``to_cpu=False``) on this replica's device; ``contiguous``: slots of one tensor. The copy runs on a
         worker thread at once, not between engine steps (``LLMEngine.export_pages_concurrently``), so a busy replica
-        answers a peer in the time of the copy."""
+        answers a peer in the time of the copy; pages this replica is computing right now are waited for, at most
+        ``export_wait_s``."""
         return await asyncio.to_thread(self.engine.export_pages_concurrently, list(keys), to_cpu=to_cpu,
-                                       contiguous=contiguous)
+                                       contiguous=contiguous, wait_for_computing_s=self.export_wait_s)
 
     def _start_fetch(self, fetch: SharedFetch, loop: asyncio.AbstractEventLoop) -> None:
         """Engine thread: run ``fetch`` on ``loop``; its future is resolved whatever happens (``[]`` on failure)."""
@@ -339,6 +345,7 @@ class AsyncEngine:
                 self._inbox.popleft()()
                 self._kv_events.extend(self.engine.kv.drain_events())  # a command's events precede the next's result
             if not self.engine.has_work():
+                self.engine.kv.exports.set_computing(())  # nothing runs (an abort may have ended the computation)
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue

@@ -249,6 +249,7 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.kv.exports.set_computing(self.scheduler.in_flight_keys())  # a peer's export may wait for these
         if not plan.chunks:
             return []
         self._import_pages(plan.imports)
@@ -391,14 +392,17 @@ class LLMEngine:
         finally:
             self.kv.release(page_ids)
 
-    def export_pages_concurrently(self, keys: list[PageKey], *, to_cpu: bool = True,
-                                  contiguous: bool = False) -> list[PageRecord]:
+    def export_pages_concurrently(self, keys: list[PageKey], *, to_cpu: bool = True, contiguous: bool = False,
+                                  wait_for_computing_s: float = 0.0) -> list[PageRecord]:
         """``export_pages`` for any thread, without waiting for the engine step (a peer's copy from a busy replica).
 
         The leading run of ``keys`` that is cached now is pinned in the export index (``replica/export_index.py``):
         the engine cannot hand those pages out for other tokens until they are unpinned, and a cached page's KV never
         changes, so the copy reads exactly the KV committed under each key. The engine's reference counts and free
-        queue are not touched (an export changes no eviction order)."""
+        queue are not touched (an export changes no eviction order). ``wait_for_computing_s``: if the first page not
+        cached is being computed now, wait up to that long for it (and the pages after it) to be committed."""
+        if wait_for_computing_s > 0:
+            self.kv.exports.wait_for_computing(keys, wait_for_computing_s)
         pinned = self.kv.exports.pin_prefix(keys)
         try:
             pages = self._copy_pages([page.key for page in pinned], [page.page_id for page in pinned],

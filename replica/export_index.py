@@ -16,6 +16,11 @@ one lock shared by both sides:
     allocate a page  -> wait_unpinned(pages): blocks  unpin(pages)   (always, in a ``finally``)
                          while a copy still reads one
 
+A peer may also ask for a prefix this replica is computing right now (requests spread before the holder finished it):
+``wait_for_computing`` waits, bounded and before pinning anything, until those pages are published (the engine
+names the pages being computed each step with ``set_computing``). No pin is held while waiting, so the engine never
+waits for a waiting export.
+
 A page is pinned only while its key is published, under the lock, and withdrawing a key also happens under the lock,
 so once ``withdraw`` returns no new pin on that page can start; ``wait_unpinned`` then waits for the copies already
 under way (a copy of a few pages: milliseconds). The engine's reference counts and free queue are untouched by an
@@ -25,6 +30,7 @@ export (they are engine-thread state), so an export never changes what is evicte
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterable, NamedTuple, Sequence
 
 from common.page_keys import PageKey
@@ -39,8 +45,10 @@ class PinnedPage(NamedTuple):
 class ExportIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._unpinned = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
+        """Notified when a page is unpinned or published, or the set of pages being computed changes."""
         self._key_to_page: dict[PageKey, tuple[int, tuple[int, ...]]] = {}
+        self._computing: set[PageKey] = set()
         self._page_to_pins: dict[int, int] = {}
         self.num_reuse_waits = 0
         """How often the engine had to wait for a copy before reusing a page (for tests and diagnosis)."""
@@ -50,6 +58,8 @@ class ExportIndex:
         """``page_id`` holds the committed KV of ``key`` (the prefix cache just recorded it)."""
         with self._lock:
             self._key_to_page[key] = (page_id, token_ids)
+            self._computing.discard(key)
+            self._changed.notify_all()
 
     def withdraw(self, key: PageKey) -> None:
         """``key`` left the prefix cache: no copy may start on its page from now on."""
@@ -70,9 +80,32 @@ class ExportIndex:
                 if page_id in self._page_to_pins:
                     self.num_reuse_waits += 1
                     while page_id in self._page_to_pins:
-                        self._unpinned.wait()
+                        self._changed.wait()
+
+    def set_computing(self, keys: Iterable[PageKey]) -> None:
+        """The keys of the pages running requests are computing now (each step; empty when idle)."""
+        with self._lock:
+            self._computing = set(keys)
+            self._changed.notify_all()
 
     # ---- any thread ----------------------------------------------------------------------------------------------
+    def wait_for_computing(self, keys: Sequence[PageKey], timeout_s: float) -> None:
+        """Wait, at most ``timeout_s`` and holding no pin, while the first of ``keys`` not yet published is a page
+        being computed here (a peer asking for a prefix this replica is computing right now gets it when it is
+        committed, instead of nothing)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                num_published = 0
+                while num_published < len(keys) and keys[num_published] in self._key_to_page:
+                    num_published += 1
+                if num_published == len(keys) or keys[num_published] not in self._computing:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._changed.wait(remaining)
+
     def pin_prefix(self, keys: Sequence[PageKey]) -> list[PinnedPage]:
         """Pin the pages of the leading run of ``keys`` that are published; the caller must ``unpin`` them."""
         pinned = []
@@ -94,7 +127,7 @@ class ExportIndex:
                     self._page_to_pins[page_id] = count
                 else:
                     del self._page_to_pins[page_id]
-            self._unpinned.notify_all()
+            self._changed.notify_all()
 
     @property
     def num_pinned_pages(self) -> int:

@@ -386,3 +386,41 @@ def test_a_request_cancelled_while_its_admission_is_queued_leaves_the_engine_ser
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_an_export_of_pages_being_computed_waits_for_their_commit_bounded(tiny):
+    holder = make_async_engine(tiny, "a")
+    prefix = random_prompt(3 * PAGE + 20, seed=103)
+    in_step, release = threading.Event(), threading.Event()
+
+    def stuck_step(seconds, chunks):  # the step computing the prefix stops before committing its pages
+        in_step.set()
+        assert release.wait(60)
+
+    async def scenario():
+        page_keys = holder.engine.page_keys(prefix)[:3]
+        assert await holder.export_pages(page_keys) == []  # neither cached nor being computed: no pages, no wait
+        holder.engine.step_observer = stuck_step
+        computing = asyncio.ensure_future(ask(holder, prefix, "p"))
+        assert await asyncio.to_thread(in_step.wait, 30)
+        holder.export_wait_s = 0.2
+        assert await holder.export_pages(page_keys) == []  # the wait is bounded
+        holder.export_wait_s = 30.0
+        export = asyncio.ensure_future(holder.export_pages(page_keys, contiguous=True))
+        await asyncio.sleep(0.2)
+        assert not export.done()  # waiting for the commit
+        holder.engine.step_observer = None
+        release.set()
+        pages = await asyncio.wait_for(export, 30)
+        tokens, _ = await computing
+        return page_keys, pages, tokens
+
+    try:
+        page_keys, pages, tokens = asyncio.run(scenario())
+        assert [page.key for page in pages] == page_keys
+        for page, key in zip(pages, page_keys):
+            assert torch.equal(page.kv, page_kv(holder, key))
+        assert tokens == tiny.generate(prefix, NUM_OUT)
+    finally:
+        release.set()
+        holder.shutdown()
