@@ -4,8 +4,9 @@ thread (replica/export_index.py).
 Engine level, no Ray (the Ray transport is covered by test_e2e_cross_replica): N requests that miss the same prefix at
 once cause one peer fetch and all get the reference's greedy tokens; a failing shared fetch makes every waiter
 recompute; a waiter that goes away does not cancel the fetch for the others; a holder whose engine thread is stuck in
-a step still answers an export; a page being exported is never handed out for other tokens mid-copy, and an evicted
-page is never exported."""
+a step still answers an export, and one asked for pages it is computing right now answers when they are committed
+(bounded); a page being exported is never handed out for other tokens mid-copy, and an evicted page is never exported;
+a request cancelled while its admission is queued leaves the engine thread serving."""
 
 import asyncio
 import concurrent.futures
