@@ -21,10 +21,15 @@ from common.errors import EngineDeadError, InvalidRequestError
 from common.events import KVEvent
 from common.types import EngineRequest, EngineStats, PrefetchRequest, PrefetchResult, RequestOutput
 from replica.engine import AdmissionPlan, LLMEngine
+from replica.fetch_sharing import FetchPlan, FetchRegistry, SharedFetch, collect_pages
 from replica.kv_sources import PrefixFetcher
 from replica.page_record import PageRecord
 
 logger = logging.getLogger(__name__)
+
+EXPORT_WAIT_S = 2.0
+"""How long a peer export waits for pages this replica is computing right now (below the peer client's 5 s timeout,
+so the requester still gets an answer, and recomputes, if they take longer)."""
 
 
 class AsyncEngine:
@@ -39,6 +44,9 @@ class AsyncEngine:
         self._stopped = False
         self._request_to_sink: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._kv_events: deque[KVEvent] = deque()
+        self._fetches = FetchRegistry()
+        self.export_wait_s = EXPORT_WAIT_S
+        self._fetch_tasks: set[asyncio.Future] = set()
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine.config.replica_id}", daemon=True)
         self._thread.start()
 
@@ -66,17 +74,19 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         request_id = request.request_id
         self._request_to_sink[request_id] = (loop, queue)
+        participant = object()  # this call's share in fetches (request ids need not be unique while fetching)
         finished = False
         rejected = False
         try:
             try:
-                plan = await self._call(lambda: self._admit(request))
+                admitted = await self._call(lambda: self._admit(request, participant, loop))
             except InvalidRequestError:
                 rejected = True  # nothing was queued (and another request may hold this id)
                 raise
-            if plan is not None:  # pages to fetch first: only this request waits for them
-                fetched = await self._fetch(plan)
-                self._submit(lambda: self._add(plan, fetched))
+            if admitted is not None:  # pages to fetch first (or shared with a fetch under way): only this request waits
+                plan, fetch_plan = admitted
+                fetched = await self._collect(plan, fetch_plan)
+                self._submit(lambda: self._add(plan, fetched, participant))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -89,38 +99,98 @@ class AsyncEngine:
         finally:
             self._request_to_sink.pop(request_id, None)
             if not finished and not rejected:
-                self._submit(lambda: self.engine.abort(request_id))
+                self._submit(lambda: self._abandon(request_id, participant))
 
-    def _admit(self, request: EngineRequest) -> AdmissionPlan | None:
-        """Engine thread: plan the request; queue it now unless pages are worth fetching first (then the plan)."""
+    def _admit(self, request: EngineRequest, participant: object,
+               loop: asyncio.AbstractEventLoop) -> tuple[AdmissionPlan, FetchPlan] | None:
+        """Engine thread: plan the request; queue it now unless some of its missing pages are on their way or worth
+        fetching (then the plans; see replica/fetch_sharing.py)."""
         plan = self.engine.plan(request)
         if self.fetcher is not None and self.fetcher.tiers:  # pages reused from the local cache: worth sharing
             self.fetcher.share_local_hits(plan.page_keys[: plan.missing.start], self.engine.export_pages)
-        if plan.missing and self.fetcher is not None and self.fetcher.enabled:
-            return plan
-        self.engine.add(plan)
-        return None
+        if not plan.missing or self.fetcher is None or not self.fetcher.enabled:
+            self.engine.add(plan)
+            return None
+        missing = plan.missing
+        page_size = self.engine.config.page_size
+        peer_hint = request.peer_hint if self.engine.config.enable_peer_copy else None
+        can_fetch = bool(self.fetcher.tiers) or (self.fetcher.peer_client is not None and bool(peer_hint)
+                                                 and peer_hint != self.fetcher.own_replica_id)
+        keys = plan.page_keys[missing.start : missing.stop]
+        token_ids = plan.missing_token_ids(page_size)
+        fetch_plan = self._fetches.plan(
+            participant, keys, token_ids, parent_key=plan.page_keys[missing.start - 1] if missing.start else None,
+            peer_hint=peer_hint, can_fetch=can_fetch, pending=self.engine.pending_fetched_pages(),
+            computing=self.engine.keys_being_computed())
+        for fetch in fetch_plan.new_fetches:
+            self._start_fetch(fetch, loop)
+        if fetch_plan.ready:  # nothing to wait for: queue it with the pages at hand
+            self.engine.add(plan, collect_pages(fetch_plan, [()] * len(fetch_plan.segments), keys, token_ids))
+            return None
+        return plan, fetch_plan
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
     async def export_pages(self, keys: list[bytes], to_cpu: bool = True, contiguous: bool = False) -> list[PageRecord]:
         """Copies of the leading pages of ``keys`` this replica holds (for a peer's copy), pinned while copied; on the
-        CPU, or (``to_cpu=False``) on this replica's device; ``contiguous``: slots of one tensor."""
-        return await self._call(lambda: self.engine.export_pages(list(keys), to_cpu=to_cpu, contiguous=contiguous))
+        CPU, or (``to_cpu=False``) on this replica's device; ``contiguous``: slots of one tensor. The copy runs on a
+        worker thread at once, not between engine steps (``LLMEngine.export_pages_concurrently``), so a busy replica
+        answers a peer in the time of the copy; pages this replica is computing right now are waited for, at most
+        ``export_wait_s``."""
+        return await asyncio.to_thread(self.engine.export_pages_concurrently, list(keys), to_cpu=to_cpu,
+                                       contiguous=contiguous, wait_for_computing_s=self.export_wait_s)
 
-    async def _fetch(self, plan: AdmissionPlan) -> list[PageRecord]:
-        """The plan's missing pages from a peer / the shared tiers (verified), on the caller's event loop."""
-        request = plan.request
-        missing = plan.missing
-        peer_hint = request.peer_hint if self.engine.config.enable_peer_copy else None
+    def _start_fetch(self, fetch: SharedFetch, loop: asyncio.AbstractEventLoop) -> None:
+        """Engine thread: run ``fetch`` on ``loop``; its future is resolved whatever happens (``[]`` on failure)."""
         try:
-            return await self.fetcher.fetch(plan.page_keys[missing.start : missing.stop],
-                                            plan.missing_token_ids(self.engine.config.page_size), peer_hint=peer_hint,
-                                            parent_key=plan.page_keys[missing.start - 1] if missing.start else None)
+            loop.call_soon_threadsafe(self._spawn_fetch, fetch)
+        except RuntimeError:  # the loop is closed: nobody can run it
+            fetch.future.set_result([])
+            self._fetches.finished(fetch)
+
+    def _spawn_fetch(self, fetch: SharedFetch) -> None:
+        task = asyncio.ensure_future(self._run_fetch(fetch))
+        self._fetch_tasks.add(task)
+        task.add_done_callback(lambda done: self._end_fetch(fetch, done))
+
+    async def _run_fetch(self, fetch: SharedFetch) -> list[PageRecord]:
+        """One shared fetch (owned by the engine, not by the request that started it: a client going away does not
+        cancel it for the others)."""
+        try:
+            return await self.fetcher.fetch(list(fetch.keys), [list(tokens) for tokens in fetch.token_ids],
+                                            peer_hint=fetch.peer_hint, parent_key=fetch.parent_key)
         except Exception:  # noqa: BLE001 - sources degrade to recompute, never fail the request
             logger.exception("fetching prefix pages failed; recomputing them")
             return []
+
+    def _end_fetch(self, fetch: SharedFetch, task: asyncio.Task) -> None:
+        """Resolve the fetch's future (``[]`` if the task failed or was cancelled, even before it started)."""
+        self._fetch_tasks.discard(task)
+        pages = [] if task.cancelled() or task.exception() is not None else task.result()
+        if not fetch.future.done():
+            fetch.future.set_result(pages)
+        self._submit(lambda: self._fetches.finished(fetch))
+
+    async def _collect(self, plan: AdmissionPlan, fetch_plan: FetchPlan) -> list[PageRecord]:
+        missing = plan.missing
+        return await self._collect_pages(plan.page_keys[missing.start : missing.stop],
+                                         plan.missing_token_ids(self.engine.config.page_size), fetch_plan)
+
+    @staticmethod
+    async def _collect_pages(keys, token_ids, fetch_plan: FetchPlan) -> list[PageRecord]:
+        """The pages of ``keys`` that ``fetch_plan``'s segments deliver, in order, stopping at the first segment that
+        came back short. Waiting is shielded: a cancelled caller stops waiting, the fetch goes on for the others."""
+        results = []
+        for segment in fetch_plan.segments:
+            if segment.fetch is None:
+                results.append(())
+                continue
+            result = await asyncio.shield(asyncio.wrap_future(segment.fetch.future))
+            results.append(result)
+            if len(result) < segment.offset + segment.count:
+                break
+        return collect_pages(fetch_plan, results, keys, token_ids)
 
     async def prefetch_prefix(self, request: PrefetchRequest) -> PrefetchResult:
         """Hot-prefix replication, target side: copy the first ``request.num_pages`` full pages of ``request.token_ids``
@@ -158,17 +228,38 @@ class AsyncEngine:
         if not all(isinstance(t, int) and 0 <= t < engine.vocab_size for t in tokens):
             return PrefetchResult(replica_id, num_pages, error="token ids out of the vocabulary")
         keys = engine.page_keys(tokens, request.cache_salt)
-        num_local = await self._call(lambda: len(engine.kv.match_prefix(keys)))
-        if num_local == num_pages:
-            return PrefetchResult(replica_id, num_pages, num_pages_present=num_local)
-        pages = await self.fetcher.fetch(
-            keys[num_local:], [tokens[i * page_size : (i + 1) * page_size] for i in range(num_local, num_pages)],
-            peer_hint=request.peer_hint, parent_key=keys[num_local - 1] if num_local else None)
-        if not pages:
-            return PrefetchResult(replica_id, num_pages, num_pages_present=num_local,
-                                  error=f"{request.peer_hint} had none of the missing pages")
-        num_copied, _ = await self._call(lambda: engine.import_prefix(
-            keys, num_local, pages, salted=request.cache_salt is not None))
+        token_ids = [tokens[i * page_size : (i + 1) * page_size] for i in range(num_pages)]
+        participant = object()  # the copy shares fetches with requests for the same pages (fetch_sharing.py)
+        loop = asyncio.get_running_loop()
+
+        def plan_fetch() -> tuple[int, FetchPlan | None]:
+            num_local = len(engine.kv.match_prefix(keys))
+            if num_local == num_pages:
+                return num_local, None
+            fetch_plan = self._fetches.plan(
+                participant, keys[num_local:], token_ids[num_local:],
+                parent_key=keys[num_local - 1] if num_local else None, peer_hint=request.peer_hint, can_fetch=True,
+                pending=engine.pending_fetched_pages(), computing=engine.keys_being_computed())
+            for fetch in fetch_plan.new_fetches:
+                self._start_fetch(fetch, loop)
+            return num_local, fetch_plan
+
+        def import_pages(num_local: int, pages: list[PageRecord]) -> tuple[int, int]:
+            self._fetches.leave(participant)
+            return engine.import_prefix(keys, num_local, pages, salted=request.cache_salt is not None)
+
+        try:
+            num_local, fetch_plan = await self._call(plan_fetch)
+            if fetch_plan is None:
+                return PrefetchResult(replica_id, num_pages, num_pages_present=num_local)
+            pages = await self._collect_pages(keys[num_local:], token_ids[num_local:], fetch_plan)
+            if not pages:
+                error = (f"{request.peer_hint} had none of the missing pages" if fetch_plan.segments
+                         else "the missing pages are being computed here")
+                return PrefetchResult(replica_id, num_pages, num_pages_present=num_local, error=error)
+            num_copied, _ = await self._call(lambda: import_pages(num_local, pages))
+        finally:
+            self._submit(lambda: self._fetches.leave(participant))  # no-op once imported
         error = None
         if num_local + num_copied < num_pages:
             error = f"{num_pages - num_local - num_copied} page(s) not copied (peer lacked them or no room)"
@@ -207,6 +298,8 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._fetches.abandon_all()
         if self.fetcher is not None:
             self.fetcher.close()
 
@@ -216,6 +309,8 @@ class AsyncEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return  # the caller was cancelled before this ran: nobody takes the result
             try:
                 future.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
@@ -228,18 +323,30 @@ class AsyncEngine:
         self._inbox.append(fn)
         self._wake.set()
 
-    def _add(self, plan: AdmissionPlan, fetched: list[PageRecord]) -> None:
+    def _add(self, plan: AdmissionPlan, fetched: list[PageRecord], participant: object) -> None:
+        self._fetches.leave(participant)  # in one engine-thread call: the pages are queued as the fetch is dropped
         try:
             self.engine.add(plan, fetched)
         except Exception as exc:  # noqa: BLE001 - reported to the request's caller
             self._deliver(plan.request.request_id, exc)
 
+    def _abandon(self, request_id: str, participant: object) -> None:
+        """The caller went away: drop its shares in fetches (they go on for others) and abort it if queued."""
+        self._fetches.leave(participant)
+        self.engine.abort(request_id)
+
+    @property
+    def fetches(self) -> FetchRegistry:
+        """Shared fetches in flight (engine-thread state: read it from the engine thread, e.g. inside ``_call``)."""
+        return self._fetches
+
     def _run(self) -> None:
         while not self._stopped:
             while self._inbox:
                 self._inbox.popleft()()
-            self._kv_events.extend(self.engine.kv.drain_events())
+                self._kv_events.extend(self.engine.kv.drain_events())  # a command's events precede the next's result
             if not self.engine.has_work():
+                self.engine.kv.exports.set_computing(())  # nothing runs (an abort may have ended the computation)
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue

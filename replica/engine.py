@@ -225,6 +225,20 @@ class LLMEngine:
         self.scheduler.finish(tracked.seq, "abort")
         return self._output(tracked, [], "", finished=True)
 
+    def pending_fetched_pages(self) -> dict[PageKey, PageRecord]:
+        """Verified pages fetched for queued requests and not yet imported, by key (another request for the same
+        pages can use them instead of fetching again)."""
+        pages = {}
+        for seq in self.scheduler.waiting:
+            for page in seq.fetched:
+                pages.setdefault(page.key, page)
+        return pages
+
+    def keys_being_computed(self) -> set[PageKey]:
+        """Keys of full pages running requests are computing now (the scheduler holds back a request that needs one
+        until it is committed)."""
+        return self.scheduler.in_flight_keys()
+
     def request_ids(self) -> list[str]:
         return list(self._tracked)
 
@@ -254,6 +268,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.kv.exports.set_computing(self.scheduler.in_flight_keys())  # a peer's export may wait for these
         if not plan.chunks:
             return []
         self._import_pages(plan.imports)
@@ -323,9 +338,11 @@ class LLMEngine:
         if num_later_tokens > 0:
             latency.time_per_output_token.observe(decode_s / num_later_tokens)
 
-    def _tier_retention(self, page_id: int) -> tuple[int, float]:
-        """(priority, wall-clock end) of a page's retention, for the shared tiers ((0, 0.0): none)."""
-        retention = self.kv.pool.retention_of(page_id)
+    def _tier_retention(self, page_id: int, *, peek: bool = False) -> tuple[int, float]:
+        """(priority, wall-clock end) of a page's retention, for the shared tiers ((0, 0.0): none). ``peek``: as last
+        recorded, without expiring (safe off the engine thread)."""
+        pool = self.kv.pool
+        retention = pool.peek_retention(page_id) if peek else pool.retention_of(page_id)
         if retention is None:
             return 0, 0.0
         return retention.priority, retention.expires_at - self.kv.clock() + time.time()
@@ -389,24 +406,52 @@ class LLMEngine:
         page_ids = self.kv.match_prefix(keys)
         self.kv.acquire(page_ids)
         try:
-            pages = []
-            stacked = None
-            if contiguous and page_ids:
-                first = self.runner.read_page(page_ids[0])
-                stacked = torch.empty((len(page_ids), *first.shape), dtype=first.dtype,
-                                      device="cpu" if to_cpu else first.device)
-            for index, (key, page_id) in enumerate(zip(keys, page_ids)):
-                kv = self.runner.read_page(page_id)
-                if stacked is not None:
-                    copy = stacked[index].copy_(kv)
-                else:
-                    copy = kv.to("cpu", copy=True) if to_cpu else kv.clone()
-                priority, until = self._tier_retention(page_id)
-                pages.append(PageRecord(key, self.kv.cache.page_to_token_ids[page_id], copy,
-                                        retention_priority=priority, retain_until=until))
-            return pages
+            token_ids = [self.kv.cache.page_to_token_ids[page_id] for page_id in page_ids]
+            return self._copy_pages(keys, page_ids, token_ids, to_cpu=to_cpu, contiguous=contiguous)
         finally:
             self.kv.release(page_ids)
+
+    def export_pages_concurrently(self, keys: list[PageKey], *, to_cpu: bool = True, contiguous: bool = False,
+                                  wait_for_computing_s: float = 0.0) -> list[PageRecord]:
+        """``export_pages`` for any thread, without waiting for the engine step (a peer's copy from a busy replica).
+
+        The leading run of ``keys`` that is cached now is pinned in the export index (``replica/export_index.py``):
+        the engine cannot hand those pages out for other tokens until they are unpinned, and a cached page's KV never
+        changes, so the copy reads exactly the KV committed under each key. The engine's reference counts and free
+        queue are not touched (an export changes no eviction order). ``wait_for_computing_s``: if the first page not
+        cached is being computed now, wait up to that long for it (and the pages after it) to be committed."""
+        if wait_for_computing_s > 0:
+            self.kv.exports.wait_for_computing(keys, wait_for_computing_s)
+        pinned = self.kv.exports.pin_prefix(keys)
+        try:
+            pages = self._copy_pages([page.key for page in pinned], [page.page_id for page in pinned],
+                                     [page.token_ids for page in pinned], to_cpu=to_cpu, contiguous=contiguous,
+                                     peek=True)
+            if pages and pages[0].kv.device.type == "cuda":  # the copies are queued: done before the pages are free
+                torch.cuda.current_stream(pages[0].kv.device).synchronize()
+            return pages
+        finally:
+            self.kv.exports.unpin([page.page_id for page in pinned])
+
+    def _copy_pages(self, keys, page_ids, token_ids, *, to_cpu: bool, contiguous: bool,
+                    peek: bool = False) -> list[PageRecord]:
+        """PageRecords holding copies of the pinned pages ``page_ids`` (``peek``: read retention without expiring,
+        off the engine thread)."""
+        pages = []
+        stacked = None
+        if contiguous and page_ids:
+            first = self.runner.read_page(page_ids[0])
+            stacked = torch.empty((len(page_ids), *first.shape), dtype=first.dtype,
+                                  device="cpu" if to_cpu else first.device)
+        for index, (key, page_id, tokens) in enumerate(zip(keys, page_ids, token_ids)):
+            kv = self.runner.read_page(page_id)
+            if stacked is not None:
+                copy = stacked[index].copy_(kv)
+            else:
+                copy = kv.to("cpu", copy=True) if to_cpu else kv.clone()
+            priority, until = self._tier_retention(page_id, peek=peek)
+            pages.append(PageRecord(key, tokens, copy, retention_priority=priority, retain_until=until))
+        return pages
 
     def import_prefix(self, page_keys: list[PageKey], first_index: int, pages: list[PageRecord] | tuple = (), *,
                       salted: bool = False) -> tuple[int, int]:

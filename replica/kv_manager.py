@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored, StoredPageInfo
 from common.page_keys import PageKey
 from common.types import KVCacheMetrics, PinPrefix, PrefixReport
+from replica.export_index import ExportIndex
 from replica.page_pool import PagePool
 from replica.prefix_cache import NullPrefixCache, PrefixCache
 from replica.retention import RetentionRegistry
@@ -60,6 +61,8 @@ class KVCacheManager:
         self.clock = clock
         self.pool = PagePool(num_pages, max_retained_pages=max_retained_pages, clock=clock)
         self.cache = PrefixCache() if enable_prefix_caching else NullPrefixCache()
+        self.exports = ExportIndex()
+        """The cached pages as other threads may copy them (peer exports off the engine thread; see export_index)."""
         self.num_evictions = 0
         self.metrics = KVCacheMetrics(max_retained_pages=self.pool.max_retained_pages)
         self._page_to_cached_at: dict[int, float] = {}
@@ -127,6 +130,7 @@ class KVCacheManager:
         for taken in self.pool.last_taken:
             key = self.cache.remove(taken.page_id)
             if key is not None:
+                self.exports.withdraw(key)
                 evicted.append(key)
                 self._proactive_keys.discard(key)
                 self._key_to_tier_retention.pop(key, None)
@@ -134,6 +138,7 @@ class KVCacheManager:
         if evicted:
             self.num_evictions += len(evicted)
             self._emit(PagesRemoved, tuple(evicted))
+        self.exports.wait_unpinned(page_ids)  # a peer export still copying one of them finishes first
         return page_ids
 
     def release(self, page_ids: Sequence[int]) -> None:
@@ -281,6 +286,7 @@ class KVCacheManager:
         token_ids = tuple(token_ids)  # one tuple, shared by the cache and the event
         if not self.cache.insert(key, page_id, token_ids):
             return CommitResult(page_id, False)
+        self.exports.publish(key, page_id, token_ids)
         now = self.clock()
         self._page_to_cached_at[page_id] = now
         self._page_to_last_use[page_id] = now
@@ -302,6 +308,7 @@ class KVCacheManager:
         self._key_to_tier_retention.clear()
         self.registry.clear_requests()
         self.cache.clear()
+        self.exports.clear()
         self._proactive_keys.clear()
         self._emit_cleared()
         return True
@@ -333,6 +340,7 @@ class KVCacheManager:
         number of tables holding each page."""
         self.pool.check_integrity()
         self.cache.check_integrity()
+        self.exports.check_integrity(self.cache.key_to_page)
         if self.num_free_pages + self.num_pages_in_use != self.num_pages:
             raise AssertionError("free + in use != total")
         if page_tables:

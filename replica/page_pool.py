@@ -98,6 +98,11 @@ class PagePool:
         self.expire()
         return self._page_to_retention.get(page_id)
 
+    def peek_retention(self, page_id: int) -> PageRetention | None:
+        """The page's retention as last recorded, without expiring anything: a plain dict read, so callable from
+        another thread (a peer export); it may be a moment stale."""
+        return self._page_to_retention.get(page_id)
+
     def retentions(self) -> dict[int, PageRetention]:
         """Page id -> its retention, for every page whose retention holds now (a copy)."""
         self.expire()

@@ -1,11 +1,12 @@
 """Peer copy: moving pages between replicas without pickling tensors.
 
-The holder exports the pages (pinned while copied, see ``LLMEngine.export_pages``) as a ``PageBundle``: one contiguous
-numpy array ``[num_pages, layers, 2, page_size, kv_heads, head_dim]`` plus keys and token ids. The export copies the
-pool pages straight into that array (``contiguous=True``), so the holder copies each byte once before Ray puts it in
-the object store; the receiver writes the pages into its pool from the store's memory. Ray stores numpy
-arrays in its object store and hands them to the reader zero-copy, so a bundle crosses processes at memory-copy speed
-(torch tensors would be pickled). bfloat16 has no numpy dtype: its bits travel as uint16 and are viewed back.
+The holder exports the pages (pinned while copied, off its engine thread: ``LLMEngine.export_pages_concurrently``) as a
+``PageBundle``: one contiguous numpy array ``[num_pages, layers, 2, page_size, kv_heads, head_dim]`` plus keys and
+token ids. The export copies the pool pages straight into that array (``contiguous=True``), so the holder copies each
+byte once before Ray puts it in the object store; the receiver writes the pages into its pool from the store's memory.
+Ray stores numpy arrays in its object store and hands them to the reader zero-copy, so a bundle crosses processes at
+memory-copy speed (torch tensors would be pickled). bfloat16 has no numpy dtype: its bits travel as uint16 and are
+viewed back.
 
 On GPUs of one host the holder answers a ``CudaIpcBundle`` instead (replica/cuda_ipc.py): the receiver maps the
 holder's staging tensor and copies it device to device, then releases it. Across hosts, or when the receiver cannot

@@ -9,7 +9,8 @@ Each ``schedule()`` builds one engine step:
 2. Waiting requests, in arrival order, are admitted while the budget, ``max_num_seqs`` and free pages allow. On
    admission the longest cached prefix is matched (at most all but the last prompt token: one token is always computed
    to produce logits) and pinned. A waiting request whose next page is being computed right now by a running request
-   is held back a step, so that concurrent requests with one prefix share one copy instead of computing it twice.
+   is held back a step, so that concurrent requests with one prefix share one copy instead of computing it twice; the
+   same for a page another request imports (fetched from a peer or a tier) in this step: it is a local hit next step.
    Running requests are never preempted to admit waiting ones.
 
 Retention (priority + TTL) never changes these decisions: a retained page that no request holds is a free page
@@ -147,7 +148,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        in_flight_keys = self._in_flight_keys()
+        in_flight_keys = self.in_flight_keys()
+        imported_keys: set[PageKey] = set()  # pages admitted requests import this step: cached (a local hit) next step
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -156,7 +158,9 @@ class Scheduler:
             hit_page_ids = self.kv.match_prefix(page_keys[:max_match])
             imported = self._usable_fetched(seq, len(hit_page_ids), max_match)
             next_index = len(hit_page_ids) + len(imported)
-            if next_index < min(max_match, len(page_keys)) and page_keys[next_index] in in_flight_keys:
+            next_key = page_keys[next_index] if next_index < min(max_match, len(page_keys)) else None
+            if ((imported and imported[0].key in imported_keys)
+                    or (next_key is not None and (next_key in in_flight_keys or next_key in imported_keys))):
                 deferred.append(self.waiting.popleft())
                 continue
             num_cached_pages = len(hit_page_ids) + len(imported)
@@ -193,6 +197,7 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
             in_flight_keys.update(page_keys[num_cached_pages:])
+            imported_keys.update(page.key for page in imported)
         self.waiting.extendleft(reversed(deferred))
 
     def _usable_fetched(self, seq: Sequence, num_hit_pages: int, max_match: int) -> list[PageRecord]:
@@ -227,7 +232,7 @@ class Scheduler:
         num_pages_total = -(-(seq.num_computed_tokens + num_new_tokens) // self.page_size)
         return max(0, num_pages_total - len(seq.page_ids))
 
-    def _in_flight_keys(self) -> set:
+    def in_flight_keys(self) -> set:
         """Keys of full pages that running requests are computing but have not committed yet."""
         keys = set()
         for seq in self.running:

@@ -137,6 +137,29 @@ def test_fetched_pages_continuing_the_local_hit_become_imports():
     assert (scheduler2.num_prompt_tokens_hit, scheduler2.num_prompt_tokens_hit_local) == (384, 128)
 
 
+def test_requests_wait_a_step_for_pages_another_request_imports_then_hit_them():
+    scheduler = make_scheduler(16)
+    prompt = list(range(400))
+    a, b, c = make_seq("a", prompt, 0), make_seq("b", prompt + [1], 1), make_seq("c", prompt + [2], 2)
+    fetched = tuple(PageRecord(a.page_keys[i], tuple(prompt[i * PAGE:(i + 1) * PAGE]), torch.zeros(1),
+                               CacheSource.PEER) for i in range(3))
+    a.fetched = b.fetched = fetched  # one shared fetch: b carries the same pages; c (no peer hint) carries none
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert [(item.seq.request_id, item.page_index) for item in out.imports] == [("a", 0), ("a", 1), ("a", 2)]
+    assert chunks_of(out) == [("a", 16)] and list(scheduler.waiting) == [b, c]  # no second copy, no recompute
+    for item in out.imports:  # what the engine does before the model runs
+        scheduler.kv.commit_page(item.seq.page_ids[item.page_index], item.page.key, item.page.token_ids)
+    a.num_computed_tokens += 16
+    a.output_token_ids.append(7)
+    second = run_step(scheduler)
+    assert chunks_of(second) == [("a", 1), ("b", 17), ("c", 17)]
+    assert a.page_ids[:3] == b.page_ids[:3] == c.page_ids[:3]
+    assert b.cached_by_source == c.cached_by_source == {CacheSource.LOCAL: 3 * PAGE}
+    scheduler.kv.check_integrity([a.page_ids, b.page_ids, c.page_ids])
+
+
 def test_caching_off_matches_nothing_and_hashes_nothing():
     scheduler = make_scheduler(8, caching=False)
     prompt = list(range(300))
