@@ -6,8 +6,10 @@ prefix to those 4 decodes; and a batch-8 decode step where pairs of requests sha
 With ``--compare-aten-decode`` every measurement is repeated, alternating, with the decode rows attended by ATen's
 flash kernel run by run (merged by log-sum-exp) instead of the C++ decode kernel (``replica.cpu_kernels``); with
 ``--compare-generic``, with the device-generic attention path (SDPA over gathered K/V with masks); with
-``--compare-small-linear`` (float32), with every linear layer on ATen's GEMM instead of the small-row kernel (the
-compiled forward then holds one graph per setting, compiled in the warm-up round). The paths are
+``--compare-small-linear``, with every linear layer on the library's GEMM (MKL for float32, oneDNN for bfloat16) instead
+of the small-row kernel (``replica.llama.linear_kernel_mode``; the compiled forward then holds graphs per setting,
+compiled in the warm-up round, for bfloat16 without frozen weights: compare float32 only, or use
+``benchmarks/linear_rows.py``). The paths are
 printed side by side, with the first one's time over each other's.
 
     PYTHONPATH=. .venv/bin/python benchmarks/engine_steps.py --model DIR [--dtype bfloat16] [--rounds 3]
@@ -95,27 +97,23 @@ def main() -> None:
     kernel = cpu_kernels.load()
     runner = engine.runner
     compact = runner._compiled.forward.module if runner._compiled is not None else runner._compact
-    small_rows = bool(compact is not None and compact.small_rows)
-
-    def set_small_rows(on: bool) -> None:
-        for module in (compact, *compact.layers):
-            module.small_rows = on
+    linear_kernel = compact.linear_kernel if compact is not None else None
 
     # name: (_CPU_SEGMENTS, decode kernel, small-row linear kernel)
-    paths = {("in place, C++ decode" if kernel else "in place"): (True, kernel, small_rows)}
+    paths = {("in place, C++ decode" if kernel else "in place"): (True, kernel, linear_kernel)}
     if args.compare_aten_decode and kernel:
-        paths["in place, ATen decode"] = (True, False, small_rows)
+        paths["in place, ATen decode"] = (True, False, linear_kernel)
     if args.compare_generic:
-        paths["generic"] = (False, False, small_rows)
-    if args.compare_small_linear and small_rows:
-        paths["ATen linear"] = (True, kernel, False)
+        paths["generic"] = (False, False, linear_kernel)
+    if args.compare_small_linear and linear_kernel:
+        paths["library linear"] = (True, kernel, None)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
     for round_index in range(args.rounds + 1):  # round 0 warms up (first use of each shape)
         for name, (segments, decode_kernel, linear_kernel) in paths.items():
             paged_attention._CPU_SEGMENTS = segments
             paged_attention._CPU_DECODE_KERNEL = decode_kernel
             if compact is not None:
-                set_small_rows(linear_kernel)
+                compact.linear_kernel = linear_kernel
             measured = one_round()
             if round_index:
                 results[name].append(measured)

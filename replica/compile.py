@@ -8,7 +8,11 @@ every step, with T and S dynamic (at least 2 each):
   weights are read once either way, and a static T = 1 graph would double the compile time;
 - a single sampled row (S = 1) is repeated, for the same reason.
 
-The graph is compiled at start-up by the runner's warm-up step; afterwards no step recompiles (``num_compiles``;
+A model whose short steps run the small-row linear kernel (bfloat16 on CPU: ``replica.llama.SMALL_GRAPH_ROWS``) has a
+second graph for steps of at most that many tokens, selected by ``forward``'s ``small_step`` argument; both are
+dynamic in T and S.
+
+The graphs are compiled at start-up by the runner's warm-up steps; afterwards no step recompiles (``num_compiles``;
 tests/test_compiled_runner.py runs a mixed workload and checks it).
 
 Inductor options per dtype (``INDUCTOR_OPTIONS``): for bfloat16, ``freezing`` makes the weights graph constants, so
@@ -97,7 +101,11 @@ class CompiledForward:
             logits_index = logits_index.repeat(2)
         torch._dynamo.mark_dynamic(ids_pos, 1, min=2, max=MAX_TOKENS)
         torch._dynamo.mark_dynamic(logits_index, 0, min=2, max=MAX_TOKENS)
-        logits = self._compiled(ids_pos, logits_index)
+        small_step = getattr(self.module, "small_step", None)
+        if small_step is not None and small_step(ids_pos.shape[1]):  # its own graph (replica.llama.SMALL_GRAPH_ROWS)
+            logits = self._compiled(ids_pos, logits_index, True)
+        else:
+            logits = self._compiled(ids_pos, logits_index)
         return logits[:1] if num_rows == 1 else logits
 
 

@@ -7,12 +7,12 @@ one ATen flash-attention call per run per row plus a log-sum-exp merge in Python
 for long query blocks, and with the 1-16 query vectors of a decode row per kv head its bfloat16 path ran at about
 half its float32 speed here (benchmarks/decode_attention.py).
 
-``linear`` is the float32 linear layer of the compact model (``replica.llama``) for inputs of at most 16 rows: a
-decode batch or a short prompt. ATen's float32 GEMM (MKL) packs the weight matrix on every call, and with 2-16 rows
-that costs as much as the product; the kernel dots each block of weight rows, read from memory once, against every
-input row, and measured 0.4-0.7x ATen's time for 3-16 rows of the 512 x 8 tiny Llama's layers and 0.7-0.9x for 1-2
-(``benchmarks/forward_step.py --compare-linear``). Larger inputs and other dtypes go to ``at::linear`` inside the
-op, so one compiled graph serves every step. bfloat16 keeps inductor's frozen, packed oneDNN GEMMs.
+``linear`` is the compact model's linear layer (``replica.llama``) for a few rows: a decode batch or a short prompt.
+Each block of weight rows is read from memory once and dotted against every input row, with float32 sums rounded
+once to the output dtype. float32: up to 16 rows, where ATen's MKL GEMM packs the weight matrix on every call; it
+measured 0.4-0.7x ATen's time for 3-16 rows of the 512 x 8 tiny Llama and 0.7-0.9x for 1-2. bfloat16: up to 4 rows,
+0.5-0.8x oneDNN's packed AMX GEMM, which wins from ~8 rows (``benchmarks/linear_rows.py``). Larger inputs and other
+dtypes go to ``at::linear`` inside the op.
 
 The library is compiled once per machine type (the build directory's name carries a digest of the source, the
 compiler flags and the CPU's flags, since ``-march=native`` code must not run on another CPU) and loaded with

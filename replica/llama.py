@@ -125,15 +125,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _small_rows_kernel(weight: torch.Tensor) -> bool:
-    """Whether this model's linear layers go through ``cpu_kernels.linear`` (float32 on CPU, kernels built): ATen's
-    float32 GEMM packs the weight matrix on every call, which for the 2-16 rows of a decode batch or a short prompt
-    costs as much as the product (the kernel's source says more)."""
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and cpu_kernels.available()
+SMALL_GRAPH_ROWS = 4
+"""bfloat16 steps of at most this many tokens run a graph of their own whose linear layers are ``cpu_kernels.linear``
+(measured on the AMX Xeon, the tiny Llama's weights streamed once per step: 0.5-0.7x oneDNN's packed AMX GEMMs for
+1-4 rows, even at 5-6, slower from 8; benchmarks/linear_rows.py); longer steps keep inductor's frozen oneDNN GEMMs."""
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small_rows: bool) -> torch.Tensor:
-    if small_rows:  # at most 16 rows: the C++ kernel; more: at::linear, decided inside the op (one graph for all T)
+def linear_kernel_mode(weight: torch.Tensor) -> str | None:
+    """How this model's linear layers use the small-row C++ kernel (``cpu_kernels.linear``), on CPU when it is built:
+
+    - ``"always"`` (float32): every linear layer calls the op, which takes inputs of at most 16 rows itself and hands
+      larger ones to ATen (one graph for every step). ATen's float32 GEMM packs the weight matrix on every call,
+      which for the 2-16 rows of a decode batch or a short prompt costs as much as the product;
+    - ``"small-steps"`` (bfloat16): steps of at most ``SMALL_GRAPH_ROWS`` tokens run a graph whose linear layers are
+      the op; longer ones run the graph with inductor's packed oneDNN GEMMs, which win from ~8 rows;
+    - None: ATen (other dtypes, other devices, no kernels)."""
+    if weight.device.type != "cpu" or not cpu_kernels.available():
+        return None
+    return {torch.float32: "always", torch.bfloat16: "small-steps"}.get(weight.dtype)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> torch.Tensor:
+    if kernel:
         return torch.ops.prefixserve_cpu.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -167,14 +180,13 @@ class DecoderLayer(nn.Module):
         self.intermediate = mlp.gate_proj.out_features
         self.down_weight, self.down_bias = _frozen(mlp.down_proj.weight), _frozen(mlp.down_proj.bias)
         self.act_fn = mlp.act_fn
-        self.small_rows = _small_rows_kernel(self.o_weight)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool) -> torch.Tensor:
         num_tokens = h.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         residual = h
         x = self.input_norm(h)
-        qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.small_rows)
+        qkv = _linear(x, self.qkv_weight, self.qkv_bias, kernel)
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -185,19 +197,19 @@ class DecoderLayer(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         attn = torch.ops.prefixserve.paged_attention(q, k, v, self.layer_idx, self.scaling, self.sliding_window)
-        out = _linear(attn.view(num_tokens, q_size), self.o_weight, self.o_bias, self.small_rows)
+        out = _linear(attn.view(num_tokens, q_size), self.o_weight, self.o_bias, kernel)
         if self.sandwich:
             h = residual + self.post_attention_norm(out)
             x = self.pre_feedforward_norm(h)
         else:
             h = residual + out
             x = self.post_attention_norm(h)
-        gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, self.small_rows)
+        gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, kernel)
         mlp_out = _linear(
             self.act_fn(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :],
             self.down_weight,
             self.down_bias,
-            self.small_rows,
+            kernel,
         )
         if self.sandwich:
             mlp_out = self.post_feedforward_norm(mlp_out)
@@ -247,9 +259,20 @@ class CompactCausalLM(nn.Module):
         self.lm_head_bias = _frozen(getattr(lm_head, "bias", None))
         softcap = getattr(config, "final_logit_softcapping", None)
         self.final_logit_softcapping = float(softcap) if softcap else None
-        self.small_rows = _small_rows_kernel(self.lm_head_weight)
+        self.linear_kernel = linear_kernel_mode(self.lm_head_weight)
+        """``linear_kernel_mode``; the benchmarks switch it (a compiled forward then compiles a graph per setting)."""
 
-    def forward(self, ids_pos: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+    def small_step(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens runs the small-step graph (``forward``'s ``small_step``)."""
+        return self.linear_kernel == "small-steps" and num_tokens <= SMALL_GRAPH_ROWS
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs a compiled forward of this model holds: one, or two with small steps on the kernel."""
+        return 2 if self.linear_kernel == "small-steps" else 1
+
+    def forward(self, ids_pos: torch.Tensor, logits_index: torch.Tensor, small_step: bool = False) -> torch.Tensor:
+        kernel = self.linear_kernel == "always" or (small_step and self.linear_kernel == "small-steps")
         h = F.embedding(ids_pos[0], self.embed_weight)
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -263,9 +286,9 @@ class CompactCausalLM(nn.Module):
             rope.append((cos, sin))
         for layer in self.layers:
             cos, sin = rope[layer.rope_index]
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, kernel)
         h = self.norm(h.index_select(0, logits_index))  # row-wise: normalizing only the sampled rows is the same
-        logits = _linear(h, self.lm_head_weight, self.lm_head_bias, self.small_rows)
+        logits = _linear(h, self.lm_head_weight, self.lm_head_bias, kernel)
         if self.final_logit_softcapping is not None:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits.float()

@@ -12,10 +12,12 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace {
 
-constexpr int64_t kMaxRows = 16;  // above this, MKL's packing pays for itself (benchmarks/forward_step.py)
+constexpr int64_t kMaxFloatRows = 16;
+constexpr int64_t kMaxBFloat16Rows = 4;  // replica.llama.SMALL_GRAPH_ROWS: the graph for longer steps has oneDNN
 constexpr int64_t kLanes = 16;
 
 typedef float vec16 __attribute__((vector_size(64), aligned(4)));  // unaligned loads of 16 floats
@@ -29,17 +31,26 @@ inline float reduce(vec16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+typedef uint16_t bits16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t bits32 __attribute__((vector_size(64)));
+
 inline vec16 load(const float* p) { return *reinterpret_cast<const vec16*>(p); }
 
+inline vec16 load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32: widen and shift
+  const bits32 wide = __builtin_convertvector(*reinterpret_cast<const bits16*>(p), bits32) << 16;
+  return reinterpret_cast<const vec16&>(wide);
+}
+
 // Rows [0, MT) of x against the NT weight rows from n: y[m, n + j], K a multiple of 16.
-template <int MT, int NT, bool PREFETCH>
-__attribute__((noinline)) void tile(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n) {
+template <int MT, int NT, bool PREFETCH, typename W>
+__attribute__((noinline)) void tile(const float* x, const W* w, const float* bias, W* y, int64_t K, int64_t N,
+                                    int64_t n) {
   vec16 acc[MT][NT];
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < NT; ++j) acc[m][j] = vec16{};
-  const float* rows = w + n * K;
+  const W* rows = w + n * K;
   for (int64_t k = 0; k < K; k += kLanes) {
     vec16 wv[NT];
 #pragma GCC unroll 4
@@ -56,61 +67,89 @@ __attribute__((noinline)) void tile(const float* x, const float* w, const float*
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j) y[m * N + n + j] = reduce(acc[m][j]) + (bias ? bias[n + j] : 0.0f);
+    for (int j = 0; j < NT; ++j) y[m * N + n + j] = W(reduce(acc[m][j]) + (bias ? bias[n + j] : 0.0f));
 }
 
 // Every row of x against NT weight rows at a time: a block of weight rows comes from memory once, and the row tiles
 // after the first read it from L1.
-template <int NT>
-inline void block(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+template <int NT, typename W>
+inline void block(const float* x, const W* w, const float* bias, W* y, int64_t M, int64_t K, int64_t N,
                   int64_t n) {
   // the first tile reads the block from memory (and asks for the next one); the others find it in L1
   int64_t m = 0;
   const int64_t first = M >= 4 ? 4 : M;
   switch (first) {
-    case 4: tile<4, NT, true>(x, w, bias, y, K, N, n); break;
-    case 3: tile<3, NT, true>(x, w, bias, y, K, N, n); break;
-    case 2: tile<2, NT, true>(x, w, bias, y, K, N, n); break;
-    default: tile<1, NT, true>(x, w, bias, y, K, N, n); break;
+    case 4: tile<4, NT, true, W>(x, w, bias, y, K, N, n); break;
+    case 3: tile<3, NT, true, W>(x, w, bias, y, K, N, n); break;
+    case 2: tile<2, NT, true, W>(x, w, bias, y, K, N, n); break;
+    default: tile<1, NT, true, W>(x, w, bias, y, K, N, n); break;
   }
   m = first;
-  for (; m + 4 <= M; m += 4) tile<4, NT, false>(x + m * K, w, bias, y + m * N, K, N, n);
+  for (; m + 4 <= M; m += 4) tile<4, NT, false, W>(x + m * K, w, bias, y + m * N, K, N, n);
   switch (M - m) {
-    case 3: tile<3, NT, false>(x + m * K, w, bias, y + m * N, K, N, n); break;
-    case 2: tile<2, NT, false>(x + m * K, w, bias, y + m * N, K, N, n); break;
-    case 1: tile<1, NT, false>(x + m * K, w, bias, y + m * N, K, N, n); break;
+    case 3: tile<3, NT, false, W>(x + m * K, w, bias, y + m * N, K, N, n); break;
+    case 2: tile<2, NT, false, W>(x + m * K, w, bias, y + m * N, K, N, n); break;
+    case 1: tile<1, NT, false, W>(x + m * K, w, bias, y + m * N, K, N, n); break;
     default: break;
   }
 }
 
-void small_rows(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+template <typename W>
+void small_rows(const float* x, const W* w, const float* bias, W* y, int64_t M, int64_t K, int64_t N,
                 int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  for (; n + 4 <= n_end; n += 4) block<4>(x, w, bias, y, M, K, N, n);
-  for (; n < n_end; ++n) block<1>(x, w, bias, y, M, K, N, n);
+  for (; n + 4 <= n_end; n += 4) block<4, W>(x, w, bias, y, M, K, N, n);
+  for (; n < n_end; ++n) block<1, W>(x, w, bias, y, M, K, N, n);
+}
+
+// Rows the kernel takes per dtype: above them the library's GEMM is faster (benchmarks/linear_rows.py): MKL's
+// packing pays for itself from ~16 float32 rows, oneDNN's packed AMX GEMM from ~5 bfloat16 rows.
+int64_t max_rows(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return kMaxFloatRows;
+    case at::kBFloat16: return kMaxBFloat16Rows;
+    default: return 0;
+  }
 }
 
 bool covered(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  if (x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.dim() != 2 || weight.dim() != 2)
-    return false;
+  if (x.scalar_type() != weight.scalar_type() || x.dim() != 2 || weight.dim() != 2) return false;
   if (!x.is_contiguous() || !weight.is_contiguous() || x.size(1) != weight.size(1)) return false;
-  if (x.size(0) < 1 || x.size(0) > kMaxRows || x.size(1) % kLanes != 0) return false;
+  if (x.size(0) < 1 || x.size(0) > max_rows(x.scalar_type()) || x.size(1) % kLanes != 0) return false;
   if (bias.has_value() && bias->defined() &&
-      (bias->scalar_type() != at::kFloat || !bias->is_contiguous() || bias->numel() != weight.size(0)))
+      (bias->scalar_type() != x.scalar_type() || !bias->is_contiguous() || bias->numel() != weight.size(0)))
     return false;
   return true;
 }
 
+// float32 copies of a bfloat16 input and bias (M x K and N values), in a buffer each thread keeps
+inline const float* as_float(const float* p, int64_t, std::vector<float>&) { return p; }
+
+inline const float* as_float(const c10::BFloat16* p, int64_t n, std::vector<float>& buffer) {
+  buffer.resize(n);
+  for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(p[i]);
+  return buffer.data();
+}
+
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  thread_local std::vector<float> x_buffer, bias_buffer;
+  const float* xp = as_float(x.data_ptr<T>(), M * K, x_buffer);
+  const float* bp = (bias.has_value() && bias->defined()) ? as_float(bias->data_ptr<T>(), N, bias_buffer) : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* yp = y.data_ptr<T>();  // sums rounded to T once (bfloat16: to nearest even, as oneDNN rounds its float32 sums)
+  // whole tiles of weight rows per task; a task of at least 256 rows amortises the thread hand-off
+  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) { small_rows<T>(xp, wp, bp, yp, M, K, N, begin, end); });
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool use_kernel) {
   if (!use_kernel || !covered(x, weight, bias)) return at::linear(x, weight, bias);
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const float* bp = (bias.has_value() && bias->defined()) ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // whole tiles of weight rows per task; a task of at least 256 rows amortises the thread hand-off
-  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) { small_rows(xp, wp, bp, yp, M, K, N, begin, end); });
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    run<float>(x, weight, bias, y);
+  else
+    run<c10::BFloat16>(x, weight, bias, y);
   return y;
 }
 

@@ -1,0 +1,65 @@
+"""The linear layers of one decode step for a few rows, in process: the small-row C++ kernel
+(``replica/csrc/small_linear.cpp``, ``replica.cpu_kernels.linear``) against oneDNN's packed GEMM (what inductor's
+frozen bfloat16 graphs call) and ATen's ``F.linear`` (MKL for float32), on the tiny Llama 512 x 8's shapes: 8 layers
+of qkv 512->1024, o 512->512, gate_up 512->2048 and down 1024->512, then the 512->8192 head, every weight its own
+tensor so that a step streams all of them from memory as the model does (46 MiB bfloat16, 92 MiB float32). One
+thread; the best of 5 rounds of 5 steps each, the paths interleaved within a round.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/linear_rows.py [--dtype bfloat16] [--rows 1,2,4,8,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from replica import cpu_kernels
+
+SHAPES = [(512, 1024), (512, 512), (512, 2048), (1024, 512)]  # (in, out) per layer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,24")
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    if not cpu_kernels.load():
+        raise SystemExit(f"CPU kernels not built: {cpu_kernels._state.get('reason')}")
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    weights = [torch.randn(n, k).to(dtype) for _ in range(args.layers) for k, n in SHAPES]
+    weights.append(torch.randn(8192, 512).to(dtype))
+    print(f"| rows ({args.dtype}) | small-row kernel ms | oneDNN packed ms | F.linear ms | kernel / best other |")
+    print("|---|---|---|---|---|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {k: torch.randn(rows, k).to(dtype) for k in (512, 1024)}
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+        for w in weights[:5]:  # the kernel's numbers are the GEMM's up to rounding
+            x = inputs[w.shape[1]]
+            torch.testing.assert_close(cpu_kernels.linear(x, w).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+        paths = {
+            "kernel": lambda: [cpu_kernels.linear(inputs[w.shape[1]], w) for w in weights],
+            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+                               for w, p in zip(weights, packed)],
+            "aten": lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
+        }
+        best = {name: float("inf") for name in paths}
+        for fn in paths.values():
+            fn()
+        for _ in range(5):
+            for name, fn in paths.items():
+                started = time.perf_counter()
+                for _ in range(5):
+                    fn()
+                best[name] = min(best[name], (time.perf_counter() - started) / 5 * 1000)
+        other = min(best["onednn"], best["aten"])
+        print(f"| {rows} | {best['kernel']:.2f} | {best['onednn']:.2f} | {best['aten']:.2f} | "
+              f"{best['kernel'] / other:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
