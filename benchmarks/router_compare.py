@@ -8,9 +8,10 @@ Routers (the replica deployment's ``request_router_config``; everything else ide
     ray-prefix       Ray's own PrefixCacheAffinityRouter, through TokenPromptAffinityRouter below (a shim that shows
                      it the request's token ids as its "prompt" string: one character per token)
     prefix-aware+copy  our router again with cross-replica prefix copy on (the product default)
-    cost-model       ours, the product default (cost model on, peer copy on)    } the measured comparison of issue 12,
-    affinity         ours with --no-router-cost-model (pure affinity with        } "cost-aware routing vs pure affinity";
-                     fallback), peer copy on                                     } both through ServeConfig.router_cost_model
+    cost-model       ours, the product default (cost model on, peer copy on)
+    affinity         ours with --no-router-cost-model (pure affinity with fallback), peer copy on
+                     (the measured comparison of issue 12, "cost-aware routing vs pure affinity"; both set through
+                     ServeConfig.router_cost_model)
 
 The disk tier is off in every row and peer copy is off in all but the last, so the cached-token rate shows what
 routing alone achieves. The KV budget of each replica holds fewer pages than all K system prompts need, but the two
@@ -28,8 +29,8 @@ takes about half the requests), so one replica's prompt is hot.
 
 ``--repeats R`` runs the router list R times, interleaved (A, B, A, B, ...), each run on a fresh deployment (empty
 caches) with the same requests; the table has one row per run and one pooled row per router (all its runs' requests).
-``--model-dir`` / ``--dtype`` / ``--num-cpus-per-replica`` serve another model (e.g. benchmarks/.scratch/tiny-llama-512x8
-in bfloat16, one CPU per replica) instead of the generated 256 x 4 float32 one.
+``--model-dir`` / ``--dtype`` / ``--num-cpus-per-replica`` serve another model (e.g.
+benchmarks/.scratch/tiny-llama-512x8 in bfloat16, one CPU per replica) instead of the generated 256 x 4 float32 one.
 
 Usage:
     python benchmarks/router_compare.py [--num-requests 320] [--concurrency 4] [--routers prefix-aware,pow2,...]
@@ -264,7 +265,8 @@ def deploy(args: argparse.Namespace, case: RouterCase, name: str) -> None:
     from cluster.app import build_app
 
     router = case.make_router_config() if case.make_router_config is not None else None
-    serve.run(build_app(serve_config(args, case.peer_copy, case.cost_model), router_config=router), name=name, route_prefix=f"/{name}")
+    serve.run(build_app(serve_config(args, case.peer_copy, case.cost_model), router_config=router), name=name,
+              route_prefix=f"/{name}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -453,7 +455,8 @@ def model_description(args: argparse.Namespace) -> str:
 
 def workload_description(args: argparse.Namespace) -> str:
     if args.workload == "zipf":
-        return (f"prompt of each request drawn seeded with weight 1/(k+1)^{args.zipf_exponent:g}, k = 0..{args.num_prefixes - 1}: "
+        return (f"prompt of each request drawn seeded with weight 1/(k+1)^{args.zipf_exponent:g}, "
+                f"k = 0..{args.num_prefixes - 1}: "
                 f"requests per prompt {prompt_histogram(args)}")
     return "users spread evenly over the prompts, seeded random order"
 

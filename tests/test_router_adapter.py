@@ -251,7 +251,7 @@ def test_prompt_length_costs_and_retention_reach_the_policy_and_decisions_reach_
     run(scenario)
 
 
-# ---- issue 12: the cost model on / off from the command line (--router-cost-model / --no-router-cost-model) ------------
+# ---- issue 12: the cost model on / off from the command line (--router-cost-model / --no-router-cost-model) ----
 
 
 @pytest.mark.parametrize("flags, expected", [([], True), (["--router-cost-model"], True),
