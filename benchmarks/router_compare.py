@@ -8,6 +8,10 @@ Routers (the replica deployment's ``request_router_config``; everything else ide
     ray-prefix       Ray's own PrefixCacheAffinityRouter, through TokenPromptAffinityRouter below (a shim that shows
                      it the request's token ids as its "prompt" string: one character per token)
     prefix-aware+copy  our router again with cross-replica prefix copy on (the product default)
+    cost-model       ours, the product default (cost model on, peer copy on)
+    affinity         ours with --no-router-cost-model (pure affinity with fallback), peer copy on
+                     (the measured comparison of issue 12, "cost-aware routing vs pure affinity"; both set through
+                     ServeConfig.router_cost_model)
 
 The disk tier is off in every row and peer copy is off in all but the last, so the cached-token rate shows what
 routing alone achieves. The KV budget of each replica holds fewer pages than all K system prompts need, but the two
@@ -19,8 +23,19 @@ prompt + a fresh S-token user suffix, O output tokens, greedy, sent as token ids
     ideal cached-token rate = (N - K) * floor(P / page) * page / sum(prompt tokens)
                               (every prompt computed once in the whole cluster, every later use a hit)
 
+``--workload zipf`` skews it: each request's prompt is drawn (seeded) with probability proportional to
+1 / (k + 1) ** ``--zipf-exponent`` (1.5 by default, the zipf-hot point of BENCHMARKS.md section 11: the hottest prompt
+takes about half the requests), so one replica's prompt is hot.
+
+``--repeats R`` runs the router list R times, interleaved (A, B, A, B, ...), each run on a fresh deployment (empty
+caches) with the same requests; the table has one row per run and one pooled row per router (all its runs' requests).
+``--model-dir`` / ``--dtype`` / ``--num-cpus-per-replica`` serve another model (e.g.
+benchmarks/.scratch/tiny-llama-512x8 in bfloat16, one CPU per replica) instead of the generated 256 x 4 float32 one.
+
 Usage:
     python benchmarks/router_compare.py [--num-requests 320] [--concurrency 4] [--routers prefix-aware,pow2,...]
+    python benchmarks/router_compare.py --routers cost-model,affinity --repeats 2 --workload zipf \
+        --model-dir benchmarks/.scratch/tiny-llama-512x8 --dtype bfloat16 --num-cpus-per-replica 1
 Writes benchmarks/results/router_compare.md and .json (override with --out); ``--smoke`` runs a handful of requests.
 """
 
@@ -117,6 +132,8 @@ class RouterCase:
     peer_copy: bool
     make_router_config: Callable[[], Any] | None
     """None: build_app's own prefix-aware router config."""
+    cost_model: bool = True
+    """ServeConfig.router_cost_model (--router-cost-model / --no-router-cost-model)."""
 
 
 def serve_default_router_config() -> Any:
@@ -145,6 +162,8 @@ ROUTER_CASES = {
         RouterCase("round-robin", "RoundRobinRequestRouter (this file)", False, round_robin_router_config),
         RouterCase("ray-prefix", "Ray PrefixCacheAffinityRouter (token-id shim)", False, ray_prefix_router_config),
         RouterCase("prefix-aware+copy", "ours, peer copy ON (product default)", True, None),
+        RouterCase("cost-model", "ours, cost model ON, peer copy ON (product default)", True, None, True),
+        RouterCase("affinity", "ours, --no-router-cost-model, peer copy ON", True, None, False),
     )
 }
 
@@ -154,6 +173,8 @@ ROUTER_CASES = {
 
 
 def model_dir(args: argparse.Namespace) -> Path:
+    if args.model_dir:
+        return Path(args.model_dir)
     path = Path(tempfile.gettempdir()) / f"prefixserve-router-compare-llama-{args.hidden_size}x{args.num_layers}"
     if not (path / "config.json").exists():
         from bench.tiny_models import write_tiny_model
@@ -163,9 +184,19 @@ def model_dir(args: argparse.Namespace) -> Path:
     return path
 
 
+def model_shape(args: argparse.Namespace) -> dict:
+    """Layers, KV heads, head size and vocabulary of the served model (from its config.json)."""
+    config = json.loads((model_dir(args) / "config.json").read_text())
+    num_heads = config["num_attention_heads"]
+    return {"num_layers": config["num_hidden_layers"], "num_kv_heads": config.get("num_key_value_heads", num_heads),
+            "head_dim": config.get("head_dim") or config["hidden_size"] // num_heads,
+            "hidden_size": config["hidden_size"], "vocab_size": config["vocab_size"]}
+
+
 def kv_bytes_per_page(args: argparse.Namespace) -> int:
-    num_kv_heads, head_dim, float32_bytes = 2, args.hidden_size // 4, 4
-    return args.num_layers * 2 * PAGE_SIZE * num_kv_heads * head_dim * float32_bytes
+    shape = model_shape(args)
+    dtype_bytes = 4 if args.dtype == "float32" else 2
+    return shape["num_layers"] * 2 * PAGE_SIZE * shape["num_kv_heads"] * shape["head_dim"] * dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -179,22 +210,27 @@ def build_requests(args: argparse.Namespace) -> list[Request]:
     """N/K users per system prompt (rounded up for the first N mod K prompts), shuffled with a seeded generator."""
     factory = IdPromptFactory(vocab_size=args.vocab_size)
     prefixes = [factory.make(args.prefix_len, seeded_rng(args.seed, "prefix", k)) for k in range(args.num_prefixes)]
-    groups = [user % args.num_prefixes for user in range(args.num_requests)]
-    seeded_rng(args.seed, "order").shuffle(groups)
+    if args.workload == "zipf":
+        weights = [1.0 / (k + 1) ** args.zipf_exponent for k in range(args.num_prefixes)]
+        groups = seeded_rng(args.seed, "zipf").choices(range(args.num_prefixes), weights=weights, k=args.num_requests)
+    else:
+        groups = [user % args.num_prefixes for user in range(args.num_requests)]
+        seeded_rng(args.seed, "order").shuffle(groups)
     return [
         Request(index, group, prefixes[group] + factory.make(args.suffix_len, seeded_rng(args.seed, "suffix", index)))
         for index, group in enumerate(groups)
     ]
 
 
-def serve_config(args: argparse.Namespace, peer_copy: bool) -> Any:
+def serve_config(args: argparse.Namespace, peer_copy: bool, cost_model: bool = True) -> Any:
     from cluster.config import ServeConfig
 
     return ServeConfig(
-        model=str(model_dir(args)), devices="cpu", dtype="float32", data_parallel_degree=2, page_size=PAGE_SIZE,
-        kv_cache_memory=args.pages_per_replica * kv_bytes_per_page(args), num_cpus_per_replica=0.5,
-        max_model_len=2048, max_num_batched_tokens=2048, served_model_name=MODEL_NAME, log_level="warning",
-        enable_disk_cache=False, enable_dp_cross_replica_prefix_copy=peer_copy,
+        model=str(model_dir(args)), devices="cpu", dtype=args.dtype, data_parallel_degree=2, page_size=PAGE_SIZE,
+        kv_cache_memory=args.pages_per_replica * kv_bytes_per_page(args),
+        num_cpus_per_replica=args.num_cpus_per_replica, max_model_len=2048, max_num_batched_tokens=2048,
+        served_model_name=MODEL_NAME, log_level="warning", enable_disk_cache=False,
+        enable_dp_cross_replica_prefix_copy=peer_copy, router_cost_model=cost_model,
     )
 
 
@@ -214,8 +250,9 @@ def start_ray(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    # 2 logical CPUs: the replicas reserve 0.5 each; Ray's prefix tree actor needs 1 free to be placed.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning",
+    # The replicas reserve --num-cpus-per-replica each; Ray's prefix tree actor needs 1 free to be placed.
+    num_cpus = max(2, math.ceil(2 * args.num_cpus_per_replica + ("ray-prefix" in args.routers.split(","))))
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="warning",
              log_to_driver=args.verbose)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -228,7 +265,8 @@ def deploy(args: argparse.Namespace, case: RouterCase, name: str) -> None:
     from cluster.app import build_app
 
     router = case.make_router_config() if case.make_router_config is not None else None
-    serve.run(build_app(serve_config(args, case.peer_copy), router_config=router), name=name, route_prefix=f"/{name}")
+    serve.run(build_app(serve_config(args, case.peer_copy, case.cost_model), router_config=router), name=name,
+              route_prefix=f"/{name}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -357,6 +395,7 @@ def summarize(case: RouterCase, records: list[Record], duration_s: float, args: 
         "meets_balance_target": busiest_over_mean <= TARGET_BUSIEST_OVER_MEAN,
         "first_errors": [r.error for r in records if r.error][:3],
         "records": compact_records(records, replica_counts),
+        "_records": records,
     }
 
 
@@ -375,6 +414,10 @@ def compact_records(records: list[Record], replica_counts: Counter) -> list[str]
     return lines
 
 
+def run_label(row: dict) -> str:
+    return f" run {row['run']}" if "run" in row else ""
+
+
 def format_table(rows: list[dict]) -> str:
     header = ["router", "cached-token rate", "cached local / peer tokens", "ideal", "ratio to ideal", "TTFT p50 ms",
               "TTFT p99 ms", "requests per replica", "busiest / mean", "replicas per prompt", "req/s", "errors",
@@ -384,7 +427,7 @@ def format_table(rows: list[dict]) -> str:
         targets = ("cache " + ("ok" if row["meets_cache_target"] else "MISS")
                    + ", balance " + ("ok" if row["meets_balance_target"] else "MISS"))
         cells = [
-            f"{row['router']} ({row['description']})",
+            f"{row['router']}{run_label(row)} ({row['description']})",
             f"{100 * row['cached_token_rate']:.1f}%",
             f"{row['cached_tokens_by_source'].get('local', 0)} / {row['cached_tokens_by_source'].get('peer', 0)}",
             f"{100 * row['ideal_cached_token_rate']:.1f}%",
@@ -402,21 +445,73 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def model_description(args: argparse.Namespace) -> str:
+    shape = model_shape(args)
+    where = f" ({args.model_dir})" if args.model_dir else " (generated)"
+    return (f"random-weight Llama{where}, hidden {shape['hidden_size']} x {shape['num_layers']} layers, "
+            f"{shape['num_kv_heads']} KV heads x {shape['head_dim']}, vocab {shape['vocab_size']} (prompts drawn from "
+            f"the first {args.vocab_size} ids)")
+
+
+def workload_description(args: argparse.Namespace) -> str:
+    if args.workload == "zipf":
+        return (f"prompt of each request drawn seeded with weight 1/(k+1)^{args.zipf_exponent:g}, "
+                f"k = 0..{args.num_prefixes - 1}: "
+                f"requests per prompt {prompt_histogram(args)}")
+    return "users spread evenly over the prompts, seeded random order"
+
+
+def prompt_histogram(args: argparse.Namespace) -> list[int]:
+    counts = Counter(request.prefix for request in build_requests(args))
+    return [counts.get(k, 0) for k in range(args.num_prefixes)]
+
+
+def pooled_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
+    """One row per router over all its runs' requests (only with --repeats > 1)."""
+    pooled = []
+    for name in dict.fromkeys(row["router"] for row in rows):
+        runs = [row for row in rows if row["router"] == name]
+        if len(runs) < 2:
+            continue
+        records = [record for row in runs for record in row.pop("_records")]
+        row = summarize(ROUTER_CASES[name], records, sum(r["duration_s"] for r in runs), args)
+        # per-replica load: the busiest replica of each run against that run's mean, averaged over the runs
+        row["busiest_over_mean"] = sum(r["busiest_over_mean"] for r in runs) / len(runs)
+        row["requests_per_replica"] = [sum(r["requests_per_replica"][i] for r in runs) for i in range(2)]
+        row["replicas_per_prompt"] = sum(r["replicas_per_prompt"] for r in runs) / len(runs)  # ids differ per run
+        row["router"] = f"{name} pooled x{len(runs)}"
+        ideal_tokens = sum(r["ideal_cached_token_rate"] * r["prompt_tokens"] for r in runs)  # each run starts cold
+        row["ideal_cached_token_rate"] = ideal_tokens / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
+        row["ratio_to_ideal"] = (row["cached_token_rate"] / row["ideal_cached_token_rate"]
+                                 if row["ideal_cached_token_rate"] else 0.0)
+        row["meets_cache_target"] = row["ratio_to_ideal"] >= TARGET_RATIO_TO_IDEAL
+        row["meets_balance_target"] = row["busiest_over_mean"] <= TARGET_BUSIEST_OVER_MEAN
+        row.pop("records")
+        row.pop("_records")
+        pooled.append(row)
+    for row in rows:
+        row.pop("_records", None)
+    return pooled
+
+
 def write_results(rows: list[dict], args: argparse.Namespace, command: str, wall_s: float) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = (
-        f"model: random-weight Llama, hidden {args.hidden_size} x {args.num_layers} layers, 4 heads / 2 KV heads, "
-        f"vocab {args.vocab_size}, float32, 1 torch thread per replica; DP=2 on one host; page size {PAGE_SIZE}; "
+        f"model: {model_description(args)}, {args.dtype}, {args.num_cpus_per_replica:g} CPU (Ray) and "
+        f"{max(1, int(args.num_cpus_per_replica))} torch thread per replica; DP=2 on one host; page size {PAGE_SIZE}; "
         f"KV budget {args.pages_per_replica} pages per replica ({args.num_prefixes} prompts x "
         f"{math.ceil(args.prefix_len / PAGE_SIZE)} pages = "
         f"{args.num_prefixes * math.ceil(args.prefix_len / PAGE_SIZE)} pages in all); disk tier off, Redis off; "
         f"peer copy off except where marked.\n"
         f"workload: {args.num_prefixes} system prompts x {args.prefix_len} tokens, {args.num_requests} requests "
-        f"(users spread evenly over the prompts, seeded random order, seed {args.seed}), each + a fresh "
+        f"({workload_description(args)}, seed {args.seed}), each + a fresh "
         f"{args.suffix_len}-token suffix, {args.output_len} output tokens, greedy, token-id prompts to "
         f"/v1/completions, concurrency {args.concurrency} (closed loop); 8 sub-page warm-up requests per router "
-        f"(not measured, cache nothing)."
+        f"(not measured, cache nothing). "
+        + (f"{args.repeats} runs per router, interleaved in the order of the rows; each run a fresh deployment "
+           "(empty caches), the same requests; 'pooled' rows: all runs' requests of that router together."
+           if args.repeats > 1 else "")
     )
     text = "\n".join([
         "# Router comparison (prefixserve, DP=2)",
@@ -485,6 +580,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", choices=("even", "zipf"), default="even",
+                        help="even: N/K requests per prompt; zipf: prompt popularity 1/(k+1)^--zipf-exponent")
+    parser.add_argument("--zipf-exponent", type=float, default=1.5)
+    parser.add_argument("--repeats", type=int, default=1, help="run the router list this many times, interleaved")
+    parser.add_argument("--model-dir", default=None,
+                        help="serve this model folder (default: a generated --hidden-size x --num-layers Llama)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--num-cpus-per-replica", type=float, default=0.5)
     parser.add_argument("--settle-s", type=float, default=1.0, help="pause between warm-up and measurement")
     parser.add_argument("--out", default=str(RESULTS_DIR / "router_compare.md"))
     parser.add_argument("--smoke", action="store_true", help="a handful of requests, results to a temp folder")
@@ -514,14 +617,18 @@ def main(argv: list[str] | None = None) -> int:
 
     port = start_ray(args)
     rows = []
+    order = args.routers.split(",") * args.repeats  # A, B, A, B: noise on the shared box hits every router
     try:
-        for number, name in enumerate(args.routers.split(",")):
+        for number, name in enumerate(order):
             rows.append(run_case(args, ROUTER_CASES[name], port, requests, number))
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+    for number, row in enumerate(rows):
+        row["run"] = number
+    rows = rows + pooled_rows(rows, args)
     write_results(rows, args, command.strip(), time.perf_counter() - started)
     return 0
 

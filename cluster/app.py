@@ -43,8 +43,9 @@ cross-thread hops to every request and every streamed message. Measured with ben
 
 def request_router_config(config: ServeConfig) -> Any:
     """The prefix-aware router's config. The router names a peer holding more of the prompt's pages (``peer_hint``)
-    only when cross-replica prefix copy is on."""
-    return ray_router.router_config(enable_peer_hint=bool(config.enable_dp_cross_replica_prefix_copy))
+    only when cross-replica prefix copy is on; ``--no-router-cost-model`` turns its cost model off."""
+    return ray_router.router_config(enable_peer_hint=bool(config.enable_dp_cross_replica_prefix_copy),
+                                    enable_cost_model=config.router_cost_model)
 
 
 def replica_actor_options(config: ServeConfig) -> dict[str, Any]:

@@ -106,6 +106,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     cache.add_argument("--enable-dp-cross-replica-prefix-copy", action=argparse.BooleanOptionalAction, default=None,
                        help="copy cached pages from the replica that holds them instead of recomputing "
                             "(default: on with prefix caching)")
+    cache.add_argument("--router-cost-model", action=argparse.BooleanOptionalAction,
+                       default=default("router_cost_model"),
+                       help="route each request to the replica with the least estimated time to first token "
+                            "(cached pages, queued work, copy vs recompute); --no-router-cost-model: pure prefix "
+                            "affinity with a load-balance fallback")
     cache.add_argument("--enable-hot-prefix-replication", action=argparse.BooleanOptionalAction,
                        default=default("enable_hot_prefix_replication"),
                        help="copy a prefix whose holders are all busy to a less loaded replica ahead of need, by peer "

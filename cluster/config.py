@@ -164,6 +164,9 @@ class ServeConfig:
     """/metrics is rendered at most once per this many seconds (scrapers share the result)."""
     require_redis: bool = False
     """Fail at start when --redis-url does not answer (default: a warning and the host tier off)."""
+    router_cost_model: bool = True
+    """The router picks the replica with the least estimated time to first token (router/policy.py, cost model);
+    False: pure affinity with fallback (the replica holding the most leading pages among those not overloaded)."""
     # ---- hot-prefix replication (issue 12; router/replication.py) ---------------------------------------------------
     enable_hot_prefix_replication: bool = False
     """Copy a prefix whose holders are all busy to a less loaded replica ahead of need. Off by default: on this

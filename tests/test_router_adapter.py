@@ -249,3 +249,26 @@ def test_prompt_length_costs_and_retention_reach_the_policy_and_decisions_reach_
         assert 'prefixserve_router_decisions_total{reason="cost_away",replica="a"}' in text  # every reason exported
 
     run(scenario)
+
+
+# ---- issue 12: the cost model on / off from the command line (--router-cost-model / --no-router-cost-model) ----
+
+
+@pytest.mark.parametrize("flags, expected", [([], True), (["--router-cost-model"], True),
+                                             (["--no-router-cost-model"], False)])
+def test_router_cost_model_flag_reaches_the_policy(flags, expected):
+    from cluster.app import build_app, request_router_config
+    from cluster.cli import build_parser, config_from_args
+    from cluster.config import ServeConfig
+
+    config = config_from_args(build_parser().parse_args(["serve", "--devices", "cpu", *flags]))
+    assert config.router_cost_model is expected
+    assert ServeConfig.from_mapping({"devices": "cpu", "router-cost-model": expected}).router_cost_model is expected
+    router_kwargs = request_router_config(config).request_router_kwargs
+    assert router_kwargs["enable_cost_model"] is expected
+    # the deployment that build_app makes carries it, and the router Serve builds from it uses it
+    app = build_app(dataclasses.replace(config, data_parallel_degree=2, num_cpus_per_replica=0.5))
+    deployed = app._bound_deployment.init_args[0]._bound_deployment._deployment_config.request_router_config
+    assert deployed.request_router_kwargs["enable_cost_model"] is expected
+    router = make_router(**deployed.request_router_kwargs)
+    assert router.policy.config.enable_cost_model is expected
