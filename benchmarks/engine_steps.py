@@ -7,9 +7,8 @@ With ``--compare-aten-decode`` every measurement is repeated, alternating, with 
 flash kernel run by run (merged by log-sum-exp) instead of the C++ decode kernel (``replica.cpu_kernels``); with
 ``--compare-generic``, with the device-generic attention path (SDPA over gathered K/V with masks); with
 ``--compare-small-linear``, with every linear layer on the library's GEMM (MKL for float32, oneDNN for bfloat16) instead
-of the small-row kernel (``replica.llama.linear_kernel_mode``; the compiled forward then holds graphs per setting,
-compiled in the warm-up round, for bfloat16 without frozen weights: compare float32 only, or use
-``benchmarks/linear_rows.py``). The paths are
+of the small-row kernel (``replica.llama.linear_kernel``; the compiled forward then holds a graph per setting, compiled
+in the warm-up round). The paths are
 printed side by side, with the first one's time over each other's.
 
     PYTHONPATH=. .venv/bin/python benchmarks/engine_steps.py --model DIR [--dtype bfloat16] [--rounds 3]

@@ -8,20 +8,16 @@ every step, with T and S dynamic (at least 2 each):
   weights are read once either way, and a static T = 1 graph would double the compile time;
 - a single sampled row (S = 1) is repeated, for the same reason.
 
-A model whose short steps run the small-row linear kernel (bfloat16 on CPU: ``replica.llama.SMALL_GRAPH_ROWS``) has a
-second graph for steps of at most that many tokens, selected by ``forward``'s ``small_step`` argument; both are
-dynamic in T and S.
-
-The graphs are compiled at start-up by the runner's warm-up steps; afterwards no step recompiles (``num_compiles``;
+The graph is compiled at start-up by the runner's warm-up steps; afterwards no step recompiles (``num_compiles``;
 tests/test_compiled_runner.py runs a mixed workload and checks it).
 
-Inductor options per dtype (``INDUCTOR_OPTIONS``): for bfloat16, ``freezing`` makes the weights graph constants, so
-GEMMs become oneDNN linear calls on weights packed once (AMX where the CPU has it). Dynamo reads ``freezing`` while
-it traces, so the options are patched around the warm-up calls (``CompiledForward.compiling``) and inside the
-backend; no process-wide inductor setting is changed. Frozen graphs hold packed mkldnn constants, which inductor's
-FX graph cache cannot pickle: every distinct bfloat16 model is compiled in full once per process (~20-30 s for the
-512 x 8 tiny Llama). float32 is compiled without freezing (weights are graph inputs, GEMMs stay aten/MKL), which is
-faster at batch 1-2 and lets the FX graph cache on disk serve later compiles of the same architecture (~2 s).
+Inductor options per dtype (``INDUCTOR_OPTIONS``): no freezing by default. The weights stay graph inputs; the linear
+layers of a CPU model are the small-row kernel's op, which takes a few rows itself and hands the rest to ATen
+(``replica.llama.linear_kernel``). An unfrozen graph is cached on disk by inductor's FX graph cache, so an engine
+starts in seconds once its architecture's graph is there. ``freezing`` (weights as graph constants, GEMMs on packed
+oneDNN weights) is still available through ``compile_options``: Dynamo reads it while it traces, so the options are
+patched around the warm-up calls (``CompiledForward.compiling``) and inside the backend, and no process-wide inductor
+setting is changed. Frozen graphs hold packed mkldnn constants, which the FX graph cache cannot pickle.
 
 Each ``CompiledForward`` compiles its own copy of the forward's code object: dynamo keys its cache (and its
 recompile limit) on the code object, so runners of different models never share, evict or exceed each other's
@@ -42,15 +38,15 @@ import torch
 from torch import nn
 
 INDUCTOR_OPTIONS = {
-    torch.bfloat16: {"freezing": True},
+    torch.bfloat16: {"freezing": False},
     torch.float32: {"freezing": False},
 }
-"""Inductor options per weight dtype (others: ``DEFAULT_OPTIONS``). Measured on the AMX Xeon, 512 x 8 tiny Llama
-(benchmarks/forward_step.py, BENCHMARKS.md): freezing speeds bfloat16 decode up 1.3-1.5x over unfrozen compilation
-(oneDNN/AMX on packed weights instead of aten's per-call path); for float32 it is faster at batch >= 4 (oneDNN packed
-vs MKL sgemm, ~15%) but slower at batch 1-2 (MKL's small-M path wins, ~15%) and slower on long prefills, and a
-frozen graph cannot be cached on disk (packed mkldnn constants do not pickle) while an unfrozen one is, so a float32
-engine starts in ~2 s once the graph is in inductor's cache instead of ~20 s."""
+"""Inductor options per weight dtype (others: ``DEFAULT_OPTIONS``). Session 2 froze bfloat16 graphs: packed oneDNN
+weights made decode 1.3-1.5x faster than oneDNN's per-call path. Since the small-row kernel takes decode batches and
+short prompts (``replica.cpu_kernels``), freezing no longer pays: on the AMX Xeon, ``vllm bench serve``
+prefix_repetition ran at 1.62 req/s unfrozen against 1.46-1.50 frozen (BENCHMARKS.md section 0, session 5), and a
+frozen graph keeps a second, packed copy of every weight hot beside the one the kernel reads. float32 was never frozen:
+MKL's small-M path beat oneDNN's packed weights at batch 1-2."""
 DEFAULT_OPTIONS = {"freezing": False}
 MAX_TOKENS = 1 << 20
 """Upper bound of the dynamic token dimension (dynamo needs one)."""
@@ -101,11 +97,7 @@ class CompiledForward:
             logits_index = logits_index.repeat(2)
         torch._dynamo.mark_dynamic(ids_pos, 1, min=2, max=MAX_TOKENS)
         torch._dynamo.mark_dynamic(logits_index, 0, min=2, max=MAX_TOKENS)
-        small_step = getattr(self.module, "small_step", None)
-        if small_step is not None and small_step(ids_pos.shape[1]):  # its own graph (replica.llama.SMALL_GRAPH_ROWS)
-            logits = self._compiled(ids_pos, logits_index, True)
-        else:
-            logits = self._compiled(ids_pos, logits_index)
+        logits = self._compiled(ids_pos, logits_index)
         return logits[:1] if num_rows == 1 else logits
 
 

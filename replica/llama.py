@@ -125,24 +125,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-SMALL_GRAPH_ROWS = 4
-"""bfloat16 steps of at most this many tokens run a graph of their own whose linear layers are ``cpu_kernels.linear``
-(measured on the AMX Xeon, the tiny Llama's weights streamed once per step: 0.5-0.7x oneDNN's packed AMX GEMMs for
-1-4 rows, even at 5-6, slower from 8; benchmarks/linear_rows.py); longer steps keep inductor's frozen oneDNN GEMMs."""
-
-
-def linear_kernel_mode(weight: torch.Tensor) -> str | None:
-    """How this model's linear layers use the small-row C++ kernel (``cpu_kernels.linear``), on CPU when it is built:
-
-    - ``"always"`` (float32): every linear layer calls the op, which takes inputs of at most 16 rows itself and hands
-      larger ones to ATen (one graph for every step). ATen's float32 GEMM packs the weight matrix on every call,
-      which for the 2-16 rows of a decode batch or a short prompt costs as much as the product;
-    - ``"small-steps"`` (bfloat16): steps of at most ``SMALL_GRAPH_ROWS`` tokens run a graph whose linear layers are
-      the op; longer ones run the graph with inductor's packed oneDNN GEMMs, which win from ~8 rows;
-    - None: ATen (other dtypes, other devices, no kernels)."""
-    if weight.device.type != "cpu" or not cpu_kernels.available():
-        return None
-    return {torch.float32: "always", torch.bfloat16: "small-steps"}.get(weight.dtype)
+def linear_kernel(weight: torch.Tensor) -> bool:
+    """Whether this model's linear layers call ``cpu_kernels.linear`` (float32 and bfloat16 on CPU, kernels built).
+    The op takes inputs of a few rows itself (a decode batch, a short prompt: up to 16 float32 rows, 8 bfloat16) and
+    hands larger ones to ``at::linear``, so one graph serves every step. ATen's float32 GEMM (MKL) packs the weight
+    matrix on every call, and oneDNN's bfloat16 GEMMs spend as long on their call and tile set-up; with 1-8 rows
+    either costs more than streaming the weights once (``benchmarks/linear_rows.py``)."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> torch.Tensor:
@@ -259,20 +248,11 @@ class CompactCausalLM(nn.Module):
         self.lm_head_bias = _frozen(getattr(lm_head, "bias", None))
         softcap = getattr(config, "final_logit_softcapping", None)
         self.final_logit_softcapping = float(softcap) if softcap else None
-        self.linear_kernel = linear_kernel_mode(self.lm_head_weight)
-        """``linear_kernel_mode``; the benchmarks switch it (a compiled forward then compiles a graph per setting)."""
+        self.linear_kernel = linear_kernel(self.lm_head_weight)
+        """``linear_kernel``; the benchmarks switch it (a compiled forward then compiles a graph per setting)."""
 
-    def small_step(self, num_tokens: int) -> bool:
-        """Whether a step of ``num_tokens`` tokens runs the small-step graph (``forward``'s ``small_step``)."""
-        return self.linear_kernel == "small-steps" and num_tokens <= SMALL_GRAPH_ROWS
-
-    @property
-    def num_graphs(self) -> int:
-        """Graphs a compiled forward of this model holds: one, or two with small steps on the kernel."""
-        return 2 if self.linear_kernel == "small-steps" else 1
-
-    def forward(self, ids_pos: torch.Tensor, logits_index: torch.Tensor, small_step: bool = False) -> torch.Tensor:
-        kernel = self.linear_kernel == "always" or (small_step and self.linear_kernel == "small-steps")
+    def forward(self, ids_pos: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+        kernel = self.linear_kernel
         h = F.embedding(ids_pos[0], self.embed_weight)
         if self.embed_scale is not None:
             h = h * self.embed_scale

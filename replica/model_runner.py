@@ -27,7 +27,7 @@ import torch
 from replica import cpu_kernels
 from replica.attention_op import forward_context
 from replica.compile import CompiledEntry, cached_compiled_forward
-from replica.llama import SMALL_GRAPH_ROWS, CompactCausalLM, unsupported_reason
+from replica.llama import CompactCausalLM, unsupported_reason
 from replica.page_pool import allocate_kv_tensor, bytes_per_page
 from replica.paged_attention import (
     DecodeBatch,
@@ -170,9 +170,8 @@ class ModelRunner:
         logger.info("model runner: %s forward ready in %.1f s, decode attention by %s, linear layers by %s",
                     self.backend, self.startup_seconds, "the C++ kernel" if self.decode_kernel else
                     ("ATen's flash kernel" if self.device.type == "cpu" else "SDPA"),
-                    {"always": "the small-row C++ kernel up to 16 rows, then ATen",
-                     "small-steps": f"the small-row C++ kernel in steps of up to {SMALL_GRAPH_ROWS} tokens, then "
-                                    "oneDNN"}.get(compact.linear_kernel if compact is not None else None, "ATen"))
+                    "the small-row C++ kernel for a few rows, then ATen" if compact is not None and
+                    compact.linear_kernel else "ATen")
 
     @property
     def num_compiles(self) -> int:
@@ -193,8 +192,6 @@ class ModelRunner:
                 other_page = 1 if self.kv_cache.shape[2] > 1 else 0
                 with entry.forward.compiling():
                     self.run([ChunkInput([0], 0, [0], sample=True), ChunkInput([0], 0, [other_page], sample=True)])
-                    if entry.forward.module.num_graphs > 1:  # the longer steps' graph too (replica.llama)
-                        self.run([ChunkInput([0] * (SMALL_GRAPH_ROWS + 1), 0, [0], sample=True)])
             except Exception:  # no C++ compiler, an unsupported op...: serve eagerly rather than not at all
                 logger.exception("compiling the forward pass failed; running the compact model eagerly")
                 entry.failed = True
@@ -282,10 +279,7 @@ class ModelRunner:
             ids_pos = torch.tensor([input_ids, positions], dtype=torch.long, device=self.device)
             forward = self._compiled.forward if self.backend == "compiled" else self._compact
             with forward_context(metadata):
-                if self.backend == "compiled":
-                    logits = forward(ids_pos, logits_index)  # picks its graph (replica.compile)
-                else:
-                    logits = forward(ids_pos, logits_index, forward.small_step(ids_pos.shape[1]))
+                logits = forward(ids_pos, logits_index)
         if not sample_rows:
             return logits.new_empty(0, logits.shape[-1])
         return logits

@@ -1,5 +1,5 @@
 """The small-row linear kernel (replica/csrc/small_linear.cpp) against a float64 reference: every tile shape (1-4 rows
-per tile, 4 weight rows per block and the single-row tail), the row limits (16 float32, 4 bfloat16), bias, and the
+per tile, 4 weight rows per block and the single-row tail), the row limits (16 float32, 8 bfloat16), bias, and the
 inputs it hands to ATen unchanged (more rows, K not a multiple of 16, non-contiguous input, float16)."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_kernel_result_differs_from_aten_only_by_rounding_and_is_deterministic()
     torch.testing.assert_close(ours, aten, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bfloat16_kernel_matches_float64_up_to_one_rounding(rows, with_bias):
     generator = torch.Generator().manual_seed(rows)
@@ -66,26 +66,21 @@ def test_bfloat16_kernel_matches_float64_up_to_one_rounding(rows, with_bias):
         lambda g: (torch.randn(17, 64, generator=g), torch.randn(40, 64, generator=g)),  # more rows than the kernel takes
         lambda g: (torch.randn(3, 40, generator=g), torch.randn(9, 40, generator=g)),  # K not a multiple of 16
         lambda g: (torch.randn(64, 5, generator=g).t(), torch.randn(9, 64, generator=g)),  # non-contiguous input
-        lambda g: (torch.randn(5, 64, generator=g).bfloat16(), torch.randn(9, 64, generator=g).bfloat16()),
+        lambda g: (torch.randn(9, 64, generator=g).bfloat16(), torch.randn(9, 64, generator=g).bfloat16()),
         lambda g: (torch.randn(4, 64, generator=g).half(), torch.randn(9, 64, generator=g).half()),
     ],
-    ids=["17-rows", "k-40", "strided", "bfloat16-5-rows", "float16"],
+    ids=["17-rows", "k-40", "strided", "bfloat16-9-rows", "float16"],
 )
 def test_inputs_outside_the_kernel_go_to_aten(make):
     x, weight = make(torch.Generator().manual_seed(3))
     assert torch.equal(cpu_kernels.linear(x, weight), F.linear(x, weight))
 
 
-def test_compact_model_kernel_modes(tiny_llama_dir):
+def test_compact_model_uses_the_kernel_for_float32_and_bfloat16(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     from replica.llama import CompactCausalLM
 
-    from replica.llama import SMALL_GRAPH_ROWS
-
-    expected = {torch.float32: ("always", 1), torch.bfloat16: ("small-steps", 2), torch.float16: (None, 1)}
-    for dtype, (mode, graphs) in expected.items():
+    for dtype, expected in ((torch.float32, True), (torch.bfloat16, True), (torch.float16, False)):
         model = CompactCausalLM(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=dtype).eval())
-        assert model.linear_kernel == mode and model.num_graphs == graphs
-        assert model.small_step(SMALL_GRAPH_ROWS) is (mode == "small-steps")
-        assert model.small_step(SMALL_GRAPH_ROWS + 1) is False
+        assert model.linear_kernel is expected

@@ -17,7 +17,7 @@
 namespace {
 
 constexpr int64_t kMaxFloatRows = 16;
-constexpr int64_t kMaxBFloat16Rows = 4;  // replica.llama.SMALL_GRAPH_ROWS: the graph for longer steps has oneDNN
+constexpr int64_t kMaxBFloat16Rows = 8;
 constexpr int64_t kLanes = 16;
 
 typedef float vec16 __attribute__((vector_size(64), aligned(4)));  // unaligned loads of 16 floats
@@ -103,7 +103,8 @@ void small_rows(const float* x, const W* w, const float* bias, W* y, int64_t M, 
 }
 
 // Rows the kernel takes per dtype: above them the library's GEMM is faster (benchmarks/linear_rows.py): MKL's
-// packing pays for itself from ~16 float32 rows, oneDNN's packed AMX GEMM from ~5 bfloat16 rows.
+// packing pays for itself from ~16 float32 rows, oneDNN's AMX GEMM (on weights it has not packed) from ~12 bfloat16
+// rows.
 int64_t max_rows(at::ScalarType dtype) {
   switch (dtype) {
     case at::kFloat: return kMaxFloatRows;
