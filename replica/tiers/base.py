@@ -123,6 +123,24 @@ class RetentionUpdate:
         return self.priority <= 0
 
 
+def retention_of(item: "StoredPage | RetentionUpdate", max_priority: int | None = None) -> tuple[int, float]:
+    """``(priority, retain_until)`` of a stored page's or an update's retention, as the tiers keep them: priority a
+    non-negative int (clamped to ``max_priority`` when given), ``retain_until`` a wall-clock time (``math.inf``:
+    pinned). No priority, anything malformed, or a ``retain_until`` that is not a positive number (NaN included) is
+    ``(0, 0.0)``."""
+    try:
+        raw = item.priority if isinstance(item, RetentionUpdate) else item.retention_priority
+        priority = max(0, int(raw))
+        if max_priority is not None:
+            priority = min(priority, max_priority)
+        until = float(item.retain_until)
+    except (TypeError, ValueError, OverflowError):
+        return 0, 0.0
+    if priority == 0 or not until > 0.0:
+        return 0, 0.0
+    return priority, until
+
+
 def wall_time() -> float:
     """``time.time()``, looked up at each call (the tiers' default wall clock)."""
     return time.time()

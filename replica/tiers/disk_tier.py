@@ -61,6 +61,7 @@ from replica.tiers.base import (
     StoredPage,
     WarningThrottle,
     check_load_args,
+    retention_of,
     wall_time,
 )
 from replica.tiers.codec import RejectedEntry, new_page_tensors
@@ -107,19 +108,6 @@ class IndexedPage:
     passed, else 0."""
 
 
-def retention_of(page: StoredPage | RetentionUpdate) -> tuple[int, float]:
-    """``(priority, retain_until)`` of ``page`` as the index stores them: priority clamped into
-    ``[0, MAX_PRIORITY]``; no priority, or a ``retain_until`` that is not a positive number (NaN included), is
-    ``(0, 0.0)``."""
-    try:
-        raw = page.priority if isinstance(page, RetentionUpdate) else page.retention_priority
-        priority = max(0, min(int(raw), MAX_PRIORITY))
-        until = float(page.retain_until)
-    except (TypeError, ValueError, OverflowError):
-        return 0, 0.0
-    if priority == 0 or not until > 0.0:
-        return 0, 0.0
-    return priority, until
 
 
 class PageIndex:
@@ -542,7 +530,7 @@ class DiskTier(QueuedWriteTier):
                     parent_id = self.page_id(page.parent_key) if page.parent_key else None
                     cursor.execute("INSERT OR REPLACE INTO pages (id, parent, size, last_used, priority, retain_until) "
                                    "VALUES (?, ?, ?, ?, ?, ?)",
-                                   (page_id, parent_id, size, self._next_use_ns(), *retention_of(page)))
+                                   (page_id, parent_id, size, self._next_use_ns(), *retention_of(page, MAX_PRIORITY)))
                     total += size
                     num_stored += 1
         except (OSError, sqlite3.Error) as exc:
@@ -562,7 +550,7 @@ class DiskTier(QueuedWriteTier):
     def _merge_retention(self, cursor: sqlite3.Cursor, page: StoredPage, page_id: str) -> None:
         """Mark an indexed page most recently used and merge ``page``'s retention into its row (see
         ``PageIndex.MERGE_RETENTION``)."""
-        priority, until = retention_of(page)
+        priority, until = retention_of(page, MAX_PRIORITY)
         cursor.execute(PageIndex.MERGE_RETENTION, {"used": self._next_use_ns(), "now": self._wall_clock(),
                                                    "priority": priority, "until": until, "id": page_id})
 
@@ -580,7 +568,7 @@ class DiskTier(QueuedWriteTier):
                     if update.releases:
                         num_applied += cursor.execute(PageIndex.RELEASE_RETENTION, {"id": page_id}).rowcount
                         continue
-                    priority, until = retention_of(update)
+                    priority, until = retention_of(update, MAX_PRIORITY)
                     if priority:
                         num_applied += cursor.execute(PageIndex.MERGE_RETENTION_ONLY, {
                             "now": now, "priority": priority, "until": until, "id": page_id}).rowcount

@@ -71,6 +71,7 @@ from replica.tiers.base import (
     StoredPage,
     WarningThrottle,
     check_load_args,
+    retention_of,
     wall_time,
 )
 from replica.tiers.circuit import BackoffPolicy, CircuitBreaker
@@ -743,18 +744,6 @@ class ReplyReader:
             self._end += received
 
 
-def retention_of(item: StoredPage | RetentionUpdate) -> tuple[int, float]:
-    """``(priority, end)`` of a page's or an update's retention: priority a non-negative int, end a wall-clock time
-    (``math.inf``: pinned); anything malformed, or no priority, is ``(0, 0.0)``."""
-    try:
-        raw = item.priority if isinstance(item, RetentionUpdate) else item.retention_priority
-        priority = max(0, int(raw))
-        until = float(item.retain_until)
-    except (TypeError, ValueError, OverflowError):
-        return 0, 0.0
-    if priority == 0 or not until > 0.0:
-        return 0, 0.0
-    return priority, until
 
 
 def is_out_of_memory(error: BaseException) -> bool:
