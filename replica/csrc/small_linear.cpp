@@ -1,12 +1,15 @@
-// float32 linear layers with few input rows (decode batches, short prompts): see replica/cpu_kernels.py.
+// Linear layers with few input rows (decode batches, short prompts), float32 and bfloat16: see replica/cpu_kernels.py.
 //
 // y[M, N] = x[M, K] . w[N, K]^T (+ bias), with w in its own [out, in] layout: nothing is packed or copied, so the
 // weights are stored once. For a handful of rows the product is bound by streaming the weights, and each weight row
 // is read from memory once: a block of 4 weight rows is dotted against up to 4 input rows at a time (4 x 4 running
-// sums of 16 floats, which stay in registers), then the sums are reduced; further input rows reuse the block from L1. MKL's sgemm packs the weight matrix on
-// every call when it is not the packed API, and with 2-16 rows that packing costs as much as the product.
+// sums of 16 floats, which stay in registers), then the sums are reduced; further input rows reuse the block from L1.
+// bfloat16 weights are widened to float32 as they are loaded, and the sums are rounded once to the output dtype.
+// MKL's float32 GEMM packs the weight matrix on every call, and oneDNN's bfloat16 GEMM spends as long setting up its
+// call and tiles: with 1-16 rows, either costs more than streaming the weights once.
 //
-// Larger inputs, other dtypes, and shapes the tiles do not cover go to at::linear unchanged.
+// Larger inputs, other dtypes, and shapes the tiles do not cover go to at::linear unchanged. The prefetch of the
+// next block may name addresses past the last weight row; a prefetch never faults.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
