@@ -10,8 +10,9 @@ half its float32 speed here (benchmarks/decode_attention.py).
 ``linear`` is the compact model's linear layer (``replica.llama``) for a few rows: a decode batch or a short prompt.
 Each block of weight rows is read from memory once and dotted against every input row, with float32 sums rounded
 once to the output dtype. float32: up to 16 rows, where ATen's MKL GEMM packs the weight matrix on every call; it
-measured 0.4-0.7x ATen's time for 3-16 rows of the 512 x 8 tiny Llama and 0.7-0.9x for 1-2. bfloat16: up to 4 rows,
-0.5-0.8x oneDNN's packed AMX GEMM, which wins from ~8 rows (``benchmarks/linear_rows.py``). Larger inputs and other
+measured 0.4-0.7x ATen's time for 3-16 rows of the 512 x 8 tiny Llama and 0.7-0.9x for 1-2. bfloat16: up to 8 rows,
+0.5-0.8x oneDNN's AMX GEMM at 1-4 rows; the unpacked ``F.linear`` the unfrozen graph would call instead wins from ~12
+rows (``benchmarks/linear_rows.py``). Larger inputs and other
 dtypes go to ``at::linear`` inside the op.
 
 The library is compiled once per machine type (the build directory's name carries a digest of the source, the
