@@ -91,6 +91,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parallel.add_argument("--num-cpus-per-replica", type=float, default=default("num_cpus_per_replica"),
                           help="Ray CPUs reserved per replica; its torch thread count is this rounded down "
                                "(default: this machine's CPUs but one, shared out among the replicas; 1 on a cluster)")
+    parallel.add_argument("--num-prefill-threads", type=int, default=default("num_prefill_threads"),
+                          help="torch threads of a replica's steps of 64 tokens or more (prefill chunks); decode steps "
+                               "keep --num-cpus-per-replica's count (default: this machine's CPUs shared out among "
+                               "the replicas; on a cluster, the replica's own count)")
 
     cache = parser.add_argument_group("KV cache and prefix caching")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -73,7 +73,10 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request_id = request.request_id
-        self._request_to_sink[request_id] = (loop, queue)
+        if request_id in self._request_to_sink:  # the running request keeps its output channel
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        sink = (loop, queue)
+        self._request_to_sink[request_id] = sink
         participant = object()  # this call's share in fetches (request ids need not be unique while fetching)
         finished = False
         rejected = False
@@ -97,7 +100,8 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self._request_to_sink.pop(request_id, None)
+            if self._request_to_sink.get(request_id) is sink:
+                del self._request_to_sink[request_id]
             if not finished and not rejected:
                 self._submit(lambda: self._abandon(request_id, participant))
 
@@ -146,7 +150,7 @@ class AsyncEngine:
         try:
             loop.call_soon_threadsafe(self._spawn_fetch, fetch)
         except RuntimeError:  # the loop is closed: nobody can run it
-            fetch.future.set_result([])
+            fetch.resolve([])
             self._fetches.finished(fetch)
 
     def _spawn_fetch(self, fetch: SharedFetch) -> None:
@@ -168,8 +172,7 @@ class AsyncEngine:
         """Resolve the fetch's future (``[]`` if the task failed or was cancelled, even before it started)."""
         self._fetch_tasks.discard(task)
         pages = [] if task.cancelled() or task.exception() is not None else task.result()
-        if not fetch.future.done():
-            fetch.future.set_result(pages)
+        fetch.resolve(pages)
         self._submit(lambda: self._fetches.finished(fetch))
 
     async def _collect(self, plan: AdmissionPlan, fetch_plan: FetchPlan) -> list[PageRecord]:

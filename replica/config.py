@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 PAGE_SIZE_MULTIPLE = 128
+PREFILL_THREADS_MIN_TOKENS = 64
+"""Steps of at least this many tokens run on ``EngineConfig.num_prefill_threads`` (CPU). A 256-token chunk over a
+1536-token cached prefix took 94-126 ms on one thread and 48-69 ms on two (tiny Llama, bf16, AMX Xeon), while decode
+steps on a second thread slowed serving: the HTTP proxy needs that core between tokens (BENCHMARKS.md section 0)."""
 DEVICES = ("cpu", "gpu")
 DTYPES = ("auto", "float32", "bfloat16")
 KV_EVENT_PUBLISHERS = ("null", "zmq")
@@ -130,6 +134,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int = 1
     """torch intra-op threads for this replica (the CPUs it owns)."""
+    num_prefill_threads: int | None = None
+    """CPU: torch threads for steps of at least ``PREFILL_THREADS_MIN_TOKENS`` tokens (prefill chunks), which are
+    compute-bound and scale with cores; decode steps keep ``num_threads``. None: ``num_threads``."""
     enforce_eager: bool = False
     """Run the model eagerly: no torch.compile, no CUDA graphs (debugging, or when compilation is unavailable)."""
     cache_dir: str | None = None
@@ -173,6 +180,9 @@ class EngineConfig:
             raise ValueError(f"--max-model-len must be an integer >= 2, got {self.max_model_len!r}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.num_prefill_threads is not None and (
+                not isinstance(self.num_prefill_threads, int) or self.num_prefill_threads < 1):
+            raise ValueError(f"--num-prefill-threads must be an integer >= 1, got {self.num_prefill_threads!r}")
         if not isinstance(self.kv_cache_retention_budget, (int, float)) or not (
                 0.0 <= self.kv_cache_retention_budget <= 1.0):
             raise ValueError(f"--kv-cache-retention-budget must be a fraction in [0, 1], got "

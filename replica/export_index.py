@@ -29,11 +29,18 @@ export (they are engine-thread state), so an export never changes what is evicte
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Iterable, NamedTuple, Sequence
 
 from common.page_keys import PageKey
+
+logger = logging.getLogger(__name__)
+
+REUSE_WAIT_WARN_S = 10.0
+"""How often a page reuse still waiting for peer copies to unpin it is logged (copies time out after seconds: a wait
+this long means a pin leaked)."""
 
 
 class PinnedPage(NamedTuple):
@@ -79,8 +86,12 @@ class ExportIndex:
             for page_id in page_ids:
                 if page_id in self._page_to_pins:
                     self.num_reuse_waits += 1
-                    while page_id in self._page_to_pins:
-                        self._changed.wait()
+                    waited = 0.0
+                    while page_id in self._page_to_pins:  # never reuse a page a copy still reads: wait, and say so
+                        if not self._changed.wait(REUSE_WAIT_WARN_S):
+                            waited += REUSE_WAIT_WARN_S
+                            logger.warning("page %d has waited %.0f s for %d peer copies to finish before reuse",
+                                           page_id, waited, self._page_to_pins.get(page_id, 0))
 
     def set_computing(self, keys: Iterable[PageKey]) -> None:
         """The keys of the pages running requests are computing now (each step; empty when idle)."""
@@ -110,13 +121,13 @@ class ExportIndex:
         """Pin the pages of the leading run of ``keys`` that are published; the caller must ``unpin`` them."""
         pinned = []
         with self._lock:
-            for key in keys:
+            for key in keys:  # look every page up first: a bad key raises here with nothing pinned
                 found = self._key_to_page.get(key)
                 if found is None:
                     break
-                page_id, token_ids = found
-                self._page_to_pins[page_id] = self._page_to_pins.get(page_id, 0) + 1
-                pinned.append(PinnedPage(key, page_id, token_ids))
+                pinned.append(PinnedPage(key, *found))
+            for page in pinned:
+                self._page_to_pins[page.page_id] = self._page_to_pins.get(page.page_id, 0) + 1
         return pinned
 
     def unpin(self, page_ids: Iterable[int]) -> None:

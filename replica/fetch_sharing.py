@@ -45,6 +45,13 @@ class SharedFetch:
     peer_hint: str | None
     parent_key: PageKey | None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+    def resolve(self, pages: list) -> None:
+        """Resolve ``future`` to ``pages`` unless it already is (the fetch's end and shutdown may race)."""
+        try:
+            self.future.set_result(pages)
+        except concurrent.futures.InvalidStateError:
+            pass
     num_participants: int = 0
     """Requests that joined (or started) it and have not yet handed their pages to the scheduler or left."""
 
@@ -112,7 +119,9 @@ class FetchRegistry:
             found = self._key_to_fetch.get(key)
             if found is not None:
                 fetch, offset = found
-                count = min(len(fetch.keys) - offset, num_keys - pos)
+                limit, count = min(len(fetch.keys) - offset, num_keys - pos), 1
+                while count < limit and fetch.keys[offset + count] == keys[pos + count]:
+                    count += 1  # only as far as the prompts agree: where they part, this request fetches its own
                 segments.append(Segment(fetch, offset, count))
                 self._join(participant, fetch)
                 pos += count
@@ -148,8 +157,7 @@ class FetchRegistry:
     def abandon_all(self) -> None:
         """Shutdown: resolve every unresolved fetch to no pages (nobody waits forever) and forget everything."""
         for fetch in self.fetches():
-            if not fetch.future.done():
-                fetch.future.set_result([])
+            fetch.resolve([])
         self._key_to_fetch.clear()
         self._participant_to_fetches.clear()
 

@@ -196,3 +196,19 @@ def test_build_app_wires_replicas_router_and_ingress():
 
     built = app_builder({"devices": "cpu", "data-parallel-degree": 2, "num_cpus_per_replica": 0.25})
     assert built._bound_deployment.init_args[0]._bound_deployment.num_replicas == 2
+
+
+def test_prefill_threads_default_to_the_machine_s_cpus_shared_out_and_can_be_set(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    one = parse("--devices", "cpu")  # Ray starts here: 7 CPUs (one left to the proxy), all 8 for long steps
+    assert (one.num_threads_per_replica, one.num_prefill_threads) == (7, 8)
+    assert (one.engine_config("r").num_threads, one.engine_config("r").num_prefill_threads) == (7, 8)
+    two = parse("--devices", "cpu", "--data-parallel-degree", "2")
+    assert (two.num_threads_per_replica, two.num_prefill_threads) == (3, 4)
+    many = parse("--devices", "cpu", "--data-parallel-degree", "8")  # never fewer than the replica's own threads
+    assert (many.num_threads_per_replica, many.num_prefill_threads) == (1, 1)
+    cluster = parse("--devices", "cpu", "--ray-address", "auto", "--num-cpus-per-replica", "4")
+    assert (cluster.num_threads_per_replica, cluster.num_prefill_threads) == (4, 4)  # a cluster: its own count
+    assert parse("--devices", "cpu", "--num-prefill-threads", "3").engine_config("r").num_prefill_threads == 3
+    with pytest.raises(ValueError, match="--num-prefill-threads"):
+        ServeConfig(devices="cpu", num_prefill_threads=0)

@@ -4,6 +4,7 @@ streaming interface, counters and configuration errors."""
 import asyncio
 
 import pytest
+import torch
 
 from engine_utils import TinyModel, greedy, random_prompt, run_to_completion
 from replica.async_engine import AsyncEngine
@@ -268,3 +269,31 @@ def test_outputs_queued_for_a_slow_consumer_are_merged():
     assert (merged.new_token_ids, merged.new_text, merged.finished, merged.num_output_tokens) == ([1, 2, 3], "abc",
                                                                                                   True, 3)
     assert untouched.new_token_ids == [4] and left == 1
+
+
+def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_replica_s(tiny):
+    """CPU: a step of PREFILL_THREADS_MIN_TOKENS or more runs on ``num_prefill_threads``, a shorter one on
+    ``num_threads`` (switched on the stepping thread, only when it changes); greedy output is unchanged."""
+    from replica.config import PREFILL_THREADS_MIN_TOKENS
+
+    engine = tiny.engine(num_threads=1, num_prefill_threads=2)
+    seen = []
+    run = engine.runner.run
+
+    def counting_run(inputs):
+        seen.append((sum(len(chunk.token_ids) for chunk in inputs), torch.get_num_threads()))
+        return run(inputs)
+
+    engine.runner.run = counting_run
+    before = torch.get_num_threads()
+    try:
+        prompts = {"long": random_prompt(PREFILL_THREADS_MIN_TOKENS + 40, seed=60),
+                   "short": random_prompt(PREFILL_THREADS_MIN_TOKENS - 20, seed=61)}
+        for request_id, prompt in prompts.items():
+            assert run_to_completion(engine, {request_id: prompt}, 4)[0][request_id] == tiny.generate(prompt, 4)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(PREFILL_THREADS_MIN_TOKENS + 40, 2), (1, 1), (1, 1), (1, 1),
+                    (PREFILL_THREADS_MIN_TOKENS - 20, 1), (1, 1), (1, 1), (1, 1)]
+    with pytest.raises(ValueError, match="--num-prefill-threads"):
+        EngineConfig(num_prefill_threads=0)

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from common.errors import InvalidRequestError
 from common.types import CachedTokens, EngineRequest
 from engine_utils import greedy, random_prompt, run_to_completion
 from replica.config import EngineConfig
@@ -51,6 +52,13 @@ def test_plans_join_fetches_in_flight_and_fetch_only_what_nobody_has():
     assert longer.segments == [Segment(fetch, 1, 1), Segment(tail, 0, 2)]
     assert (tail.keys, tail.parent_key, tail.peer_hint) == (tuple(keys("k3", "k4")), b"k2", "B")
     assert fetch.num_participants == 3 and registry.num_fetches == 2
+    # a prompt that parts from the fetch after its first page joins that page only, and fetches its own pages after it
+    parted = registry.plan("r6", keys("k1", "x2", "x3"), tokens_for("axy"), parent_key=b"k0", peer_hint="A",
+                           can_fetch=True)
+    (own,) = parted.new_fetches
+    assert parted.segments == [Segment(fetch, 0, 1), Segment(own, 0, 2)]
+    assert (own.keys, own.parent_key) == (tuple(keys("x2", "x3")), b"k1")
+    registry.leave("r6")
     # pages queued by other requests are used as they are; a page computed here now ends the plan
     pending = {b"k5": "page5"}
     mixed = registry.plan("r4", keys("k5", "k6", "k7"), tokens_for("abc"), parent_key=b"k4", peer_hint="A",
@@ -246,6 +254,32 @@ def test_a_waiter_going_away_does_not_cancel_the_fetch_for_the_others(tiny):
         for prompt, (tokens, cached) in zip(prompts[1:], results):
             assert tokens == tiny.generate(prompt, NUM_OUT) and cached.total == 3 * PAGE
         assert sum(cached.peer for _, cached in results) >= 3 * PAGE
+    finally:
+        holder.shutdown()
+        target.shutdown()
+
+
+def test_a_second_request_with_a_running_id_is_refused_and_the_first_still_gets_its_tokens(tiny):
+    """While the first fetches its prefix (it is not yet in the engine's table), a duplicate gets InvalidRequestError
+    and the first keeps its output channel (it used to lose it to the duplicate and wait forever)."""
+    holder, target, client = pair(tiny)
+    prompt = hot_prompts(1)[0]
+
+    async def scenario():
+        await ask(holder, prompt, "warm")
+        first = asyncio.ensure_future(ask(target, prompt, "same", peer_hint="a"))
+        await wait_for_participants(target, [1])  # fetching: not yet in the engine's table
+        with pytest.raises(InvalidRequestError, match="already running"):
+            await ask(target, prompt, "same", peer_hint="a")
+        client.gate.set()
+        tokens, cached = await asyncio.wait_for(first, 60)
+        await target.check_integrity()
+        assert target.engine.request_ids() == []
+        return tokens, cached
+
+    try:
+        tokens, cached = asyncio.run(scenario())
+        assert tokens == tiny.generate(prompt, NUM_OUT) and cached.peer == 3 * PAGE
     finally:
         holder.shutdown()
         target.shutdown()
