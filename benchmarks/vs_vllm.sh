@@ -17,7 +17,8 @@
 # CONCURRENCY (4), PREFIX_LEN (1792), SUFFIX_LEN (256), OUTPUT_LEN (32),
 # WARMUP (4), WORKLOADS ("shared-prefix unique multi-turn"), MULTI_TURN_REQUESTS (24), STARTUP_TIMEOUT_S (400),
 # VLLM_PORT, PREFIXSERVE_PORT, MAX_NUM_BATCHED_TOKENS (2048), MAX_NUM_SEQS (64): both servers get the same scheduler
-# budget and max-model-len 4096. Threads: prefixserve runs 1 torch thread per replica (--num-cpus-per-replica 1);
+# budget and max-model-len 4096. Threads: prefixserve runs 1 torch thread per replica for decode steps
+# (--num-cpus-per-replica 1) and 2 for prefill steps of 64+ tokens (--num-prefill-threads' default on 2 cores);
 # vLLM with VLLM_CPU_OMP_THREADS_BIND=auto binds 1 OpenMP thread to core 0 and reserves core 1 for its API server.
 # KV_GIB (2): KV cache memory of both servers (vLLM's VLLM_CPU_KVCACHE_SPACE, prefixserve's --kv-cache-memory).
 # PREFIXSERVE_ARGS: more `prefixserve serve` flags (e.g. --no-direct-ingress); VC_TAG: a suffix for vllm-client's raw
