@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import uuid
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 EXPORT_WAIT_S = 2.0
 """How long a peer export waits for pages this replica is computing right now (below the peer client's 5 s timeout,
 so the requester still gets an answer, and recomputes, if they take longer)."""
+EXPORT_THREADS = 4
+"""Threads that copy pages out for peers (an export is a memory copy, or a bounded wait for pages being computed):
+their own pool, so a burst of exports waiting on a prefix in progress cannot starve this replica's tier loads."""
 
 
 class AsyncEngine:
@@ -46,6 +50,7 @@ class AsyncEngine:
         self._kv_events: deque[KVEvent] = deque()
         self._fetches = FetchRegistry()
         self.export_wait_s = EXPORT_WAIT_S
+        self._export_pool = concurrent.futures.ThreadPoolExecutor(EXPORT_THREADS, thread_name_prefix="kv-export")
         self._fetch_tasks: set[asyncio.Future] = set()
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine.config.replica_id}", daemon=True)
         self._thread.start()
@@ -142,8 +147,11 @@ class AsyncEngine:
         worker thread at once, not between engine steps (``LLMEngine.export_pages_concurrently``), so a busy replica
         answers a peer in the time of the copy; pages this replica is computing right now are waited for, at most
         ``export_wait_s``."""
-        return await asyncio.to_thread(self.engine.export_pages_concurrently, list(keys), to_cpu=to_cpu,
-                                       contiguous=contiguous, wait_for_computing_s=self.export_wait_s)
+        copy = functools.partial(self.engine.export_pages_concurrently, list(keys), to_cpu=to_cpu,
+                                 contiguous=contiguous, wait_for_computing_s=self.export_wait_s)
+        # on threads of their own: an export may wait for pages being computed, and must not hold up this replica's
+        # tier loads and stores in the loop's default executor (nor they it)
+        return await asyncio.get_running_loop().run_in_executor(self._export_pool, copy)
 
     def _start_fetch(self, fetch: SharedFetch, loop: asyncio.AbstractEventLoop) -> None:
         """Engine thread: run ``fetch`` on ``loop``; its future is resolved whatever happens (``[]`` on failure)."""
@@ -305,6 +313,7 @@ class AsyncEngine:
             self._fetches.abandon_all()
         if self.fetcher is not None:
             self.fetcher.close()
+        self._export_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- engine thread -------------------------------------------------------------------------------------------
     async def _call(self, fn: Callable):

@@ -459,3 +459,21 @@ def test_an_export_of_pages_being_computed_waits_for_their_commit_bounded(tiny):
     finally:
         release.set()
         holder.shutdown()
+
+
+def test_exports_run_on_their_own_threads_not_the_loop_s_default_executor(tiny):
+    """A burst of exports waiting for a prefix being computed must not take the threads tier loads run on."""
+    holder = make_async_engine(tiny, "a")
+    names = []
+    export = holder.engine.export_pages_concurrently
+
+    def recording(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return export(*args, **kwargs)
+
+    holder.engine.export_pages_concurrently = recording
+    try:
+        assert asyncio.run(holder.export_pages([b"no-such-key"])) == []
+        assert names and names[0].startswith("kv-export")
+    finally:
+        holder.shutdown()
