@@ -17,8 +17,8 @@
 # CONCURRENCY (4), PREFIX_LEN (1792), SUFFIX_LEN (256), OUTPUT_LEN (32),
 # WARMUP (4), WORKLOADS ("shared-prefix unique multi-turn"), MULTI_TURN_REQUESTS (24), STARTUP_TIMEOUT_S (400),
 # VLLM_PORT, PREFIXSERVE_PORT, MAX_NUM_BATCHED_TOKENS (2048), MAX_NUM_SEQS (64): both servers get the same scheduler
-# budget and max-model-len 4096. Threads: prefixserve runs 1 torch thread per replica for decode steps
-# (--num-cpus-per-replica 1) and 2 for prefill steps of 64+ tokens (--num-prefill-threads' default on 2 cores);
+# budget and max-model-len 4096. Threads: prefixserve's defaults, on 2 cores 1 torch thread for decode steps and 2 for
+# prefill steps of 64+ tokens (PREFIXSERVE_CPUS=N passes --num-cpus-per-replica N, which then sets both);
 # vLLM with VLLM_CPU_OMP_THREADS_BIND=auto binds 1 OpenMP thread to core 0 and reserves core 1 for its API server.
 # KV_GIB (2): KV cache memory of both servers (vLLM's VLLM_CPU_KVCACHE_SPACE, prefixserve's --kv-cache-memory).
 # PREFIXSERVE_ARGS: more `prefixserve serve` flags (e.g. --no-direct-ingress); VC_TAG: a suffix for vllm-client's raw
@@ -167,7 +167,7 @@ start_prefixserve() {
   launch "$name" RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled -- \
     "$PROJECT_PY" -m cluster serve --model "$MODEL_DIR" --served-model-name tiny-llama --dtype "$DTYPE" \
       --kv-cache-page-size 128 --max-model-len 4096 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
-      --max-num-seqs "$MAX_NUM_SEQS" --data-parallel-degree 1 --num-cpus-per-replica "${PREFIXSERVE_CPUS:-1}" --devices cpu \
+      --max-num-seqs "$MAX_NUM_SEQS" --data-parallel-degree 1 ${PREFIXSERVE_CPUS:+--num-cpus-per-replica "$PREFIXSERVE_CPUS"} --devices cpu \
       --kv-cache-memory "${KV_GIB}GiB" --no-enable-disk-cache --host 127.0.0.1 --port "$PREFIXSERVE_PORT" "$flag" \
       ${PREFIXSERVE_ARGS:-}
   wait_ready "$PREFIXSERVE_PORT" "$name"

@@ -94,7 +94,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parallel.add_argument("--num-prefill-threads", type=int, default=default("num_prefill_threads"),
                           help="torch threads of a replica's steps of 64 tokens or more (prefill chunks); decode steps "
                                "keep --num-cpus-per-replica's count (default: this machine's CPUs shared out among "
-                               "the replicas; on a cluster, the replica's own count)")
+                               "the replicas when --num-cpus-per-replica is not given either; otherwise, and on a "
+                               "cluster, the replica's own count)")
 
     cache = parser.add_argument_group("KV cache and prefix caching")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -270,6 +271,10 @@ def run_serve(config: ServeConfig) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if local:
         expose_project_to_workers()
+        # Ray starts its workers at nice 15 (its worker_niceness) to keep its own daemons responsive. Here the workers
+        # are the replicas' engines and the HTTP ingress: at nice 15, any ordinary process on the machine (a load
+        # generator, a monitoring agent) takes their core first. On a cluster, `ray start` decides (deploy/cluster.yaml).
+        os.environ.setdefault("RAY_worker_niceness", "0")
     started = False
     deployed = False
     redis = None

@@ -138,8 +138,9 @@ class ServeConfig:
     CPUs but one shared out among the replicas when Ray is started here (``default_cpus_per_replica``), else 1."""
     num_prefill_threads: int | None = None
     """torch threads of a replica's long steps (prefill chunks of 64 tokens or more; decode steps keep the replica's
-    own count). None: the machine's CPUs shared out among the replicas when Ray is started here (the core left to
-    the HTTP proxy is idle enough during a long step), else the replica's own thread count."""
+    own count). None: when Ray is started here and ``num_cpus_per_replica`` is not given either, the machine's CPUs
+    shared out among the replicas (the core left to the HTTP processes is idle enough during a long step); else (a
+    cluster, an explicit CPU count, GPU replicas) the replica's own thread count."""
     served_model_name: str | None = None
     """Name clients put in ``model``; defaults to the model folder's name (or SmolLM2-135M-Instruct)."""
     kv_events_config: KVEventsConfig | str | Mapping[str, Any] | None = None
@@ -189,11 +190,14 @@ class ServeConfig:
 
         set_field("kv_cache_memory", parse_memory_size(self.kv_cache_memory))
         set_field("kv_events_config", KVEventsConfig.parse(self.kv_events_config))
-        if self.num_cpus_per_replica is None:
+        cpus_defaulted = self.num_cpus_per_replica is None
+        if cpus_defaulted:
             set_field("num_cpus_per_replica", default_cpus_per_replica(self.data_parallel_degree, self.ray_address))
         if self.num_prefill_threads is None:
             own = self.num_threads_per_replica if isinstance(self.num_cpus_per_replica, (int, float)) else 1
-            set_field("num_prefill_threads", default_prefill_threads(self.data_parallel_degree, self.ray_address, own))
+            shared_out = cpus_defaulted and self.devices != "gpu"  # an explicit CPU count, or a GPU: the replica's own
+            set_field("num_prefill_threads", default_prefill_threads(self.data_parallel_degree, self.ray_address, own)
+                      if shared_out else own)
         if self.enable_dp_cross_replica_prefix_copy is None:
             set_field("enable_dp_cross_replica_prefix_copy", self.enable_prefix_caching)
         if self.enable_disk_cache is None:
@@ -258,7 +262,8 @@ class ServeConfig:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if not isinstance(self.num_cpus_per_replica, (int, float)) or self.num_cpus_per_replica <= 0:
             raise ValueError(f"--num-cpus-per-replica must be positive, got {self.num_cpus_per_replica!r}")
-        if not isinstance(self.num_prefill_threads, int) or self.num_prefill_threads < 1:
+        if (not isinstance(self.num_prefill_threads, int) or isinstance(self.num_prefill_threads, bool)
+                or self.num_prefill_threads < 1):
             raise ValueError(f"--num-prefill-threads must be an integer >= 1, got {self.num_prefill_threads!r}")
         if not self.served_model_name:
             raise ValueError("--served-model-name must not be empty; omit it to use the model folder's name")

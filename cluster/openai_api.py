@@ -403,6 +403,8 @@ class OpenAIIngress:
                 self.metrics.retried.inc()
                 logger.warning("request %s: its replica was lost before the first token (%s); sending it again",
                                request_id, lost)
+                # a new engine id: a replica that only seemed lost may still run the first attempt under the old one
+                engine_request = dataclasses.replace(engine_request, request_id=uuid.uuid4().hex)
             except APIError as error:
                 self.metrics.rejected.labels(error.reason).inc()
                 return api_error_response(error)

@@ -181,7 +181,8 @@ class EngineConfig:
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.num_prefill_threads is not None and (
-                not isinstance(self.num_prefill_threads, int) or self.num_prefill_threads < 1):
+                not isinstance(self.num_prefill_threads, int) or isinstance(self.num_prefill_threads, bool)
+                or self.num_prefill_threads < 1):
             raise ValueError(f"--num-prefill-threads must be an integer >= 1, got {self.num_prefill_threads!r}")
         if not isinstance(self.kv_cache_retention_budget, (int, float)) or not (
                 0.0 <= self.kv_cache_retention_budget <= 1.0):

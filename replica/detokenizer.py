@@ -37,6 +37,7 @@ class IncrementalDetokenizer:
         before."""
         if self.tokenizer is None:
             return DetokenizeResult("", False)
+        pending = ""  # text of tokens not committed yet (ending in an incomplete character): searched, not emitted
         if len(output_token_ids) > self._read_offset:
             decode = self.tokenizer.decode
             before = decode(output_token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
@@ -44,7 +45,9 @@ class IncrementalDetokenizer:
             if finished or (len(window) > len(before) and not window.endswith("\ufffd")):
                 self._decoded += window[len(before) :]
                 self._prefix_offset, self._read_offset = self._read_offset, len(output_token_ids)
-        text = self._decoded
+            else:
+                pending = window[len(before) :]
+        text = self._decoded + pending
         stopped = False
         if self.stop:
             search_from = max(0, self.num_emitted_chars - self.holdback)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -276,6 +277,7 @@ class LLMEngine:
         self.kv.exports.set_computing(self.scheduler.in_flight_keys())  # a peer's export may wait for these
         if not plan.chunks:
             return []
+        self._set_step_threads(plan.num_tokens)
         self._import_pages(plan.imports)
         self._note_scheduled(plan.admitted)
         inputs = []
@@ -290,7 +292,6 @@ class LLMEngine:
                     sample=start + chunk.num_new_tokens == seq.num_tokens,
                 )
             )
-        self._set_step_threads(plan.num_tokens)
         started = time.perf_counter()
         logits = self.runner.run(inputs)
         sampling_seqs = [chunk.seq for chunk, inp in zip(plan.chunks, inputs) if inp.sample]
@@ -595,21 +596,31 @@ def resolve_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
     return torch.float32, "auto: this CPU has no native bf16 matmuls"
 
 
+def compile_threads(config: EngineConfig) -> int:
+    """Threads the model is compiled (and warmed up) on. Inductor generates its C++ kernels for the count at compile
+    time: compiled on one thread they have no parallel loops at all, and compiled on fewer than this machine's CPUs
+    each parallel loop is fixed at that count (``num_threads(N)``). When steps switch between two counts (CPU,
+    ``num_prefill_threads``), compiling on every CPU makes the loops follow the stepping thread's count instead (and
+    sizes their per-thread buffers for the most threads any step can use)."""
+    prefill = config.num_prefill_threads or config.num_threads
+    if config.devices != "cpu" or prefill == config.num_threads:
+        return config.num_threads
+    return max(config.num_threads, prefill, os.cpu_count() or 1)
+
+
 def build_engine(config: EngineConfig) -> LLMEngine:
     """Resolve and load the model named by ``config.model`` and build the engine around it."""
     from replica.model_loader import eos_token_ids, is_multimodal_config, load_model, resolve_model_dir
 
     if config.devices == "gpu" and not torch.cuda.is_available():
         raise ValueError("--devices gpu was asked for but no CUDA device is visible; use --devices cpu")
-    # compiled on the most threads any step uses: inductor's C++ kernels are generated for the thread count at
-    # compile time (compiled on one, they have no parallel loops at all); a step on fewer threads runs them on fewer
-    torch.set_num_threads(max(config.num_threads, config.num_prefill_threads or 1))
+    torch.set_num_threads(compile_threads(config))
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     dtype, reason = resolve_dtype(config)
     logger.info("replica %s runs in %s (%s)", config.replica_id, str(dtype).removeprefix("torch."), reason)
     loaded = load_model(model_dir, dtype, config.devices)
     device = "cuda" if config.devices == "gpu" else "cpu"
-    return LLMEngine(
+    engine = LLMEngine(
         config,
         loaded.model,
         loaded.tokenizer,
@@ -617,3 +628,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         device=device,
         multimodal=is_multimodal_config(loaded.config),
     )
+    # threads started from here on (the engine thread, peer exports, tier loads) take this count on their first torch
+    # op; the engine thread then sets each step's own
+    torch.set_num_threads(config.num_threads)
+    return engine

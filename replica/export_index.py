@@ -86,12 +86,14 @@ class ExportIndex:
             for page_id in page_ids:
                 if page_id in self._page_to_pins:
                     self.num_reuse_waits += 1
-                    waited = 0.0
+                    started = warned = time.monotonic()
                     while page_id in self._page_to_pins:  # never reuse a page a copy still reads: wait, and say so
-                        if not self._changed.wait(REUSE_WAIT_WARN_S):
-                            waited += REUSE_WAIT_WARN_S
+                        self._changed.wait(REUSE_WAIT_WARN_S)
+                        now = time.monotonic()
+                        if page_id in self._page_to_pins and now - warned >= REUSE_WAIT_WARN_S:
+                            warned = now
                             logger.warning("page %d has waited %.0f s for %d peer copies to finish before reuse",
-                                           page_id, waited, self._page_to_pins.get(page_id, 0))
+                                           page_id, now - started, self._page_to_pins[page_id])
 
     def set_computing(self, keys: Iterable[PageKey]) -> None:
         """The keys of the pages running requests are computing now (each step; empty when idle)."""

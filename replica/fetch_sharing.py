@@ -45,6 +45,8 @@ class SharedFetch:
     peer_hint: str | None
     parent_key: PageKey | None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    num_participants: int = 0
+    """Requests that joined (or started) it and have not yet handed their pages to the scheduler or left."""
 
     def resolve(self, pages: list) -> None:
         """Resolve ``future`` to ``pages`` unless it already is (the fetch's end and shutdown may race)."""
@@ -52,8 +54,6 @@ class SharedFetch:
             self.future.set_result(pages)
         except concurrent.futures.InvalidStateError:
             pass
-    num_participants: int = 0
-    """Requests that joined (or started) it and have not yet handed their pages to the scheduler or left."""
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,11 @@ def stream(base: str, max_tokens: int, out: dict) -> None:
 
 def listener_title(port: int) -> str:
     """Process title (Ray sets ``ray::<actor>``) of the process listening on 127.0.0.1:``port``, from /proc."""
+    return listener(port)[1]
+
+
+def listener(port: int) -> tuple[int, str]:
+    """(pid, process title) of the process listening on 127.0.0.1:``port``, from /proc ((0, "") if none)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
@@ -49,10 +54,10 @@ def listener_title(port: int) -> str:
         try:
             for fd in fd_dir.iterdir():
                 if os.readlink(fd).removeprefix("socket:[").rstrip("]") in inodes:
-                    return (fd_dir.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    return int(fd_dir.parent.name), (fd_dir.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:  # a process gone, or not ours to read
             continue
-    return ""
+    return 0, ""
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
@@ -77,7 +82,10 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tiny_llama_dir, tmp_p
         # direct ingress (the default with a Ray started here): --port is the ingress replica's own server, which
         # has no Serve proxy routes; the proxy moved to the port the CLI names
         proxy_port = int(re.search(r"Serve's HTTP proxy at port (\d+)", (tmp_path / "serve.log").read_text()).group(1))
-        assert "OpenAIIngress" in listener_title(port)
+        ingress_pid, ingress_title = listener(port)
+        assert "OpenAIIngress" in ingress_title
+        # Ray's workers run at nice 15 unless told otherwise: the CLI's own Ray starts its replicas at nice 0
+        assert os.getpriority(os.PRIO_PROCESS, ingress_pid) == 0
         assert "ProxyActor" in listener_title(proxy_port)
         started = live_descendants(process.pid)
         assert len(started) >= 3  # gcs_server, raylet, workers ...

@@ -207,8 +207,10 @@ def test_prefill_threads_default_to_the_machine_s_cpus_shared_out_and_can_be_set
     assert (two.num_threads_per_replica, two.num_prefill_threads) == (3, 4)
     many = parse("--devices", "cpu", "--data-parallel-degree", "8")  # never fewer than the replica's own threads
     assert (many.num_threads_per_replica, many.num_prefill_threads) == (1, 1)
-    cluster = parse("--devices", "cpu", "--ray-address", "auto", "--num-cpus-per-replica", "4")
-    assert (cluster.num_threads_per_replica, cluster.num_prefill_threads) == (4, 4)  # a cluster: its own count
+    cluster = parse("--devices", "cpu", "--ray-address", "auto")
+    assert (cluster.num_threads_per_replica, cluster.num_prefill_threads) == (1, 1)  # a cluster: its own count
+    explicit = parse("--devices", "cpu", "--num-cpus-per-replica", "1")  # an explicit reservation is kept to
+    assert (explicit.num_threads_per_replica, explicit.num_prefill_threads) == (1, 1)
     assert parse("--devices", "cpu", "--num-prefill-threads", "3").engine_config("r").num_prefill_threads == 3
     with pytest.raises(ValueError, match="--num-prefill-threads"):
         ServeConfig(devices="cpu", num_prefill_threads=0)

@@ -297,3 +297,15 @@ def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_repl
                     (PREFILL_THREADS_MIN_TOKENS - 20, 1), (1, 1), (1, 1), (1, 1)]
     with pytest.raises(ValueError, match="--num-prefill-threads"):
         EngineConfig(num_prefill_threads=0)
+
+
+def test_the_graph_is_compiled_on_every_cpu_when_steps_switch_thread_counts(monkeypatch):
+    """Inductor fixes a parallel loop's thread count at compile time unless compiled on every CPU (then the loop
+    follows the stepping thread): so with two counts the graph is compiled on every CPU; with one, on that one."""
+    from replica.engine import compile_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert compile_threads(EngineConfig(num_threads=3, num_prefill_threads=4)) == 8
+    assert compile_threads(EngineConfig(num_threads=3)) == 3
+    assert compile_threads(EngineConfig(num_threads=3, num_prefill_threads=3)) == 3
+    assert compile_threads(EngineConfig(devices="gpu", num_threads=3, num_prefill_threads=4)) == 3

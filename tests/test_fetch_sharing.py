@@ -270,7 +270,7 @@ def test_a_second_request_with_a_running_id_is_refused_and_the_first_still_gets_
         first = asyncio.ensure_future(ask(target, prompt, "same", peer_hint="a"))
         await wait_for_participants(target, [1])  # fetching: not yet in the engine's table
         with pytest.raises(InvalidRequestError, match="already running"):
-            await ask(target, prompt, "same", peer_hint="a")
+            await asyncio.wait_for(ask(target, prompt, "same", peer_hint="a"), 30)
         client.gate.set()
         tokens, cached = await asyncio.wait_for(first, 60)
         await target.check_integrity()
