@@ -8,11 +8,15 @@ flash kernel run by run (merged by log-sum-exp) instead of the C++ decode kernel
 ``--compare-generic``, with the device-generic attention path (SDPA over gathered K/V with masks); with
 ``--compare-small-linear``, with every linear layer on the library's GEMM (MKL for float32, oneDNN for bfloat16) instead
 of the small-row kernel (``replica.llama.linear_kernel``; the compiled forward then holds a graph per setting, compiled
-in the warm-up round). The paths are
-printed side by side, with the first one's time over each other's.
+in the warm-up round); with ``--prefill-threads N``, steps of 64+ tokens run on N threads (``--num-prefill-threads``)
+and ``--compare-prefill-threads`` repeats every measurement with them on ``--threads`` (the graph is compiled on every
+CPU, so one graph serves both). The paths are printed side by side, with the first one's time over each other's.
+Times are the engine thread's CPU time, except with prefill threads, where they are wall time (the step's second
+thread works while the engine thread waits for it).
 
     PYTHONPATH=. .venv/bin/python benchmarks/engine_steps.py --model DIR [--dtype bfloat16] [--rounds 3]
         [--compare-aten-decode] [--compare-generic] [--compare-small-linear] [--enforce-eager]
+        [--prefill-threads N [--compare-prefill-threads]]
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from common.types import EngineRequest, SamplingParams
 from replica.config import EngineConfig
 from replica.engine import build_engine
 
-MEASUREMENTS = ("cold prefill 1792", "decode b4", "decode b4 + suffix prefill 256", "decode b8 (pairs share)")
+MEASUREMENTS = ("cold prefill 1792", "decode b4", "decode b4 + suffix prefill 256", "4 suffix prefills 256 at once",
+                "decode b8 (pairs share)")
 
 
 def main() -> None:
@@ -42,10 +47,14 @@ def main() -> None:
     parser.add_argument("--compare-generic", action="store_true")
     parser.add_argument("--compare-small-linear", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--prefill-threads", type=int, default=None)
+    parser.add_argument("--compare-prefill-threads", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = build_engine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
-                                       enforce_eager=args.enforce_eager))
+                                       enforce_eager=args.enforce_eager, num_threads=args.threads,
+                                       num_prefill_threads=args.prefill_threads))
+    wall = args.prefill_threads is not None and args.prefill_threads != args.threads
     rng = random.Random(0)
     prefixes = [[rng.randrange(100, 8000) for _ in range(1536)] for _ in range(4)]
     counter = iter(range(10**9))
@@ -58,9 +67,10 @@ def main() -> None:
         return prefixes[prefix] + [rng.randrange(100, 8000) for _ in range(256)]
 
     def cpu_ms(fn) -> float:
-        started = time.thread_time()
+        clock = time.perf_counter if wall else time.thread_time
+        started = clock()
         fn()
-        return (time.thread_time() - started) * 1000
+        return (clock() - started) * 1000
 
     def prefill_all() -> None:
         while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
@@ -86,10 +96,15 @@ def main() -> None:
         out[MEASUREMENTS[1]] = min(cpu_ms(engine.step) for _ in range(8))
         add(suffixed(0))
         out[MEASUREMENTS[2]] = cpu_ms(engine.step)
-        for prefix in (1, 2, 3):
+        drain()
+        for prefix in range(4):  # prefix_repetition's requests in lockstep: four suffixes in one step
+            add(suffixed(prefix), max_tokens=1)
+        out[MEASUREMENTS[3]] = cpu_ms(engine.step)
+        drain()
+        for prefix in (0, 1, 2, 3, 0, 1, 2, 3):
             add(suffixed(prefix))
         prefill_all()
-        out[MEASUREMENTS[3]] = min(cpu_ms(engine.step) for _ in range(8))
+        out[MEASUREMENTS[4]] = min(cpu_ms(engine.step) for _ in range(8))
         drain()
         return out
 
@@ -98,19 +113,26 @@ def main() -> None:
     compact = runner._compiled.forward.module if runner._compiled is not None else runner._compact
     linear_kernel = compact.linear_kernel if compact is not None else None
 
-    # name: (_CPU_SEGMENTS, decode kernel, small-row linear kernel)
-    paths = {("in place, C++ decode" if kernel else "in place"): (True, kernel, linear_kernel)}
+    # name: (_CPU_SEGMENTS, decode kernel, small-row linear kernel, step threads (short, long))
+    threads = engine._step_threads
+    first_name = ("in place, C++ decode" if kernel else "in place")
+    if wall:
+        first_name += f", prefill on {args.prefill_threads} threads"
+    paths = {first_name: (True, kernel, linear_kernel, threads)}
     if args.compare_aten_decode and kernel:
-        paths["in place, ATen decode"] = (True, False, linear_kernel)
+        paths["in place, ATen decode"] = (True, False, linear_kernel, threads)
     if args.compare_generic:
-        paths["generic"] = (False, False, linear_kernel)
+        paths["generic"] = (False, False, linear_kernel, threads)
     if args.compare_small_linear and linear_kernel:
-        paths["library linear"] = (True, kernel, None)
+        paths["library linear"] = (True, kernel, None, threads)
+    if args.compare_prefill_threads and wall:
+        paths[f"prefill on {args.threads} thread(s)"] = (True, kernel, linear_kernel, (args.threads, args.threads))
     results: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
     for round_index in range(args.rounds + 1):  # round 0 warms up (first use of each shape)
-        for name, (segments, decode_kernel, linear_kernel) in paths.items():
+        for name, (segments, decode_kernel, linear_kernel, step_threads) in paths.items():
             paged_attention._CPU_SEGMENTS = segments
             paged_attention._CPU_DECODE_KERNEL = decode_kernel
+            engine._step_threads = step_threads
             if compact is not None:
                 compact.linear_kernel = linear_kernel
             measured = one_round()
@@ -119,7 +141,8 @@ def main() -> None:
     first, *others = paths
     header = " | ".join(f"{name} (best of {args.rounds})" for name in paths)
     ratios = "".join(f" {first} / {other} |" for other in others)
-    print(f"| step ({args.dtype}, CPU ms of the engine thread) | {header} |{ratios}")
+    unit = "wall ms" if wall else "CPU ms of the engine thread"
+    print(f"| step ({args.dtype}, {unit}) | {header} |{ratios}")
     print("|---|" + "---|" * (2 * len(paths) - 1))
     for measurement in MEASUREMENTS:
         best = {name: min(r[measurement] for r in rounds) for name, rounds in results.items()}
