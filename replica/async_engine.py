@@ -355,7 +355,11 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopped:
             while self._inbox:
-                self._inbox.popleft()()
+                command = self._inbox.popleft()
+                try:
+                    command()
+                except Exception:  # noqa: BLE001 - a failed command (an abort, a fetch's end) must not end the thread
+                    logger.exception("an engine-thread command failed; serving on")
                 self._kv_events.extend(self.engine.kv.drain_events())  # a command's events precede the next's result
             if not self.engine.has_work():
                 self.engine.kv.exports.set_computing(())  # nothing runs (an abort may have ended the computation)

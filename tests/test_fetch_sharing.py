@@ -477,3 +477,24 @@ def test_exports_run_on_their_own_threads_not_the_loop_s_default_executor(tiny):
         assert names and names[0].startswith("kv-export")
     finally:
         holder.shutdown()
+
+
+def test_a_failing_engine_thread_command_leaves_the_engine_serving(tiny):
+    """Commands other than steps (an abort, a fetch's end) run on the engine thread between steps: one that raises is
+    logged, and the thread serves on (it used to end, and every request waited forever)."""
+    target = make_async_engine(tiny, "a")
+    prompt = hot_prompts(1)[0]
+
+    def broken():
+        raise RuntimeError("a command that fails")
+
+    async def scenario():
+        target._submit(broken)
+        return await asyncio.wait_for(ask(target, prompt, "after"), 60)
+
+    try:
+        tokens, _ = asyncio.run(scenario())
+        assert tokens == tiny.generate(prompt, NUM_OUT)
+        assert target._thread.is_alive()
+    finally:
+        target.shutdown()
