@@ -158,6 +158,11 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | None = None
     """Publish KV events in vLLM's schema over ZMQ (replica/kv_event_publisher.py); None: off."""
 
+    @property
+    def prefill_threads(self) -> int:
+        """``num_prefill_threads``, or ``num_threads`` when it is not set."""
+        return self.num_prefill_threads or self.num_threads
+
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size <= 0 or self.page_size % PAGE_SIZE_MULTIPLE:
             raise ValueError(

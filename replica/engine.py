@@ -119,7 +119,7 @@ class LLMEngine:
         self.step_observer = None
         """Called as ``(seconds, chunks)`` after each step's forward and sampling, before the chunks advance (the
         replica's cost meter, replica/cost_meter.py)."""
-        self._step_threads = (config.num_threads, config.num_prefill_threads or config.num_threads)
+        self._step_threads = (config.num_threads, config.prefill_threads)
         """CPU torch threads of (short steps, steps of at least ``PREFILL_THREADS_MIN_TOKENS`` tokens)."""
         self._threads_now = 0
         self._tracked: dict[str, _Tracked] = {}
@@ -602,10 +602,9 @@ def compile_threads(config: EngineConfig) -> int:
     each parallel loop is fixed at that count (``num_threads(N)``). When steps switch between two counts (CPU,
     ``num_prefill_threads``), compiling on every CPU makes the loops follow the stepping thread's count instead (and
     sizes their per-thread buffers for the most threads any step can use)."""
-    prefill = config.num_prefill_threads or config.num_threads
-    if config.devices != "cpu" or prefill == config.num_threads:
+    if config.devices != "cpu" or config.prefill_threads == config.num_threads:
         return config.num_threads
-    return max(config.num_threads, prefill, os.cpu_count() or 1)
+    return max(config.num_threads, config.prefill_threads, os.cpu_count() or 1)
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:

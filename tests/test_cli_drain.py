@@ -37,13 +37,9 @@ def stream(base: str, max_tokens: int, out: dict) -> None:
         out["lines"] = [line for line in response.iter_lines() if line]
 
 
-def listener_title(port: int) -> str:
-    """Process title (Ray sets ``ray::<actor>``) of the process listening on 127.0.0.1:``port``, from /proc."""
-    return listener(port)[1]
-
-
 def listener(port: int) -> tuple[int, str]:
-    """(pid, process title) of the process listening on 127.0.0.1:``port``, from /proc ((0, "") if none)."""
+    """(pid, process title: Ray sets ``ray::<actor>``) of the process listening on 127.0.0.1:``port``, from /proc
+    ((0, "") if none)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
@@ -86,7 +82,7 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tiny_llama_dir, tmp_p
         assert "OpenAIIngress" in ingress_title
         # Ray's workers run at nice 15 unless told otherwise: the CLI's own Ray starts its replicas at nice 0
         assert os.getpriority(os.PRIO_PROCESS, ingress_pid) == 0
-        assert "ProxyActor" in listener_title(proxy_port)
+        assert "ProxyActor" in listener(proxy_port)[1]
         started = live_descendants(process.pid)
         assert len(started) >= 3  # gcs_server, raylet, workers ...
 

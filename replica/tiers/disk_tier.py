@@ -108,8 +108,6 @@ class IndexedPage:
     passed, else 0."""
 
 
-
-
 class PageIndex:
     """The SQLite index every process sharing root uses: ``pages(id, parent, size, last_used, priority,
     retain_until)`` (schema ``INDEX_VERSION``).

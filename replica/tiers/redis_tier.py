@@ -744,8 +744,6 @@ class ReplyReader:
             self._end += received
 
 
-
-
 def is_out_of_memory(error: BaseException) -> bool:
     """Redis' ``OOM command not allowed when used memory > 'maxmemory'`` (also when raised inside a script)."""
     return isinstance(error, redis.exceptions.OutOfMemoryError) or "OOM" in str(error)[:40]
