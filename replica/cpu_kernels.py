@@ -1,5 +1,9 @@
 """CPU kernels written here in C++ (``replica/csrc``), built on first use with the compiler inductor already needs.
 
+``prefill_attention`` is the prefill half, on AMX tiles where the CPU has them (bfloat16): one call per prompt
+chunk and layer attends the chunk's tokens to their whole context, cached runs and own tokens, with one running
+softmax (the source says how).
+
 ``decode_attention`` is the decode half of the CPU paged attention (``replica.paged_attention._attend_segments``):
 one call per layer attends every decode row of the step to its context where it lies in the pool, in one pass per
 (kv head, group of rows sharing a prefix), with the running softmax kept in float32 inside the kernel. It replaces
@@ -34,7 +38,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "small_linear.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "small_linear.cpp",
+                                                                          "amx_attention.cpp"))
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 """``-ffast-math`` lets the exp loops use glibc's vector exp; the kernel keeps every value finite (no infinities)."""
 _lock = threading.Lock()
@@ -93,6 +98,23 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     ``vector_code=False`` runs the plain loops written for any head size (tests compare the two)."""
     torch.ops.prefixserve_cpu.decode_attention(query, k_cache, v_cache, segments, seg_rows, components, out, scale,
                                                vector_code)
+
+
+def has_amx() -> bool:
+    """Whether ``prefill_attention`` can run: the kernels are built with AMX tiles (``-march=native`` on a CPU with
+    amx_tile, amx_bf16 and avx512_bf16) and Linux granted this process the tile state."""
+    if "amx" not in _state:
+        _state["amx"] = available() and bool(torch.ops.prefixserve_cpu.has_amx())
+    return bool(_state["amx"])
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
+                      scale: float, out: torch.Tensor) -> None:
+    """Write into ``out`` [tokens, heads, head_dim] the attention of a prompt chunk's ``query`` (same shape) to its
+    context on AMX tiles (``csrc/amx_attention.cpp``): the keys are the pool slots of ``runs`` [R, 2] int64
+    (first slot, length) in order, the last ``tokens`` of them the chunk's own tokens (causal). bfloat16, contiguous;
+    ``k_cache`` / ``v_cache`` are a layer's pool [slots, kv_heads, head_dim]."""
+    torch.ops.prefixserve_cpu.prefill_attention(query, k_cache, v_cache, runs, scale, out)
 
 
 def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool = True) -> torch.Tensor:

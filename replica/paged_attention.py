@@ -49,6 +49,9 @@ _CPU_SEGMENTS = True
 _CPU_DECODE_KERNEL = True
 """CPU decode rows use the C++ kernel when it is built; False keeps ATen's flash kernel per run (tests compare)."""
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CPU_PREFILL_KERNEL = True
+"""bfloat16 prompt chunks (without a sliding window) are attended by the AMX kernel when the CPU and the build have
+it; False keeps ATen's flash kernel run by run (tests and benchmarks compare)."""
 
 
 @dataclass
@@ -351,6 +354,9 @@ class SegmentPlan:
     direct: list[int]
     """Prefill slices attended in one SDPA call (``_attend_prefill_masked``): those with no context before them
     (plain causal, nothing to merge) and those longer than the sliding window (masked)."""
+    prefill_kernel: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """(prefill slice, its key runs [R, 2]) attended by the AMX prefill kernel, one call each, written in place; not in
+    ``segments``."""
     decode_kernel: "DecodeKernelPlan | None" = None
     """The decode rows, when the C++ decode kernel attends them (``replica.cpu_kernels``); their segments are then
     not in ``segments``."""
@@ -404,16 +410,23 @@ class DecodeKernelPlan:
                                 as_tensor(components, 4))
 
 
-def segment_plan(meta: PagedAttentionMetadata, window: int | None, decode_kernel: bool = False) -> SegmentPlan:
+def segment_plan(meta: PagedAttentionMetadata, window: int | None, decode_kernel: bool = False,
+                 prefill_kernel: bool = False) -> SegmentPlan:
     """Segments of every query row (see ``_attend_segments``); with ``decode_kernel`` the decode rows go to a
-    ``DecodeKernelPlan`` instead."""
-    cache_key = ("segments", window, decode_kernel)
+    ``DecodeKernelPlan`` instead, with ``prefill_kernel`` the prompt chunks (no sliding window) to the AMX kernel."""
+    cache_key = ("segments", window, decode_kernel, prefill_kernel)
     if cache_key in meta._step_cache:
         return meta._step_cache[cache_key]
     segments: list[Segment] = []
     direct: list[int] = []
+    kernel_prefills: list[tuple[int, torch.Tensor]] = []
     num_covered = 0
+    own_slots = meta.slot_mapping.tolist() if prefill_kernel and window is None and meta.prefills else []
     for index, part in enumerate(meta.prefills):
+        if prefill_kernel and window is None:
+            runs = list(part.context_runs) + _runs_of(own_slots[part.q_start : part.q_start + part.q_len])
+            kernel_prefills.append((index, torch.tensor(runs, dtype=torch.long)))
+            continue
         if not part.context_runs or (window is not None and part.ctx_len > window):
             direct.append(index)
             continue
@@ -435,9 +448,20 @@ def segment_plan(meta: PagedAttentionMetadata, window: int | None, decode_kernel
             segments.extend(_decode_segments(batch, row, batch.runs(row, window)))
         num_covered += len(batch.rows)
     positions = torch.cat([segment.rows for segment in segments]) if segments else torch.empty(0, dtype=torch.long)
-    plan = SegmentPlan(segments, positions, num_covered, direct, kernel_plan)
+    plan = SegmentPlan(segments, positions, num_covered, direct, kernel_prefills, kernel_plan)
     meta._step_cache[cache_key] = plan
     return plan
+
+
+def _runs_of(slots: list[int]) -> list[tuple[int, int]]:
+    """``(first_slot, length)`` runs of consecutive slots, in order."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
+    return runs
 
 
 def _decode_segments(batch: DecodeBatch, row: int, runs: list[tuple[int, int]]) -> list[Segment]:
@@ -474,7 +498,8 @@ def _attend_segments(
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
     by_kv_head = query.view(num_tokens, num_kv_heads, group, head_dim)
-    plan = segment_plan(meta, window, decode_kernel=_decode_kernel_for(query))
+    plan = segment_plan(meta, window, decode_kernel=_decode_kernel_for(query),
+                        prefill_kernel=_prefill_kernel_for(query, k_cache, v_cache))
     outs: list[torch.Tensor] = []  # [r, kv_heads, group, D] each
     lses: list[torch.Tensor] = []  # [r, kv_heads, group] float32 each
     for segment in plan.segments:
@@ -500,6 +525,11 @@ def _attend_segments(
 
     output = _merge_segments(outs, lses, plan.positions, plan.num_covered,
                              query.new_zeros(num_tokens, num_heads, head_dim))
+    for index, runs in plan.prefill_kernel:
+        part = meta.prefills[index]
+        rows = slice(part.q_start, part.q_start + part.q_len)
+        cpu_kernels.prefill_attention(query[rows].contiguous(), k_cache, v_cache, runs,
+                                      head_dim**-0.5 if scaling is None else scaling, output[rows])
     for index in plan.direct:
         part = meta.prefills[index]
         output[part.q_start : part.q_start + part.q_len] = _attend_prefill_masked(
@@ -510,6 +540,13 @@ def _attend_segments(
         cpu_kernels.decode_attention(query.contiguous(), k_cache, v_cache, kernels.segments, kernels.rows,
                                      kernels.components, output, head_dim**-0.5 if scaling is None else scaling)
     return output
+
+
+def _prefill_kernel_for(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether this step's prompt chunks go to the AMX kernel (``cpu_kernels.prefill_attention``): bfloat16, a head
+    size it takes, a contiguous pool, and a CPU and build with AMX tiles."""
+    return (_CPU_PREFILL_KERNEL and query.dtype == torch.bfloat16 and query.shape[-1] in (32, 64, 128)
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and cpu_kernels.has_amx())
 
 
 def _decode_kernel_for(query: torch.Tensor) -> bool:

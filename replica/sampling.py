@@ -33,4 +33,17 @@ def _sample_row(row_logits: torch.Tensor, p: SamplingParams, generator: torch.Ge
         drop = cumulative - sorted_probs >= p.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, sorted_idx, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return draw(probs, generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index drawn with the given probabilities (1-D, summing to ~1, zeros never drawn): the first index whose
+    cumulative probability exceeds one uniform number. ``torch.multinomial`` draws an exponential number for every
+    entry of the vocabulary, ~570 us a row for 8192 entries on the AMX Xeon (2 ms of a 4-row decode step); this is
+    one uniform number, a cumulative sum and a binary search, ~30 us."""
+    cumulative = torch.cumsum(probs, 0, dtype=torch.float64)
+    target = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]
+    index = int(torch.searchsorted(cumulative, target, right=True))
+    if index >= probs.numel():  # the product rounded up to the total: the last token that can be drawn
+        index = int(torch.nonzero(probs).max())
+    return index

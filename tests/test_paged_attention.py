@@ -56,13 +56,14 @@ def both_paths(meta, query, key, value, window, monkeypatch, kernel=False):
     """(in-place CPU path, its pool), (generic path, its pool); ``kernel``: decode rows by the C++ kernel."""
     results = []
     monkeypatch.setattr(pa, "_CPU_DECODE_KERNEL", kernel)
+    monkeypatch.setattr(pa, "_CPU_PREFILL_KERNEL", False)
     for segments in (True, False):
         monkeypatch.setattr(pa, "_CPU_SEGMENTS", segments)
         cache = meta.kv_cache.clone()
         step = PagedAttentionMetadata(cache, meta.slot_mapping, meta.prefills, meta.decode, meta.num_padding)
         results.append((attend(step, 0, query, key, value, None, window), cache))
         if segments and meta.decode is not None:  # the decode rows went where they were sent
-            plan = step._step_cache[("segments", window, kernel)]
+            plan = step._step_cache[("segments", window, kernel, False)]  # float32: no AMX prefill kernel
             assert (plan.decode_kernel is not None) == kernel
     return results
 
@@ -146,3 +147,40 @@ def test_decode_kernel_refuses_a_plan_outside_the_pool():
     with pytest.raises(RuntimeError, match="outside the batch"):
         cpu_kernels.decode_attention(query, cache, cache, as_long([0, 10, 0, 1]), torch.tensor([7, 7]),
                                      as_long([0, 1, 1, 2]), out, 1.0)
+
+
+LONG_CASES = {
+    "cold prefill over 3 blocks": [(0, 150, list(range(0, 19)))],
+    "prefill after a long cached prefix in scattered pages": [(96, 40, [30, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                                                        15, 16, 31, 33])],
+    "two prefills and decodes": [(64, 20, list(range(20, 31))), (0, 9, [1, 17]), (70, 1, list(range(31, 40))),
+                                 (5, 1, [18])],
+}
+
+
+@pytest.mark.skipif(not cpu_kernels.has_amx(), reason="needs a CPU with AMX tiles (bfloat16)")
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("case", sorted(LONG_CASES))
+def test_amx_prefill_kernel_matches_float32_attention(case, head_dim, monkeypatch):
+    """bfloat16 prompt chunks through the AMX kernel (one call per chunk: cached runs in scattered pages, blocks of
+    64 keys that straddle runs or end the context, its own tokens causal, grouped-query heads) against the generic
+    path in float32 on the same bfloat16 values; the decode rows of the step are left to the decode path."""
+    steps = LONG_CASES[case]
+    meta, query, key, value = build_step(steps, num_kv_heads=2, dtype=torch.bfloat16, padding=1, head_dim=head_dim)
+    meta32 = PagedAttentionMetadata(meta.kv_cache.float(), meta.slot_mapping, meta.prefills, meta.decode,
+                                    num_padding=1)
+    monkeypatch.setattr(pa, "_CPU_SEGMENTS", False)
+    reference = attend(meta32, 0, query.float(), key.float(), value.float(), None, None)
+    monkeypatch.setattr(pa, "_CPU_SEGMENTS", True)
+    monkeypatch.setattr(pa, "_CPU_PREFILL_KERNEL", True)
+    step = PagedAttentionMetadata(meta.kv_cache.clone(), meta.slot_mapping, meta.prefills, meta.decode, num_padding=1)
+    out = attend(step, 0, query, key, value, None, None)
+    plan = step._step_cache[("segments", None, pa._decode_kernel_for(query), True)]
+    assert [index for index, _ in plan.prefill_kernel] == list(range(len(meta.prefills)))  # every chunk went there
+    torch.testing.assert_close(out.float(), reference, rtol=0.02, atol=0.02)
+    assert torch.count_nonzero(out[-1]) == 0
+    # and a sliding window keeps the chunks on the run-by-run path
+    windowed = PagedAttentionMetadata(meta.kv_cache.clone(), meta.slot_mapping, meta.prefills, meta.decode,
+                                      num_padding=1)
+    attend(windowed, 0, query, key, value, None, 12)
+    assert not windowed._step_cache[("segments", 12, pa._decode_kernel_for(query), True)].prefill_kernel
