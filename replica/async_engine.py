@@ -46,6 +46,10 @@ class AsyncEngine:
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._stopped = False
+        self._calls_lock = threading.Lock()
+        self._calls: set[concurrent.futures.Future] = set()
+        """Futures of ``_call``s not yet run; failed when the engine thread ends (nothing would run them)."""
+        self._closed = False
         self._request_to_sink: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._kv_events: deque[KVEvent] = deque()
         self._fetches = FetchRegistry()
@@ -328,6 +332,11 @@ class AsyncEngine:
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
                 future.set_exception(exc)
 
+        with self._calls_lock:
+            if self._closed:
+                raise EngineDeadError("the engine is shut down")
+            self._calls.add(future)
+        future.add_done_callback(self._calls.discard)
         self._submit(run)
         return await asyncio.wrap_future(future)
 
@@ -376,6 +385,14 @@ class AsyncEngine:
             for output in outputs:
                 self._deliver(output.request_id, output)
         self._fail_all(EngineDeadError("the engine shut down"))
+        with self._calls_lock:  # calls queued after the last command ran, or made from now on, get the error
+            self._closed = True
+            unanswered, self._calls = list(self._calls), set()
+        for future in unanswered:
+            try:
+                future.set_exception(EngineDeadError("the engine shut down"))
+            except concurrent.futures.InvalidStateError:
+                pass  # cancelled by its caller meanwhile
 
     def _deliver(self, request_id: str, item) -> None:
         sink = self._request_to_sink.get(request_id)

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from common.errors import InvalidRequestError
+from common.errors import EngineDeadError, InvalidRequestError
 from common.types import CachedTokens, EngineRequest
 from engine_utils import greedy, random_prompt, run_to_completion
 from replica.config import EngineConfig
@@ -498,3 +498,34 @@ def test_a_failing_engine_thread_command_leaves_the_engine_serving(tiny):
         assert target._thread.is_alive()
     finally:
         target.shutdown()
+
+
+def test_a_call_after_shutdown_gets_an_error_instead_of_waiting_forever(tiny):
+    """Admin and export calls run on the engine thread; once it has ended nothing runs them. A call made after
+    shutdown used to wait forever: it is refused at once, and one queued as the thread ended is failed by it."""
+    target = make_async_engine(tiny, "a")
+    target.shutdown()
+    assert not target._thread.is_alive()
+
+    async def after_shutdown():
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(target.reset_prefix_cache(), 5)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(target.cached_page_keys(), 5)
+
+    asyncio.run(after_shutdown())
+
+    queued = make_async_engine(tiny, "b")
+    release = threading.Event()
+    queued._submit(lambda: release.wait(30))  # the thread is busy with this command
+
+    async def queued_as_the_thread_ends():
+        call = asyncio.ensure_future(queued._call(lambda: "ran"))
+        await asyncio.sleep(0.1)
+        queued._stopped = True  # the thread runs what is queued, then ends
+        release.set()
+        return await asyncio.wait_for(call, 5)
+
+    assert asyncio.run(queued_as_the_thread_ends()) == "ran"
+    queued._thread.join(10)
+    assert not queued._thread.is_alive() and not queued._calls
