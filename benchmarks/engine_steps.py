@@ -10,13 +10,15 @@ flash kernel run by run (merged by log-sum-exp) instead of the C++ decode kernel
 of the small-row kernel (``replica.llama.linear_kernel``; the compiled forward then holds a graph per setting, compiled
 in the warm-up round); with ``--prefill-threads N``, steps of 64+ tokens run on N threads (``--num-prefill-threads``)
 and ``--compare-prefill-threads`` repeats every measurement with them on ``--threads`` (the graph is compiled on every
-CPU, so one graph serves both). The paths are printed side by side, with the first one's time over each other's.
+CPU, so one graph serves both); with ``--compare-flash-prefill``, with bfloat16 prompt chunks attended by ATen's flash
+kernel run by run (merged by log-sum-exp) instead of the AMX prefill kernel (on CPUs with AMX tiles). The paths are
+printed side by side, with the first one's time over each other's.
 Times are the engine thread's CPU time, except with prefill threads, where they are wall time (the step's second
 thread works while the engine thread waits for it).
 
     PYTHONPATH=. .venv/bin/python benchmarks/engine_steps.py --model DIR [--dtype bfloat16] [--rounds 3]
         [--compare-aten-decode] [--compare-generic] [--compare-small-linear] [--enforce-eager]
-        [--prefill-threads N [--compare-prefill-threads]]
+        [--prefill-threads N [--compare-prefill-threads]] [--compare-flash-prefill]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compare-aten-decode", action="store_true")
+    parser.add_argument("--compare-flash-prefill", action="store_true")
     parser.add_argument("--compare-generic", action="store_true")
     parser.add_argument("--compare-small-linear", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
@@ -113,25 +116,29 @@ def main() -> None:
     compact = runner._compiled.forward.module if runner._compiled is not None else runner._compact
     linear_kernel = compact.linear_kernel if compact is not None else None
 
-    # name: (_CPU_SEGMENTS, decode kernel, small-row linear kernel, step threads (short, long))
+    # name: (_CPU_SEGMENTS, decode kernel, small-row linear kernel, step threads (short, long), AMX prefill kernel)
     threads = engine._step_threads
-    first_name = ("in place, C++ decode" if kernel else "in place")
+    amx = kernel and cpu_kernels.has_amx() and args.dtype == "bfloat16"
+    first_name = ("in place, C++ decode" if kernel else "in place") + (", AMX prefill" if amx else "")
     if wall:
         first_name += f", prefill on {args.prefill_threads} threads"
-    paths = {first_name: (True, kernel, linear_kernel, threads)}
+    paths = {first_name: (True, kernel, linear_kernel, threads, amx)}
     if args.compare_aten_decode and kernel:
-        paths["in place, ATen decode"] = (True, False, linear_kernel, threads)
+        paths["in place, ATen decode"] = (True, False, linear_kernel, threads, amx)
     if args.compare_generic:
-        paths["generic"] = (False, False, linear_kernel, threads)
+        paths["generic"] = (False, False, linear_kernel, threads, False)
     if args.compare_small_linear and linear_kernel:
-        paths["library linear"] = (True, kernel, None, threads)
+        paths["library linear"] = (True, kernel, None, threads, amx)
     if args.compare_prefill_threads and wall:
-        paths[f"prefill on {args.threads} thread(s)"] = (True, kernel, linear_kernel, (args.threads, args.threads))
+        paths[f"prefill on {args.threads} thread(s)"] = (True, kernel, linear_kernel, (args.threads, args.threads), amx)
+    if args.compare_flash_prefill and amx:
+        paths["ATen flash prefill"] = (True, kernel, linear_kernel, threads, False)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
     for round_index in range(args.rounds + 1):  # round 0 warms up (first use of each shape)
-        for name, (segments, decode_kernel, linear_kernel, step_threads) in paths.items():
+        for name, (segments, decode_kernel, linear_kernel, step_threads, prefill_kernel) in paths.items():
             paged_attention._CPU_SEGMENTS = segments
             paged_attention._CPU_DECODE_KERNEL = decode_kernel
+            paged_attention._CPU_PREFILL_KERNEL = prefill_kernel
             engine._step_threads = step_threads
             if compact is not None:
                 compact.linear_kernel = linear_kernel
