@@ -336,9 +336,13 @@ class AsyncEngine:
             if self._closed:
                 raise EngineDeadError("the engine is shut down")
             self._calls.add(future)
-        future.add_done_callback(self._calls.discard)
+        future.add_done_callback(self._forget_call)
         self._submit(run)
         return await asyncio.wrap_future(future)
+
+    def _forget_call(self, future: concurrent.futures.Future) -> None:
+        with self._calls_lock:
+            self._calls.discard(future)
 
     def _submit(self, fn: Callable[[], None]) -> None:
         self._inbox.append(fn)
@@ -362,6 +366,20 @@ class AsyncEngine:
         return self._fetches
 
     def _run(self) -> None:
+        try:
+            self._serve()
+            self._fail_all(EngineDeadError("the engine shut down"))
+        finally:  # however the thread ends: calls queued after its last command, or made from now on, get the error
+            with self._calls_lock:
+                self._closed = True
+                unanswered, self._calls = list(self._calls), set()
+            for future in unanswered:
+                try:
+                    future.set_exception(EngineDeadError("the engine shut down"))
+                except concurrent.futures.InvalidStateError:
+                    pass  # cancelled by its caller meanwhile
+
+    def _serve(self) -> None:
         while not self._stopped:
             while self._inbox:
                 command = self._inbox.popleft()
@@ -384,15 +402,6 @@ class AsyncEngine:
             self._kv_events.extend(self.engine.kv.drain_events())
             for output in outputs:
                 self._deliver(output.request_id, output)
-        self._fail_all(EngineDeadError("the engine shut down"))
-        with self._calls_lock:  # calls queued after the last command ran, or made from now on, get the error
-            self._closed = True
-            unanswered, self._calls = list(self._calls), set()
-        for future in unanswered:
-            try:
-                future.set_exception(EngineDeadError("the engine shut down"))
-            except concurrent.futures.InvalidStateError:
-                pass  # cancelled by its caller meanwhile
 
     def _deliver(self, request_id: str, item) -> None:
         sink = self._request_to_sink.get(request_id)

@@ -38,8 +38,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "small_linear.cpp",
-                                                                          "amx_attention.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "small_linear.cpp"))
+AMX_SOURCES = (Path(__file__).parent / "csrc" / "amx_attention.cpp",)
+"""Built as a library of its own after ``SOURCES``: a compiler that cannot build its AMX intrinsics costs only the
+AMX prefill path, not the decode and linear kernels."""
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 """``-ffast-math`` lets the exp loops use glibc's vector exp; the kernel keeps every value finite (no infinities)."""
 _lock = threading.Lock()
@@ -56,12 +58,26 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build_name() -> str:
+def _build_name(sources: tuple[Path, ...], prefix: str) -> str:
     digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS).encode(), _cpu_flags().encode(),
+    for part in (*(source.read_bytes() for source in sources), " ".join(CFLAGS).encode(), _cpu_flags().encode(),
                  torch.__version__.encode()):
         digest.update(part)
-    return f"prefixserve_cpu_{digest.hexdigest()[:16]}"
+    return f"{prefix}_{digest.hexdigest()[:16]}"
+
+
+def _build(sources: tuple[Path, ...], prefix: str) -> str | None:
+    """Build (first time on this machine type) and load one library of kernels; the reason when it failed."""
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        build(name=_build_name(sources, prefix), sources=[str(source) for source in sources], extra_cflags=CFLAGS,
+              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return None
+    except Exception as error:  # no compiler, no ninja, a build error: keep the ATen path
+        lines = str(error).splitlines()
+        brief = " | ".join(lines[:1] + [line for line in lines if "error" in line][:3])
+        return f"{type(error).__name__}: {brief}"
 
 
 def load() -> bool:
@@ -72,18 +88,13 @@ def load() -> bool:
         if os.environ.get("PREFIXSERVE_CPU_KERNELS", "1") == "0":
             _state["ok"], _state["reason"] = False, "PREFIXSERVE_CPU_KERNELS=0"
             return False
-        try:
-            from torch.utils.cpp_extension import load as build
-
-            build(name=_build_name(), sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                  is_python_module=False, verbose=False)
+        reason = _build(SOURCES, "prefixserve_cpu")
+        if reason is None:
             torch.library.register_fake("prefixserve_cpu::linear")(_linear_shape)
             _state["ok"] = True
-        except Exception as error:  # no compiler, no ninja, a build error: keep the ATen path
-            lines = str(error).splitlines()
-            brief = " | ".join(lines[:1] + [line for line in lines if "error" in line][:3])
-            _state["ok"], _state["reason"] = False, f"{type(error).__name__}: {brief}"
-            log.warning("CPU kernels not built, decode attention uses ATen's flash kernel: %s", _state["reason"])
+        else:
+            _state["ok"], _state["reason"] = False, reason
+            log.warning("CPU kernels not built, decode attention uses ATen's flash kernel: %s", reason)
         return bool(_state["ok"])
 
 
@@ -103,9 +114,14 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def has_amx() -> bool:
     """Whether ``prefill_attention`` can run: the kernels are built with AMX tiles (``-march=native`` on a CPU with
     amx_tile, amx_bf16 and avx512_bf16) and Linux granted this process the tile state."""
-    if "amx" not in _state:
-        _state["amx"] = available() and bool(torch.ops.prefixserve_cpu.has_amx())
-    return bool(_state["amx"])
+    if "amx" not in _state and available():
+        with _lock:
+            if "amx" not in _state:
+                reason = _build(AMX_SOURCES, "prefixserve_amx")
+                if reason is not None:
+                    log.warning("AMX prefill kernel not built, prefill attention uses ATen's flash kernel: %s", reason)
+                _state["amx"] = reason is None and bool(torch.ops.prefixserve_cpu.has_amx())
+    return bool(_state.get("amx"))
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,

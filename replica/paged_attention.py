@@ -546,7 +546,8 @@ def _prefill_kernel_for(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Whether this step's prompt chunks go to the AMX kernel (``cpu_kernels.prefill_attention``): bfloat16, a head
     size it takes, a contiguous pool, and a CPU and build with AMX tiles."""
     return (_CPU_PREFILL_KERNEL and query.dtype == torch.bfloat16 and query.shape[-1] in (32, 64, 128)
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and cpu_kernels.has_amx())
+            and k_cache.dtype == torch.bfloat16 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and cpu_kernels.has_amx())
 
 
 def _decode_kernel_for(query: torch.Tensor) -> bool:

@@ -41,7 +41,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     cumulative probability exceeds one uniform number. ``torch.multinomial`` draws an exponential number for every
     entry of the vocabulary, ~570 us a row for 8192 entries on the AMX Xeon (2 ms of a 4-row decode step); this is
     one uniform number, a cumulative sum and a binary search, ~30 us."""
-    cumulative = torch.cumsum(probs, 0, dtype=torch.float64)
+    probs = probs.detach().to("cpu", torch.float64)  # GPU logits: one copy of the row (the result is read anyway)
+    cumulative = torch.cumsum(probs, 0)
     target = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]
     index = int(torch.searchsorted(cumulative, target, right=True))
     if index >= probs.numel():  # the product rounded up to the total: the last token that can be drawn

@@ -516,16 +516,49 @@ def test_a_call_after_shutdown_gets_an_error_instead_of_waiting_forever(tiny):
     asyncio.run(after_shutdown())
 
     queued = make_async_engine(tiny, "b")
-    release = threading.Event()
-    queued._submit(lambda: release.wait(30))  # the thread is busy with this command
+    started, release = threading.Event(), threading.Event()
 
-    async def queued_as_the_thread_ends():
+    def blocker():
+        started.set()
+        release.wait(30)
+
+    queued._submit(blocker)  # the thread is busy with this command
+    assert started.wait(30)
+
+    async def queued_while_busy():
         call = asyncio.ensure_future(queued._call(lambda: "ran"))
         await asyncio.sleep(0.1)
         queued._stopped = True  # the thread runs what is queued, then ends
         release.set()
         return await asyncio.wait_for(call, 5)
 
-    assert asyncio.run(queued_as_the_thread_ends()) == "ran"
+    assert asyncio.run(queued_while_busy()) == "ran"
     queued._thread.join(10)
     assert not queued._thread.is_alive() and not queued._calls
+
+    # a call made while the ending thread fails its requests is queued after the thread's last command: the thread
+    # fails it on its way out
+    ending = make_async_engine(tiny, "c")
+    failing, resume = threading.Event(), threading.Event()
+    original_fail_all = ending._fail_all
+
+    def slow_fail_all(exc):
+        failing.set()
+        resume.wait(30)
+        original_fail_all(exc)
+
+    ending._fail_all = slow_fail_all
+    ending._stopped = True
+    ending._wake.set()
+    assert failing.wait(30)
+
+    async def call_as_the_thread_ends():
+        call = asyncio.ensure_future(ending._call(lambda: "never runs"))
+        await asyncio.sleep(0.1)
+        resume.set()
+        await asyncio.wait_for(call, 5)
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(call_as_the_thread_ends())
+    ending._thread.join(10)
+    assert not ending._thread.is_alive()

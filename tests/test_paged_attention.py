@@ -177,7 +177,9 @@ def test_amx_prefill_kernel_matches_float32_attention(case, head_dim, monkeypatc
     out = attend(step, 0, query, key, value, None, None)
     plan = step._step_cache[("segments", None, pa._decode_kernel_for(query), True)]
     assert [index for index, _ in plan.prefill_kernel] == list(range(len(meta.prefills)))  # every chunk went there
-    torch.testing.assert_close(out.float(), reference, rtol=0.02, atol=0.02)
+    # bfloat16 output: half a unit in the last place is 2^-9 relative; measured errors were at most ATen flash's own
+    # (<= 0.0076 at |values| up to 3.7), and one key of ~100 dropped or added moves a row by ~0.01
+    torch.testing.assert_close(out.float(), reference, rtol=0.004, atol=0.004)
     assert torch.count_nonzero(out[-1]) == 0
     # and a sliding window keeps the chunks on the run-by-run path
     windowed = PagedAttentionMetadata(meta.kv_cache.clone(), meta.slot_mapping, meta.prefills, meta.decode,

@@ -209,6 +209,8 @@ void run_rows(const Chunk& c, int64_t kv_head, int64_t first_row, const uint16_t
       const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));  // [p0 rows..., p1 rows...]
       _mm512_store_si512(reinterpret_cast<__m512i*>(probs + t * 16), _mm512_permutexvar_epi16(pairs, both));
     }
+    // the sum is of the float32 probabilities while the values are weighted by their bfloat16 roundings: each
+    // rounding is off by at most 2^-9 relative, independently, which stays within the bfloat16 output's own rounding
     total = _mm512_fmadd_ps(total, rescale, block_total);
     top = new_top;
     _tile_loadd(5, probs, 64);
