@@ -285,11 +285,13 @@ class ModelRunner:
         return logits
 
     def _prefill_slice(self, offset: int, num_new: int, ctx_len: int, page_ids: Seq[int]) -> PrefillSlice:
+        if self.device.type == "cpu":  # attended in place (paged_attention._attend_segments): by the AMX kernel over
+            # the whole context's runs, or run by run over the context before the chunk
+            return PrefillSlice(offset, num_new, ctx_len, None,
+                                context_runs=slot_runs(page_ids, ctx_len - num_new, self.page_size, None),
+                                kv_runs=slot_runs(page_ids, ctx_len, self.page_size, None))
         if ctx_len == num_new:
             return PrefillSlice(offset, num_new, ctx_len, None)
-        context_runs = slot_runs(page_ids, ctx_len - num_new, self.page_size, None)
-        if self.device.type == "cpu":  # attended run by run, in place (paged_attention._attend_segments)
-            return PrefillSlice(offset, num_new, ctx_len, None, context_runs=context_runs)
         runs = slot_runs(page_ids, ctx_len, self.page_size, None)
         if len(runs) == 1:  # consecutive pages: read the context as a view of the pool
             return PrefillSlice(offset, num_new, ctx_len, None, kv_start=runs[0][0])

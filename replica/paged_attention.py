@@ -69,6 +69,8 @@ class PrefillSlice:
     context_runs: list[tuple[int, int]] = field(default_factory=list)
     """``(first_slot, num_tokens)`` runs of the context before the chunk (cached or computed by earlier chunks): the
     CPU path attends the chunk's queries to each run in place (see ``_attend_segments``)."""
+    kv_runs: list[tuple[int, int]] = field(default_factory=list)
+    """The same for the whole context, the chunk's own tokens included (CPU): the AMX prefill kernel's keys."""
 
 
 @dataclass
@@ -421,11 +423,9 @@ def segment_plan(meta: PagedAttentionMetadata, window: int | None, decode_kernel
     direct: list[int] = []
     kernel_prefills: list[tuple[int, torch.Tensor]] = []
     num_covered = 0
-    own_slots = meta.slot_mapping.tolist() if prefill_kernel and window is None and meta.prefills else []
     for index, part in enumerate(meta.prefills):
         if prefill_kernel and window is None:
-            runs = list(part.context_runs) + _runs_of(own_slots[part.q_start : part.q_start + part.q_len])
-            kernel_prefills.append((index, torch.tensor(runs, dtype=torch.long)))
+            kernel_prefills.append((index, torch.tensor(part.kv_runs, dtype=torch.long)))
             continue
         if not part.context_runs or (window is not None and part.ctx_len > window):
             direct.append(index)
@@ -451,17 +451,6 @@ def segment_plan(meta: PagedAttentionMetadata, window: int | None, decode_kernel
     plan = SegmentPlan(segments, positions, num_covered, direct, kernel_prefills, kernel_plan)
     meta._step_cache[cache_key] = plan
     return plan
-
-
-def _runs_of(slots: list[int]) -> list[tuple[int, int]]:
-    """``(first_slot, length)`` runs of consecutive slots, in order."""
-    runs: list[tuple[int, int]] = []
-    for slot in slots:
-        if runs and runs[-1][0] + runs[-1][1] == slot:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((slot, 1))
-    return runs
 
 
 def _decode_segments(batch: DecodeBatch, row: int, runs: list[tuple[int, int]]) -> list[Segment]:

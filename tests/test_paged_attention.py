@@ -34,7 +34,8 @@ def build_step(chunks, *, num_kv_heads, dtype, padding=0, head_dim=16):
             decode_rows.append(DecodeRow(offset, ctx_len, list(page_ids)))
         else:
             prefills.append(PrefillSlice(offset, num_new, ctx_len, None,
-                                         context_runs=slot_runs(page_ids, start_pos, PAGE, None)))
+                                         context_runs=slot_runs(page_ids, start_pos, PAGE, None),
+                                         kv_runs=slot_runs(page_ids, ctx_len, PAGE, None)))
         offset += num_new
     total = offset + padding
     query = torch.randn(total, num_kv_heads * group, head_dim, generator=gen).to(dtype)
@@ -158,13 +159,19 @@ LONG_CASES = {
 }
 
 
-@pytest.mark.skipif(not cpu_kernels.has_amx(), reason="needs a CPU with AMX tiles (bfloat16)")
+AMX_CPU = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(cpu_kernels._cpu_flags().split())
+"""What /proc/cpuinfo says, independently of whether the kernel built: on such a CPU a failed build fails the test
+below instead of skipping it."""
+
+
+@pytest.mark.skipif(not AMX_CPU, reason="needs a CPU with AMX tiles (bfloat16)")
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("case", sorted(LONG_CASES))
 def test_amx_prefill_kernel_matches_float32_attention(case, head_dim, monkeypatch):
     """bfloat16 prompt chunks through the AMX kernel (one call per chunk: cached runs in scattered pages, blocks of
     64 keys that straddle runs or end the context, its own tokens causal, grouped-query heads) against the generic
     path in float32 on the same bfloat16 values; the decode rows of the step are left to the decode path."""
+    assert cpu_kernels.has_amx(), cpu_kernels._state  # built and granted on this CPU
     steps = LONG_CASES[case]
     meta, query, key, value = build_step(steps, num_kv_heads=2, dtype=torch.bfloat16, padding=1, head_dim=head_dim)
     meta32 = PagedAttentionMetadata(meta.kv_cache.float(), meta.slot_mapping, meta.prefills, meta.decode,

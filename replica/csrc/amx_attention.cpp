@@ -102,12 +102,33 @@ void pack_values(const uint16_t* v, const int64_t* slots, int64_t length, int64_
     }
 }
 
+// S^T of 16 keys (rows ``key_stride`` elements apart, loaded as A tiles into tile 4) against the Q^T tiles 0 ..
+// SLICES - 1, accumulated in tile TILE and stored as 16 keys x 16 rows of float32 at ``scores``. A macro: GCC's tile
+// intrinsics paste the tile number into the instruction, so it must be a literal, not a template parameter.
+#define PREFIXSERVE_SCORE_KEYS(TILE, SLICES, keys, key_stride, scores) \
+  do {                                                                 \
+    _tile_zero(TILE);                                                  \
+    _tile_loadd(4, (keys), (key_stride) * 2);                          \
+    _tile_dpbf16ps(TILE, 4, 0);                                        \
+    if constexpr ((SLICES) > 1) {                                      \
+      _tile_loadd(4, (keys) + 32, (key_stride) * 2);                   \
+      _tile_dpbf16ps(TILE, 4, 1);                                      \
+    }                                                                  \
+    if constexpr ((SLICES) > 2) {                                      \
+      _tile_loadd(4, (keys) + 64, (key_stride) * 2);                   \
+      _tile_dpbf16ps(TILE, 4, 2);                                      \
+      _tile_loadd(4, (keys) + 96, (key_stride) * 2);                   \
+      _tile_dpbf16ps(TILE, 4, 3);                                      \
+    }                                                                  \
+    _tile_stored(TILE, (scores), 64);                                  \
+  } while (0)
+
 struct Chunk {
   const uint16_t* query;   // [tokens, heads, dim]
   uint16_t* out;           // [tokens, heads, dim]
   int64_t num_heads, group, num_rows;  // rows = tokens x group
   const uint16_t* const* block_keys;   // per block: its first key of this call's kv head 0 (pool or gathered copy)
-  const int64_t* key_strides;          // per block: elements between consecutive keys
+  int64_t key_stride;                  // elements between consecutive keys (a pool slot's, in both)
   int64_t length, context_len, blocks; // keys in all; keys before the chunk's own tokens
   float scale;
 };
@@ -128,13 +149,11 @@ void run_rows(const Chunk& c, int64_t kv_head, int64_t first_row, const uint16_t
     for (int s = 0; s < kSlices; ++s)
       for (int64_t p = 0; p < 16; ++p) q_tiles[s * 256 + p * 16 + n] = n < num_rows ? words[s * 16 + p] : 0u;
   }
-  for (int s = 0; s < kSlices; ++s) {
-    switch (s) {
-      case 0: _tile_loadd(0, q_tiles, 64); break;
-      case 1: _tile_loadd(1, q_tiles + 256, 64); break;
-      case 2: _tile_loadd(2, q_tiles + 512, 64); break;
-      case 3: _tile_loadd(3, q_tiles + 768, 64); break;
-    }
+  _tile_loadd(0, q_tiles, 64);  // tile numbers are immediates: one line per Q^T tile
+  if constexpr (kSlices > 1) _tile_loadd(1, q_tiles + 256, 64);
+  if constexpr (kSlices > 2) {
+    _tile_loadd(2, q_tiles + 512, 64);
+    _tile_loadd(3, q_tiles + 768, 64);
   }
   // a row sees the context and its own tokens up to itself: keys [0, context_len + token]; blocks past the item's
   // last token are skipped, blocks reaching past its first token are masked per row
@@ -158,31 +177,12 @@ void run_rows(const Chunk& c, int64_t kv_head, int64_t first_row, const uint16_t
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t valid = std::min(kKeys, c.length - b * kKeys);
     const uint16_t* block_keys = c.block_keys[b] + kv_head * kDim;
-    const int64_t key_stride = c.key_strides[b];
     // S^T for 16 keys at a time, in tiles 5 and 6 by turns
-    for (int64_t quarter = 0; quarter < kKeys / 16; ++quarter) {
-      const uint16_t* rows16 = block_keys + quarter * 16 * key_stride;
-      const bool odd = quarter & 1;
-      if (odd) _tile_zero(6); else _tile_zero(5);
-      for (int s = 0; s < kSlices; ++s) {
-        _tile_loadd(4, rows16 + s * 32, key_stride * 2);
-        if (odd) {
-          switch (s) {
-            case 0: _tile_dpbf16ps(6, 4, 0); break;
-            case 1: _tile_dpbf16ps(6, 4, 1); break;
-            case 2: _tile_dpbf16ps(6, 4, 2); break;
-            case 3: _tile_dpbf16ps(6, 4, 3); break;
-          }
-        } else {
-          switch (s) {
-            case 0: _tile_dpbf16ps(5, 4, 0); break;
-            case 1: _tile_dpbf16ps(5, 4, 1); break;
-            case 2: _tile_dpbf16ps(5, 4, 2); break;
-            case 3: _tile_dpbf16ps(5, 4, 3); break;
-          }
-        }
-      }
-      if (odd) _tile_stored(6, scores + quarter * 256, 64); else _tile_stored(5, scores + quarter * 256, 64);
+    for (int64_t quarter = 0; quarter < kKeys / 16; quarter += 2) {
+      PREFIXSERVE_SCORE_KEYS(5, kSlices, block_keys + quarter * 16 * c.key_stride, c.key_stride,
+                             scores + quarter * 256);
+      PREFIXSERVE_SCORE_KEYS(6, kSlices, block_keys + (quarter + 1) * 16 * c.key_stride, c.key_stride,
+                             scores + (quarter + 1) * 256);
     }
     // running softmax, elementwise over the 16 rows (scale > 0: the raw maximum scales to the scaled one)
     __m512 raw_top = none;
@@ -279,7 +279,6 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const
   // keys: a block whose 64 keys are consecutive slots is read in place; any other (a run ends inside it, or it is the
   // last, partial block) is copied into a zero-padded block first, so no tile load reads outside the keys
   std::vector<const uint16_t*> block_keys(blocks);
-  std::vector<int64_t> key_strides(blocks, slot_stride);
   std::vector<int64_t> copied;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t first = b * kKeys, n = std::min(kKeys, length - first);
@@ -292,7 +291,8 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const
   for (size_t i = 0; i < copied.size(); ++i) {
     const int64_t first = copied[i] * kKeys, n = std::min(kKeys, length - first);
     uint16_t* dst = gathered.data() + i * kKeys * slot_stride;
-    for (int64_t t = 0; t < n; ++t) std::memcpy(dst + t * slot_stride, k + slots[first + t] * slot_stride, slot_stride * 2);
+    for (int64_t t = 0; t < n; ++t)
+      std::memcpy(dst + t * slot_stride, k + slots[first + t] * slot_stride, slot_stride * 2);
     block_keys[copied[i]] = dst;
   }
   const int64_t value_elements = blocks * kKeys * head_dim;  // per kv head
@@ -305,7 +305,7 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const
   const int64_t group = num_heads / num_kv_heads;
   const Chunk chunk{reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()),
                     reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), num_heads, group, tokens * group,
-                    block_keys.data(), key_strides.data(), length, length - tokens, blocks, static_cast<float>(scale)};
+                    block_keys.data(), slot_stride, length, length - tokens, blocks, static_cast<float>(scale)};
   const int64_t row_blocks = (chunk.num_rows + kRows - 1) / kRows;
   at::parallel_for(0, num_kv_heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
