@@ -193,3 +193,30 @@ def test_amx_prefill_kernel_matches_float32_attention(case, head_dim, monkeypatc
                                       num_padding=1)
     attend(windowed, 0, query, key, value, None, 12)
     assert not windowed._step_cache[("segments", 12, pa._decode_kernel_for(query), True)].prefill_kernel
+
+
+@pytest.mark.skipif(not AMX_CPU, reason="needs a CPU with AMX tiles (bfloat16)")
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_amx_prefill_kernel_rescales_when_later_keys_dominate(head_dim):
+    """Keys that grow along the context, so a row's maximum score rises by far more than the kernel's slack (8)
+    from block to block: the output kept in tiles (head sizes up to 64) must be rescaled each time, and the values
+    are packed across a partial last block. Against one float32 softmax over the same bfloat16 values, causal."""
+    assert cpu_kernels.has_amx(), cpu_kernels._state
+    gen = torch.Generator().manual_seed(3)
+    num_kv_heads, group, context, tokens, slots = 2, 3, 150, 45, 400
+    ramp = torch.ones(slots)
+    ramp[7:7 + context + tokens] = 1 + torch.arange(context + tokens) / 6.0  # scores up to ~ +-30 sigma
+    k_cache = (torch.randn(slots, num_kv_heads, head_dim, generator=gen) * ramp[:, None, None]).bfloat16()
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen).bfloat16()
+    query = torch.randn(tokens, num_kv_heads * group, head_dim, generator=gen).bfloat16()
+    scale = head_dim ** -0.5
+    out = torch.zeros_like(query)
+    cpu_kernels.prefill_attention(query, k_cache, v_cache, torch.tensor([[7, context + tokens]]), scale, out)
+    k = k_cache[7:7 + context + tokens].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    v = v_cache[7:7 + context + tokens].float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = query.float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, T, L]
+    visible = torch.arange(context + tokens)[None, :] <= context + torch.arange(tokens)[:, None]
+    top = scores.masked_fill(~visible, float("-inf")).amax(-1)
+    assert (top[:, -1] - top[:, 0]).max() > 3 * 8  # the maximum does outgrow the slack, more than once
+    reference = (torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v).transpose(0, 1)
+    torch.testing.assert_close(out.float(), reference, rtol=0.004, atol=0.004)

@@ -11,7 +11,10 @@
 //   S^T = K Q^T   keys straight from the pool as A tiles (16 keys x 32 dims), Q^T packed once per item as B tiles
 //   softmax       max / rescale / sum elementwise over the 16 rows, exp by a polynomial, P^T rounded to bfloat16
 //                 and interleaved by key pairs into a B tile
-//   O^T += V^T P^T  values packed once per call, transposed, as A tiles (16 dims x 32 keys)
+//   O^T += V^T P^T  values packed once per call, transposed, as A tiles (16 dims x 32 keys); for head sizes up to
+//                 64, O^T stays in tiles for the whole pass, and the running maximum the probabilities are taken
+//                 against moves only when a row's grows by more than kSlack, so the tiles are stored, rescaled and
+//                 reloaded only then (most blocks need no round trip between the tiles and the vector registers)
 //
 // Query rows are (token, query head of the kv head) pairs, so the query heads sharing a kv head (GQA) read its keys
 // once. Items are independent and run in parallel; each writes its rows' outputs in place.
@@ -40,6 +43,7 @@ namespace {
 constexpr int64_t kRows = 16;      // query rows per item (a tile's rows)
 constexpr int64_t kKeys = 64;      // keys per block: four 16-key score tiles, two 32-key P tiles
 constexpr float kNoScore = -1.0e30f;  // finite "minus infinity" (-ffast-math)
+constexpr float kSlack = 8.0f;        // how far a row's maximum may grow before O^T kept in tiles is rescaled
 
 struct TileConfig {
   uint8_t palette = 1;
@@ -86,18 +90,57 @@ inline uint16_t to_bf16(float value) {  // round to nearest even (values here ar
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// The 16 x 16 matrix of 32-bit words in ``r`` transposed in place: 32-bit, then 64-bit interleaves within each
+// 128-bit lane, then a 4 x 4 transpose of the lanes.
+inline void transpose_words(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);  // per lane: r_i[0] r_i+1[0] r_i[1] r_i+1[1]
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // u[g + c], lane l: rows g .. g + 3 of column c + 4 l
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[c + 4] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[c + 12] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
 // Values of one kv head, transposed into A tiles of O^T = V^T P^T: per block of kKeys keys, per 16 head dims, per 32
-// keys, a 16 x 32 tile whose row d holds dim d of those 32 keys. Keys past ``length`` are zeros.
+// keys, a 16 x 32 tile whose row d holds dim d of those 32 keys. Keys past ``length`` are zeros. Each tile is two
+// keys' dims interleaved into 32-bit words (key pair p, dim d), then those 16 x 16 words transposed.
 void pack_values(const uint16_t* v, const int64_t* slots, int64_t length, int64_t slot_stride, int64_t head_dim,
                  int64_t blocks, uint16_t* packed) {
+  static const uint16_t zeros[128] = {};  // a missing key: head_dim <= 128
   const int64_t slices = head_dim / 16, halves = kKeys / 32;
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                                         5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const uint16_t* keys[32];
   for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t t = 0; t < kKeys; ++t) {
-      const int64_t key = b * kKeys + t;
-      const uint16_t* src = key < length ? v + slots[key] * slot_stride : nullptr;
+    for (int64_t h = 0; h < halves; ++h) {
+      for (int64_t t = 0; t < 32; ++t) {
+        const int64_t key = b * kKeys + h * 32 + t;
+        keys[t] = key < length ? v + slots[key] * slot_stride : zeros;
+      }
       for (int64_t s = 0; s < slices; ++s) {
-        uint16_t* tile = packed + ((b * slices + s) * halves + t / 32) * 512;
-        for (int64_t d = 0; d < 16; ++d) tile[d * 32 + t % 32] = src ? src[s * 16 + d] : 0;
+        __m512i words[16];
+        for (int p = 0; p < 16; ++p) {
+          const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys[2 * p] + s * 16));
+          const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys[2 * p + 1] + s * 16));
+          words[p] = _mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
+        }
+        transpose_words(words);
+        uint16_t* tile = packed + ((b * slices + s) * halves + h) * 512;
+        for (int d = 0; d < 16; ++d) _mm512_storeu_si512(tile + d * 32, words[d]);
       }
     }
 }
@@ -123,6 +166,21 @@ void pack_values(const uint16_t* v, const int64_t* slots, int64_t length, int64_
     _tile_stored(TILE, (scores), 64);                                  \
   } while (0)
 
+// O^T kept in tiles (head dims up to 64): its 16-dim columns in tiles 2, 3 (and 6, 7 for 64 dims), applied as
+// OP(tile, buffer + column * 256) with ``result`` [dim][row] as the buffer. Inside run_rows only (kDim, result).
+#define _tile_zero_lit(TILE, buffer, stride) _tile_zero(TILE)
+#define _tile_stored_lit(TILE, buffer, stride) _tile_stored(TILE, buffer, stride)
+#define _tile_loadd_lit(TILE, buffer, stride) _tile_loadd(TILE, buffer, stride)
+#define PREFIXSERVE_OUT_TILES(OP)            \
+  do {                                       \
+    OP(2, result, 64);                       \
+    OP(3, result + 256, 64);                 \
+    if constexpr (kDim == 64) {              \
+      OP(6, result + 512, 64);               \
+      OP(7, result + 768, 64);               \
+    }                                        \
+  } while (0)
+
 struct Chunk {
   const uint16_t* query;   // [tokens, heads, dim]
   uint16_t* out;           // [tokens, heads, dim]
@@ -138,6 +196,7 @@ template <int kDim>
 void run_rows(const Chunk& c, int64_t kv_head, int64_t first_row, const uint16_t* values) {
   constexpr int kSlices = kDim / 32;   // Q^T tiles (32 dims each)
   constexpr int kColumns = kDim / 16;  // O^T tiles (16 dims each)
+  constexpr bool kResident = kDim <= 64;  // O^T fits the tiles the scores leave free
   const int64_t num_rows = std::min(kRows, c.num_rows - first_row);
   auto row_offset = [&](int64_t n) {  // element offset of row first_row + n in query / out
     const int64_t row = first_row + n;
@@ -168,21 +227,31 @@ void run_rows(const Chunk& c, int64_t kv_head, int64_t first_row, const uint16_t
   alignas(64) float scores[kKeys * 16];        // S^T: [key][row]
   alignas(64) uint16_t probs[kKeys * 16];      // P^T as B tiles of 32 keys: [key pair][row][2]
   alignas(64) float part[16 * 16];             // O^T of one block for 16 dims: [dim][row]
-  __m512 acc[kDim];                            // O^T: [dim] -> 16 rows
-  for (int d = 0; d < kDim; ++d) acc[d] = _mm512_setzero_ps();
+  alignas(64) float result[kDim * 16];         // O^T: [dim][row]
+  __m512 acc[kResident ? 1 : kDim];            // O^T when it is not kept in tiles: [dim] -> 16 rows
+  if constexpr (kResident) {
+    PREFIXSERVE_OUT_TILES(_tile_zero_lit);
+  } else {
+    for (int d = 0; d < kDim; ++d) acc[d] = _mm512_setzero_ps();
+  }
   __m512 top = _mm512_set1_ps(kNoScore), total = _mm512_setzero_ps();
-  const __m512 vscale = _mm512_set1_ps(c.scale), none = _mm512_set1_ps(kNoScore);
+  const __m512 vscale = _mm512_set1_ps(c.scale), none = _mm512_set1_ps(kNoScore), slack = _mm512_set1_ps(kSlack);
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
                                          5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t valid = std::min(kKeys, c.length - b * kKeys);
     const uint16_t* block_keys = c.block_keys[b] + kv_head * kDim;
-    // S^T for 16 keys at a time, in tiles 5 and 6 by turns
+    // S^T for 16 keys at a time: in tiles 5 and 6 by turns, or in tile 5 alone when tiles 6 and 7 hold O^T
     for (int64_t quarter = 0; quarter < kKeys / 16; quarter += 2) {
       PREFIXSERVE_SCORE_KEYS(5, kSlices, block_keys + quarter * 16 * c.key_stride, c.key_stride,
                              scores + quarter * 256);
-      PREFIXSERVE_SCORE_KEYS(6, kSlices, block_keys + (quarter + 1) * 16 * c.key_stride, c.key_stride,
-                             scores + (quarter + 1) * 256);
+      if constexpr (kDim == 64) {
+        PREFIXSERVE_SCORE_KEYS(5, kSlices, block_keys + (quarter + 1) * 16 * c.key_stride, c.key_stride,
+                               scores + (quarter + 1) * 256);
+      } else {
+        PREFIXSERVE_SCORE_KEYS(6, kSlices, block_keys + (quarter + 1) * 16 * c.key_stride, c.key_stride,
+                               scores + (quarter + 1) * 256);
+      }
     }
     // running softmax, elementwise over the 16 rows (scale > 0: the raw maximum scales to the scaled one)
     __m512 raw_top = none;
@@ -197,13 +266,29 @@ void run_rows(const Chunk& c, int64_t kv_head, int64_t first_row, const uint16_t
     } else {
       for (int64_t t = 0; t < valid; ++t) raw_top = _mm512_max_ps(raw_top, _mm512_load_ps(scores + t * 16));
     }
-    const __m512 new_top = _mm512_max_ps(top, _mm512_mul_ps(raw_top, vscale));
-    const __m512 rescale = exp16(_mm512_sub_ps(top, new_top));
+    const __m512 block_top = _mm512_mul_ps(raw_top, vscale);
+    // O^T in tiles: the maximum the probabilities are taken against moves only when a row's grows by more than
+    // kSlack (so they stay <= e^kSlack), and only then are the tiles stored, rescaled and loaded back. Row 0 of
+    // every item sees key 0, so the first block sets every row's maximum.
+    __m512 rescale = _mm512_set1_ps(1.0f);
+    if (!kResident || _mm512_cmp_ps_mask(block_top, _mm512_add_ps(top, slack), _CMP_GT_OQ)) {
+      const __m512 new_top = _mm512_max_ps(top, block_top);
+      rescale = exp16(_mm512_sub_ps(top, new_top));
+      top = new_top;
+      if constexpr (kResident) {
+        if (b > 0) {
+          PREFIXSERVE_OUT_TILES(_tile_stored_lit);
+          for (int d = 0; d < kDim; ++d)
+            _mm512_store_ps(result + d * 16, _mm512_mul_ps(_mm512_load_ps(result + d * 16), rescale));
+          PREFIXSERVE_OUT_TILES(_tile_loadd_lit);
+        }
+      }
+    }
     __m512 block_total = _mm512_setzero_ps();
     for (int64_t t = 0; t < kKeys; t += 2) {
-      const __m512 p0 = t < valid ? exp16(_mm512_fmsub_ps(_mm512_load_ps(scores + t * 16), vscale, new_top))
+      const __m512 p0 = t < valid ? exp16(_mm512_fmsub_ps(_mm512_load_ps(scores + t * 16), vscale, top))
                                   : _mm512_setzero_ps();
-      const __m512 p1 = t + 1 < valid ? exp16(_mm512_fmsub_ps(_mm512_load_ps(scores + (t + 1) * 16), vscale, new_top))
+      const __m512 p1 = t + 1 < valid ? exp16(_mm512_fmsub_ps(_mm512_load_ps(scores + (t + 1) * 16), vscale, top))
                                       : _mm512_setzero_ps();
       block_total = _mm512_add_ps(block_total, _mm512_add_ps(p0, p1));
       const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));  // [p0 rows..., p1 rows...]
@@ -212,24 +297,47 @@ void run_rows(const Chunk& c, int64_t kv_head, int64_t first_row, const uint16_t
     // the sum is of the float32 probabilities while the values are weighted by their bfloat16 roundings: each
     // rounding is off by at most 2^-9 relative, independently, which stays within the bfloat16 output's own rounding
     total = _mm512_fmadd_ps(total, rescale, block_total);
-    top = new_top;
-    _tile_loadd(5, probs, 64);
-    _tile_loadd(6, probs + 512, 64);
     const uint16_t* block_values = values + b * kColumns * 2 * 512;
-    for (int col = 0; col < kColumns; ++col) {
-      _tile_zero(7);
-      _tile_loadd(4, block_values + (col * 2) * 512, 64);
-      _tile_dpbf16ps(7, 4, 5);
-      _tile_loadd(4, block_values + (col * 2 + 1) * 512, 64);
-      _tile_dpbf16ps(7, 4, 6);
-      _tile_stored(7, part, 64);
-      for (int d = 0; d < 16; ++d)
-        acc[col * 16 + d] = _mm512_fmadd_ps(acc[col * 16 + d], rescale, _mm512_load_ps(part + d * 16));
+    if constexpr (kResident) {  // O^T += V^T P^T, 32 keys at a time, straight into the output tiles
+      for (int half = 0; half < 2; ++half) {
+        _tile_loadd(5, probs + half * 512, 64);
+        _tile_loadd(4, block_values + half * 512, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        if constexpr (kDim == 64) {
+          _tile_loadd(4, block_values + (2 + half) * 512, 64);
+          _tile_dpbf16ps(3, 4, 5);
+          _tile_loadd(4, block_values + (4 + half) * 512, 64);
+          _tile_dpbf16ps(6, 4, 5);
+          _tile_loadd(4, block_values + (6 + half) * 512, 64);
+          _tile_dpbf16ps(7, 4, 5);
+        } else {
+          _tile_loadd(4, block_values + (2 + half) * 512, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+    } else {
+      _tile_loadd(5, probs, 64);
+      _tile_loadd(6, probs + 512, 64);
+      for (int col = 0; col < kColumns; ++col) {
+        _tile_zero(7);
+        _tile_loadd(4, block_values + (col * 2) * 512, 64);
+        _tile_dpbf16ps(7, 4, 5);
+        _tile_loadd(4, block_values + (col * 2 + 1) * 512, 64);
+        _tile_dpbf16ps(7, 4, 6);
+        _tile_stored(7, part, 64);
+        for (int d = 0; d < 16; ++d)
+          acc[col * 16 + d] = _mm512_fmadd_ps(acc[col * 16 + d], rescale, _mm512_load_ps(part + d * 16));
+      }
     }
   }
-  alignas(64) float result[kDim * 16];  // O^T / total: [dim][row]
   const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
-  for (int d = 0; d < kDim; ++d) _mm512_store_ps(result + d * 16, _mm512_mul_ps(acc[d], inverse));
+  if constexpr (kResident) {
+    PREFIXSERVE_OUT_TILES(_tile_stored_lit);
+    for (int d = 0; d < kDim; ++d)
+      _mm512_store_ps(result + d * 16, _mm512_mul_ps(_mm512_load_ps(result + d * 16), inverse));
+  } else {
+    for (int d = 0; d < kDim; ++d) _mm512_store_ps(result + d * 16, _mm512_mul_ps(acc[d], inverse));
+  }
   for (int64_t n = 0; n < num_rows; ++n) {
     uint16_t* out = c.out + row_offset(n);
     for (int d = 0; d < kDim; ++d) out[d] = to_bf16(result[d * 16 + n]);
