@@ -1,0 +1,122 @@
+"""The AMX prefill attention kernel alone (``replica/csrc/amx_attention.cpp``), one layer's call, against ATen's flash
+kernel on the same bfloat16 inputs, and optionally against other versions of the kernel's source, all in one process
+with the calls alternating (this box is noisy: compare within a run).
+
+One call attends T query tokens (heads x head dim, grouped-query: kv heads) to a cached context of C keys plus their
+own T tokens (causal), the keys in one run of pool slots. Reported: the best of ``--reps`` wall times per call, in
+microseconds, and GFLOP/s of the two products (4 x heads x T x keys seen x head dim).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/prefill_kernel.py [--threads 1] [--context 2048] [--tokens 1,16,64,256]
+    # an older kernel beside this one (e.g. the previous commit's), built under its own op namespace:
+    git show HEAD~2:replica/csrc/amx_attention.cpp > /tmp/old_amx.cpp
+    PYTHONPATH=. .venv/bin/python benchmarks/prefill_kernel.py --source old=/tmp/old_amx.cpp
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from replica import cpu_kernels
+
+
+def build_version(name: str, source: Path) -> object:
+    """``source`` (a version of amx_attention.cpp) built and loaded with its ops under ``ab_<name>_<digest>``."""
+    text = source.read_text()
+    namespace = f"ab_{name}_{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+    path = Path(tempfile.gettempdir()) / f"prefixserve_{namespace}.cpp"
+    path.write_text(text.replace("prefixserve_cpu", namespace))
+    from torch.utils.cpp_extension import load as build
+
+    build(name=namespace, sources=[str(path)], extra_cflags=cpu_kernels.CFLAGS, extra_ldflags=["-fopenmp"],
+          is_python_module=False)
+    ops = getattr(torch.ops, namespace)
+    if not ops.has_amx():
+        raise SystemExit(f"{source}: built without AMX (or the CPU has none)")
+    return ops
+
+
+def flash(query, keys, values, context, scale, out):
+    """ATen's flash kernel as the run-by-run path used it: the cached keys, then the own tokens (causal), merged by
+    log-sum-exp. ``keys`` / ``values``: [1, heads, context + tokens, dim], the kv heads already repeated for the query
+    heads (outside the timing, so the column is ATen's kernel and the merge alone)."""
+    q = query.transpose(0, 1)[None]
+    own = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys[:, :, context:], values[:, :, context:], 0.0, True, scale=scale)[:2]
+    if not context:
+        out.copy_(own[0][0].transpose(0, 1))
+        return
+    cached = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys[:, :, :context], values[:, :, :context], 0.0, False, scale=scale)[:2]
+    (o1, l1), (o2, l2) = cached, own
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top)[..., None], torch.exp(l2 - top)[..., None]
+    out.copy_(((o1.float() * w1 + o2.float() * w2) / (w1 + w2))[0].transpose(0, 1))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--context", type=int, default=2048, help="cached keys before the chunk")
+    parser.add_argument("--tokens", default="1,16,64,256,1024", help="chunk lengths, comma-separated")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
+                        help="another version of amx_attention.cpp to time beside this one (repeatable)")
+    parser.add_argument("--no-flash", action="store_true", help="skip ATen's flash kernel")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not (cpu_kernels.load() and cpu_kernels.has_amx()):
+        raise SystemExit(f"the AMX kernel is not available here: {cpu_kernels._state}")
+    kernels = {"this": torch.ops.prefixserve_cpu}
+    for spec in args.source:
+        name, _, path = spec.partition("=")
+        kernels[name] = build_version(name, Path(path))
+    gen = torch.Generator().manual_seed(0)
+    longest = args.context + max(int(t) for t in args.tokens.split(","))
+    k_cache = torch.randn(longest, args.kv_heads, args.head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(longest, args.kv_heads, args.head_dim, generator=gen).bfloat16()
+    scale = args.head_dim ** -0.5
+    names = list(kernels) + ([] if args.no_flash else ["aten flash"])
+    print(f"threads {args.threads}, {args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, context "
+          f"{args.context}; best of {args.reps} calls, us (GFLOP/s)")
+    print("| tokens | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        query = torch.randn(tokens, args.heads, args.head_dim, generator=gen).bfloat16()
+        runs = torch.tensor([[0, args.context + tokens]])
+        outs = {name: torch.empty_like(query) for name in names}
+        calls = {name: (lambda ops=ops, out=outs[name]: ops.prefill_attention(query, k_cache, v_cache, runs, scale,
+                                                                               out))
+                 for name, ops in kernels.items()}
+        if not args.no_flash:
+            group = args.heads // args.kv_heads
+            keys, values = (cache[: args.context + tokens].transpose(0, 1).repeat_interleave(group, 0)[None]
+                            for cache in (k_cache, v_cache))
+            calls["aten flash"] = lambda: flash(query, keys, values, args.context, scale, outs["aten flash"])
+        best = dict.fromkeys(names, float("inf"))
+        for rep in range(args.reps + 3):
+            for name in names:
+                start = time.perf_counter()
+                calls[name]()
+                elapsed = time.perf_counter() - start
+                if rep >= 3:
+                    best[name] = min(best[name], elapsed)
+        for name in names:  # every version computes the same attention
+            torch.testing.assert_close(outs[name].float(), outs["this"].float(), rtol=0.02, atol=0.02)
+        seen = tokens * args.context + tokens * (tokens + 1) / 2
+        flops = 4 * args.heads * seen * args.head_dim
+        cells = [f"{best[name] * 1e6:.0f} ({flops / best[name] / 1e9:.0f})" for name in names]
+        print(f"| {tokens} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
