@@ -168,9 +168,9 @@ void pack_values(const uint16_t* v, const int64_t* slots, int64_t length, int64_
 
 // O^T kept in tiles (head dims up to 64): its 16-dim columns in tiles 2, 3 (and 6, 7 for 64 dims), applied as
 // OP(tile, buffer + column * 256) with ``result`` [dim][row] as the buffer. Inside run_rows only (kDim, result).
-#define _tile_zero_lit(TILE, buffer, stride) _tile_zero(TILE)
-#define _tile_stored_lit(TILE, buffer, stride) _tile_stored(TILE, buffer, stride)
-#define _tile_loadd_lit(TILE, buffer, stride) _tile_loadd(TILE, buffer, stride)
+#define PREFIXSERVE_TILE_ZERO(TILE, buffer, stride) _tile_zero(TILE)
+#define PREFIXSERVE_TILE_STORE(TILE, buffer, stride) _tile_stored(TILE, buffer, stride)
+#define PREFIXSERVE_TILE_LOAD(TILE, buffer, stride) _tile_loadd(TILE, buffer, stride)
 #define PREFIXSERVE_OUT_TILES(OP)            \
   do {                                       \
     OP(2, result, 64);                       \
@@ -230,7 +230,7 @@ void run_rows(const Chunk& c, int64_t kv_head, int64_t first_row, const uint16_t
   alignas(64) float result[kDim * 16];         // O^T: [dim][row]
   __m512 acc[kResident ? 1 : kDim];            // O^T when it is not kept in tiles: [dim] -> 16 rows
   if constexpr (kResident) {
-    PREFIXSERVE_OUT_TILES(_tile_zero_lit);
+    PREFIXSERVE_OUT_TILES(PREFIXSERVE_TILE_ZERO);
   } else {
     for (int d = 0; d < kDim; ++d) acc[d] = _mm512_setzero_ps();
   }
@@ -277,10 +277,10 @@ void run_rows(const Chunk& c, int64_t kv_head, int64_t first_row, const uint16_t
       top = new_top;
       if constexpr (kResident) {
         if (b > 0) {
-          PREFIXSERVE_OUT_TILES(_tile_stored_lit);
+          PREFIXSERVE_OUT_TILES(PREFIXSERVE_TILE_STORE);
           for (int d = 0; d < kDim; ++d)
             _mm512_store_ps(result + d * 16, _mm512_mul_ps(_mm512_load_ps(result + d * 16), rescale));
-          PREFIXSERVE_OUT_TILES(_tile_loadd_lit);
+          PREFIXSERVE_OUT_TILES(PREFIXSERVE_TILE_LOAD);
         }
       }
     }
@@ -333,7 +333,7 @@ void run_rows(const Chunk& c, int64_t kv_head, int64_t first_row, const uint16_t
   }
   const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
   if constexpr (kResident) {
-    PREFIXSERVE_OUT_TILES(_tile_stored_lit);
+    PREFIXSERVE_OUT_TILES(PREFIXSERVE_TILE_STORE);
     for (int d = 0; d < kDim; ++d)
       _mm512_store_ps(result + d * 16, _mm512_mul_ps(_mm512_load_ps(result + d * 16), inverse));
   } else {
