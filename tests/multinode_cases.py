@@ -206,15 +206,27 @@ def serve_deploy(config: dict) -> None:
     client.deploy_apps(schema)
 
 
-def wait_until(condition, timeout_s: float, what: str, period_s: float = 0.25):
+def wait_until(condition, timeout_s: float, what: str, period_s: float = 0.25, explain=None):
+    """``condition()``'s first truthy value; AssertionError after ``timeout_s`` (with ``explain()``'s text if given)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            detail = f": {explain()}" if explain is not None else ""
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{detail}")
         time.sleep(period_s)
+
+
+def app_state(mn: MultiNodeCluster) -> str:
+    """The app's status and message and its deployments' replica states, for a failure's message."""
+    app = mn.serve_details().get("applications", {}).get(APP)
+    if not app:
+        return "the app is not deployed"
+    deployments = {name: [replica["state"] for replica in details.get("replicas", [])]
+                   for name, details in app.get("deployments", {}).items()}
+    return f"app {app.get('status')} ({app.get('message')!r}), replicas {deployments}"
 
 
 def app_is_serving(mn: MultiNodeCluster, args: dict, num_replicas: int) -> bool:
@@ -240,7 +252,10 @@ def ensure_deployed(mn: MultiNodeCluster, model_dir: str, **overrides) -> dict:
         serve.delete(APP)
     mn.deployed_args = None
     serve_deploy(serve_yaml_with(mn, {**APP_SETTINGS, "model": model_dir, **overrides}))
-    wait_until(lambda: app_is_serving(mn, args, shipped["data_parallel_degree"]), 300, "the app to run")
+    # 480 s: under a steal phase of this shared box (half its CPU taken) a redeploy's two replicas, each compiling its
+    # forward, once took longer than 300 s
+    wait_until(lambda: app_is_serving(mn, args, shipped["data_parallel_degree"]), 480, "the app to run",
+               explain=lambda: app_state(mn))
 
     def serves() -> bool:
         try:
