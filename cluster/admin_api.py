@@ -115,7 +115,7 @@ def merge_reports(reports: list[PrefixReport]) -> list[dict[str, Any]]:
             entry = by_id[report.prefix_id] = {
                 "prefix_id": report.prefix_id, "source": report.source, "label": report.label,
                 "priority": report.priority, "ttl_s": report.ttl_s, "num_pages": report.num_pages,
-                "num_requests": 0, "num_hits": 0, "cached_tokens": 0, "replicas": []}
+                "num_requests": 0, "num_hits": 0, "cached_tokens": 0, "replicas": [], "tiers": {}}
         if report.source == "admin":
             entry["source"] = "admin"
         entry["priority"] = max(entry["priority"], report.priority)
@@ -125,6 +125,11 @@ def merge_reports(reports: list[PrefixReport]) -> list[dict[str, Any]]:
                                   "num_pages_retained": report.num_pages_retained,
                                   "num_requests": report.num_requests, "num_hits": report.num_hits,
                                   "cached_tokens": report.cached_tokens, "idle_s": report.idle_s})
+        for tier, num_pages, num_retained in report.tiers:
+            # a shared tier answers every replica alike; replicas asked at slightly different moments: the most seen
+            seen = entry["tiers"].get(tier)
+            if seen is None or (num_pages, num_retained) > (seen["num_pages"], seen["num_pages_retained"]):
+                entry["tiers"][tier] = {"num_pages": num_pages, "num_pages_retained": num_retained}
     return sorted(by_id.values(), key=lambda entry: (-entry["num_hits"], entry["prefix_id"]))
 
 

@@ -399,6 +399,12 @@ class PrefixReport:
     cached_tokens: int
     idle_s: float
     """Seconds since a request last used it here."""
+    tiers: tuple[tuple[str, int, int], ...] = ()
+    """(tier name, leading pages of the prefix the shared tier holds, of which retained) per tier this replica uses
+    (the tiers are shared: every replica pointed at one sees the same)."""
+    page_keys: tuple[bytes, ...] = field(default=(), repr=False, compare=False)
+    """The prefix's page keys, inside the replica only (``AsyncEngine.prefix_reports`` asks the tiers about them and
+    drops them before the report leaves the replica)."""
 
 
 # ---- hot-prefix replication (router/replication.py plans, the ingress sends, the target replica copies) ------------

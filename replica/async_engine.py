@@ -297,7 +297,18 @@ class AsyncEngine:
         return await self._call(lambda: self.engine.unpin_prefix(prefix_id))
 
     async def prefix_reports(self) -> list:
-        return await self._call(self.engine.prefix_reports)
+        """The engine's retained prefixes, each with where the shared tiers hold it (asked on a worker thread, not the
+        engine's), without their page keys."""
+        reports = await self._call(self.engine.prefix_reports)
+        tiers = self.fetcher.tiers if self.fetcher is not None else []
+        if not reports:
+            return reports
+
+        def with_tiers() -> list:
+            return [dataclasses.replace(report, page_keys=(), tiers=tuple(
+                (tier.name, *tier.residency(report.page_keys)) for tier in tiers)) for report in reports]
+
+        return await asyncio.to_thread(with_tiers)
 
     async def cached_page_keys(self) -> list[bytes]:
         return await self._call(self.engine.kv.cached_keys)

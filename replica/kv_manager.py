@@ -224,7 +224,7 @@ class KVCacheManager:
                 num_pages_resident=len(page_ids),
                 num_pages_retained=sum(1 for page_id in page_ids if self.pool.retention_of(page_id) is not None),
                 num_requests=entry.num_requests, num_hits=entry.num_hits, cached_tokens=entry.cached_tokens,
-                idle_s=round(now - entry.last_used_at, 3)))
+                idle_s=round(now - entry.last_used_at, 3), page_keys=tuple(entry.keys)))
         return reports
 
     def retained_keys(self) -> list[tuple[PageKey, int, float]]:

@@ -32,7 +32,11 @@ or a request routed there that uses it). LRU evicts a page once the queue ahead 
 expected gone once ``lru_pages`` more pages than at its touch have been evicted. Only the admission wait is
 extrapolated, at the replica's recent eviction rate: an idle replica ages nothing, however fast it evicted before.
 Retained pages (priority > 0, the replica says until when) are not in that queue: they are certain holdings until
-their retention ends, whatever the eviction rate::
+their retention ends, whatever the eviction rate. Nor are the pages of requests still running there: the router
+``hold``s a request's keys on its replica from routing until the request finishes, and ``release`` touches them at
+the replica's eviction count then, which is when its pool puts them at the LRU tail. Without that, a prefix that
+long-running requests keep in use ages out in the router's eyes while it cannot be evicted (a running request's
+pages stay put for its whole decode)::
 
     replica a: 10_000 evictions so far, lru_pages 400, 100 evictions/s, admission in 1 s -> 10_100 by then
     key   touched at eviction   retained until (router time)   admitted at now + 1 s (now = 10)
@@ -86,6 +90,9 @@ class _ReplicaState:
     """Pages evicted per second (EWMA over reports)."""
     last_report_s: float | None = None
     """Router time of the last report with an eviction count."""
+    in_use: dict[PageKey, int] = field(default_factory=dict)
+    """Keys that requests this router sent to the replica use and that have not finished (``hold`` / ``release``)
+    -> how many such requests: the replica cannot evict them, and on release they join its LRU queue at the tail."""
 
 
 class PrefixIndex:
@@ -247,8 +254,11 @@ class PrefixIndex:
         wait_s = max(wait_s, 0.0)
         at = (self.clock() if now is None else now) + wait_s
         oldest_kept = state.evictions + state.eviction_rate * wait_s - state.lru_pages  # touched before: evicted
+        in_use = state.in_use
         for position in range(num_matched):
             key = page_keys[position]
+            if key in in_use:
+                continue
             until = retained.get(key)
             if until is not None and until >= at:
                 continue
@@ -256,6 +266,38 @@ class PrefixIndex:
             if touched is None or touched < oldest_kept:
                 return position
         return num_matched
+
+    def hold(self, replica_id: str, page_keys: Sequence[PageKey]) -> None:
+        """A request using ``page_keys`` was sent to ``replica_id``: the replica keeps them (out of its LRU queue)
+        until the matching ``release``. Counted per request."""
+        in_use = self._state_of(replica_id).in_use
+        for key in page_keys:
+            in_use[key] = in_use.get(key, 0) + 1
+
+    def release(self, replica_id: str, page_keys: Sequence[PageKey]) -> None:
+        """The request ``hold`` counted finished: each key it was the last user of joins the replica's LRU queue at
+        the tail, so it counts as touched at the replica's eviction count now. Keys not held are ignored (a replica
+        that restarted or left meanwhile)."""
+        state = self._replica_id_to_state.get(replica_id)
+        if state is None:
+            return
+        in_use, held, now = state.in_use, state.keys, state.evictions
+        for key in page_keys:
+            count = in_use.get(key)
+            if count is None:
+                continue
+            if count > 1:
+                in_use[key] = count - 1
+                continue
+            del in_use[key]
+            touched = held.get(key)
+            if touched is not None and touched < now:
+                held[key] = now
+
+    def num_in_use(self, replica_id: str) -> int:
+        """Distinct keys held by unfinished requests on ``replica_id`` (``hold``)."""
+        state = self._replica_id_to_state.get(replica_id)
+        return 0 if state is None else len(state.in_use)
 
     def is_retained(self, replica_id: str, key: PageKey, at: float) -> bool:
         state = self._replica_id_to_state.get(replica_id)
@@ -360,6 +402,7 @@ class PrefixIndex:
     def _reset(self, state: _ReplicaState) -> None:
         self._drop_keys(state, list(state.keys))
         state.retained = {}
+        state.in_use = {}
         state.evictions = 0
         state.lru_pages = math.inf
         state.eviction_rate = 0.0

@@ -66,8 +66,10 @@ A candidate that measured its host-tier fetch (``host_page_ms``, so it has a sha
 prices an evicted page at the least of recomputing it and fetching it back.
 
 Residency ahead (cost model and ``enable_residency_aging``, off by default). ``matched(r)`` counts only the leading pages expected still on r when the request
-is admitted there (now + wait(r)): pages r holds under a retention until it ends, other pages while fewer than r's LRU
-queue length have been evicted there since their last touch, counting r's evictions until the admission at its
+is admitted there (now + wait(r)): pages r holds under a retention until it ends, pages of requests this router sent
+to r until they finish (``note_routed`` with the request's keys; a running request's pages cannot be evicted), other
+pages while fewer than r's LRU queue length have been evicted there since their last touch (a routed request's
+admission, or the release by the last request using them), counting r's evictions until the admission at its
 recent rate (router/index.py ``expected_resident``). So a prefix held under a
 retention stays a prefix hit on its replica however fast that replica churns, while an unretained one on a churning,
 busy replica counts as (partly) gone.
@@ -140,9 +142,11 @@ class PolicyConfig:
     """Keep an overloaded holder as a candidate when every eligible replica would evict cached pages to take over."""
     enable_residency_aging: bool = False
     """Count only the pages expected still on a replica at admission (router/index.py ``expected_resident``):
-    retained pages until their TTL, others by the replica's LRU eviction count. Off by default: in the simulator at
-    saturation (llm-d shared prefix, DP 4) it raised p99 TTFT 18x, because pages held by running requests are out of
-    the LRU queue until released, and the router cannot see when that is (BENCHMARKS.md section 14)."""
+    retained pages until their TTL, pages of requests this router sent there until they finish, others by the
+    replica's LRU eviction count since their last touch (a routed request's admission, or its release). Off by
+    default: in the simulator it ties with aging off on 20 of 24 points and moves llm-d shared prefix at DP 4 both
+    ways (p99 24.5 -> 14.8 s, 14.8 -> 14.9 s, 12.5 -> 14.1 s, 38.1 -> 46.4 s), with 0.3-0.8 % fewer cached tokens
+    there (BENCHMARKS.md section 0). Before running requests held their pages (session 9) it raised that p99 18x."""
     duplicate_work_weight: float = 1.0
     """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
     delays the replica's later requests and, for recomputed pages, stores a second copy)."""
@@ -224,6 +228,9 @@ class PrefixAwarePolicy:
         self._default_costs = _Costs(self.config.step_ms, self.config.prefill_token_ms, self.config.attention_pair_us,
                                      self.config.decode_row_ms, self.config.peer_copy_page_ms, None)
         self._measured_to_costs: dict[int, tuple[object, _Costs]] = {}
+        self._holds_keys = self.config.enable_cost_model and self.config.enable_residency_aging
+        self._request_id_to_keys: dict[str, Sequence[PageKey]] = {}
+        """With residency aging: the page keys of each counted request, held in use on its replica (``note_routed``)."""
 
     # ---- the decision ----------------------------------------------------------------------------------------------
     def choose(
@@ -454,15 +461,24 @@ class PrefixAwarePolicy:
         return max(candidate.num_requests, self.num_inflight(candidate.replica_id))
 
     # ---- in-flight accounting --------------------------------------------------------------------------------------
-    def note_routed(self, request_id: str, replica_id: str) -> None:
-        """Count ``request_id`` against ``replica_id`` until ``note_finished``. Routing it again moves it."""
+    def note_routed(self, request_id: str, replica_id: str, page_keys: Sequence[PageKey] = ()) -> None:
+        """Count ``request_id`` against ``replica_id`` until ``note_finished``. Routing it again moves it.
+
+        With residency aging, ``page_keys`` (the request's) are held in use on the replica until then
+        (``PrefixIndex.hold``): a running request's pages are not in its LRU queue."""
         previous = self._request_id_to_replica_id.get(request_id)
         if previous == replica_id:
             return
+        keys = page_keys
         if previous is not None:
             self._decrement(previous)
+            keys = self._request_id_to_keys.pop(request_id, page_keys)
+            self.index.release(previous, keys)
         self._request_id_to_replica_id[request_id] = replica_id
         self._replica_id_to_num_inflight[replica_id] = self._replica_id_to_num_inflight.get(replica_id, 0) + 1
+        if keys and self._holds_keys:
+            self._request_id_to_keys[request_id] = keys
+            self.index.hold(replica_id, keys)
 
     def note_finished(self, request_id: str, replica_id: str | None = None) -> None:
         """Stop counting ``request_id`` (if counted, and against ``replica_id`` when given). Idempotent."""
@@ -471,6 +487,9 @@ class PrefixAwarePolicy:
             return
         del self._request_id_to_replica_id[request_id]
         self._decrement(counted_on)
+        keys = self._request_id_to_keys.pop(request_id, None)
+        if keys:
+            self.index.release(counted_on, keys)
 
     def num_inflight(self, replica_id: str) -> int:
         return self._replica_id_to_num_inflight.get(replica_id, 0)
@@ -481,6 +500,7 @@ class PrefixAwarePolicy:
         self._replica_id_to_busy_until.pop(replica_id, None)
         for request_id in [r for r, owner in self._request_id_to_replica_id.items() if owner == replica_id]:
             del self._request_id_to_replica_id[request_id]
+            self._request_id_to_keys.pop(request_id, None)
 
     # ---- internals -------------------------------------------------------------------------------------------------
     def _forget_ready_pages(self, now: float) -> None:

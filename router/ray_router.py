@@ -188,7 +188,7 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _count_inflight(self, pending_request: PendingRequest, replica_id: str) -> None:
         request_id = pending_request.metadata.internal_request_id
-        self.policy.note_routed(request_id, replica_id)
+        self.policy.note_routed(request_id, replica_id, page_keys_of(pending_request))
         future = pending_request.future
         if self._request_id_to_future.get(request_id) is not future:
             self._request_id_to_future[request_id] = future

@@ -8,7 +8,9 @@ a short TTL, an admin pin without one, a chat ``cache_control`` breakpoint), the
 
 from __future__ import annotations
 
+import math
 import random
+import sqlite3
 import time
 
 import httpx
@@ -149,3 +151,89 @@ def test_cache_control_breakpoint_retains_the_prefix_up_to_it(client, admin):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1,
                                   extra_body={"prompt_cache_retention": {"priority": 500}})
+
+
+def string_keys_without_expiry(redis_client) -> int:
+    """Plain pages carry an expiry (volatile-lru may evict them); retained ones and the tier's marker do not."""
+    return sum(1 for key in redis_client.scan_iter(count=1000)
+               if redis_client.type(key) == b"string" and redis_client.ttl(key) == -1)
+
+
+def disk_retained_rows(root) -> list[tuple[int, float]]:
+    index = sqlite3.connect(f"file:{root}/index.sqlite?mode=ro", uri=True)
+    try:
+        return index.execute("SELECT priority, retain_until FROM pages WHERE priority > 0").fetchall()
+    finally:
+        index.close()
+
+
+def wait_until(condition, what: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_admin_pin_and_unpin_reach_the_redis_and_disk_tiers(ray_session, serve_http_port, tiny_llama_dir,
+                                                             redis_server, tmp_path):
+    """HTTP admin pin -> the replica -> its shared tiers: the pinned pages are retained in Redis (no expiry, so
+    volatile-lru never evicts them) and in the disk index (priority, no end); the listing says where the prefix lives;
+    an HTTP unpin makes them plain pages again in both tiers, which keep them."""
+    import redis
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import ServeConfig
+
+    redis_url = redis_server[:-1] + "6"
+    redis_client = redis.Redis.from_url(redis_url)
+    redis_client.flushdb()
+    disk_root = tmp_path / "kv"
+    config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=1, page_size=PAGE,
+                         kv_cache_memory=NUM_PAGES * BYTES_PER_PAGE, num_cpus_per_replica=0.5,
+                         served_model_name=MODEL, max_model_len=2048, api_key=API_KEY, dtype="float32",
+                         kv_cache_retention_budget=0.5, redis_url=redis_url, enable_disk_cache=True,
+                         disk_cache_dir=str(disk_root))
+    serve.run(build_app(config), name="e2e-retention-tiers", route_prefix="/e2e-retention-tiers")
+    base_url = f"http://127.0.0.1:{serve_http_port}/e2e-retention-tiers"
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    try:
+        with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as admin:
+            usage_of(client, token_prompt(80, 2 * PAGE + 1))  # a plain prompt: its pages are not retained anywhere
+            usage_of(client, token_prompt(80, 2 * PAGE + 2))  # ... and, reused, written to both tiers as plain pages
+            wait_until(lambda: len(list(disk_root.glob("**/*.arrow"))) >= 2, "the plain pages on disk")
+            baseline = string_keys_without_expiry(redis_client)
+            pinned = token_prompt(81, 2 * PAGE)
+            response = admin.post("/admin/prefixes/pin", json={"prompt": pinned, "priority": 90})
+            assert response.status_code == 200, response.text
+            prefix_id = response.json()["prefix_id"]
+            # a request reusing the pinned prefix: a reused page is what the tiers are written
+            assert usage_of(client, pinned + [3, 4]) == (2 * PAGE, 0)
+
+            def tiers_of_pin():
+                listing = admin.get("/admin/prefixes").json()["data"]
+                [entry] = [entry for entry in listing if entry["prefix_id"] == prefix_id]
+                wanted = {"num_pages": 2, "num_pages_retained": 2}
+                return entry if entry["tiers"] == {"host": wanted, "disk": wanted} else None
+
+            entry = wait_until(tiers_of_pin, "the listing to show the pin retained in both tiers")
+            assert [where["num_pages_retained"] for where in entry["replicas"]] == [2]
+            # what the tiers themselves hold: two retained Redis pages without an expiry, two pinned disk rows
+            assert string_keys_without_expiry(redis_client) == baseline + 2
+            assert disk_retained_rows(disk_root) == [(90, math.inf)] * 2
+
+            assert admin.post("/admin/prefixes/unpin", json={"prefix_id": prefix_id}).status_code == 200
+            wait_until(lambda: not disk_retained_rows(disk_root), "the unpin to reach the disk index")
+            wait_until(lambda: string_keys_without_expiry(redis_client) == baseline, "the unpin to reach Redis")
+            assert all(entry["prefix_id"] != prefix_id for entry in admin.get("/admin/prefixes").json()["data"])
+            # both tiers keep the pages, plain: a re-pin finds them there without a write
+            response = admin.post("/admin/prefixes/pin", json={"prompt": pinned, "priority": 40, "warm": False})
+            listing = admin.get("/admin/prefixes").json()["data"]
+            [entry] = [entry for entry in listing if entry["prefix_id"] == prefix_id]
+            assert {tier: where["num_pages"] for tier, where in entry["tiers"].items()} == {"host": 2, "disk": 2}
+    finally:
+        serve.delete("e2e-retention-tiers")
+        redis_client.flushdb()

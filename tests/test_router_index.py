@@ -237,6 +237,31 @@ def test_without_reports_nothing_ages_and_a_new_epoch_forgets_retention():
     assert not index.is_retained("a", K0, 0.0) and index.eviction_rate("a") == 0.0
 
 
+def test_pages_in_use_stay_and_age_from_their_release():
+    clock = FakeClock()
+    index = churning_index(clock)  # k0 k1 touched at 9_600; 10_000 evicted now; queue 400; 400/s
+    index.hold("a", [K0])
+    index.hold("a", [K0, K1])  # two requests use k0, one uses k1
+    # in use: the replica cannot evict them, however long the wait; k1 needs only its own holder
+    assert index.expected_resident("a", [K0, K1], 2, wait_s=100.0) == 2
+    index.release("a", [K0, K1])  # the second request ends at 10_000 evictions: k1 joins the LRU tail then
+    assert index.num_in_use("a") == 1
+    assert index.expected_resident("a", [K0, K1], 2, wait_s=0.9) == 2  # 360 more evictions: k1 still queued
+    assert index.expected_resident("a", [K0, K1], 2, wait_s=1.01) == 1  # 404 more: k1 gone, k0 still in use
+    index.release("a", [K0])
+    assert index.num_in_use("a") == 0
+    index.note_residency("a", num_evictions=10_300)
+    assert index.expected_resident("a", [K0, K1], 2) == 2  # released at 10_000: 300 < 400 since
+    index.note_residency("a", num_evictions=10_401)
+    assert index.expected_resident("a", [K0, K1], 2) == 0
+    # releases of keys never held (a replica that restarted or left) are ignored, a new epoch forgets uses
+    index.release("a", [K0, K1])
+    index.release("gone", [K0])
+    index.hold("a", [K0])
+    index.sync("a", epoch="e2")
+    assert index.num_in_use("a") == 0
+
+
 def test_a_residency_report_of_a_new_epoch_drops_the_old_lifetime_first():
     index = PrefixIndex(clock=FakeClock())
     index.sync("a", epoch="e1", events=[PagesStored(1, (K0,))])

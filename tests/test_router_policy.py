@@ -443,6 +443,41 @@ def test_a_retained_prefix_stays_a_hit_on_a_churning_replica_and_an_unretained_o
     assert PrefixAwarePolicy(index).choose(PROMPT, loads(a=1, b=0), now=0.0).reason is RoutingReason.PREFIX_HIT
 
 
+def test_a_prefix_running_requests_use_stays_a_hit_until_they_finish_and_ages_from_then():
+    """Residency aging with long-running requests: their pages are out of the replica's LRU queue while they run, so
+    however many pages the replica evicts meanwhile, the prefix stays on it; once the last of them finishes, the
+    pages age from that moment."""
+    clock = Clock()
+    index = PrefixIndex(clock=clock)
+    index.note_residency("a", num_evictions=0, num_lru_pages=100)
+    index.apply_events("a", [PagesStored(1, tuple(PROMPT))])
+    policy = PrefixAwarePolicy(index, PolicyConfig(enable_residency_aging=True))
+    policy.note_routed("long", "a", PROMPT)  # a request with a long decode uses the prompt's pages on a
+    clock.now += 1.0
+    churn(policy, clock, "a")  # 1000 pages evicted since the store, past the queue of 100
+    decision = policy.choose(PROMPT, loads(a=1, b=0), now=clock.now)
+    assert (decision.replica_id, decision.reason, decision.matched_pages) == ("a", RoutingReason.PREFIX_HIT, 4)
+    policy.note_finished("long", "a")  # released at 1000 evictions: the pages join the LRU tail now
+    clock.now += 1.0  # the routed request's expected work is done: no queue to wait behind on a
+    assert policy.choose(PROMPT, loads(a=1, b=0), now=clock.now).reason is RoutingReason.PREFIX_HIT
+    clock.now += 1.0
+    index.note_residency("a", num_evictions=1101)  # the queue of 100 has turned over since the release
+    aged = policy.choose(PROMPT, loads(a=1, b=0), now=clock.now)
+    assert (aged.replica_id, aged.reason) == ("b", RoutingReason.NO_MATCH)
+    # a request moved to another replica before it was sent holds its pages there instead; a replica that leaves
+    # takes its requests' holds with it
+    policy.note_routed("moved", "a", PROMPT)
+    policy.note_routed("moved", "b")
+    assert index.num_in_use("a") == 0 and index.num_in_use("b") == len(PROMPT)
+    policy.forget_replica("b")
+    policy.note_finished("moved")
+    assert policy.num_inflight("b") == 0
+    # without residency aging nothing is held
+    plain = PrefixAwarePolicy(index)
+    plain.note_routed("r", "a", PROMPT)
+    assert index.num_in_use("a") == 0
+
+
 def test_decisions_are_counted_by_replica_and_reason():
     policy = make_policy(a=4)
     policy.choose(PROMPT, loads(a=0, b=0), now=0.0)

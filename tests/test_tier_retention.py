@@ -279,6 +279,12 @@ def test_engine_pin_unpin_and_request_retention_reach_both_tiers(redis_server, t
         asyncio.run(async_engine.pin_prefix(PinPrefix(tuple(system_keys), priority=100, ttl_s=None, label="sys")))
         flush()
         assert [retention(key) for key in system_keys] == [((100, math.inf), (100, math.inf))] * 2
+        # the admin listing's report says where the pinned prefix lives in the tiers (and carries no keys out)
+        [report] = asyncio.run(async_engine.prefix_reports())
+        assert report.tiers == (("host", 2, 2), ("disk", 2, 2)) and report.page_keys == ()
+        assert host.residency(other_keys) == (2, 0) and disk.residency(other_keys) == (2, 0)
+        assert host.residency([other_keys[0], b"\0" * 32, other_keys[1]]) == (1, 0)
+        assert disk.residency([b"\0" * 32] + other_keys) == (0, 0)
 
         asyncio.run(ask("o2", other, Retention(priority=50, ttl_s=600.0)))  # a hit on the stored pages, retained
         flush()
@@ -290,6 +296,7 @@ def test_engine_pin_unpin_and_request_retention_reach_both_tiers(redis_server, t
         assert asyncio.run(async_engine.unpin_prefix(system_keys[-1].hex()[:32]))
         flush()
         assert [retention(key) for key in system_keys] == [(None, (0, 0.0))] * 2
+        assert host.residency(system_keys) == (2, 0) and disk.residency(system_keys) == (2, 0)
         assert [retention(key)[0][0] for key in other_keys] == [50, 50]  # the request's retention stays
     finally:
         async_engine.shutdown()

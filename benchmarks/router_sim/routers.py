@@ -70,7 +70,7 @@ class Ours(Router):
     def route(self, request, now):
         decision = self.policy.choose(request.page_keys, self.view.loads, num_prompt_tokens=request.prompt_len,
                                       now=now)
-        self.policy.note_routed(request.request_id, decision.replica_id)
+        self.policy.note_routed(request.request_id, decision.replica_id, request.page_keys)
         hint = self.id_to_number[decision.peer_hint] if decision.peer_hint is not None else None
         return self.id_to_number[decision.replica_id], hint, decision.reason.value
 

@@ -232,6 +232,12 @@ class KVTier(abc.ABC):
         Never blocks on the store. Raises ValueError if a page does not match ``page_format``.
         """
 
+    def residency(self, keys: Sequence[PageKey]) -> tuple[int, int]:
+        """(how many LEADING ``keys`` the tier holds now, how many of those hold a retention now), for the admin
+        listing of retained prefixes. One round trip / one query; (0, 0) while the store is unreachable. A tier
+        without retention reports none."""
+        return self.lookup(keys), 0
+
     def update_retention(self, updates: Sequence[RetentionUpdate]) -> int:
         """Enqueue retention changes of stored pages (applied by the background writer, after the stores queued
         before them); returns how many were accepted. Never blocks. A tier without retention ignores them (0)."""

@@ -90,6 +90,9 @@ is recreated (start-up then deletes the page files no row names)."""
 REMOVAL_LOG_ROWS = 65536
 """Rows the index's removal log keeps (``PageIndex.CREATE_REMOVAL_LOG``); a reader further behind checks everything."""
 MAX_PRIORITY = 1 << 31
+_RESIDENCY_MAX_KEYS = 4096
+"""Keys one ``residency`` query asks about (SQLite binds at most 32766 variables; a prefix of 4096 pages is 512k
+tokens at page size 128)."""
 """Retention priorities are clamped into ``[0, MAX_PRIORITY]`` before they reach the index."""
 
 
@@ -239,6 +242,13 @@ class PageIndex:
             return cursor.execute("SELECT COALESCE(SUM(size), 0) FROM pages").fetchone()[0]
         with self._lock:
             return self._conn.execute("SELECT COALESCE(SUM(size), 0) FROM pages").fetchone()[0]
+
+    def retention_rows(self, page_ids: Sequence[str], now: float) -> dict[str, int]:
+        """Page id -> its effective retention priority at ``now`` (0: plain), for the ids that are indexed."""
+        marks = ",".join("?" * len(page_ids))
+        with self._lock:
+            return dict(self._conn.execute(f"SELECT id, {self.RANK} FROM pages WHERE id IN ({marks})",
+                                           (now, *page_ids)).fetchall())
 
     def page_ids(self) -> set[str]:
         with self._lock:
@@ -398,6 +408,25 @@ class DiskTier(QueuedWriteTier):
                 break
             count += 1
         return count
+
+    def residency(self, keys: Sequence[PageKey]) -> tuple[int, int]:
+        """The index's rows of the keys, in one query: leading pages indexed, and those whose retention holds now."""
+        if not self.available or self._index is None or not keys:
+            return 0, 0
+        page_ids = [self.page_id(key) for key in keys[:_RESIDENCY_MAX_KEYS]]
+        try:
+            rows = self._index.retention_rows(page_ids, self._wall_clock())
+        except sqlite3.Error as exc:
+            self._count_error("index", f"reading the index failed: {exc}")
+            return 0, 0
+        num_present = num_retained = 0
+        for page_id in page_ids:
+            rank = rows.get(page_id)
+            if rank is None:
+                break
+            num_present += 1
+            num_retained += rank > 0
+        return num_present, num_retained
 
     def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Read, verify and touch each page in order; stop at the first missing or rejected one, or at the timeout."""

@@ -284,6 +284,26 @@ class RedisTier(QueuedWriteTier):
 
         return count_leading_true(self._run(probe, default=[]))
 
+    def residency(self, keys: Sequence[PageKey]) -> tuple[int, int]:
+        """EXISTS and the retention end of each key, pipelined in one round trip."""
+        if not keys:
+            return 0, 0
+        until_key = self._retained_until_key
+
+        def probe(client: redis.Redis) -> list:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                redis_key = self.redis_key(key)
+                pipe.exists(redis_key)
+                pipe.zscore(until_key, redis_key)
+            return pipe.execute()
+
+        replies = self._run(probe, default=[])
+        now = self._wall_clock()
+        num_present = count_leading_true(replies[0::2])
+        num_retained = sum(1 for until in replies[1 : 2 * num_present : 2] if until is not None and until > now)
+        return num_present, num_retained
+
     def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """MGET in batches of ``load_batch_pages`` (one round trip for a usual prefix); verify each page in order,
         decrypting it straight into one tensor of the load's pages; stop at the first miss."""
