@@ -1,6 +1,7 @@
 """The small-row linear kernel (replica/csrc/small_linear.cpp) against a float64 reference: every tile shape (1-4 rows
-per tile, 4 weight rows per block and the single-row tail), the row limits (16 float32, 8 bfloat16), bias, and the
-inputs it hands to ATen unchanged (more rows, K not a multiple of 16, non-contiguous input, float16)."""
+per tile with AVX-512, 1-3 with AVX2; 4 weight rows per block and the single-row tail), the row limits (16 float32,
+8 bfloat16), bias, and the inputs it hands to ATen unchanged (more rows, K not a multiple of its vector of 16 or 8
+floats, non-contiguous input, float16)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16])
 @pytest.mark.parametrize("out_features", [4, 7, 33, 258])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_matches_float64(rows, out_features, with_bias):
+@pytest.mark.parametrize("in_features", [96, 40])  # 40: a multiple of AVX2's 8 floats, not of AVX-512's 16
+def test_kernel_matches_float64(rows, out_features, with_bias, in_features):
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
-    x = torch.randn(rows, 96, generator=generator)
-    weight = torch.randn(out_features, 96, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     out = cpu_kernels.linear(x, weight, bias)
     assert out.shape == (rows, out_features) and out.dtype == torch.float32
@@ -64,12 +66,13 @@ def test_bfloat16_kernel_matches_float64_up_to_one_rounding(rows, with_bias):
     "make",
     [
         lambda g: (torch.randn(17, 64, generator=g), torch.randn(40, 64, generator=g)),  # more rows than the kernel takes
-        lambda g: (torch.randn(3, 40, generator=g), torch.randn(9, 40, generator=g)),  # K not a multiple of 16
+        # K not a multiple of the kernel's vector (16 floats with AVX-512, 8 with AVX2)
+        lambda g: (torch.randn(3, 36, generator=g), torch.randn(9, 36, generator=g)),
         lambda g: (torch.randn(64, 5, generator=g).t(), torch.randn(9, 64, generator=g)),  # non-contiguous input
         lambda g: (torch.randn(9, 64, generator=g).bfloat16(), torch.randn(9, 64, generator=g).bfloat16()),
         lambda g: (torch.randn(4, 64, generator=g).half(), torch.randn(9, 64, generator=g).half()),
     ],
-    ids=["17-rows", "k-40", "strided", "bfloat16-9-rows", "float16"],
+    ids=["17-rows", "k-36", "strided", "bfloat16-9-rows", "float16"],
 )
 def test_inputs_outside_the_kernel_go_to_aten(make):
     x, weight = make(torch.Generator().manual_seed(3))

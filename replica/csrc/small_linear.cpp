@@ -3,7 +3,8 @@
 // y[M, N] = x[M, K] . w[N, K]^T (+ bias), with w in its own [out, in] layout: nothing is packed or copied, so the
 // weights are stored once. For a handful of rows the product is bound by streaming the weights, and each weight row
 // is read from memory once: a block of 4 weight rows is dotted against up to 4 input rows at a time (4 x 4 running
-// sums of 16 floats, which stay in registers), then the sums are reduced; further input rows reuse the block from L1.
+// sums of 16 floats, which stay in AVX-512's 32 registers; 3 x 4 sums of 8 floats in AVX2's 16), then the sums are
+// reduced; further input rows reuse the block from L1.
 // bfloat16 weights are widened to float32 as they are loaded, and the sums are rounded once to the output dtype.
 // MKL's float32 GEMM packs the weight matrix on every call, and oneDNN's bfloat16 GEMM spends as long setting up its
 // call and tiles: with 1-16 rows, either costs more than streaming the weights once.
@@ -21,41 +22,59 @@ namespace {
 
 constexpr int64_t kMaxFloatRows = 16;
 constexpr int64_t kMaxBFloat16Rows = 8;
-constexpr int64_t kLanes = 16;
 
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));  // unaligned loads of 16 floats
+// The tile is sized to the register file: its MT x NT running sums and NT weight vectors must stay in registers, or
+// every multiply-add also spills and reloads (on AVX2, tiles sized for AVX-512 ran 4-6x slower than MKL at 4-16 rows).
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;    // one zmm register per vector; 32 of them
+constexpr int kRowTile = 4;       // 4 x 4 sums + 4 weight vectors + 1 input vector = 21 registers
+#else
+constexpr int64_t kLanes = 8;     // AVX2: one ymm register per vector; 16 of them
+constexpr int kRowTile = 3;       // 3 x 4 sums + 4 weight vectors = 16 registers (the input vector is an operand
+                                  // of the multiply-add; 2 rows measured the same or slower, benchmarks/linear_rows.py)
+#endif
+constexpr int kColTile = 4;
+
+typedef float vec __attribute__((vector_size(kLanes * 4), aligned(4)));  // unaligned loads of kLanes floats
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec4 __attribute__((vector_size(16)));
 
-inline float reduce(vec16 v) {
+inline float reduce4(vec4 b) { return (b[0] + b[2]) + (b[1] + b[3]); }
+
+#if defined(__AVX512F__)
+inline float reduce(vec v) {
   const vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+  return reduce4(__builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7));
 }
+#else
+inline float reduce(vec v) {
+  return reduce4(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+}
+#endif
 
-typedef uint16_t bits16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t bits32 __attribute__((vector_size(64)));
+typedef uint16_t bits16 __attribute__((vector_size(kLanes * 2), aligned(2)));
+typedef uint32_t bits32 __attribute__((vector_size(kLanes * 4)));
 
-inline vec16 load(const float* p) { return *reinterpret_cast<const vec16*>(p); }
+inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
 
-inline vec16 load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32: widen and shift
+inline vec load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32: widen and shift
   const bits32 wide = __builtin_convertvector(*reinterpret_cast<const bits16*>(p), bits32) << 16;
-  return reinterpret_cast<const vec16&>(wide);
+  return reinterpret_cast<const vec&>(wide);
 }
 
-// Rows [0, MT) of x against the NT weight rows from n: y[m, n + j], K a multiple of 16.
+// Rows [0, MT) of x against the NT weight rows from n: y[m, n + j], K a multiple of kLanes.
 template <int MT, int NT, bool PREFETCH, typename W>
 __attribute__((noinline)) void tile(const float* x, const W* w, const float* bias, W* y, int64_t K, int64_t N,
                                     int64_t n) {
-  vec16 acc[MT][NT];
+  vec acc[MT][NT];
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 4
-    for (int j = 0; j < NT; ++j) acc[m][j] = vec16{};
+    for (int j = 0; j < NT; ++j) acc[m][j] = vec{};
   const W* rows = w + n * K;
   for (int64_t k = 0; k < K; k += kLanes) {
-    vec16 wv[NT];
+    vec wv[NT];
 #pragma GCC unroll 4
     for (int j = 0; j < NT; ++j) wv[j] = load(rows + j * K + k);
     if (PREFETCH) {  // the next block's rows, at the same offset: keeps more memory reads in flight
@@ -64,7 +83,7 @@ __attribute__((noinline)) void tile(const float* x, const W* w, const float* bia
     }
 #pragma GCC unroll 4
     for (int m = 0; m < MT; ++m) {
-      const vec16 xv = load(x + m * K + k);
+      const vec xv = load(x + m * K + k);
 #pragma GCC unroll 4
       for (int j = 0; j < NT; ++j) acc[m][j] += xv * wv[j];
     }
@@ -73,27 +92,31 @@ __attribute__((noinline)) void tile(const float* x, const W* w, const float* bia
     for (int j = 0; j < NT; ++j) y[m * N + n + j] = W(reduce(acc[m][j]) + (bias ? bias[n + j] : 0.0f));
 }
 
+// ``rows`` (1..kRowTile) rows of x against NT weight rows: the tile of that height.
+template <int NT, bool PREFETCH, typename W>
+inline void rows_tile(int64_t rows, const float* x, const W* w, const float* bias, W* y, int64_t K, int64_t N,
+                      int64_t n) {
+  if constexpr (kRowTile >= 4) {
+    if (rows == 4) return tile<4, NT, PREFETCH, W>(x, w, bias, y, K, N, n);
+  }
+  if constexpr (kRowTile >= 3) {
+    if (rows == 3) return tile<3, NT, PREFETCH, W>(x, w, bias, y, K, N, n);
+  }
+  if (rows == 2) return tile<2, NT, PREFETCH, W>(x, w, bias, y, K, N, n);
+  tile<1, NT, PREFETCH, W>(x, w, bias, y, K, N, n);
+}
+
 // Every row of x against NT weight rows at a time: a block of weight rows comes from memory once, and the row tiles
 // after the first read it from L1.
 template <int NT, typename W>
 inline void block(const float* x, const W* w, const float* bias, W* y, int64_t M, int64_t K, int64_t N,
                   int64_t n) {
   // the first tile reads the block from memory (and asks for the next one); the others find it in L1
-  int64_t m = 0;
-  const int64_t first = M >= 4 ? 4 : M;
-  switch (first) {
-    case 4: tile<4, NT, true, W>(x, w, bias, y, K, N, n); break;
-    case 3: tile<3, NT, true, W>(x, w, bias, y, K, N, n); break;
-    case 2: tile<2, NT, true, W>(x, w, bias, y, K, N, n); break;
-    default: tile<1, NT, true, W>(x, w, bias, y, K, N, n); break;
-  }
-  m = first;
-  for (; m + 4 <= M; m += 4) tile<4, NT, false, W>(x + m * K, w, bias, y + m * N, K, N, n);
-  switch (M - m) {
-    case 3: tile<3, NT, false, W>(x + m * K, w, bias, y + m * N, K, N, n); break;
-    case 2: tile<2, NT, false, W>(x + m * K, w, bias, y + m * N, K, N, n); break;
-    case 1: tile<1, NT, false, W>(x + m * K, w, bias, y + m * N, K, N, n); break;
-    default: break;
+  const int64_t first = M >= kRowTile ? kRowTile : M;
+  rows_tile<NT, true, W>(first, x, w, bias, y, K, N, n);
+  for (int64_t m = first; m < M; m += kRowTile) {
+    const int64_t rows = M - m >= kRowTile ? kRowTile : M - m;
+    rows_tile<NT, false, W>(rows, x + m * K, w, bias, y + m * N, K, N, n);
   }
 }
 
@@ -101,7 +124,7 @@ template <typename W>
 void small_rows(const float* x, const W* w, const float* bias, W* y, int64_t M, int64_t K, int64_t N,
                 int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  for (; n + 4 <= n_end; n += 4) block<4, W>(x, w, bias, y, M, K, N, n);
+  for (; n + kColTile <= n_end; n += kColTile) block<kColTile, W>(x, w, bias, y, M, K, N, n);
   for (; n < n_end; ++n) block<1, W>(x, w, bias, y, M, K, N, n);
 }
 
