@@ -6,6 +6,10 @@ tensor so that a step streams all of them from memory as the model does (46 MiB 
 thread; the best of 5 rounds of 5 steps each, the paths interleaved within a round.
 
     PYTHONPATH=. .venv/bin/python benchmarks/linear_rows.py [--dtype bfloat16] [--rows 1,2,4,8,16]
+
+Rows above the kernel's limit (16 float32, 8 bfloat16) time the library paths only in practice (the kernel column
+is then at::linear too). float32 adds MKL's prepacked GEMM (``torch.ops.mkl._mkl_linear``), the path inductor's
+weight freezing takes.
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     weights = [torch.randn(n, k).to(dtype) for _ in range(args.layers) for k, n in SHAPES]
     weights.append(torch.randn(8192, 512).to(dtype))
-    print(f"| rows ({args.dtype}) | small-row kernel ms | oneDNN packed ms | F.linear ms | kernel / best other |")
-    print("|---|---|---|---|---|")
+    mkl = dtype == torch.float32  # MKL's packed GEMM (inductor's frozen float32 graphs) exists for float32 only
+    print(f"| rows ({args.dtype}) | small-row kernel ms | oneDNN packed ms | F.linear ms | kernel / best other |"
+          + (" MKL packed ms |" if mkl else ""))
+    print("|---|---|---|---|---|" + ("---|" if mkl else ""))
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k).to(dtype) for k in (512, 1024)}
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+        mkl_packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights] if mkl else []
         for w in weights[:5]:  # the kernel's numbers are the GEMM's up to rounding
             x = inputs[w.shape[1]]
             torch.testing.assert_close(cpu_kernels.linear(x, w).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
@@ -47,6 +54,9 @@ def main() -> None:
                                for w, p in zip(weights, packed)],
             "aten": lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
         }
+        if mkl:
+            paths["mkl"] = lambda: [torch.ops.mkl._mkl_linear(inputs[w.shape[1]], m, w, None, rows)
+                                    for w, m in zip(weights, mkl_packed)]
         best = {name: float("inf") for name in paths}
         for fn in paths.values():
             fn()
@@ -58,7 +68,7 @@ def main() -> None:
                 best[name] = min(best[name], (time.perf_counter() - started) / 5 * 1000)
         other = min(best["onednn"], best["aten"])
         print(f"| {rows} | {best['kernel']:.2f} | {best['onednn']:.2f} | {best['aten']:.2f} | "
-              f"{best['kernel'] / other:.2f}x |")
+              f"{best['kernel'] / other:.2f}x |" + (f" {best['mkl']:.2f} |" if mkl else ""))
 
 
 if __name__ == "__main__":

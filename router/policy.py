@@ -146,7 +146,7 @@ class PolicyConfig:
     replica's LRU eviction count since their last touch (a routed request's admission, or its release). Off by
     default: in the simulator it ties with aging off on 20 of 24 points and moves llm-d shared prefix at DP 4 both
     ways (p99 24.5 -> 14.8 s, 14.8 -> 14.9 s, 12.5 -> 14.1 s, 38.1 -> 46.4 s), with 0.3-0.8 % fewer cached tokens
-    there (BENCHMARKS.md section 0). Before running requests held their pages (session 9) it raised that p99 18x."""
+    there (BENCHMARKS.md section 0a). Before running requests held their pages (session 9) it raised that p99 18x."""
     duplicate_work_weight: float = 1.0
     """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
     delays the replica's later requests and, for recomputed pages, stores a second copy)."""
