@@ -301,14 +301,12 @@ class AsyncEngine:
         engine's), without their page keys."""
         reports = await self._call(self.engine.prefix_reports)
         tiers = self.fetcher.tiers if self.fetcher is not None else []
-        if not reports:
-            return reports
 
         def with_tiers() -> list:
             return [dataclasses.replace(report, page_keys=(), tiers=tuple(
                 (tier.name, *tier.residency(report.page_keys)) for tier in tiers)) for report in reports]
 
-        return await asyncio.to_thread(with_tiers)
+        return await asyncio.to_thread(with_tiers) if reports and tiers else with_tiers()
 
     async def cached_page_keys(self) -> list[bytes]:
         return await self._call(self.engine.kv.cached_keys)
