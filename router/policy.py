@@ -472,8 +472,10 @@ class PrefixAwarePolicy:
         keys = page_keys
         if previous is not None:
             self._decrement(previous)
-            keys = self._request_id_to_keys.pop(request_id, page_keys)
-            self.index.release(previous, keys)
+            held = self._request_id_to_keys.pop(request_id, None)
+            if held:  # release only what this request held there: other requests' holds on the same keys stay
+                self.index.release(previous, held)
+                keys = held
         self._request_id_to_replica_id[request_id] = replica_id
         self._replica_id_to_num_inflight[replica_id] = self._replica_id_to_num_inflight.get(replica_id, 0) + 1
         if keys and self._holds_keys:

@@ -472,6 +472,12 @@ def test_a_prefix_running_requests_use_stays_a_hit_until_they_finish_and_ages_fr
     policy.forget_replica("b")
     policy.note_finished("moved")
     assert policy.num_inflight("b") == 0
+    # a request routed without keys holds nothing, and moving it releases nothing another request holds
+    policy.note_routed("holder", "a", PROMPT)
+    policy.note_routed("keyless", "a")
+    policy.note_routed("keyless", "c", PROMPT)
+    assert index.num_in_use("a") == len(PROMPT) and index.num_in_use("c") == len(PROMPT)
+    policy.note_finished("holder")
     # without residency aging nothing is held
     plain = PrefixAwarePolicy(index)
     plain.note_routed("r", "a", PROMPT)
