@@ -16,6 +16,8 @@ import time
 import httpx
 import pytest
 
+from multinode_cases import wait_until
+
 pytestmark = pytest.mark.ray
 
 openai = pytest.importorskip("openai")
@@ -167,16 +169,6 @@ def disk_retained_rows(root) -> list[tuple[int, float]]:
         index.close()
 
 
-def wait_until(condition, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def test_admin_pin_and_unpin_reach_the_redis_and_disk_tiers(ray_session, serve_http_port, tiny_llama_dir,
                                                              redis_server, tmp_path):
     """HTTP admin pin -> the replica -> its shared tiers: the pinned pages are retained in Redis (no expiry, so
@@ -204,7 +196,7 @@ def test_admin_pin_and_unpin_reach_the_redis_and_disk_tiers(ray_session, serve_h
         with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as admin:
             usage_of(client, token_prompt(80, 2 * PAGE + 1))  # a plain prompt: its pages are not retained anywhere
             usage_of(client, token_prompt(80, 2 * PAGE + 2))  # ... and, reused, written to both tiers as plain pages
-            wait_until(lambda: len(list(disk_root.glob("**/*.arrow"))) >= 2, "the plain pages on disk")
+            wait_until(lambda: len(list(disk_root.glob("**/*.arrow"))) >= 2, 60, "the plain pages on disk")
             baseline = string_keys_without_expiry(redis_client)
             pinned = token_prompt(81, 2 * PAGE)
             response = admin.post("/admin/prefixes/pin", json={"prompt": pinned, "priority": 90})
@@ -219,15 +211,15 @@ def test_admin_pin_and_unpin_reach_the_redis_and_disk_tiers(ray_session, serve_h
                 wanted = {"num_pages": 2, "num_pages_retained": 2}
                 return entry if entry["tiers"] == {"host": wanted, "disk": wanted} else None
 
-            entry = wait_until(tiers_of_pin, "the listing to show the pin retained in both tiers")
+            entry = wait_until(tiers_of_pin, 60, "the listing to show the pin retained in both tiers")
             assert [where["num_pages_retained"] for where in entry["replicas"]] == [2]
             # what the tiers themselves hold: two retained Redis pages without an expiry, two pinned disk rows
             assert string_keys_without_expiry(redis_client) == baseline + 2
             assert disk_retained_rows(disk_root) == [(90, math.inf)] * 2
 
             assert admin.post("/admin/prefixes/unpin", json={"prefix_id": prefix_id}).status_code == 200
-            wait_until(lambda: not disk_retained_rows(disk_root), "the unpin to reach the disk index")
-            wait_until(lambda: string_keys_without_expiry(redis_client) == baseline, "the unpin to reach Redis")
+            wait_until(lambda: not disk_retained_rows(disk_root), 60, "the unpin to reach the disk index")
+            wait_until(lambda: string_keys_without_expiry(redis_client) == baseline, 60, "the unpin to reach Redis")
             assert all(entry["prefix_id"] != prefix_id for entry in admin.get("/admin/prefixes").json()["data"])
             # both tiers keep the pages, plain: a re-pin finds them there without a write
             response = admin.post("/admin/prefixes/pin", json={"prompt": pinned, "priority": 40, "warm": False})

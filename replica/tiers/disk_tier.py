@@ -90,10 +90,10 @@ is recreated (start-up then deletes the page files no row names)."""
 REMOVAL_LOG_ROWS = 65536
 """Rows the index's removal log keeps (``PageIndex.CREATE_REMOVAL_LOG``); a reader further behind checks everything."""
 MAX_PRIORITY = 1 << 31
+"""Retention priorities are clamped into ``[0, MAX_PRIORITY]`` before they reach the index."""
 _RESIDENCY_MAX_KEYS = 4096
 """Keys one ``residency`` query asks about (SQLite binds at most 32766 variables; a prefix of 4096 pages is 512k
 tokens at page size 128)."""
-"""Retention priorities are clamped into ``[0, MAX_PRIORITY]`` before they reach the index."""
 
 
 class IndexVersionError(RuntimeError):
