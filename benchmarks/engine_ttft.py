@@ -4,8 +4,12 @@
    suffix alone with no prefix (the physical floor of a cache hit). Rounds are interleaved so noise hits all three.
 2. Throughput on unique prompts (nothing to share) with prefix caching on vs off, interleaved rounds.
 
+With ``--compare-prefill-kernel`` every round also times cold, warm and floor with the C++ prefill attention kernel
+off (ATen's flash kernel run by run, merged by log-sum-exp), alternating which path goes first.
+
 Usage:
     python benchmarks/engine_ttft.py [--prefix-len 2048] [--suffix-len 64] [--rounds 7] [--dtype bfloat16]
+                                     [--compare-prefill-kernel]
 Prints a markdown table; --json writes the raw numbers.
 """
 
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from replica import paged_attention
 from replica.config import EngineConfig
 from replica.engine import build_engine
 from common.types import EngineRequest
@@ -72,11 +77,14 @@ def main(argv=None) -> int:
     parser.add_argument("--unique-len", type=int, default=512)
     parser.add_argument("--unique-out", type=int, default=16)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--compare-prefill-kernel", action="store_true")
+    parser.add_argument("--prefill-threads", type=int, default=1,
+                        help="threads for steps of prefill size (a DP=1 server on 2 cores uses 2; decode keeps 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model_dir = make_model(Path(args.model_dir))
     common = dict(model=str(model_dir), dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
-                  max_num_batched_tokens=4096, max_model_len=4096)
+                  max_num_batched_tokens=4096, max_model_len=4096, num_prefill_threads=args.prefill_threads)
     engine = build_engine(EngineConfig(**common))
     engine_off = build_engine(EngineConfig(**common, enable_prefix_caching=False))
     # warm-up (first calls pay one-off costs)
@@ -84,11 +92,18 @@ def main(argv=None) -> int:
     ttft(engine_off, tokens(300, seed=998), "warmup")
 
     cold, warm, floor = [], [], []
+    flash = {"cold": [], "warm": [], "floor": []}
     for r in range(args.rounds):
-        prefix = tokens(args.prefix_len, seed=10 + r)
-        cold.append(ttft(engine, prefix + tokens(args.suffix_len, seed=1000 + r), f"cold-{r}"))
-        warm.append(ttft(engine, prefix + tokens(args.suffix_len, seed=2000 + r), f"warm-{r}"))
-        floor.append(ttft(engine, tokens(args.suffix_len, seed=3000 + r), f"floor-{r}"))
+        paths = [(True, 0, (cold, warm, floor))]
+        if args.compare_prefill_kernel:
+            paths.append((False, 500, (flash["cold"], flash["warm"], flash["floor"])))
+        for kernel, seed, (cold_s, warm_s, floor_s) in (paths if r % 2 == 0 else paths[::-1]):
+            paged_attention._CPU_PREFILL_KERNEL = kernel
+            prefix = tokens(args.prefix_len, seed=10 + seed + r)
+            cold_s.append(ttft(engine, prefix + tokens(args.suffix_len, seed=1000 + seed + r), f"cold-{kernel}-{r}"))
+            warm_s.append(ttft(engine, prefix + tokens(args.suffix_len, seed=2000 + seed + r), f"warm-{kernel}-{r}"))
+            floor_s.append(ttft(engine, tokens(args.suffix_len, seed=3000 + seed + r), f"floor-{kernel}-{r}"))
+    paged_attention._CPU_PREFILL_KERNEL = True
 
     on_times, off_times = [], []
     for r in range(max(3, args.rounds // 2)):
@@ -101,14 +116,22 @@ def main(argv=None) -> int:
     med = statistics.median
     result = {
         "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "dtype": args.dtype, "rounds": args.rounds,
+        "prefill_threads": args.prefill_threads,
         "ttft_cold_s": cold, "ttft_warm_s": warm, "ttft_floor_s": floor,
         "unique_req_per_s_caching_on": on_times, "unique_req_per_s_caching_off": off_times,
     }
+    if args.compare_prefill_kernel:
+        result.update({f"ttft_{name}_s_prefill_kernel_off": values for name, values in flash.items()})
     print(f"| metric ({args.prefix_len}-token prefix + {args.suffix_len}-token suffix, {args.dtype}) | median | min |")
     print("|---|---|---|")
     for name, values in (("TTFT cold", cold), ("TTFT warm (prefix cached)", warm), ("TTFT suffix alone (floor)", floor)):
         print(f"| {name} | {med(values) * 1000:.1f} ms | {min(values) * 1000:.1f} ms |")
     print(f"| warm / floor | {med(warm) / med(floor):.2f}x | |")
+    if args.compare_prefill_kernel:
+        for name, values in flash.items():
+            print(f"| TTFT {name}, prefill kernel off (ATen flash run by run) | {med(values) * 1000:.1f} ms "
+                  f"| {min(values) * 1000:.1f} ms |")
+        print(f"| warm / floor, prefill kernel off | {med(flash['warm']) / med(flash['floor']):.2f}x | |")
     print(f"| cold / warm | {med(cold) / med(warm):.1f}x | |")
     print(f"| unique prompts, caching on (req/s) | {med(on_times):.2f} | |")
     print(f"| unique prompts, caching off (req/s) | {med(off_times):.2f} | |")

@@ -1,8 +1,9 @@
 """CPU kernels written here in C++ (``replica/csrc``), built on first use with the compiler inductor already needs.
 
-``prefill_attention`` is the prefill half, on AMX tiles where the CPU has them (bfloat16): one call per prompt
-chunk and layer attends the chunk's tokens to their whole context, cached runs and own tokens, with one running
-softmax (the source says how).
+``prefill_attention`` is the prefill half: one call per prompt chunk and layer attends the chunk's tokens to their
+whole context, cached runs and own tokens, with one running softmax, on AMX tiles where the CPU has them
+(bfloat16, ``csrc/amx_attention.cpp``) and on AVX2 + FMA vectors in float32 (``csrc/prefill_attention.cpp``); the
+sources say how.
 
 ``decode_attention`` is the decode half of the CPU paged attention (``replica.paged_attention._attend_segments``):
 one call per layer attends every decode row of the step to its context where it lies in the pool, in one pass per
@@ -38,7 +39,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "small_linear.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("decode_attention.cpp", "small_linear.cpp", "prefill_attention.cpp"))
 AMX_SOURCES = (Path(__file__).parent / "csrc" / "amx_attention.cpp",)
 """Built as a library of its own after ``SOURCES``: a compiler that cannot build its AMX intrinsics costs only the
 AMX prefill path, not the decode and linear kernels."""
@@ -124,13 +126,22 @@ def has_amx() -> bool:
     return bool(_state.get("amx"))
 
 
+def has_vector_prefill() -> bool:
+    """Whether ``prefill_attention`` takes float32: the kernels are built with AVX2 and FMA (``-march=native``)."""
+    return available() and bool(torch.ops.prefixserve_cpu.has_vector_prefill())
+
+
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
                       scale: float, out: torch.Tensor) -> None:
     """Write into ``out`` [tokens, heads, head_dim] the attention of a prompt chunk's ``query`` (same shape) to its
-    context on AMX tiles (``csrc/amx_attention.cpp``): the keys are the pool slots of ``runs`` [R, 2] int64
-    (first slot, length) in order, the last ``tokens`` of them the chunk's own tokens (causal). bfloat16, contiguous;
-    ``k_cache`` / ``v_cache`` are a layer's pool [slots, kv_heads, head_dim]."""
-    torch.ops.prefixserve_cpu.prefill_attention(query, k_cache, v_cache, runs, scale, out)
+    context: the keys are the pool slots of ``runs`` [R, 2] int64 (first slot, length) in order, the last ``tokens``
+    of them the chunk's own tokens (causal). Contiguous; ``k_cache`` / ``v_cache`` are a layer's pool
+    [slots, kv_heads, head_dim]. bfloat16 runs on AMX tiles (``has_amx``), float32 on AVX2 vectors
+    (``has_vector_prefill``)."""
+    if query.dtype == torch.float32:
+        torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache, v_cache, runs, scale, out)
+    else:
+        torch.ops.prefixserve_cpu.prefill_attention(query, k_cache, v_cache, runs, scale, out)
 
 
 def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool = True) -> torch.Tensor:

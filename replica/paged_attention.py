@@ -415,7 +415,7 @@ class DecodeKernelPlan:
 def segment_plan(meta: PagedAttentionMetadata, window: int | None, decode_kernel: bool = False,
                  prefill_kernel: bool = False) -> SegmentPlan:
     """Segments of every query row (see ``_attend_segments``); with ``decode_kernel`` the decode rows go to a
-    ``DecodeKernelPlan`` instead, with ``prefill_kernel`` the prompt chunks (no sliding window) to the AMX kernel."""
+    ``DecodeKernelPlan`` instead, with ``prefill_kernel`` the prompt chunks (no sliding window) to a C++ prefill kernel."""
     cache_key = ("segments", window, decode_kernel, prefill_kernel)
     if cache_key in meta._step_cache:
         return meta._step_cache[cache_key]
@@ -532,11 +532,15 @@ def _attend_segments(
 
 
 def _prefill_kernel_for(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether this step's prompt chunks go to the AMX kernel (``cpu_kernels.prefill_attention``): bfloat16, a head
-    size it takes, a contiguous pool, and a CPU and build with AMX tiles."""
-    return (_CPU_PREFILL_KERNEL and query.dtype == torch.bfloat16 and query.shape[-1] in (32, 64, 128)
-            and k_cache.dtype == torch.bfloat16 and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and cpu_kernels.has_amx())
+    """Whether this step's prompt chunks go to a C++ prefill kernel (``cpu_kernels.prefill_attention``): a contiguous
+    pool of the query's dtype, and either bfloat16 with a head size the AMX kernel takes on a CPU and build with AMX
+    tiles, or float32 on a build with AVX2 and FMA."""
+    if not (_CPU_PREFILL_KERNEL and k_cache.dtype == query.dtype and k_cache.is_contiguous()
+            and v_cache.is_contiguous()):
+        return False
+    if query.dtype == torch.bfloat16:
+        return query.shape[-1] in (32, 64, 128) and cpu_kernels.has_amx()
+    return query.dtype == torch.float32 and query.shape[-1] <= 256 and cpu_kernels.has_vector_prefill()
 
 
 def _decode_kernel_for(query: torch.Tensor) -> bool:

@@ -159,6 +159,69 @@ LONG_CASES = {
 }
 
 
+VECTOR_CPU = {"avx2", "fma"} <= set(cpu_kernels._cpu_flags().split())
+"""The float32 prefill kernel's instructions, from /proc/cpuinfo: on such a CPU a failed build fails the tests below."""
+
+
+@pytest.mark.skipif(not VECTOR_CPU, reason="needs a CPU with AVX2 and FMA")
+@pytest.mark.parametrize("head_dim", [32, 64, 80])
+@pytest.mark.parametrize("case", sorted(LONG_CASES))
+def test_float32_prefill_kernel_matches_run_by_run_attention(case, head_dim, monkeypatch):
+    """float32 prompt chunks through the AVX2 kernel (one call per chunk: cached runs in scattered pages, key blocks
+    cut by run ends, its own tokens causal, grouped-query heads, a head size that is not a multiple of 6 or 8)
+    against the run-by-run path (ATen's flash kernel, merged by log-sum-exp) and the gathered reference."""
+    assert cpu_kernels.has_vector_prefill(), cpu_kernels._state
+    steps = LONG_CASES[case]
+    meta, query, key, value = build_step(steps, num_kv_heads=2, dtype=torch.float32, padding=1, head_dim=head_dim)
+    fresh = lambda: PagedAttentionMetadata(meta.kv_cache.clone(), meta.slot_mapping, meta.prefills, meta.decode,  # noqa: E731
+                                           num_padding=1)
+    monkeypatch.setattr(pa, "_CPU_SEGMENTS", False)
+    reference = attend(fresh(), 0, query, key, value, None, None)
+    monkeypatch.setattr(pa, "_CPU_SEGMENTS", True)
+    monkeypatch.setattr(pa, "_CPU_PREFILL_KERNEL", False)
+    run_by_run = attend(fresh(), 0, query, key, value, None, None)
+    monkeypatch.setattr(pa, "_CPU_PREFILL_KERNEL", True)
+    step = fresh()
+    out = attend(step, 0, query, key, value, None, None)
+    plan = step._step_cache[("segments", None, pa._decode_kernel_for(query), True)]
+    assert [index for index, _ in plan.prefill_kernel] == list(range(len(meta.prefills)))  # every chunk went there
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, run_by_run, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(out[-1]) == 0
+
+
+@pytest.mark.skipif(not VECTOR_CPU, reason="needs a CPU with AVX2 and FMA")
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_float32_prefill_kernel_rescales_and_masks(head_dim):
+    """Keys that grow along the context (a row's maximum moves block after block, so the running sums and outputs
+    are rescaled), the context split into uneven runs (blocks cut short), 3 query heads per kv head (rows of one
+    token in two items), against one float64 softmax, causal; a run outside the pool is refused."""
+    assert cpu_kernels.has_vector_prefill(), cpu_kernels._state
+    gen = torch.Generator().manual_seed(3)
+    num_kv_heads, group, context, tokens, slots = 2, 3, 150, 45, 400
+    order = torch.cat([torch.arange(300, 370), torch.arange(7, 87), torch.arange(200, 245)])  # 70 + 80 cached, 45 own
+    ramp = torch.ones(slots)
+    ramp[order] = 1 + torch.arange(context + tokens) / 6.0
+    k_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen) * ramp[:, None, None]
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(tokens, num_kv_heads * group, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    out = torch.zeros_like(query)
+    runs = torch.tensor([[300, 70], [7, 80], [200, 45]])
+    cpu_kernels.prefill_attention(query, k_cache, v_cache, runs, scale, out)
+    k = k_cache[order].double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    v = v_cache[order].double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = query.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, T, L]
+    visible = torch.arange(context + tokens)[None, :] <= context + torch.arange(tokens)[:, None]
+    top = scores.masked_fill(~visible, float("-inf")).amax(-1)
+    assert (top[:, -1] - top[:, 0]).max() > 20  # the maximum does move a long way
+    reference = (torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v).transpose(0, 1)
+    # float32 sums of 128 products of values up to ~30 round at ~1e-5; one key dropped or added moves a row by ~0.01
+    torch.testing.assert_close(out.double(), reference, rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.prefill_attention(query, k_cache, v_cache, torch.tensor([[390, 20], [0, 45]]), scale, out)
+
+
 AMX_CPU = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(cpu_kernels._cpu_flags().split())
 """What /proc/cpuinfo says, independently of whether the kernel built: on such a CPU a failed build fails the test
 below instead of skipping it."""
