@@ -1,6 +1,7 @@
-"""The AMX prefill attention kernel alone (``replica/csrc/amx_attention.cpp``), one layer's call, against ATen's flash
-kernel on the same bfloat16 inputs, and optionally against other versions of the kernel's source, all in one process
-with the calls alternating (this box is noisy: compare within a run).
+"""A C++ prefill attention kernel alone, one layer's call, against ATen's flash kernel on the same inputs, and
+optionally against other versions of the kernel's source, all in one process with the calls alternating (this box is
+noisy: compare within a run). ``--dtype bfloat16`` (default): the AMX kernel (``replica/csrc/amx_attention.cpp``);
+``--dtype float32``: the AVX2 kernel (``replica/csrc/prefill_attention.cpp``).
 
 One call attends T query tokens (heads x head dim, grouped-query: kv heads) to a cached context of C keys plus their
 own T tokens (causal), the keys in one run of pool slots. Reported: the best of ``--reps`` wall times per call, in
@@ -10,6 +11,7 @@ microseconds, and GFLOP/s of the two products (4 x heads x T x keys seen x head 
     # an older kernel beside this one (e.g. the previous commit's), built under its own op namespace:
     git show HEAD~2:replica/csrc/amx_attention.cpp > /tmp/old_amx.cpp
     PYTHONPATH=. .venv/bin/python benchmarks/prefill_kernel.py --source old=/tmp/old_amx.cpp
+    PYTHONPATH=. .venv/bin/python benchmarks/prefill_kernel.py --dtype float32 --threads 2 --tokens 16,64,256
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import torch
 from replica import cpu_kernels
 
 
-def build_version(name: str, source: Path) -> object:
-    """``source`` (a version of amx_attention.cpp) built and loaded with its ops under ``ab_<name>_<digest>``."""
+def build_version(name: str, source: Path, dtype: torch.dtype) -> object:
+    """``source`` (a version of amx_attention.cpp or prefill_attention.cpp) built and loaded with its ops under
+    ``ab_<name>_<digest>``."""
     text = source.read_text()
     namespace = f"ab_{name}_{hashlib.sha256(text.encode()).hexdigest()[:10]}"
     path = Path(tempfile.gettempdir()) / f"prefixserve_{namespace}.cpp"
@@ -36,9 +39,14 @@ def build_version(name: str, source: Path) -> object:
     build(name=namespace, sources=[str(path)], extra_cflags=cpu_kernels.CFLAGS, extra_ldflags=["-fopenmp"],
           is_python_module=False)
     ops = getattr(torch.ops, namespace)
-    if not ops.has_amx():
-        raise SystemExit(f"{source}: built without AMX (or the CPU has none)")
+    if not (ops.has_amx() if dtype == torch.bfloat16 else ops.has_vector_prefill()):
+        raise SystemExit(f"{source}: built without the instructions it needs (or the CPU has none)")
     return ops
+
+
+def kernel_call(ops, dtype: torch.dtype):
+    """The op of ``ops`` for ``dtype`` (the AMX kernel's or the float32 kernel's)."""
+    return ops.prefill_attention if dtype == torch.bfloat16 else ops.prefill_attention_f32
 
 
 def flash(query, keys, values, context, scale, out):
@@ -61,6 +69,7 @@ def flash(query, keys, values, context, scale, out):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--context", type=int, default=2048, help="cached keys before the chunk")
     parser.add_argument("--tokens", default="1,16,64,256,1024", help="chunk lengths, comma-separated")
@@ -69,32 +78,34 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
-                        help="another version of amx_attention.cpp to time beside this one (repeatable)")
+                        help="another version of the kernel's source to time beside this one (repeatable)")
     parser.add_argument("--no-flash", action="store_true", help="skip ATen's flash kernel")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if not (cpu_kernels.load() and cpu_kernels.has_amx()):
-        raise SystemExit(f"the AMX kernel is not available here: {cpu_kernels._state}")
+    dtype = getattr(torch, args.dtype)
+    ready = cpu_kernels.load() and (cpu_kernels.has_amx() if dtype == torch.bfloat16 else cpu_kernels.has_vector_prefill())
+    if not ready:
+        raise SystemExit(f"the {args.dtype} prefill kernel is not available here: {cpu_kernels._state}")
     kernels = {"this": torch.ops.prefixserve_cpu}
     for spec in args.source:
         name, _, path = spec.partition("=")
-        kernels[name] = build_version(name, Path(path))
+        kernels[name] = build_version(name, Path(path), dtype)
     gen = torch.Generator().manual_seed(0)
     longest = args.context + max(int(t) for t in args.tokens.split(","))
-    k_cache = torch.randn(longest, args.kv_heads, args.head_dim, generator=gen).bfloat16()
-    v_cache = torch.randn(longest, args.kv_heads, args.head_dim, generator=gen).bfloat16()
+    k_cache = torch.randn(longest, args.kv_heads, args.head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(longest, args.kv_heads, args.head_dim, generator=gen).to(dtype)
     scale = args.head_dim ** -0.5
     names = list(kernels) + ([] if args.no_flash else ["aten flash"])
-    print(f"threads {args.threads}, {args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, context "
+    print(f"{args.dtype}, threads {args.threads}, {args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, context "
           f"{args.context}; best of {args.reps} calls, us (GFLOP/s)")
     print("| tokens | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for tokens in (int(t) for t in args.tokens.split(",")):
-        query = torch.randn(tokens, args.heads, args.head_dim, generator=gen).bfloat16()
+        query = torch.randn(tokens, args.heads, args.head_dim, generator=gen).to(dtype)
         runs = torch.tensor([[0, args.context + tokens]])
         outs = {name: torch.empty_like(query) for name in names}
-        calls = {name: (lambda ops=ops, out=outs[name]: ops.prefill_attention(query, k_cache, v_cache, runs, scale,
-                                                                               out))
+        calls = {name: (lambda op=kernel_call(ops, dtype), out=outs[name]: op(query, k_cache, v_cache, runs, scale,
+                                                                              out))
                  for name, ops in kernels.items()}
         if not args.no_flash:
             group = args.heads // args.kv_heads

@@ -19,6 +19,7 @@ from replica.tiers.arrow_file import read_page_file, write_page_file
 from common.page_format import PageFormat
 from replica.tiers.base import StoredPage
 from replica.tiers.circuit import BackoffPolicy
+from replica.tiers import codec
 from replica.tiers.codec import encode_blob
 from replica.tiers.disk_tier import DiskTier
 from replica.tiers.redis_tier import RedisTier
@@ -329,6 +330,36 @@ def test_damaged_arrow_file_is_a_miss_deleted_and_counted(make_tier, corrupt):
     assert (stats.discarded_corrupt, stats.errors, stats.pages_loaded) == (1, 0, 1)
     assert not os.path.exists(path)
     assert os.path.exists(tier.page_path(pages[0].key))
+
+
+def test_disk_load_read_side_by_side_keeps_the_leading_run_and_its_time_limit(make_tier):
+    """The disk tier reads and decrypts a load's pages on several threads (``codec.load_pool``): a damaged page in the
+    middle still ends the answer there (the pages after it, read meanwhile, are not returned and stay stored, the
+    damaged one is deleted), every returned page is its own tensor, and a load past its time limit returns only what
+    came before the limit and counts a timeout."""
+    page_format = make_format()
+    tier = make_tier("disk", page_format)
+    pages = make_pages(page_format, 8)
+    tier.store(pages)
+    tier.flush(timeout=10)
+    assert codec.LOAD_WORKERS >= 1
+    path = tier.page_path(pages[3].key)
+    with open(path, "rb") as file:
+        data = file.read()
+    with open(path, "wb") as file:
+        file.write(corrupt_payload_byte(path, data))
+
+    loaded = tier.load(keys_of(pages), tokens_of(pages))
+
+    assert_bit_identical(loaded, pages[:3])
+    assert len({kv.data_ptr() for kv in loaded}) == 3
+    assert not os.path.exists(path)
+    assert all(os.path.exists(tier.page_path(page.key)) for page in pages[4:])
+    assert tier.stats().discarded_corrupt == 1
+
+    late = make_tier("disk", page_format, load_timeout_s=1e-9)  # past its limit before the first page
+    assert late.load(keys_of(pages[:3]), tokens_of(pages[:3])) == []
+    assert late.stats().errors == 1
 
 
 # ---- disk budget and concurrency -----------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ from replica.tiers.base import (
     retention_of,
     wall_time,
 )
-from replica.tiers.codec import RejectedEntry, new_page_tensors
+from replica.tiers.codec import RejectedEntry, load_pool, new_page_tensors
 from replica.tiers.seal import TierKey
 from replica.tiers.writer import BackgroundWriter
 
@@ -72,6 +72,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT_MARKER_NAME = "FORMAT.json"
 INDEX_NAME = "index.sqlite"
+TIMED_OUT = object()
+"""What a page's read answers once the load has passed its time limit (the pages before it are still used)."""
 PAGE_SUFFIX = ".arrow"
 STALE_TEMP_AGE_S = 3600.0
 """Temporary files older than this are leftovers of a crashed writer and are deleted at start-up."""
@@ -436,19 +438,28 @@ class DiskTier(QueuedWriteTier):
         start_time = time.perf_counter()
         deadline = start_time + self._load_timeout_s
         loaded: list[torch.Tensor] = []
-        pages = new_page_tensors(self._page_format, len(keys)) if keys else None  # decrypted straight into these
+        pages = new_page_tensors(self._page_format, len(keys))  # decrypted straight into these
+
+        def load_one(index: int) -> torch.Tensor | None:
+            if time.perf_counter() > deadline:
+                return TIMED_OUT
+            return self._load_one(keys[index], token_ids_per_page[index], pages[index])
+
+        # the pages are read and decrypted side by side (codec.load_pool); the leading run of them is the answer
+        futures = [load_pool().submit(load_one, index) for index in range(len(keys))]
         try:
-            for key, token_ids in zip(keys, token_ids_per_page):
-                if time.perf_counter() > deadline:
+            for future in futures:
+                kv = future.result()
+                if kv is TIMED_OUT:
                     self._count_error("timeout", f"a load passed its {self._load_timeout_s} s limit; "
                                                  f"{len(loaded)} of {len(keys)} pages read")
-                    break
-                kv = self._load_one(key, token_ids, pages[len(loaded)])
-                if kv is None:
+                if kv is None or kv is TIMED_OUT:
                     break
                 loaded.append(kv)
             self._touch([self.page_id(key) for key in keys[: len(loaded)]])
         finally:
+            for future in futures:
+                future.cancel()  # pages past a miss that have not started yet
             self._record_load(len(loaded), start_time)
         return loaded
 

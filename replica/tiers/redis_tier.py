@@ -306,11 +306,11 @@ class RedisTier(QueuedWriteTier):
 
     def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """MGET in batches of ``load_batch_pages`` (one round trip for a usual prefix); verify each page in order,
-        decrypting it straight into one tensor of the load's pages; stop at the first miss."""
+        decrypting it straight into its tensor; stop at the first miss."""
         check_load_args(self._page_format, keys, token_ids_per_page)
         start_time = time.perf_counter()
         loaded: list[torch.Tensor] = []
-        pages = new_page_tensors(self._page_format, len(keys)) if keys else None
+        pages = new_page_tensors(self._page_format, len(keys))
         try:
             for batch_start in range(0, len(keys), self._load_batch_pages):
                 batch_keys = keys[batch_start : batch_start + self._load_batch_pages]
@@ -348,7 +348,7 @@ class RedisTier(QueuedWriteTier):
         return self._page_key_prefix + self._tier_key.storage_id(key)
 
     def _load_batch(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
-                    out: torch.Tensor) -> list[torch.Tensor]:
+                    out: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One MGET; each value is decrypted into ``out[i]`` as soon as it has arrived (see ``_read_mget``)."""
         loaded: list[torch.Tensor] = []
         redis_keys = [self.redis_key(key) for key in keys]
