@@ -144,6 +144,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="disk KV tier folder (default: ~/.cache/prefixserve/kv-pages)")
     cache.add_argument("--disk-cache-budget", type=memory_size, default=default("disk_cache_budget"),
                        help="disk KV tier size budget; least recently used pages are deleted beyond it")
+    cache.add_argument("--route-on-tier-contents", action=argparse.BooleanOptionalAction,
+                       default=default("route_on_tier_contents"),
+                       help="replicas report which of their pages the shared tiers (Redis, disk) hold, and the router "
+                            "prices those pages at the measured fetch cost instead of recomputing them (default: on; "
+                            "it enables Redis keyspace notifications for evictions)")
     cache.add_argument("--kv-events-config", default=None,
                        help="publish KV events in vLLM's schema over ZMQ, vLLM's JSON object, e.g. "
                             "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "

@@ -143,6 +143,9 @@ class ServeConfig:
     cluster, an explicit CPU count, GPU replicas) the replica's own thread count."""
     served_model_name: str | None = None
     """Name clients put in ``model``; defaults to the model folder's name (or SmolLM2-135M-Instruct)."""
+    route_on_tier_contents: bool = True
+    """Replicas report the pages they stored in the shared tiers that the tiers still hold (routing stats ``tiers``),
+    and the router prices them as tier fetches (router/policy.py). Only with a shared tier."""
     kv_events_config: KVEventsConfig | str | Mapping[str, Any] | None = None
     """vLLM-schema KV events over ZMQ (--kv-events-config): vLLM's JSON object, a mapping, or None (off)."""
     # ---- limits, admission, shutdown, access (issue 10) -------------------------------------------------------------
@@ -344,6 +347,7 @@ class ServeConfig:
             kv_tier_key_file=self.kv_tier_key_file,
             kv_cache_retention_budget=float(self.kv_cache_retention_budget),
             kv_events_config=self.kv_events_config,
+            route_on_tier_contents=bool(self.route_on_tier_contents),
         )
 
     @property

@@ -35,7 +35,14 @@ Wire format (format 1): a plain dict of str / int / None / bytes / lists, which 
       "retained": [[priority, expires_at_unix_s | None, b"<32*n bytes>"], ...],  # pages held under a retention,
                                                     # grouped; None: until unpinned; at most MAX_RETAINED_KEYS keys
       "load": {..., "num_evictions": 7, "num_pages_retained": 12},
+      "tiers": [{"medium": "CPU", "epoch": "...", "last_seq": 9, "events": [...], "snapshot": None | {...}}, ...],
+                                                    # per shared tier medium (CPU: Redis, DISK: the disk tier): the
+                                                    # pages this replica stored there that the tier still holds
     }
+
+``tiers`` follow the same rule as the replica's own events, each medium with its own epoch and numbering
+(replica/event_log.py ``TierEventRelay``); a router indexes them under the pseudo-holder ``<replica_id>@<medium>``, and
+the union over replicas is what the tier holds of the pages they wrote.
 
 ``costs`` are what the replica measured itself (replica/cost_meter.py): a fit of its own engine steps and the mean
 seconds per page of its peer copies and tier fetches, all in milliseconds (attention in microseconds per computed x
@@ -142,6 +149,17 @@ class ReplicaLoad:
 
 
 @dataclass(frozen=True)
+class TierReport:
+    """The ``tiers`` entry of one medium: this replica's pages in that shared tier, as events and snapshots."""
+
+    medium: str
+    epoch: str
+    last_seq: int
+    events: tuple[KVEvent, ...]
+    snapshot: IndexSnapshot | None
+
+
+@dataclass(frozen=True)
 class ReplicaReport:
     """One parsed routing-stats payload."""
 
@@ -160,6 +178,8 @@ class ReplicaReport:
     """None: the replica does not report retention (older format); () : nothing retained."""
     num_evictions: int | None = None
     num_pages_retained: int | None = None
+    tiers: tuple[TierReport, ...] = ()
+    """The shared tiers' entries (none: no tier, tier events off, or an older replica)."""
 
     def to_load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -214,6 +234,18 @@ def make_routing_stats(
     if retained is not None:
         payload["retained"] = encode_retained(retained)
     return payload
+
+
+def make_tier_stats(medium: str, events: Sequence[KVEvent], snapshot_keys: Iterable[PageKey] | None, *,
+                    epoch: str, last_seq: int) -> dict[str, Any]:
+    """One ``tiers`` entry (see the module docstring); the snapshot is labelled ``last_seq`` as in a payload."""
+    return {
+        "medium": medium,
+        "epoch": epoch,
+        "last_seq": last_seq,
+        "events": [encode_event(event) for event in events],
+        "snapshot": None if snapshot_keys is None else {"seq": last_seq, "keys": join_keys(snapshot_keys)},
+    }
 
 
 def encode_retained(groups: Sequence[RetainedPages]) -> list[list[Any]]:
@@ -280,11 +312,26 @@ def parse_routing_stats(raw: Mapping[str, Any] | None) -> ReplicaReport | None:
                 for priority, expires, blob in raw["retained"]),
             num_evictions=None if load.get("num_evictions") is None else int(load["num_evictions"]),
             num_pages_retained=None if load.get("num_pages_retained") is None else int(load["num_pages_retained"]),
+            tiers=tuple(_parse_tier(entry) for entry in raw.get("tiers") or ()),
         )
     except (KeyError, TypeError, ValueError) as error:
         if isinstance(error, RoutingStatsError):
             raise
         raise RoutingStatsError(f"malformed routing stats: {error!r}") from error
+
+
+def _parse_tier(entry: Mapping[str, Any]) -> TierReport:
+    medium = str(entry["medium"])
+    if not medium or "@" in medium or len(medium) > 16:
+        raise RoutingStatsError(f"bad tier medium {medium[:32]!r}")
+    snapshot = entry["snapshot"]
+    return TierReport(
+        medium=medium,
+        epoch=str(entry["epoch"]),
+        last_seq=int(entry["last_seq"]),
+        events=tuple(decode_event(item) for item in entry["events"]),
+        snapshot=None if snapshot is None else IndexSnapshot(int(snapshot["seq"]), split_keys(snapshot["keys"])),
+    )
 
 
 def decode_event(item: Sequence[Any]) -> KVEvent:

@@ -1,15 +1,17 @@
 """A replica's bounded log of recent KV events, and the rule deciding what each routing-stats payload carries
-(common/routing_stats.py documents the rule and the wire format)."""
+(common/routing_stats.py documents the rule and the wire format); and ``TierEventRelay``, which carries the shared
+tiers' events (replica/tiers/events.py) in the same payloads under the same rule, one log per tier medium."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections import deque
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from common.events import KVEvent, PagesRemoved, PagesStored
 from common.page_keys import PageKey
-from common.routing_stats import MeasuredCosts, RetainedPages, make_routing_stats
+from common.routing_stats import MeasuredCosts, RetainedPages, make_routing_stats, make_tier_stats
 from common.types import EngineStats
 
 
@@ -87,21 +89,31 @@ class ReplicaEventLog:
     ) -> dict[str, Any]:
         """The dict ``record_routing_stats()`` returns now. Calls ``snapshot_keys_fn`` only when a snapshot is due.
         ``costs`` and ``retained`` ride along as they are (common/routing_stats.py)."""
-        snapshot_keys = list(snapshot_keys_fn()) if self.snapshot_due else None
-        self._snapshot_due = False
-        self._payload_last_seqs.append(self._last_seq)
-        self._num_payloads += 1
-        self._trim_published()
+        events, snapshot_keys = self._next_payload(snapshot_keys_fn)
         return make_routing_stats(
             self.replica_id,
             engine_stats,
-            list(self._events),
+            events,
             snapshot_keys,
             epoch=self.epoch,
             last_seq=self._last_seq,
             costs=costs,
             retained=None if retained is None else list(retained),
         )
+
+    def tier_payload(self, medium: str, snapshot_keys_fn: Callable[[], Iterable[PageKey]]) -> dict[str, Any]:
+        """One entry of a payload's ``tiers`` list: this log's events and snapshot for the tier ``medium``."""
+        events, snapshot_keys = self._next_payload(snapshot_keys_fn)
+        return make_tier_stats(medium, events, snapshot_keys, epoch=self.epoch, last_seq=self._last_seq)
+
+    def _next_payload(self, snapshot_keys_fn: Callable[[], Iterable[PageKey]]
+                      ) -> tuple[list[KVEvent], list[PageKey] | None]:
+        snapshot_keys = list(snapshot_keys_fn()) if self.snapshot_due else None
+        self._snapshot_due = False
+        self._payload_last_seqs.append(self._last_seq)
+        self._num_payloads += 1
+        self._trim_published()
+        return list(self._events), snapshot_keys
 
     # ---- internals -------------------------------------------------------------------------------------------------
     def _trim_published(self) -> None:
@@ -134,3 +146,68 @@ def new_epoch() -> str:
 
 def _num_keys(event: KVEvent) -> int:
     return len(event.keys) if isinstance(event, (PagesStored, PagesRemoved)) else 1
+
+
+class TierEventRelay:
+    """The shared tiers' KV events, for the routers: which pages this replica stored in each tier (host, disk) that
+    the tier still holds (a tier's ``TierEventTracker``, replica/tiers/events.py), carried in this replica's
+    routing-stats payloads as ``tiers`` entries (common/routing_stats.py), one ``ReplicaEventLog`` per medium under the
+    same payload rule. The union over replicas is what the tier holds of the pages they wrote; the router prices
+    those pages at the replicas' measured tier fetch cost instead of recomputing them (router/policy.py).
+
+    ``sink`` is the trackers' callback (any thread: a deque append); ``payloads`` runs on the replica's event loop
+    with ``record_routing_stats``. The tracker numbers nothing, so the relay numbers each medium's events itself.
+    A snapshot is the tracker's announced pages, read after the drain (never older than the events' last seq)."""
+
+    def __init__(self, replica_id: str, **log_options: Any) -> None:
+        self.replica_id = replica_id
+        self._log_options = log_options
+        self._pending: deque[tuple[str, list[KVEvent]]] = deque()
+        self._medium_to_log: dict[str, ReplicaEventLog] = {}
+        self._medium_to_tracker: dict[str, Any] = {}
+
+    def watch(self, tiers: Sequence[Any], sinks: Sequence[Callable[[str, list[KVEvent]], None]] = ()) -> None:
+        """Enable each tier's events (``KVTier.enable_events``) with this relay as a sink, beside ``sinks`` (the KV
+        event publisher's, when outside routers subscribe too). A tier that cannot publish events is skipped."""
+        extra = list(sinks)
+
+        def sink(medium: str, events: list[KVEvent]) -> None:
+            self.sink(medium, events)
+            for other in extra:
+                other(medium, events)
+
+        for tier in tiers:
+            try:
+                tier.enable_events(sink)
+            except NotImplementedError:
+                continue
+            tracker = tier.event_tracker
+            if tracker is not None:
+                self._medium_to_tracker[tracker.medium] = tracker
+
+    def sink(self, medium: str, events: Iterable[KVEvent]) -> None:
+        self._pending.append((medium, list(events)))
+
+    def payloads(self) -> list[dict[str, Any]]:
+        """The ``tiers`` entries of the next routing-stats payload (empty when no tier publishes events)."""
+        while self._pending:
+            medium, events = self._pending.popleft()
+            log = self._log_of(medium)
+            seq = log.last_seq
+            numbered = []
+            for event in events:
+                seq += 1
+                numbered.append(dataclasses.replace(event, seq=seq))
+            log.append(numbered)
+        out = []
+        for medium in sorted(set(self._medium_to_tracker) | set(self._medium_to_log)):
+            tracker = self._medium_to_tracker.get(medium)
+            out.append(self._log_of(medium).tier_payload(
+                medium, lambda tracker=tracker: list(tracker.announced.values()) if tracker is not None else []))
+        return out
+
+    def _log_of(self, medium: str) -> ReplicaEventLog:
+        log = self._medium_to_log.get(medium)
+        if log is None:
+            log = self._medium_to_log[medium] = ReplicaEventLog(f"{self.replica_id}@{medium}", **self._log_options)
+        return log

@@ -38,7 +38,7 @@ from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
 from replica.cost_meter import ReplicaCostMeter, retained_groups
 from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
-from replica.event_log import ReplicaEventLog
+from replica.event_log import ReplicaEventLog, TierEventRelay
 from replica.kv_event_publisher import build_publisher
 from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient, bundle_pages
 
@@ -106,8 +106,14 @@ class ServeReplica:
         self._event_log = ReplicaEventLog(replica_id)
         self._cost_meter = ReplicaCostMeter()  # per-unit costs measured here, sent in the routing stats
         self.engine.engine.step_observer = self._cost_meter.observe_step
-        self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size,
-                                             tiers=self.engine.fetcher.tiers if self.engine.fetcher else ())
+        tiers = self.engine.fetcher.tiers if self.engine.fetcher else ()
+        self._tier_relay = TierEventRelay(replica_id)
+        if config.route_on_tier_contents and tiers:
+            # one tracker per tier feeds both the routers (routing stats) and, when configured, the ZMQ publisher
+            self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size)
+            self._tier_relay.watch(tiers, sinks=[self._kv_publisher.publish_tier])
+        else:
+            self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size, tiers=tiers)
         self._tokenizer_files = tokenizer_files(self.engine.tokenizer)
         logger.info(
             "replica %s ready: model fingerprint %s, max_model_len %d, prefix caching %s",
@@ -213,8 +219,12 @@ class ServeReplica:
         if self.engine.fetcher is not None:
             self._cost_meter.observe_sources(self.engine.fetcher.source_to_stats)
         retained = retained_groups(await self.engine.retained_page_keys())
-        return self._event_log.stats_payload(stats, lambda: snapshot_keys, costs=self._cost_meter.costs(),
-                                             retained=retained)
+        payload = self._event_log.stats_payload(stats, lambda: snapshot_keys, costs=self._cost_meter.costs(),
+                                                retained=retained)
+        tiers = self._tier_relay.payloads()
+        if tiers:
+            payload["tiers"] = tiers
+        return payload
 
     def __del__(self) -> None:
         """Serve calls this when the replica stops: stop the engine thread (requests in flight fail)."""

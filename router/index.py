@@ -167,6 +167,18 @@ class PrefixIndex:
         self._record(alive, num_pages, replica_id_to_num_pages)
         return replica_id_to_num_pages
 
+    def longest_prefix_any(self, page_keys: Sequence[PageKey], replica_ids: Iterable[str] | None = None) -> int:
+        """Number of leading ``page_keys`` each held by at least one of ``replica_ids`` (all tracked: None); unlike
+        ``longest_prefix``, different pages may have different holders (a shared tier written by several replicas)."""
+        mask = self._mask_of(replica_ids) if replica_ids is not None else -1
+        num_pages = 0
+        holders = self._key_to_holder_mask
+        for key in page_keys:
+            if not holders.get(key, 0) & mask:
+                break
+            num_pages += 1
+        return num_pages
+
     # ---- updates ---------------------------------------------------------------------------------------------------
     def sync(
         self,

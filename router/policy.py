@@ -25,7 +25,11 @@ The cost model (``enable_cost_model``, on by default) estimates each eligible re
                      replica copies what its peer holds at admission and computes the rest
     computed(r)    = prompt tokens - (matched(r) + copied(r)) * page_size      (at least 1: logits need one token)
     wait(r)        = max(0, busy_until(r) - now)     # prefill work this router already sent to r, as a fluid queue
-    work(r)        = copied(r) * peer_copy_page_ms + computed * prefill_token_ms
+    fetched(r)     = pages after matched(r) + copied(r) that the shared tiers hold (host, then disk: the replica's
+                     fetch order), from the tiers' entries of the routing stats (``tier_index``, below)
+    computed(r)    = prompt tokens - (matched(r) + copied(r) + fetched(r)) * page_size      (at least 1)
+    work(r)        = copied(r) * peer_copy_page_ms + fetched host pages * host_page_ms + fetched disk pages *
+                     disk_page_ms + computed * prefill_token_ms
                      + attention_pair_us/1000 * computed * (reused tokens + computed / 2)
     ttft(r)        = wait(r) + work(r) + ceil(computed / max_num_batched_tokens) * (step_ms + load(r) * decode_row_ms)
                                                      # engine steps, each slowed by r's running requests' decode rows
@@ -65,6 +69,14 @@ replica/cost_meter.py); the ``PolicyConfig`` values are the defaults for a repli
 A candidate that measured its host-tier fetch (``host_page_ms``, so it has a shared tier that keeps reused pages)
 prices an evicted page at the least of recomputing it and fetching it back.
 
+Shared tiers (``enable_tier_routing``). Replicas report the pages they stored in the host (Redis) and disk tiers that
+the tiers still hold (routing stats ``tiers``, replica/event_log.py ``TierEventRelay``); ``tier_index`` holds them
+under pseudo-holders ``<replica>@CPU`` / ``<replica>@DISK``, never candidates. The leading run of request pages held
+by any host holder (then by any disk holder) is what every replica can fetch instead of computing: a prefix evicted
+from every replica but kept in Redis is priced as a fetch, so the router moves it to a less loaded replica as readily
+as a peer copy (the holder's matched pages, when it has more, still come first). Each candidate's own measured
+``host_page_ms`` / ``disk_page_ms`` price the pages; the config's are the defaults.
+
 Residency ahead (cost model and ``enable_residency_aging``, off by default). ``matched(r)`` counts only the leading pages expected still on r when the request
 is admitted there (now + wait(r)): pages r holds under a retention until it ends, pages of requests this router sent
 to r until they finish (``note_routed`` with the request's keys; a running request's pages cannot be evicted), other
@@ -95,6 +107,10 @@ from common.page_keys import PageKey
 from router.index import PrefixIndex
 from common.routing_stats import ReplicaLoad
 
+
+HOST_HOLDER_SUFFIX = "@CPU"
+DISK_HOLDER_SUFFIX = "@DISK"
+"""``tier_index`` pseudo-holders: ``<replica>@<medium>`` with replica/tiers/events.py's medium names (vLLM's)."""
 
 _READY_MARGIN = 1.5
 """The fluid queue underestimates (decodes of other routers' requests): pages expected at t are counted at 1.5 t."""
@@ -133,6 +149,13 @@ class PolicyConfig:
     """Cost a running request adds to every engine step (its decode row)."""
     peer_copy_page_ms: float = 3.5
     """Cost of copying one page from a peer replica, on the receiver's critical path."""
+    host_page_ms: float = 4.0
+    """Cost of fetching one page from the host tier (Redis), for a replica that measured none (a 2 MiB float32 page
+    of the tiny Llama: 63 ms per 16 pages, BENCHMARKS.md section 0b)."""
+    disk_page_ms: float = 2.0
+    """Cost of fetching one page from the disk tier, for a replica that measured none (24 ms per 16 such pages)."""
+    enable_tier_routing: bool = True
+    """Price the pages the shared tiers hold (``tier_index``) as fetches instead of recomputation."""
     max_num_batched_tokens: int = 2048
     """Token budget of one engine step (prefill is chunked to it)."""
     eviction_weight: float = 1.0
@@ -167,7 +190,7 @@ class PolicyConfig:
                 f"{self.max_num_batched_tokens}"
             )
         for name in ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms", "peer_copy_page_ms",
-                     "duplicate_work_weight", "eviction_weight"):
+                     "host_page_ms", "disk_page_ms", "duplicate_work_weight", "eviction_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (a measured cost), got {getattr(self, name)}")
 
@@ -195,6 +218,10 @@ class _Costs(NamedTuple):
     decode_row_ms: float
     peer_copy_page_ms: float
     host_page_ms: float | None
+    """Measured only (None: not measured; the eviction term then prices an evicted page as recomputed)."""
+    host_fetch_ms: float
+    """Per page fetched from the host tier: measured, else the config's."""
+    disk_fetch_ms: float
 
 
 class _Scored(NamedTuple):
@@ -226,7 +253,10 @@ class PrefixAwarePolicy:
         self.num_decisions_by_replica_reason: dict[tuple[str, RoutingReason], int] = {}
         """The same, by (chosen replica, reason)."""
         self._default_costs = _Costs(self.config.step_ms, self.config.prefill_token_ms, self.config.attention_pair_us,
-                                     self.config.decode_row_ms, self.config.peer_copy_page_ms, None)
+                                     self.config.decode_row_ms, self.config.peer_copy_page_ms, None,
+                                     self.config.host_page_ms, self.config.disk_page_ms)
+        self.tier_index = PrefixIndex()
+        """The shared tiers' pages by pseudo-holder ``<replica>@<medium>`` (module docstring); the router feeds it."""
         self._measured_to_costs: dict[int, tuple[object, _Costs]] = {}
         self._holds_keys = self.config.enable_cost_model and self.config.enable_residency_aging
         self._request_id_to_keys: dict[str, Sequence[PageKey]] = {}
@@ -283,15 +313,16 @@ class PrefixAwarePolicy:
         if num_prompt_tokens is None:
             num_prompt_tokens = len(page_keys) * self.config.page_size
         self._forget_ready_pages(now)
+        tier_runs = self.tier_runs(page_keys)
         if holder.matched and self.config.enable_overload_exception and holder not in eligible:
             # the holder is over the load bound; it stays a candidate only if every eligible replica would have to
             # evict cached pages to take the request (a full cluster: moving would cost another prefix)
             eligible = eligible + [holder]
-            estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now)
+            estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now, tier_runs)
             if any(estimate[3] == estimate[0] for estimate in estimates[:-1]):
                 eligible, estimates = eligible[:-1], estimates[:-1]
         else:
-            estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now)
+            estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now, tier_runs)
         if holder.matched == 0:
             # nobody holds page 0: everyone must compute it; the least estimate, and among equals the emptiest cache
             # (keeps new prefixes partitioned evenly over the caches)
@@ -362,14 +393,29 @@ class PrefixAwarePolicy:
             return cached[1]
         default = self._default_costs
         costs = _Costs(*(default[i] if getattr(measured, name) is None else getattr(measured, name)
-                         for i, name in enumerate(_Costs._fields[:5])), measured.host_page_ms)
+                         for i, name in enumerate(_Costs._fields[:5])), measured.host_page_ms,
+                       default.host_fetch_ms if measured.host_page_ms is None else measured.host_page_ms,
+                       default.disk_fetch_ms if measured.disk_page_ms is None else measured.disk_page_ms)
         if len(self._measured_to_costs) > 4096:
             self._measured_to_costs.clear()
         self._measured_to_costs[id(measured)] = (measured, costs)
         return costs
 
+    def tier_runs(self, page_keys: Sequence[PageKey]) -> tuple[int, int]:
+        """Leading request pages the host tier holds, and the disk tier (by any replica's report; 0, 0 when tier
+        routing is off or no replica reports tiers)."""
+        if not self.config.enable_tier_routing or not page_keys:
+            return 0, 0
+        holders = self.tier_index.replica_ids()
+        if not holders:
+            return 0, 0
+        host = [h for h in holders if h.endswith(HOST_HOLDER_SUFFIX)]
+        disk = [h for h in holders if h.endswith(DISK_HOLDER_SUFFIX)]
+        return (self.tier_index.longest_prefix_any(page_keys, host) if host else 0,
+                self.tier_index.longest_prefix_any(page_keys, disk) if disk else 0)
+
     def _estimate_all(self, eligible: list, holder: "_Scored", page_keys: Sequence[PageKey], num_prompt_tokens: int,
-                      now: float) -> list:
+                      now: float, tier_runs: tuple[int, int] = (0, 0)) -> list:
         """Per eligible replica: (ttft, busy, work, ttft + eviction cost) in ms; the terms of the module docstring.
         Work and step counts depend only on the pages reused, so they are computed once per distinct count."""
         config = self.config
@@ -380,6 +426,7 @@ class PrefixAwarePolicy:
                             ) * _READY_MARGIN
         busy_until = self._replica_id_to_busy_until
         prompt_pages = -(-num_prompt_tokens // config.page_size)
+        host_run, disk_run = tier_runs
         reused_to_work: dict[tuple, tuple[float, int]] = {}
         estimates = []
         for s, costs in zip(eligible, self.comparable_costs([s.load_report for s in eligible])):
@@ -402,10 +449,16 @@ class PrefixAwarePolicy:
                 # no copy: too few pages, or the holder is still computing them when this replica would start (a
                 # replica copies what its peer holds at admission and computes the rest)
                 copied = 0
-            work = reused_to_work.get((costs, s.matched, copied))
+            # the shared tiers continue the run: the replica fetches host pages, then disk pages, after its own
+            # and the copied ones
+            reused = s.matched + copied
+            from_host = host_run - reused if host_run > reused else 0
+            from_disk = disk_run - reused - from_host if disk_run > reused + from_host else 0
+            work_key = (costs, s.matched, copied, from_host, from_disk)
+            work = reused_to_work.get(work_key)
             if work is None:
-                work = reused_to_work[(costs, s.matched, copied)] = self._work_ms(s.matched, copied, num_prompt_tokens,
-                                                                                  costs)
+                work = reused_to_work[work_key] = self._work_ms(s.matched, copied, num_prompt_tokens, costs,
+                                                                from_host, from_disk)
             work_ms, num_steps = work
             busy_ms = work_ms + num_steps * (step_ms + s.load * decode_row_ms)
             ttft_ms = wait_s * 1000.0 + busy_ms
@@ -419,15 +472,18 @@ class PrefixAwarePolicy:
             estimates.append((ttft_ms, busy_ms, work_ms, scored_ms))
         return estimates
 
-    def _work_ms(self, matched: int, copied: int, num_prompt_tokens: int, costs: _Costs | None = None
-                 ) -> tuple[float, int]:
-        """(copy and compute work, engine steps) of a prompt with ``matched`` pages local and ``copied`` copied."""
+    def _work_ms(self, matched: int, copied: int, num_prompt_tokens: int, costs: _Costs | None = None,
+                 from_host: int = 0, from_disk: int = 0) -> tuple[float, int]:
+        """(copy, fetch and compute work, engine steps) of a prompt with ``matched`` pages local, ``copied`` copied
+        from a peer and ``from_host`` / ``from_disk`` fetched from the shared tiers."""
         config = self.config
         costs = costs or self._default_costs
-        reused_tokens = min((matched + copied) * config.page_size, max(num_prompt_tokens - 1, 0))
+        reused_tokens = min((matched + copied + from_host + from_disk) * config.page_size, max(num_prompt_tokens - 1, 0))
         computed = max(num_prompt_tokens - reused_tokens, 1)
         work_ms = (
             copied * costs.peer_copy_page_ms
+            + from_host * costs.host_fetch_ms
+            + from_disk * costs.disk_fetch_ms
             + computed * costs.prefill_token_ms
             + costs.attention_pair_us / 1000.0 * computed * (reused_tokens + computed / 2)
         )
@@ -497,7 +553,12 @@ class PrefixAwarePolicy:
         return self._replica_id_to_num_inflight.get(replica_id, 0)
 
     def forget_replica(self, replica_id: str) -> None:
-        """Drop the in-flight count of a replica that left (its index entries are the index's business)."""
+        """Drop the in-flight count of a replica that left (its index entries are the index's business), and the
+        tier pages it reported: nobody reports their removal any more, so they would only go stale (the tiers still
+        hold them; a replica that stores them again reports them again)."""
+        for holder in self.tier_index.replica_ids():
+            if holder.startswith(f"{replica_id}@"):
+                self.tier_index.remove_replica(holder)
         self._replica_id_to_num_inflight.pop(replica_id, None)
         self._replica_id_to_busy_until.pop(replica_id, None)
         for request_id in [r for r, owner in self._request_id_to_replica_id.items() if owner == replica_id]:

@@ -175,6 +175,9 @@ class PrefixAwareRequestRouter(RequestRouter):
                            replica_id)
         apply_residency(self.index, replica_id, report)  # before the events: they count as touched at this report
         self.index.sync(replica_id, epoch=report.epoch, events=report.events, snapshot=report.snapshot)
+        for tier in report.tiers:  # the pages this replica stored in the shared tiers (router/policy.py)
+            self.policy.tier_index.sync(f"{replica_id}@{tier.medium}", epoch=tier.epoch, events=tier.events,
+                                        snapshot=tier.snapshot)
         self._replica_id_to_load[replica_id] = dataclasses.replace(report.to_load(), replica_id=replica_id)
 
     def _load_of(self, replica: RunningReplica) -> ReplicaLoad:

@@ -491,3 +491,44 @@ def test_decisions_are_counted_by_replica_and_reason():
     counts = policy.num_decisions_by_replica_reason
     assert sum(counts.values()) == 2 and counts[("a", RoutingReason.PREFIX_HIT)] == 1
     assert sum(policy.num_decisions_by_reason.values()) == 2
+
+
+# ---- shared tiers (routing stats ``tiers``) --------------------------------------------------------------------------
+def test_without_copy_a_prefix_the_host_tier_holds_moves_off_its_busy_holder():
+    """The counterpart of ``test_without_copy_a_long_cached_prefix_keeps_its_holder_despite_a_queue``: the same 32
+    pages, also reported in the host tier, cost the idle replica a fetch (4 ms a page) instead of a recomputation,
+    so once the holder has work queued the router moves requests there; without peer copy nobody is hinted."""
+    policy = make_policy(PolicyConfig(enable_peer_hint=False))
+    long_prompt = [key(f"l{n}") for n in range(32)]
+    policy.index.apply_events("a", [PagesStored(1, tuple(long_prompt))])
+    policy.tier_index.apply_events("a@CPU", [PagesStored(1, tuple(long_prompt))])
+    assert policy.tier_runs(long_prompt + [key("s")]) == (32, 0)
+    decisions = [policy.choose(long_prompt + [key(f"s{n}")], loads(a=2, b=0), now=0.0) for n in range(3)]
+    assert "b" in [d.replica_id for d in decisions]
+    moved = next(d for d in decisions if d.replica_id == "b")
+    assert moved.reason is RoutingReason.COST_AWAY and moved.peer_hint is None
+    # the fetch is priced, not free: b's estimate is the fetch plus the suffix, far below recomputing 32 pages
+    recompute_ms = policy.estimate_ttft_ms(0, 0, 0, 33 * 128)[0]
+    assert moved.estimated_ttft_ms < recompute_ms / 3
+
+
+def test_tier_runs_follow_the_fetch_order_and_forget_a_replica_that_left():
+    """Host pages continue a replica's own and copied pages, disk pages continue the host's; the tier's pages may
+    come from several replicas' reports (their union counts); a replica that left takes its reports with it."""
+    policy = make_policy(PolicyConfig(enable_peer_hint=False))
+    prompt = [key(f"t{n}") for n in range(8)]
+    policy.tier_index.apply_events("a@CPU", [PagesStored(1, tuple(prompt[:2]))])
+    policy.tier_index.apply_events("b@CPU", [PagesStored(1, tuple(prompt[2:4]))])
+    policy.tier_index.apply_events("b@DISK", [PagesStored(1, tuple(prompt[:6]))])
+    assert policy.tier_runs(prompt) == (4, 6)
+    policy.index.apply_events("c", [PagesStored(1, tuple(prompt[:1]))])
+    config = policy.config
+    decision = policy.choose(prompt, loads(c=0), now=0.0, num_prompt_tokens=8 * 128)
+    work_ms, steps = policy._work_ms(1, 0, 8 * 128, None, 3, 2)  # 1 own, 3 from the host, 2 from the disk, 2 computed
+    assert work_ms == pytest.approx(3 * config.host_page_ms + 2 * config.disk_page_ms + 256 * config.prefill_token_ms
+                                    + config.attention_pair_us / 1000 * 256 * (6 * 128 + 128))
+    assert decision.estimated_ttft_ms == pytest.approx(work_ms + steps * config.step_ms)
+    policy.forget_replica("b")
+    assert policy.tier_runs(prompt) == (2, 0)
+    assert policy.tier_index.replica_ids() == ["a@CPU"]
+    assert make_policy(PolicyConfig(enable_tier_routing=False)).tier_runs(prompt) == (0, 0)
