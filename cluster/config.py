@@ -143,9 +143,10 @@ class ServeConfig:
     cluster, an explicit CPU count, GPU replicas) the replica's own thread count."""
     served_model_name: str | None = None
     """Name clients put in ``model``; defaults to the model folder's name (or SmolLM2-135M-Instruct)."""
-    route_on_tier_contents: bool = True
+    route_on_tier_contents: bool = False
     """Replicas report the pages they stored in the shared tiers that the tiers still hold (routing stats ``tiers``),
-    and the router prices them as tier fetches (router/policy.py). Only with a shared tier."""
+    and the router prices them as tier fetches (router/policy.py ``enable_tier_routing``). Only with a shared tier.
+    Off by default: it has not shown a gain yet (simulated, BENCHMARKS.md section 0b)."""
     kv_events_config: KVEventsConfig | str | Mapping[str, Any] | None = None
     """vLLM-schema KV events over ZMQ (--kv-events-config): vLLM's JSON object, a mapping, or None (off)."""
     # ---- limits, admission, shutdown, access (issue 10) -------------------------------------------------------------

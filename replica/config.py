@@ -157,7 +157,7 @@ class EngineConfig:
     never fill the pool: at least the rest is always plain LRU."""
     kv_events_config: KVEventsConfig | None = None
     """Publish KV events in vLLM's schema over ZMQ (replica/kv_event_publisher.py); None: off."""
-    route_on_tier_contents: bool = True
+    route_on_tier_contents: bool = False
     """Report the pages this replica stored in the shared tiers that they still hold, in the routing stats
     (replica/event_log.py ``TierEventRelay``), so routers price them as tier fetches."""
 

@@ -69,7 +69,7 @@ replica/cost_meter.py); the ``PolicyConfig`` values are the defaults for a repli
 A candidate that measured its host-tier fetch (``host_page_ms``, so it has a shared tier that keeps reused pages)
 prices an evicted page at the least of recomputing it and fetching it back.
 
-Shared tiers (``enable_tier_routing``). Replicas report the pages they stored in the host (Redis) and disk tiers that
+Shared tiers (``enable_tier_routing``, off by default: see its docstring). Replicas report the pages they stored in the host (Redis) and disk tiers that
 the tiers still hold (routing stats ``tiers``, replica/event_log.py ``TierEventRelay``); ``tier_index`` holds them
 under pseudo-holders ``<replica>@CPU`` / ``<replica>@DISK``, never candidates. The leading run of request pages held
 by any host holder (then by any disk holder) is what every replica can fetch instead of computing: a prefix evicted
@@ -154,8 +154,11 @@ class PolicyConfig:
     of the tiny Llama: 63 ms per 16 pages, BENCHMARKS.md section 0b)."""
     disk_page_ms: float = 2.0
     """Cost of fetching one page from the disk tier, for a replica that measured none (24 ms per 16 such pages)."""
-    enable_tier_routing: bool = True
-    """Price the pages the shared tiers hold (``tier_index``) as fetches instead of recomputation."""
+    enable_tier_routing: bool = False
+    """Price the pages the shared tiers hold (``tier_index``) as fetches instead of recomputation. Off by default:
+    simulated with replica pools too small for the prefixes and a shared host tier (BENCHMARKS.md section 0b), it
+    raised llm-d shared prefix's p99 TTFT by 5% at DP 4 and 14% at DP 16 (prefixes spread over more replicas, whose
+    small pools then churn), and changed nothing on the other workloads."""
     max_num_batched_tokens: int = 2048
     """Token budget of one engine step (prefill is chunked to it)."""
     eviction_weight: float = 1.0

@@ -301,13 +301,14 @@ def router_config(
     min_peer_copy_pages: int = PolicyConfig.min_peer_copy_pages,
     enable_peer_hint: bool = PolicyConfig.enable_peer_hint,
     enable_cost_model: bool = PolicyConfig.enable_cost_model,
+    enable_tier_routing: bool = PolicyConfig.enable_tier_routing,
     stats_period_s: float = DEFAULT_STATS_PERIOD_S,
     stats_timeout_s: float = DEFAULT_STATS_TIMEOUT_S,
 ) -> RequestRouterConfig:
     """The ``request_router_config`` of the replica deployment (policy thresholds validated here, not in Serve)."""
     policy = PolicyConfig(balance_abs_threshold=balance_abs_threshold, balance_rel_threshold=balance_rel_threshold,
                           min_peer_copy_pages=min_peer_copy_pages, enable_peer_hint=enable_peer_hint,
-                          enable_cost_model=enable_cost_model)
+                          enable_cost_model=enable_cost_model, enable_tier_routing=enable_tier_routing)
     return RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
         request_router_kwargs=dataclasses.asdict(policy),

@@ -214,3 +214,15 @@ def test_prefill_threads_default_to_the_machine_s_cpus_shared_out_and_can_be_set
     assert parse("--devices", "cpu", "--num-prefill-threads", "3").engine_config("r").num_prefill_threads == 3
     with pytest.raises(ValueError, match="--num-prefill-threads"):
         ServeConfig(devices="cpu", num_prefill_threads=0)
+
+
+def test_route_on_tier_contents_reaches_the_replicas_and_the_router():
+    """Off by default; the flag turns on both halves: the replicas' tier reports and the router's pricing."""
+    from cluster.app import request_router_config
+    from cluster.cli import build_parser, config_from_args
+
+    for argv, expected in (([], False), (["--route-on-tier-contents"], True)):
+        config = config_from_args(build_parser().parse_args(["serve", "--model", "m", *argv]))
+        assert config.route_on_tier_contents is expected
+        assert config.engine_config("r").route_on_tier_contents is expected
+        assert request_router_config(config).request_router_kwargs["enable_tier_routing"] is expected

@@ -498,7 +498,7 @@ def test_without_copy_a_prefix_the_host_tier_holds_moves_off_its_busy_holder():
     """The counterpart of ``test_without_copy_a_long_cached_prefix_keeps_its_holder_despite_a_queue``: the same 32
     pages, also reported in the host tier, cost the idle replica a fetch (4 ms a page) instead of a recomputation,
     so once the holder has work queued the router moves requests there; without peer copy nobody is hinted."""
-    policy = make_policy(PolicyConfig(enable_peer_hint=False))
+    policy = make_policy(PolicyConfig(enable_peer_hint=False, enable_tier_routing=True))
     long_prompt = [key(f"l{n}") for n in range(32)]
     policy.index.apply_events("a", [PagesStored(1, tuple(long_prompt))])
     policy.tier_index.apply_events("a@CPU", [PagesStored(1, tuple(long_prompt))])
@@ -515,7 +515,7 @@ def test_without_copy_a_prefix_the_host_tier_holds_moves_off_its_busy_holder():
 def test_tier_runs_follow_the_fetch_order_and_forget_a_replica_that_left():
     """Host pages continue a replica's own and copied pages, disk pages continue the host's; the tier's pages may
     come from several replicas' reports (their union counts); a replica that left takes its reports with it."""
-    policy = make_policy(PolicyConfig(enable_peer_hint=False))
+    policy = make_policy(PolicyConfig(enable_peer_hint=False, enable_tier_routing=True))
     prompt = [key(f"t{n}") for n in range(8)]
     policy.tier_index.apply_events("a@CPU", [PagesStored(1, tuple(prompt[:2]))])
     policy.tier_index.apply_events("b@CPU", [PagesStored(1, tuple(prompt[2:4]))])
@@ -531,4 +531,4 @@ def test_tier_runs_follow_the_fetch_order_and_forget_a_replica_that_left():
     policy.forget_replica("b")
     assert policy.tier_runs(prompt) == (2, 0)
     assert policy.tier_index.replica_ids() == ["a@CPU"]
-    assert make_policy(PolicyConfig(enable_tier_routing=False)).tier_runs(prompt) == (0, 0)
+    assert make_policy().tier_runs(prompt) == (0, 0)  # off by default

@@ -116,3 +116,28 @@ def test_simulated_replicas_measure_their_costs_and_the_measured_router_reads_th
     load = simulation.view.loads[0]
     assert load.costs is not None and simulation.router.policy.costs_of(load).prefill_token_ms == pytest.approx(
         measured.prefill_token_ms, rel=0.05)
+
+
+def test_a_shared_host_tier_serves_an_evicted_prefix_and_the_router_hears_of_it():
+    """With ``host_tier_pages`` the replicas write what they compute to one LRU host tier; a prefix evicted from
+    its replica's small pool comes back from the tier (fetched, priced at host_tier_page_ms a page), and the tier's
+    events reach our router's ``tier_index``. The same requests without a tier recompute it."""
+    def requests() -> list:
+        first = request("first", 0.0, [("sys", 1024), ("q1", 64)])
+        flood = [request(f"flood{n}", 5.0 + n, [(f"other{n}", 1024)]) for n in range(4)]
+        again = request("again", 20.0, [("sys", 1024), ("q2", 64)])
+        return [first, *flood, again]
+
+    with_tier = requests()
+    simulation = Simulation(Workload("test", with_tier, 24), "prefixserve-tier", 1, COST, host_tier_pages=64)
+    simulation.run()
+    again = with_tier[-1]
+    assert (again.cached_local, again.cached_tier) == (0, 1024)  # evicted by the flood, fetched back whole
+    assert simulation.replicas[0].num_tier_pages == 8
+    assert simulation.replicas[0].measured_costs().host_page_ms == COST.host_tier_page_ms
+    assert simulation.router.policy.tier_runs(again.page_keys) == (8, 0)
+
+    without = requests()
+    Simulation(Workload("test", without, 24), "prefixserve-tier", 1, COST).run()
+    assert (without[-1].cached_local, without[-1].cached_tier) == (0, 0)
+    assert without[-1].first_token_s - without[-1].arrival_s > again.first_token_s - again.arrival_s

@@ -55,7 +55,7 @@ def test_disk_tier_pages_and_their_eviction_reach_the_router(tmp_path):
     other = DiskTier(tmp_path / "disk", page_format, budget_bytes=12 * page_bytes, tier_key=tier_key)
     relay, log = TierEventRelay("r1"), ReplicaEventLog("r1")
     relay.watch([ours])
-    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig(enable_tier_routing=True))
     first = routing_payload(relay, log)  # before any page: an empty DISK entry with its snapshot
     assert [entry["medium"] for entry in first["tiers"]] == ["DISK"] and first["tiers"][0]["snapshot"]["keys"] == b""
     pages = make_pages(page_format, 6, seed=1)

@@ -37,7 +37,8 @@ def compare(args: argparse.Namespace) -> int:
     for workload in args.workloads.split(","):
         for dp in [int(d) for d in args.dp.split(",")]:
             for router in args.routers.split(","):
-                result = simulate(workload, router, dp, seed=args.seed, scale=args.scale, cost=cost)
+                result = simulate(workload, router, dp, seed=args.seed, scale=args.scale, cost=cost,
+                                  host_tier_pages=args.host_tier_pages, pool_fraction=args.pool_fraction)
                 rows.append(result.row())
                 print(f"{workload:12s} dp={dp:<3d} {router:22s} hit {result.hit_rate:.3f} (ideal "
                       f"{result.ideal_hit_rate:.3f}) ttft p50 {result.ttft_p50_s:6.2f} p99 {result.ttft_p99_s:6.2f} s "
@@ -56,11 +57,13 @@ def render(rows: list, args: argparse.Namespace, cost: CostModel, wall_s: float)
         "# Router simulation: our policy and index against the published routing rules",
         "",
         f"Command: `python -m benchmarks.router_sim compare --workloads {args.workloads} --dp {args.dp} "
-        f"--routers {args.routers} --scale {args.scale} --seed {args.seed} --cost-model {args.cost_model}`",
+        f"--routers {args.routers} --scale {args.scale} --seed {args.seed} --cost-model {args.cost_model}"
+        f"{f' --host-tier-pages {args.host_tier_pages}' if args.host_tier_pages else ''}"
+        f"{f' --pool-fraction {args.pool_fraction}' if args.pool_fraction != 1.0 else ''}`",
         f"Machine: {cpu_model()}; Python {platform.python_version()}; {wall_s:.0f} s in all.",
         f"Cost model (benchmarks/router_sim/costs.py): {cost}",
         "",
-        "hit = cached prompt tokens (local + peer copy) / prompt tokens; local = from the replica's own cache; ideal = "
+        "hit = cached prompt tokens (local + peer copy + host tier) / prompt tokens; local = from the replica's own cache; ideal = "
         "every page computed once in the cluster; TTFT modeled (queueing + copy + chunked prefill among other "
         "requests' steps); busiest/mean = requests routed to the busiest replica / the mean; decision = wall time of "
         "one routing decision inside the simulation (noisy: the box is shared). A `*` marks a baseline that beats "
@@ -126,6 +129,10 @@ def main(argv: list | None = None) -> int:
     one.add_argument("--seed", type=int, default=0)
     one.add_argument("--cost-model", default="calibrated", choices=sorted(COST_MODELS),
                      help="the simulated replicas' true costs (benchmarks/router_sim/costs.py COST_MODELS)")
+    one.add_argument("--host-tier-pages", type=int, default=0,
+                     help="a host tier of that many pages shared by the replicas (0: none)")
+    one.add_argument("--pool-fraction", type=float, default=1.0,
+                     help="scale each replica's page pool (below 1: the prefixes no longer fit)")
     one.add_argument("--out", default="", help="write OUT.md and OUT.json")
     one.set_defaults(func=compare)
     two = sub.add_parser("scale", help="decision cost, index memory and event rate at 64 replicas / 1M pages")

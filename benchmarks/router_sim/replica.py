@@ -53,6 +53,8 @@ class SimReplica:
         """Set by the simulation when replicas share cores: this step runs that many times slower."""
         self.version = 0
         self._chunks: list = []
+        self.tier = None
+        """The cluster's shared host tier (``sim.SharedTier``), or None."""
         self.num_routed = 0
         self.num_rejected = 0
         self.num_evicted = 0
@@ -62,6 +64,9 @@ class SimReplica:
         self._decode_run = False
         self.copy_ms_per_page: float | None = None
         """EWMA of the copy time per page it saw (the real replica's source meter)."""
+        self.tier_ms_per_page: float | None = None
+        """The same for its host-tier fetches (a shared tier: ``cluster.tier``)."""
+        self.num_tier_pages = 0
 
     # ---- what the router may read ----------------------------------------------------------------------------------
     @property
@@ -148,6 +153,8 @@ class SimReplica:
                               self.step_fit.coefficients()))
         if self.copy_ms_per_page is not None:
             values["peer_copy_page_ms"] = self.copy_ms_per_page
+        if self.tier_ms_per_page is not None:
+            values["host_page_ms"] = self.tier_ms_per_page
         return MeasuredCosts(**values) if values else None
 
     def _decode_run_ms(self, num_steps: int) -> float:
@@ -255,6 +262,22 @@ class SimReplica:
                 run.prefill_left -= copied * page_size
                 run.context += copied * page_size
                 run.num_reused = local + copied
+            tier = self.tier
+            if tier is not None and run.num_reused < limit:
+                # the shared host tier continues the run (the real fetch order: own, peer, host), each page verified
+                fetched = tier.leading(keys, run.num_reused, limit)
+                if fetched:
+                    start = run.num_reused
+                    self._commit(run, keys[start:start + fetched], to_tier=False)
+                    import_ms += fetched * cost.host_tier_page_ms
+                    previous = self.tier_ms_per_page
+                    self.tier_ms_per_page = cost.host_tier_page_ms if previous is None else (
+                        previous + 0.3 * (cost.host_tier_page_ms - previous))
+                    request.cached_tier = fetched * page_size
+                    self.num_tier_pages += fetched
+                    run.prefill_left -= fetched * page_size
+                    run.context += fetched * page_size
+                    run.num_reused = start + fetched
             self.computing.update(keys[run.num_reused:request.prompt_len // page_size])
             self.running.append(run)
         while skipped:
@@ -277,8 +300,10 @@ class SimReplica:
             if count == 0:
                 lru[key] = None
 
-    def _commit(self, run: _Running, keys) -> None:
-        """Pages of ``run`` just computed (or copied): into the cache, pinned by ``run``."""
+    def _commit(self, run: _Running, keys, to_tier: bool = True) -> None:
+        """Pages of ``run`` just computed (or copied): into the cache, pinned by ``run``; and into the shared tier,
+        when the cluster has one, as the real replica writes computed and copied pages (not those it fetched from the
+        tier)."""
         refs, lru = self.key_to_refs, self.lru
         stored = []
         for key in keys:
@@ -296,6 +321,8 @@ class SimReplica:
         if stored:
             self.seq += 1
             self.pending_events.append(PagesStored(self.seq, tuple(stored)))
+        if to_tier and self.tier is not None and keys:
+            self.tier.store(keys)
 
     def _evict(self, num_wanted: int) -> None:
         refs, lru = self.key_to_refs, self.lru

@@ -248,6 +248,16 @@ def make_router(name: str, view, cost: CostModel, seed: int = 0, policy_kwargs: 
         router.uses_measured_costs = True
         router.uses_residency = True
         return router
+    if name == "prefixserve-tier":
+        # prefixserve-measured that prices the pages the shared tier holds as fetches (PolicyConfig
+        # .enable_tier_routing, --route-on-tier-contents); without it the tier still serves fetches, the router
+        # prices those pages as recomputed
+        router = Ours(view, seed, page_size=cost.page_size, max_num_batched_tokens=cost.max_num_batched_tokens,
+                      enable_tier_routing=True)
+        router.name = name
+        router.uses_measured_costs = True
+        router.uses_residency = True
+        return router
     if name == "prefixserve-residency":
         # prefixserve-measured with residency aging on (PolicyConfig.enable_residency_aging)
         router = Ours(view, seed, page_size=cost.page_size, max_num_batched_tokens=cost.max_num_batched_tokens,

@@ -5,6 +5,10 @@ For a router that reads measured costs (``prefixserve-measured``) the loads also
 (a fit of its own simulated steps and its copy time per page, as replica/cost_meter.py measures them) and the index
 hears each replica's evictions and LRU queue (``note_residency``), as the Ray adapter does.
 
+With ``host_tier_pages`` the replicas share a host tier of that many pages (``SharedTier``: LRU, written with every
+page a replica computes or copies, read after a replica's own and copied pages at ``host_tier_page_ms`` a page), and
+its stored / removed events reach our router's ``tier_index`` at each sync, as the replicas' ``tiers`` entries do.
+
 Modeled TTFT = first-token time - arrival time: queueing for admission, copy time, chunked prefill steps shared with
 other requests' decodes and prefills.
 """
@@ -14,16 +18,60 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from benchmarks.router_sim.costs import CostModel
 from benchmarks.router_sim.replica import SimReplica
 from benchmarks.router_sim.routers import make_router
 from benchmarks.router_sim.workloads import Workload
+from common.events import PagesRemoved, PagesStored
 from common.routing_stats import ReplicaLoad
 from router.index import PrefixIndex
 
 _ARRIVAL, _STEP_END, _SYNC = 0, 1, 2
+
+
+class SharedTier:
+    """A host tier every replica reads and writes: ``capacity`` pages, least recently used evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.pages: OrderedDict = OrderedDict()
+        self.events: list = []
+        self.seq = 0
+
+    def store(self, keys) -> None:
+        stored = []
+        for key in keys:
+            if key in self.pages:
+                self.pages.move_to_end(key)
+            else:
+                self.pages[key] = None
+                stored.append(key)
+        if stored:
+            self.seq += 1
+            self.events.append(PagesStored(self.seq, tuple(stored)))
+        removed = []
+        while len(self.pages) > self.capacity:
+            removed.append(self.pages.popitem(last=False)[0])
+        if removed:
+            self.seq += 1
+            self.events.append(PagesRemoved(self.seq, tuple(removed)))
+
+    def leading(self, keys, start: int, limit: int) -> int:
+        """How many of ``keys[start:limit]`` the tier holds in a row (each one touched)."""
+        count = 0
+        for key in keys[start:limit]:
+            if key not in self.pages:
+                break
+            self.pages.move_to_end(key)
+            count += 1
+        return count
+
+    def drain_events(self) -> list:
+        events, self.events = self.events, []
+        return events
 
 
 class ClusterView:
@@ -87,7 +135,7 @@ def percentile(values: list, q: float) -> float:
 class Simulation:
     def __init__(self, workload: Workload, router_name: str, dp: int, cost: CostModel, *, seed: int = 0,
                  stats_period_s: float = 0.5, concurrency: int = 0, cores: float = 0.0,
-                 policy_kwargs: dict | None = None) -> None:
+                 policy_kwargs: dict | None = None, host_tier_pages: int = 0) -> None:
         """``concurrency`` > 0: a client that keeps at most that many requests in flight (``prefixserve bench
         --concurrency``; held requests are sent in arrival order, and TTFT counts from the send). ``cores`` > 0: the
         replicas share that many CPU cores: a step that starts while n replicas are stepping runs max(1, n / cores)
@@ -102,6 +150,9 @@ class Simulation:
         self.in_flight = 0
         self.held: list = []
         self.replicas = [SimReplica(n, f"replica-{n:02d}", workload.num_pages_per_replica, cost) for n in range(dp)]
+        self.tier = SharedTier(host_tier_pages) if host_tier_pages > 0 else None
+        for replica in self.replicas:
+            replica.tier = self.tier
         self.view = ClusterView(self.replicas, cost.page_size, clock=lambda: self.now)
         self.router = make_router(router_name, self.view, cost, seed, policy_kwargs)
         self.heap: list = []
@@ -217,12 +268,17 @@ class Simulation:
             loads[replica.number] = ReplicaLoad(replica.replica_id, replica.num_requests, replica.num_not_in_use,
                                                 replica.num_pages,
                                                 costs=replica.measured_costs() if measured else None)
+        if self.tier is not None:
+            events = self.tier.drain_events()
+            policy = getattr(self.router, "policy", None)
+            if events and policy is not None:  # one pseudo-holder for the whole tier (the union of the replicas')
+                policy.tier_index.sync("tier@CPU", epoch="sim", events=events)
 
     def _result(self, requests: list, wall_s: float) -> RunResult:
         page_size = self.cost.page_size
         served = [r for r in requests if r.first_token_s >= 0]
         prompt_tokens = sum(r.prompt_len for r in requests)
-        cached = sum(r.cached_local + r.cached_peer for r in served)
+        cached = sum(r.cached_local + r.cached_peer + r.cached_tier for r in served)
         local = sum(r.cached_local for r in served)
         ideal = sum(r.ideal_cached_pages * page_size for r in requests)
         ttfts = [r.first_token_s - r.arrival_s for r in served]
@@ -243,10 +299,15 @@ class Simulation:
 
 
 def simulate(workload_name: str, router_name: str, dp: int, *, seed: int = 0, scale: float = 1.0,
-             cost: CostModel | None = None, **workload_kwargs) -> RunResult:
-    """One generated workload (workloads.py) under one router; a trace runs with ``Simulation`` directly."""
+             cost: CostModel | None = None, host_tier_pages: int = 0, pool_fraction: float = 1.0,
+             **workload_kwargs) -> RunResult:
+    """One generated workload (workloads.py) under one router; a trace runs with ``Simulation`` directly.
+    ``host_tier_pages`` > 0: the replicas share a host tier of that many pages; ``pool_fraction`` scales each
+    replica's page pool (below 1: the workload's prefixes no longer fit in the replicas' caches)."""
     from benchmarks.router_sim.workloads import WORKLOADS
 
     cost = cost or CostModel()
     workload = WORKLOADS[workload_name](dp, cost, seed=seed, scale=scale, **workload_kwargs)
-    return Simulation(workload, router_name, dp, cost, seed=seed).run()
+    if pool_fraction != 1.0:
+        workload.num_pages_per_replica = max(1, round(workload.num_pages_per_replica * pool_fraction))
+    return Simulation(workload, router_name, dp, cost, seed=seed, host_tier_pages=host_tier_pages).run()

@@ -55,6 +55,7 @@ class SimRequest:
     replica: int = -1
     cached_local: int = 0
     cached_peer: int = 0
+    cached_tier: int = 0
     peer_hint: object = None
     reason: str = ""
 
