@@ -19,6 +19,11 @@ from benchmarks.router_sim.costs import CostModel
 from replica.cost_meter import StepCostFit
 
 
+def _ewma(previous: float | None, value: float) -> float:
+    """The running mean a replica's source meter keeps of a per-page cost (replica/cost_meter.py)."""
+    return value if previous is None else previous + 0.3 * (value - previous)
+
+
 class _Running:
     __slots__ = ("request", "held", "num_private", "prefill_left", "context", "generated", "num_reused")
 
@@ -252,37 +257,31 @@ class SimReplica:
             request.cached_local = local * page_size
             import_ms += local * page_size * cost.cached_token_us * 1e-3
             if copied:
-                self._commit(run, keys[local:local + copied])
-                import_ms += copied * cost.peer_copy_page_ms
-                previous = self.copy_ms_per_page
-                self.copy_ms_per_page = cost.peer_copy_page_ms if previous is None else (
-                    previous + 0.3 * (cost.peer_copy_page_ms - previous))
+                import_ms += self._reuse(run, copied, cost.peer_copy_page_ms)
+                self.copy_ms_per_page = _ewma(self.copy_ms_per_page, cost.peer_copy_page_ms)
                 request.cached_peer = copied * page_size
                 self.num_copied_pages += copied
-                run.prefill_left -= copied * page_size
-                run.context += copied * page_size
-                run.num_reused = local + copied
-            tier = self.tier
-            if tier is not None and run.num_reused < limit:
-                # the shared host tier continues the run (the real fetch order: own, peer, host), each page verified
-                fetched = tier.leading(keys, run.num_reused, limit)
-                if fetched:
-                    start = run.num_reused
-                    self._commit(run, keys[start:start + fetched], to_tier=False)
-                    import_ms += fetched * cost.host_tier_page_ms
-                    previous = self.tier_ms_per_page
-                    self.tier_ms_per_page = cost.host_tier_page_ms if previous is None else (
-                        previous + 0.3 * (cost.host_tier_page_ms - previous))
-                    request.cached_tier = fetched * page_size
-                    self.num_tier_pages += fetched
-                    run.prefill_left -= fetched * page_size
-                    run.context += fetched * page_size
-                    run.num_reused = start + fetched
+            # the shared host tier continues the run (the real fetch order: own, peer, host), each page verified
+            fetched = self.tier.leading(keys, run.num_reused, limit) if self.tier is not None else 0
+            if fetched:
+                import_ms += self._reuse(run, fetched, cost.host_tier_page_ms, to_tier=False)
+                self.tier_ms_per_page = _ewma(self.tier_ms_per_page, cost.host_tier_page_ms)
+                request.cached_tier = fetched * page_size
+                self.num_tier_pages += fetched
             self.computing.update(keys[run.num_reused:request.prompt_len // page_size])
             self.running.append(run)
         while skipped:
             self.waiting.appendleft(skipped.pop())
         return import_ms
+
+    def _reuse(self, run: _Running, count: int, page_ms: float, to_tier: bool = True) -> float:
+        """The next ``count`` prompt pages of ``run`` imported (copied or fetched) instead of computed; their cost."""
+        start, page_size = run.num_reused, self.cost.page_size
+        self._commit(run, run.request.page_keys[start:start + count], to_tier=to_tier)
+        run.prefill_left -= count * page_size
+        run.context += count * page_size
+        run.num_reused = start + count
+        return count * page_ms
 
     def _pin(self, keys) -> None:
         refs, lru = self.key_to_refs, self.lru

@@ -240,28 +240,19 @@ def make_router(name: str, view, cost: CostModel, seed: int = 0, policy_kwargs: 
         router = Ours(view, seed, **{**config, "enable_cost_model": False})
         router.name = name
         return router
-    if name == "prefixserve-measured":
-        # the router as deployed now: PolicyConfig's defaults (not the simulator's numbers) until the replicas' measured
-        # costs arrive, and the replicas' eviction reports for residency ahead
-        router = Ours(view, seed, page_size=cost.page_size, max_num_batched_tokens=cost.max_num_batched_tokens)
-        router.name = name
-        router.uses_measured_costs = True
-        router.uses_residency = True
-        return router
-    if name == "prefixserve-tier":
-        # prefixserve-measured that prices the pages the shared tier holds as fetches (PolicyConfig
-        # .enable_tier_routing, --route-on-tier-contents); without it the tier still serves fetches, the router
-        # prices those pages as recomputed
+    measured_variants = {
+        # the router as deployed now: PolicyConfig's defaults (not the simulator's numbers) until the replicas'
+        # measured costs arrive, and the replicas' eviction reports for residency ahead
+        "prefixserve-measured": {},
+        # the same, pricing the pages the shared tier holds as fetches (--route-on-tier-contents); without it the
+        # tier still serves fetches, and the router prices those pages as recomputed
+        "prefixserve-tier": {"enable_tier_routing": True},
+        # the same, with residency aging on (PolicyConfig.enable_residency_aging)
+        "prefixserve-residency": {"enable_residency_aging": True},
+    }
+    if name in measured_variants:
         router = Ours(view, seed, page_size=cost.page_size, max_num_batched_tokens=cost.max_num_batched_tokens,
-                      enable_tier_routing=True)
-        router.name = name
-        router.uses_measured_costs = True
-        router.uses_residency = True
-        return router
-    if name == "prefixserve-residency":
-        # prefixserve-measured with residency aging on (PolicyConfig.enable_residency_aging)
-        router = Ours(view, seed, page_size=cost.page_size, max_num_batched_tokens=cost.max_num_batched_tokens,
-                      enable_residency_aging=True)
+                      **measured_variants[name])
         router.name = name
         router.uses_measured_costs = True
         router.uses_residency = True
