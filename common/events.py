@@ -12,6 +12,13 @@ from typing import NamedTuple
 
 from common.page_keys import PageKey
 
+MEDIUM_DEVICE = "GPU"
+"""vLLM's medium name for the engine's own KV pool (``MEDIUM_GPU``), also for a CPU replica's page pool."""
+MEDIUM_HOST = "CPU"
+"""vLLM's medium name for KV offloaded to host memory (its CPU offloading connector); our Redis tier."""
+MEDIUM_DISK = "DISK"
+"""The medium name the KV-event consumers use for a disk tier (vLLM's schema leaves ``medium`` a free string)."""
+
 
 class StoredPageInfo(NamedTuple):
     """What an outside consumer needs about one stored page besides its key (vLLM-schema KV events,

@@ -222,8 +222,7 @@ def make_routing_stats(
             "num_pages_cached": stats.num_pages_cached,
             "num_pages_total": stats.num_pages_total,
         },
-        "events": [encode_event(event) for event in events],
-        "snapshot": None if snapshot_keys is None else {"seq": last_seq, "keys": join_keys(snapshot_keys)},
+        **_encode_log(events, snapshot_keys, last_seq),
     }
     kv_cache = getattr(stats, "kv_cache", None)
     payload["load"]["num_evictions"] = stats.num_evictions
@@ -239,13 +238,20 @@ def make_routing_stats(
 def make_tier_stats(medium: str, events: Sequence[KVEvent], snapshot_keys: Iterable[PageKey] | None, *,
                     epoch: str, last_seq: int) -> dict[str, Any]:
     """One ``tiers`` entry (see the module docstring); the snapshot is labelled ``last_seq`` as in a payload."""
+    return {"medium": medium, "epoch": epoch, "last_seq": last_seq, **_encode_log(events, snapshot_keys, last_seq)}
+
+
+def _encode_log(events: Sequence[KVEvent], snapshot_keys: Iterable[PageKey] | None, last_seq: int) -> dict[str, Any]:
+    """The ``events`` and ``snapshot`` fields of a payload or of a ``tiers`` entry."""
     return {
-        "medium": medium,
-        "epoch": epoch,
-        "last_seq": last_seq,
         "events": [encode_event(event) for event in events],
         "snapshot": None if snapshot_keys is None else {"seq": last_seq, "keys": join_keys(snapshot_keys)},
     }
+
+
+def tier_holder_id(replica_id: str, medium: str) -> str:
+    """The pseudo-holder a router indexes ``replica_id``'s pages in the shared tier ``medium`` under."""
+    return f"{replica_id}@{medium}"
 
 
 def encode_retained(groups: Sequence[RetainedPages]) -> list[list[Any]]:
@@ -294,7 +300,6 @@ def parse_routing_stats(raw: Mapping[str, Any] | None) -> ReplicaReport | None:
         )
     try:
         load = raw["load"]
-        snapshot = raw["snapshot"]
         return ReplicaReport(
             replica_id=str(raw["replica_id"]),
             epoch=str(raw["epoch"]),
@@ -305,7 +310,7 @@ def parse_routing_stats(raw: Mapping[str, Any] | None) -> ReplicaReport | None:
             num_pages_cached=int(load["num_pages_cached"]),
             num_pages_total=int(load["num_pages_total"]),
             events=tuple(decode_event(item) for item in raw["events"]),
-            snapshot=None if snapshot is None else IndexSnapshot(int(snapshot["seq"]), split_keys(snapshot["keys"])),
+            snapshot=_parse_snapshot(raw["snapshot"]),
             costs=MeasuredCosts.from_wire(raw.get("costs")),
             retained=None if raw.get("retained") is None else tuple(
                 RetainedPages(int(priority), None if expires is None else float(expires), split_keys(blob))
@@ -324,14 +329,17 @@ def _parse_tier(entry: Mapping[str, Any]) -> TierReport:
     medium = str(entry["medium"])
     if not medium or "@" in medium or len(medium) > 16:
         raise RoutingStatsError(f"bad tier medium {medium[:32]!r}")
-    snapshot = entry["snapshot"]
     return TierReport(
         medium=medium,
         epoch=str(entry["epoch"]),
         last_seq=int(entry["last_seq"]),
         events=tuple(decode_event(item) for item in entry["events"]),
-        snapshot=None if snapshot is None else IndexSnapshot(int(snapshot["seq"]), split_keys(snapshot["keys"])),
+        snapshot=_parse_snapshot(entry["snapshot"]),
     )
+
+
+def _parse_snapshot(raw: Mapping[str, Any] | None) -> IndexSnapshot | None:
+    return None if raw is None else IndexSnapshot(int(raw["seq"]), split_keys(raw["keys"]))
 
 
 def decode_event(item: Sequence[Any]) -> KVEvent:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from common.events import KVEvent, PagesRemoved, PagesStored
 from common.page_keys import PageKey
-from common.routing_stats import MeasuredCosts, RetainedPages, make_routing_stats, make_tier_stats
+from common.routing_stats import MeasuredCosts, RetainedPages, make_routing_stats, make_tier_stats, tier_holder_id
 from common.types import EngineStats
 
 
@@ -209,5 +209,6 @@ class TierEventRelay:
     def _log_of(self, medium: str) -> ReplicaEventLog:
         log = self._medium_to_log.get(medium)
         if log is None:
-            log = self._medium_to_log[medium] = ReplicaEventLog(f"{self.replica_id}@{medium}", **self._log_options)
+            log = self._medium_to_log[medium] = ReplicaEventLog(tier_holder_id(self.replica_id, medium),
+                                                                 **self._log_options)
         return log

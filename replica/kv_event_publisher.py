@@ -55,14 +55,12 @@ from typing import Any, Iterable
 
 import msgpack
 
-from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
+from common.events import MEDIUM_DEVICE, AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from common.page_keys import PageKey
 from replica.config import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 
-MEDIUM_DEVICE = "GPU"
-"""vLLM's medium name for the engine's own KV pool (``MEDIUM_GPU``); the tiers' are in replica/tiers/events.py."""
 SALTED_EXTRA_KEY = ("salted",)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 

@@ -108,12 +108,11 @@ class ServeReplica:
         self.engine.engine.step_observer = self._cost_meter.observe_step
         tiers = self.engine.fetcher.tiers if self.engine.fetcher else ()
         self._tier_relay = TierEventRelay(replica_id)
-        if config.route_on_tier_contents and tiers:
-            # one tracker per tier feeds both the routers (routing stats) and, when configured, the ZMQ publisher
-            self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size)
+        relay_tiers = config.route_on_tier_contents and bool(tiers)
+        self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size,
+                                             tiers=() if relay_tiers else tiers)
+        if relay_tiers:  # one tracker per tier feeds the routers (routing stats) and, when configured, the publisher
             self._tier_relay.watch(tiers, sinks=[self._kv_publisher.publish_tier])
-        else:
-            self._kv_publisher = build_publisher(config.kv_events_config, page_size=config.page_size, tiers=tiers)
         self._tokenizer_files = tokenizer_files(self.engine.tokenizer)
         logger.info(
             "replica %s ready: model fingerprint %s, max_model_len %d, prefix caching %s",

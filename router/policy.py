@@ -23,11 +23,10 @@ The cost model (``enable_cost_model``, on by default) estimates each eligible re
                      holder is expected to have computed them when r starts (pages this router sent to a replica are
                      expected done at its busy_until after that request, the time left counted 1.5x), else 0: a
                      replica copies what its peer holds at admission and computes the rest
-    computed(r)    = prompt tokens - (matched(r) + copied(r)) * page_size      (at least 1: logits need one token)
     wait(r)        = max(0, busy_until(r) - now)     # prefill work this router already sent to r, as a fluid queue
     fetched(r)     = pages after matched(r) + copied(r) that the shared tiers hold (host, then disk: the replica's
                      fetch order), from the tiers' entries of the routing stats (``tier_index``, below)
-    computed(r)    = prompt tokens - (matched(r) + copied(r) + fetched(r)) * page_size      (at least 1)
+    computed(r)    = prompt tokens - (matched(r) + copied(r) + fetched(r)) * page_size   (at least 1: logits need one)
     work(r)        = copied(r) * peer_copy_page_ms + fetched host pages * host_page_ms + fetched disk pages *
                      disk_page_ms + computed * prefill_token_ms
                      + attention_pair_us/1000 * computed * (reused tokens + computed / 2)
@@ -69,8 +68,8 @@ replica/cost_meter.py); the ``PolicyConfig`` values are the defaults for a repli
 A candidate that measured its host-tier fetch (``host_page_ms``, so it has a shared tier that keeps reused pages)
 prices an evicted page at the least of recomputing it and fetching it back.
 
-Shared tiers (``enable_tier_routing``, off by default: see its docstring). Replicas report the pages they stored in the host (Redis) and disk tiers that
-the tiers still hold (routing stats ``tiers``, replica/event_log.py ``TierEventRelay``); ``tier_index`` holds them
+Shared tiers (``enable_tier_routing``, off by default: see its docstring). Replicas report the pages they stored in
+the host (Redis) and disk tiers that the tiers still hold (routing stats ``tiers``, replica/event_log.py ``TierEventRelay``); ``tier_index`` holds them
 under pseudo-holders ``<replica>@CPU`` / ``<replica>@DISK``, never candidates. The leading run of request pages held
 by any host holder (then by any disk holder) is what every replica can fetch instead of computing: a prefix evicted
 from every replica but kept in Redis is priced as a fetch, so the router moves it to a less loaded replica as readily
@@ -105,12 +104,12 @@ from typing import Callable, NamedTuple, Sequence
 
 from common.page_keys import PageKey
 from router.index import PrefixIndex
-from common.routing_stats import ReplicaLoad
+from common.events import MEDIUM_DISK, MEDIUM_HOST
+from common.routing_stats import ReplicaLoad, tier_holder_id
 
-
-HOST_HOLDER_SUFFIX = "@CPU"
-DISK_HOLDER_SUFFIX = "@DISK"
-"""``tier_index`` pseudo-holders: ``<replica>@<medium>`` with replica/tiers/events.py's medium names (vLLM's)."""
+HOST_HOLDER_SUFFIX = tier_holder_id("", MEDIUM_HOST)
+DISK_HOLDER_SUFFIX = tier_holder_id("", MEDIUM_DISK)
+"""How ``tier_index``'s pseudo-holders (``tier_holder_id``) of the host and disk tiers end."""
 
 _READY_MARGIN = 1.5
 """The fluid queue underestimates (decodes of other routers' requests): pages expected at t are counted at 1.5 t."""
@@ -559,9 +558,8 @@ class PrefixAwarePolicy:
         """Drop the in-flight count of a replica that left (its index entries are the index's business), and the
         tier pages it reported: nobody reports their removal any more, so they would only go stale (the tiers still
         hold them; a replica that stores them again reports them again)."""
-        for holder in self.tier_index.replica_ids():
-            if holder.startswith(f"{replica_id}@"):
-                self.tier_index.remove_replica(holder)
+        for medium in (MEDIUM_HOST, MEDIUM_DISK):
+            self.tier_index.remove_replica(tier_holder_id(replica_id, medium))
         self._replica_id_to_num_inflight.pop(replica_id, None)
         self._replica_id_to_busy_until.pop(replica_id, None)
         for request_id in [r for r, owner in self._request_id_to_replica_id.items() if owner == replica_id]:

@@ -45,7 +45,7 @@ from router import decision_metrics
 from router.index import PrefixIndex
 from router import replication
 from router.policy import PolicyConfig, PrefixAwarePolicy, RoutingDecision
-from common.routing_stats import ReplicaLoad, ReplicaReport, RoutingStatsError, parse_routing_stats
+from common.routing_stats import ReplicaLoad, ReplicaReport, RoutingStatsError, parse_routing_stats, tier_holder_id
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         apply_residency(self.index, replica_id, report)  # before the events: they count as touched at this report
         self.index.sync(replica_id, epoch=report.epoch, events=report.events, snapshot=report.snapshot)
         for tier in report.tiers:  # the pages this replica stored in the shared tiers (router/policy.py)
-            self.policy.tier_index.sync(f"{replica_id}@{tier.medium}", epoch=tier.epoch, events=tier.events,
+            self.policy.tier_index.sync(tier_holder_id(replica_id, tier.medium), epoch=tier.epoch, events=tier.events,
                                         snapshot=tier.snapshot)
         self._replica_id_to_load[replica_id] = dataclasses.replace(report.to_load(), replica_id=replica_id)
 

@@ -341,7 +341,7 @@ def tier_events(tmp_path):
 
 def test_redis_tier_events_follow_redis_evictions_deletes_and_expiry(tier_events, redis_process_factory):
     """Redis evicts under maxmemory without telling its clients: the tier's events still end equal to what it holds."""
-    from replica.tiers.events import MEDIUM_HOST
+    from common.events import MEDIUM_HOST
     from replica.tiers.redis_tier import RedisTier
     from tests.test_tiers import make_format, make_pages
 
@@ -393,7 +393,7 @@ def test_redis_tier_events_are_repaired_by_the_full_check_when_notifications_are
                                                                                           redis_process_factory):
     """FLUSHALL makes no per-key notification: the periodic full check publishes the removals. Page 0 of a salted
     chain is announced with the salt's presence, as device blocks are."""
-    from replica.tiers.events import MEDIUM_HOST
+    from common.events import MEDIUM_HOST
     from replica.tiers.redis_tier import RedisTier
     from tests.test_tiers import make_format, make_pages
 
@@ -418,7 +418,7 @@ def test_redis_tier_events_are_repaired_by_the_full_check_when_notifications_are
 
 def test_disk_tier_events_follow_evictions_by_any_process_sharing_the_folder(tier_events, tmp_path):
     from replica.tiers.disk_tier import DiskTier
-    from replica.tiers.events import MEDIUM_DISK
+    from common.events import MEDIUM_DISK
     from replica.tiers.seal import TierKey
     from tests.test_tiers import make_format, make_pages
 

@@ -63,8 +63,8 @@ def render(rows: list, args: argparse.Namespace, cost: CostModel, wall_s: float)
         f"Machine: {cpu_model()}; Python {platform.python_version()}; {wall_s:.0f} s in all.",
         f"Cost model (benchmarks/router_sim/costs.py): {cost}",
         "",
-        "hit = cached prompt tokens (local + peer copy + host tier) / prompt tokens; local = from the replica's own cache; ideal = "
-        "every page computed once in the cluster; TTFT modeled (queueing + copy + chunked prefill among other "
+        "hit = cached prompt tokens (local + peer copy + host tier) / prompt tokens; local = from the replica's own "
+        "cache; ideal = every page computed once in the cluster; TTFT modeled (queueing + copy + chunked prefill among other "
         "requests' steps); busiest/mean = requests routed to the busiest replica / the mean; decision = wall time of "
         "one routing decision inside the simulation (noisy: the box is shared). A `*` marks a baseline that beats "
         "ours on that column.",

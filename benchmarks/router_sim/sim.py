@@ -25,8 +25,8 @@ from benchmarks.router_sim.costs import CostModel
 from benchmarks.router_sim.replica import SimReplica
 from benchmarks.router_sim.routers import make_router
 from benchmarks.router_sim.workloads import Workload
-from common.events import PagesRemoved, PagesStored
-from common.routing_stats import ReplicaLoad
+from common.events import MEDIUM_HOST, PagesRemoved, PagesStored
+from common.routing_stats import ReplicaLoad, tier_holder_id
 from router.index import PrefixIndex
 
 _ARRIVAL, _STEP_END, _SYNC = 0, 1, 2
@@ -272,7 +272,7 @@ class Simulation:
             events = self.tier.drain_events()
             policy = getattr(self.router, "policy", None)
             if events and policy is not None:  # one pseudo-holder for the whole tier (the union of the replicas')
-                policy.tier_index.sync("tier@CPU", epoch="sim", events=events)
+                policy.tier_index.sync(tier_holder_id("tier", MEDIUM_HOST), epoch="sim", events=events)
 
     def _result(self, requests: list, wall_s: float) -> RunResult:
         page_size = self.cost.page_size

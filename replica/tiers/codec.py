@@ -182,9 +182,10 @@ def new_page_tensors(page_format: PageFormat, num_pages: int) -> list[torch.Tens
 
 
 LOAD_WORKERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-"""Threads that decrypt (and, for the disk tier, read) a load's pages side by side. AES-GCM runs at ~2.5 GB/s on one
-core and releases the GIL, as do file reads and socket receives: on 2 cores two threads took a load of 16 float32
-pages from 1.2 to ~2 GB/s (disk), and let a Redis load decrypt one value while the next arrives."""
+"""Threads that read and decrypt a disk-tier load's pages side by side (``DiskTier.load``). AES-GCM runs at 2-3 GB/s
+on one core and releases the GIL, as do file reads: on 2 cores two threads decrypt at 3.2-3.8 GB/s (BENCHMARKS.md
+section 0b). A Redis load decrypts on its own thread: decrypting there while the next value arrives measured no
+gain."""
 _load_pool: ThreadPoolExecutor | None = None
 _load_pool_lock = threading.Lock()
 

@@ -72,8 +72,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT_MARKER_NAME = "FORMAT.json"
 INDEX_NAME = "index.sqlite"
-TIMED_OUT = object()
-"""What a page's read answers once the load has passed its time limit (the pages before it are still used)."""
 PAGE_SUFFIX = ".arrow"
 STALE_TEMP_AGE_S = 3600.0
 """Temporary files older than this are leftovers of a crashed writer and are deleted at start-up."""
@@ -96,6 +94,8 @@ MAX_PRIORITY = 1 << 31
 _RESIDENCY_MAX_KEYS = 4096
 """Keys one ``residency`` query asks about (SQLite binds at most 32766 variables; a prefix of 4096 pages is 512k
 tokens at page size 128)."""
+TIMED_OUT = object()
+"""What a page's read answers once the load has passed its time limit (the pages before it are still used)."""
 
 
 class IndexVersionError(RuntimeError):
@@ -475,7 +475,8 @@ class DiskTier(QueuedWriteTier):
     def enable_events(self, sink, *, resync_interval_s: float = 60.0) -> None:
         """Publish KV events (medium "DISK") for the pages this tier stores, and their removal by any process sharing
         root (the index's removal log, see ``replica.tiers.events.DiskRemovalSource``)."""
-        from replica.tiers.events import MEDIUM_DISK, DiskRemovalSource, TierEventTracker
+        from common.events import MEDIUM_DISK
+        from replica.tiers.events import DiskRemovalSource, TierEventTracker
 
         if self._events is None and self._index is not None:
             self._events = TierEventTracker(MEDIUM_DISK, DiskRemovalSource(self._index), sink, self.page_id,

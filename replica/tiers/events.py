@@ -45,10 +45,6 @@ logger = logging.getLogger(__name__)
 TierEventSink = Callable[[str, list[KVEvent]], None]
 """``sink(medium, events)``: the publisher's entry for tier events (``PagesStored`` with infos / ``PagesRemoved``)."""
 
-MEDIUM_HOST = "CPU"
-"""vLLM's medium name for KV offloaded to host memory (its CPU offloading connector); our Redis tier."""
-MEDIUM_DISK = "DISK"
-"""The medium name the KV-event consumers use for a disk tier (vLLM's schema leaves ``medium`` a free string)."""
 CHECK_CHUNK = 1024
 """Storage ids asked about in one existence check (one pipelined round trip / one SQL statement)."""
 

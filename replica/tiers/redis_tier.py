@@ -334,7 +334,8 @@ class RedisTier(QueuedWriteTier):
     def enable_events(self, sink, *, resync_interval_s: float = 60.0) -> None:
         """Publish KV events (medium "CPU") for the pages this tier stores, and their removal by anyone (Redis'
         evictions included: keyevent notifications, see ``replica.tiers.events.RedisRemovalSource``)."""
-        from replica.tiers.events import MEDIUM_HOST, RedisRemovalSource, TierEventTracker
+        from common.events import MEDIUM_HOST
+        from replica.tiers.events import RedisRemovalSource, TierEventTracker
 
         if self._events is None:
             source = RedisRemovalSource(self._client, self._page_key_prefix, self._run, self._url)
