@@ -312,7 +312,8 @@ def check_ray_peer_copy() -> None:
         leases = ray.get(holder.num_leases.remote())
         check("peer copy between Ray actors by CUDA IPC: output equals reference, pages bit-identical, lease released",
               tokens == generate(reference, second, 6) and cached["peer"] == 384 and same
-              and transport == ({"cuda_ipc": 3, "host": 0} if DEVICE == "cuda" else {"cuda_ipc": 0, "host": 3})
+              and transport == {"cuda_ipc": 0, "shared_memory": 0, "host": 0,
+                                ("cuda_ipc" if DEVICE == "cuda" else "shared_memory"): 3}
               and failures == 0 and leases == 0,
               f"cached={cached} transport={transport} ipc_failures={failures} leases_left={leases}")
 

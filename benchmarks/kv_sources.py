@@ -1,7 +1,8 @@
 """Time to obtain the KV pages of a shared prefix from each source, side by side in one run:
-recompute (prefill), peer copy (another process, through Ray's object store), Redis host tier, Arrow disk tier.
+recompute (prefill), peer copy (another process on this node: straight from its shared pool, and through Ray's object
+store as between nodes), Redis host tier, Arrow disk tier.
 Each fetch includes the write into the reader's page pool; wall time and the reading thread's CPU time are reported
-(the peer row's CPU excludes the holder process and Ray's threads).
+(the peer rows' CPU excludes the holder process, Ray's threads and the shared-pool copy's worker thread).
 Then TTFT of a request (prefix + new suffix) whose prefix is: in the replica's own cache (local hit, the reference),
 on the other replica (peer copy on), only in Redis, only on disk, or nowhere (recompute); with the ratio to the local
 hit. Background tier writes are flushed between measurements so one row does not slow the next.
@@ -35,7 +36,7 @@ from replica.config import EngineConfig
 from replica.engine import build_engine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
 from common.types import EngineRequest
-from replica.peer_copy import bundle_pages, unbundle_pages
+from replica.peer_copy import PeerExportRequest, ServePeerClient, bundle_pages, unbundle_pages
 from common.types import SamplingParams
 
 from bench.tiny_models import write_tiny_model
@@ -84,13 +85,27 @@ class Holder:
     def export(self, keys):
         return bundle_pages(export_pages(self.engine, list(keys)))
 
+    def export_pages(self, request: PeerExportRequest):
+        """What a replica answers a peer: where the pages lie in its shared pool when the peer is on this node and
+        names it, else a host bundle (``ServeReplica.export_pages`` on the CPU)."""
+        share = getattr(self.engine, "share_pages", None)  # a checkout before shared pools has none
+        if getattr(request, "node_id", None) is not None and share is not None:
+            from replica.shared_pool import node_id
 
-class RayPeerClient:
-    def __init__(self, holder) -> None:
-        self.holder = holder
+            if request.node_id == node_id():
+                shared = share(list(request.keys))
+                if shared is not None:
+                    return shared
+        return self.export(request.keys)
 
-    async def fetch(self, peer_id, keys):
-        return unbundle_pages(await self.holder.export.remote(list(keys)))
+
+def peer_client(holder, *, shared_memory: bool) -> ServePeerClient:
+    """The replicas' own peer client over the holder actor (``shared_memory=False``: it asks as a peer on another
+    node does, for a host bundle through the object store)."""
+    client = ServePeerClient("bench", "bench", timeout_s=60, handle=holder)
+    if not shared_memory:
+        client.node_id = None
+    return client
 
 
 def ttft(async_engine: AsyncEngine, prompt, request_id, peer_hint=None) -> tuple[float, dict]:
@@ -131,11 +146,17 @@ def main(argv=None) -> int:
         reader = build_engine(engine_config(args, "reader"))
         page_format = page_format_of(reader)
         host, disk = build_tiers(page_format, redis_url=redis_url, disk_cache_dir=disk_dir, disk_budget_bytes=4 << 30)
-        results = {"recompute": [], "peer": [], "host": [], "disk": []}
+        results = {"recompute": [], "peer (shared memory)": [], "peer (object store)": [], "host": [], "disk": []}
         cpu = {name: [] for name in results}
+        peers = {}
         if args.tiers_only:
-            del results["peer"]
-            del cpu["peer"]
+            for name in ("peer (shared memory)", "peer (object store)"):
+                del results[name]
+                del cpu[name]
+        else:
+            peers = {"peer (shared memory)": peer_client(holder, shared_memory=True),
+                     "peer (object store)": peer_client(holder, shared_memory=False)}
+        loop = asyncio.new_event_loop()
         for r in range(args.rounds):
             prefix = tokens(args.prefix_len, seed=r)
             keys = reader.page_keys(prefix)
@@ -154,14 +175,17 @@ def main(argv=None) -> int:
             page_id = 0
             if not args.tiers_only:
                 ray.get(holder.compute.remote(prefix))
-                # peer: export on the holder process, object store, unbundle, write into the reader's pool
+            for name, client in peers.items():
+                # peer: the replicas' client asks the holder process, copies (shared pool) or receives (object
+                # store) the pages, then they are written into the reader's pool
                 start, cpu_start = time.perf_counter(), time.thread_time()
-                got = unbundle_pages(ray.get(holder.export.remote(keys)))
+                got = loop.run_until_complete(client.fetch("holder", keys))
                 for page in got:
                     reader.runner.write_page(page_id, page.kv)
-                results["peer"].append(time.perf_counter() - start)
-                cpu["peer"].append(time.thread_time() - cpu_start)
-                assert len(got) == len(keys)
+                results[name].append(time.perf_counter() - start)
+                cpu[name].append(time.thread_time() - cpu_start)
+                assert len(got) == len(keys), name
+                del got
             for name, tier in (("host", host), ("disk", disk)):
                 start, cpu_start = time.perf_counter(), time.thread_time()
                 loaded = tier.load(keys, slices)
@@ -189,17 +213,18 @@ def main(argv=None) -> int:
             return 0
 
         # TTFT of a request whose prefix is local, on the other replica, in one shared tier, or nowhere
-        def make(rid: str, *, peer: bool = False, redis: bool = False, disk: bool = False) -> AsyncEngine:
+        def make(rid: str, *, peer: str | None = None, redis: bool = False, disk: bool = False) -> AsyncEngine:
             engine = build_engine(engine_config(args, rid))
             fmt = page_format_of(engine)
             tiers = build_tiers(fmt, redis_url=redis_url if redis else None, disk_cache_dir=disk_dir if disk else None,
                                 disk_budget_bytes=4 << 30) if (redis or disk) else []
-            fetcher = PrefixFetcher(fmt, tiers=tiers, peer_client=RayPeerClient(holder) if peer else None,
-                                    own_replica_id=rid)
+            client = peer_client(holder, shared_memory=peer == "shared") if peer else None
+            fetcher = PrefixFetcher(fmt, tiers=tiers, peer_client=client, own_replica_id=rid)
             return AsyncEngine(engine, fetcher)
 
-        modes = {"local hit (reference)": make("m0"), "peer copy (copy on, Redis behind it)": make("m1", peer=True,
-                                                                                                 redis=True),
+        modes = {"local hit (reference)": make("m0"),
+                 "peer copy, shared pool (copy on, Redis behind it)": make("m1", peer="shared", redis=True),
+                 "peer copy, object store (copy on, Redis behind it)": make("m5", peer="store", redis=True),
                  "Redis tier (copy off)": make("m2", redis=True), "disk tier": make("m3", disk=True),
                  "recompute (no shared tier)": make("m4")}
         ttfts = {name: [] for name in modes}
@@ -236,6 +261,7 @@ def main(argv=None) -> int:
             eng.shutdown()
         host.close()
         disk.close()
+        loop.close()
     finally:
         if ray.is_initialized():
             ray.shutdown()

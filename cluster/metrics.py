@@ -175,7 +175,8 @@ class ReplicaStatsCollector(Collector):
                     family.add_metric([report.replica_id, tier], getattr(tier_report.stats, field_name))
             yield family
         transport = CounterMetricFamily(PREFIX + "kv_peer_pages",
-                                        "pages copied from a peer, by transport: cuda_ipc (device to device) | host",
+                                        "pages copied from a peer, by transport: cuda_ipc (device to device) | "
+                                        "shared_memory (from the pool of a CPU peer on this node) | host",
                                         labels=["replica", "transport"])
         for report in self._kv_sources:
             for name, value in report.peer_transport.items():

@@ -363,7 +363,8 @@ class KVSourceStats:
     tiers: dict[str, TierReport] = field(default_factory=dict)
     """By tier name ("host", "disk")."""
     peer_transport: dict[str, int] = field(default_factory=dict)
-    """Pages copied from peers by transport: "cuda_ipc" (device to device) or "host"."""
+    """Pages copied from peers by transport: "cuda_ipc" (device to device), "shared_memory" (straight from the pool
+    of a CPU peer on this node) or "host" (through the object store)."""
 
 
 @dataclass(frozen=True)

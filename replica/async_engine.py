@@ -22,9 +22,10 @@ from common.errors import EngineDeadError, InvalidRequestError
 from common.events import KVEvent
 from common.types import EngineRequest, EngineStats, PrefetchRequest, PrefetchResult, RequestOutput
 from replica.engine import AdmissionPlan, LLMEngine
-from replica.fetch_sharing import FetchPlan, FetchRegistry, SharedFetch, collect_pages
+from replica.fetch_sharing import FetchPlan, FetchRegistry, SharedFetch, collect_pages, run_deferred
 from replica.kv_sources import PrefixFetcher
 from replica.page_record import PageRecord
+from replica.shared_pool import SharedPoolBundle
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class AsyncEngine:
         sink = (loop, queue)
         self._request_to_sink[request_id] = sink
         participant = object()  # this call's share in fetches (request ids need not be unique while fetching)
+        fetches: list[SharedFetch] = []
         finished = False
         rejected = False
         try:
@@ -97,6 +99,7 @@ class AsyncEngine:
                 raise
             if admitted is not None:  # pages to fetch first (or shared with a fetch under way): only this request waits
                 plan, fetch_plan = admitted
+                fetches = [segment.fetch for segment in fetch_plan.segments if segment.fetch is not None]
                 fetched = await self._collect(plan, fetch_plan)
                 self._submit(lambda: self._add(plan, fetched, participant))
             while True:
@@ -104,11 +107,13 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 item = coalesce_pending(item, queue)
+                run_deferred(fetches)  # the first token is out: the fetches' tier writes may take the CPU now
                 yield item
                 if item.finished:
                     finished = True
                     return
         finally:
+            run_deferred(fetches)
             if self._request_to_sink.get(request_id) is sink:
                 del self._request_to_sink[request_id]
             if not finished and not rejected:
@@ -157,6 +162,15 @@ class AsyncEngine:
         # tier loads and stores in the loop's default executor (nor they it)
         return await asyncio.get_running_loop().run_in_executor(self._export_pool, copy)
 
+    async def share_pages(self, keys: list[bytes]) -> SharedPoolBundle | None:
+        """For a peer on this node: where the leading pages of ``keys`` this replica holds lie in its pool's shared
+        memory (``LLMEngine.share_pages``; None when the pool is private). On the export threads: it may wait, like
+        ``export_pages``, for pages being computed."""
+        if self.engine.runner.shared_pool is None:
+            return None
+        share = functools.partial(self.engine.share_pages, list(keys), wait_for_computing_s=self.export_wait_s)
+        return await asyncio.get_running_loop().run_in_executor(self._export_pool, share)
+
     def _start_fetch(self, fetch: SharedFetch, loop: asyncio.AbstractEventLoop) -> None:
         """Engine thread: run ``fetch`` on ``loop``; its future is resolved whatever happens (``[]`` on failure)."""
         try:
@@ -175,7 +189,8 @@ class AsyncEngine:
         cancel it for the others)."""
         try:
             return await self.fetcher.fetch(list(fetch.keys), [list(tokens) for tokens in fetch.token_ids],
-                                            peer_hint=fetch.peer_hint, parent_key=fetch.parent_key)
+                                            peer_hint=fetch.peer_hint, parent_key=fetch.parent_key,
+                                            defer_store=fetch.deferred)
         except Exception:  # noqa: BLE001 - sources degrade to recompute, never fail the request
             logger.exception("fetching prefix pages failed; recomputing them")
             return []
@@ -263,6 +278,7 @@ class AsyncEngine:
             self._fetches.leave(participant)
             return engine.import_prefix(keys, num_local, pages, salted=request.cache_salt is not None)
 
+        fetch_plan = None
         try:
             num_local, fetch_plan = await self._call(plan_fetch)
             if fetch_plan is None:
@@ -275,6 +291,8 @@ class AsyncEngine:
             num_copied, _ = await self._call(lambda: import_pages(num_local, pages))
         finally:
             self._submit(lambda: self._fetches.leave(participant))  # no-op once imported
+            if fetch_plan is not None:
+                run_deferred(segment.fetch for segment in fetch_plan.segments if segment.fetch is not None)
         error = None
         if num_local + num_copied < num_pages:
             error = f"{num_pages - num_local - num_copied} page(s) not copied (peer lacked them or no room)"

@@ -144,6 +144,9 @@ class EngineConfig:
     replica_id: str = "replica-0"
     enable_peer_copy: bool = True
     """Copy a prefix held by another replica (named by the router) instead of recomputing it."""
+    share_kv_pool: bool = True
+    """With peer copy on a CPU: keep the page pool in shared memory, so that peers on this node copy pages straight
+    out of it (replica/shared_pool.py) instead of through Ray's object store."""
     redis_url: str | None = None
     """Shared host tier; None disables it."""
     disk_cache_dir: str | None = None

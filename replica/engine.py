@@ -35,6 +35,7 @@ from replica.page_record import PageRecord
 from replica.sampling import sample_tokens
 from replica.scheduler import PageImport, Scheduler, num_reusable_pages
 from replica.sequence import Sequence
+from replica.shared_pool import SharedPoolBundle
 from replica.tiers.base import RetentionUpdate
 
 logger = logging.getLogger(__name__)
@@ -99,12 +100,15 @@ class LLMEngine:
                 "raise --kv-cache-memory (at least two pages are needed)"
             )
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size, device=self.device,
-                                  enforce_eager=config.enforce_eager)
+                                  enforce_eager=config.enforce_eager,
+                                  shared_pool=config.enable_peer_copy and config.share_kv_pool and enable_prefix_caching)
         self.model_fingerprint = self.runner.fingerprint
         self.vocab_size = model.config.get_text_config().vocab_size
         self.max_model_len = self._resolve_max_model_len(model.config, num_pages)
         self.kv = KVCacheManager(num_pages, config.page_size, enable_prefix_caching=enable_prefix_caching,
                                  max_retained_pages=int(num_pages * config.kv_cache_retention_budget), clock=clock)
+        if self.runner.shared_pool is not None:
+            self.kv.exports.generations = self.runner.shared_pool.generations
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -449,6 +453,19 @@ class LLMEngine:
             return pages
         finally:
             self.kv.exports.unpin([page.page_id for page in pinned])
+
+    def share_pages(self, keys: list[PageKey], *, wait_for_computing_s: float = 0.0) -> SharedPoolBundle | None:
+        """For a peer on this node: where the leading run of ``keys`` cached now lies in the pool's shared memory,
+        with the pages' generations (the peer copies them itself and checks the generations; replica/shared_pool.py).
+        Any thread; nothing is pinned or copied. None when the pool is private memory."""
+        shared = self.runner.shared_pool
+        if shared is None:
+            return None
+        if wait_for_computing_s > 0:
+            self.kv.exports.wait_for_computing(keys, wait_for_computing_s)
+        pages, generations = self.kv.exports.published_prefix(keys)
+        return shared.bundle([page.key for page in pages], [page.token_ids for page in pages],
+                             [page.page_id for page in pages], generations)
 
     def _copy_pages(self, keys, page_ids, token_ids, *, to_cpu: bool, contiguous: bool,
                     peek: bool = False) -> list[PageRecord]:

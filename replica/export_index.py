@@ -21,6 +21,10 @@ A peer may also ask for a prefix this replica is computing right now (requests s
 names the pages being computed each step with ``set_computing``). No pin is held while waiting, so the engine never
 waits for a waiting export.
 
+A peer on the same node copies without a pin, straight from the pool's shared memory (replica/shared_pool.py): it is
+told each page's generation, which ``withdraw`` increments under the lock before the page can be reused, and keeps
+only the pages whose generation had not moved when its copy ended.
+
 A page is pinned only while its key is published, under the lock, and withdrawing a key also happens under the lock,
 so once ``withdraw`` returns no new pin on that page can start; ``wait_unpinned`` then waits for the copies already
 under way (a copy of a few pages: milliseconds). The engine's reference counts and free queue are untouched by an
@@ -57,6 +61,9 @@ class ExportIndex:
         self._key_to_page: dict[PageKey, tuple[int, tuple[int, ...]]] = {}
         self._computing: set[PageKey] = set()
         self._page_to_pins: dict[int, int] = {}
+        self.generations = None
+        """Per page, a count of its keys withdrawn (an int64 tensor of the pool's shared memory,
+        replica/shared_pool.py; None when the pool is private): peers that copy a page without a pin check it."""
         self.num_reuse_waits = 0
         """How often the engine had to wait for a copy before reusing a page (for tests and diagnosis)."""
 
@@ -69,12 +76,18 @@ class ExportIndex:
             self._changed.notify_all()
 
     def withdraw(self, key: PageKey) -> None:
-        """``key`` left the prefix cache: no copy may start on its page from now on."""
+        """``key`` left the prefix cache: no copy may start on its page from now on (and a copy without a pin that
+        is under way sees the page's generation move)."""
         with self._lock:
-            self._key_to_page.pop(key, None)
+            found = self._key_to_page.pop(key, None)
+            if found is not None and self.generations is not None:
+                self.generations[found[0]] += 1
 
     def clear(self) -> None:
         with self._lock:
+            if self.generations is not None:
+                for page_id, _ in self._key_to_page.values():
+                    self.generations[page_id] += 1
             self._key_to_page.clear()
 
     def wait_unpinned(self, page_ids: Iterable[int]) -> None:
@@ -131,6 +144,19 @@ class ExportIndex:
             for page in pinned:
                 self._page_to_pins[page.page_id] = self._page_to_pins.get(page.page_id, 0) + 1
         return pinned
+
+    def published_prefix(self, keys: Sequence[PageKey]) -> tuple[list[PinnedPage], list[int]]:
+        """The leading run of ``keys`` that is published, with each page's generation now (no pin: for a copy that
+        checks the generations afterwards; needs ``generations``)."""
+        found_pages = []
+        with self._lock:
+            for key in keys:
+                found = self._key_to_page.get(key)
+                if found is None:
+                    break
+                found_pages.append(PinnedPage(key, *found))
+            generations = self.generations[[page.page_id for page in found_pages]].tolist() if found_pages else []
+        return found_pages, generations
 
     def unpin(self, page_ids: Iterable[int]) -> None:
         with self._lock:

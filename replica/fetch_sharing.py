@@ -29,10 +29,13 @@ The registry holds no torch objects; the pages themselves (``PageRecord``) are o
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from dataclasses import dataclass, field
 from typing import Collection, Mapping, Sequence
 
 from common.page_keys import PageKey
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -47,6 +50,19 @@ class SharedFetch:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     num_participants: int = 0
     """Requests that joined (or started) it and have not yet handed their pages to the scheduler or left."""
+
+    deferred: list = field(default_factory=list)
+    """Work to run once its pages have served a first token (writing pages copied from a peer to the shared tiers:
+    run before, it takes CPU from the prefill waiting for them). Run on the event loop by ``run_deferred``."""
+
+    def run_deferred(self) -> None:
+        """Run and forget the deferred work (any participant may call it: it runs once)."""
+        while self.deferred:
+            work = self.deferred.pop(0)
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - deferred work is a cache write, never a request failure
+                logger.exception("deferred work of a prefix fetch failed")
 
     def resolve(self, pages: list) -> None:
         """Resolve ``future`` to ``pages`` unless it already is (the fetch's end and shutdown may race)."""
@@ -188,3 +204,9 @@ def collect_pages(plan: FetchPlan, results: Sequence[Sequence], keys: Sequence[P
         if len(got) < segment.count:
             break
     return pages
+
+
+def run_deferred(fetches) -> None:
+    """``SharedFetch.run_deferred`` of each of ``fetches`` (on the event loop)."""
+    for fetch in fetches:
+        fetch.run_deferred()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -92,16 +93,24 @@ class PrefixFetcher:
         *,
         peer_hint: str | None = None,
         parent_key: PageKey | None = None,
+        defer_store: list | None = None,
     ) -> list[PageRecord]:
         """The leading run of ``keys`` found in the sources, in order (peer, host, disk), verified. ``parent_key``:
         the key of the page before ``keys[0]`` (None if ``keys[0]`` is page 0); pages copied from a peer are being
-        reused, so they are written to the tiers."""
+        reused, so they are written to the tiers: at once, or, given ``defer_store``, by a callable appended to it
+        that the caller runs on the event loop when it likes (after the first token: sealing and sending them
+        would take CPU from the prefill that waits for them)."""
         pages: list[PageRecord] = []
         if self.peer_client is not None and peer_hint and peer_hint != self.own_replica_id:
             pages.extend(await self._fetch_from_peer(peer_hint, keys, token_ids_per_page))
             if pages and self.tiers:  # off the request's path: the copies for the writers run on a worker thread
-                self._store_in_background([page for page in pages if not self._is_known(page.key)], parent_key,
-                                          list(pages))
+                copied = list(pages)
+                store = functools.partial(self._store_in_background,
+                                          [page for page in copied if not self._is_known(page.key)], parent_key, copied)
+                if defer_store is None:
+                    store()
+                else:
+                    defer_store.append(store)
         for tier in self.tiers:
             if len(pages) == len(keys):
                 break

@@ -29,6 +29,7 @@ from replica.attention_op import forward_context
 from replica.compile import CompiledEntry, cached_compiled_forward
 from replica.llama import CompactCausalLM, unsupported_reason
 from replica.page_pool import allocate_kv_tensor, bytes_per_page
+from replica.shared_pool import allocate_shared_pool
 from replica.paged_attention import (
     DecodeBatch,
     DecodeRow,
@@ -119,12 +120,14 @@ class ModelRunner:
         enforce_eager: bool = False,
         backend: str | None = None,
         compile_options: dict | None = None,
+        shared_pool: bool = False,
     ) -> None:
         """``enforce_eager`` (or the environment variable ``PREFIXSERVE_ENFORCE_EAGER=1``) turns compilation off.
         ``backend`` forces one of ``BACKENDS`` (benchmarks, tests; it overrides ``enforce_eager``); by default the
         compact model is compiled on CPU for the dtypes in ``COMPILED_DTYPES`` and run eagerly otherwise, and models
         it does not cover run on transformers. ``compile_options`` replaces the dtype's
-        ``replica.compile.INDUCTOR_OPTIONS``."""
+        ``replica.compile.INDUCTOR_OPTIONS``. ``shared_pool``: on the CPU, place the page pool in shared memory so
+        that peers on this node copy pages straight out of it (falls back to private memory where impossible)."""
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         enforce_eager = enforce_eager or os.environ.get(ENFORCE_EAGER_ENV, "") not in ("", "0")
@@ -134,15 +137,23 @@ class ModelRunner:
         self.page_size = page_size
         self.dtype = next(model.parameters()).dtype
         self.geometry = kv_geometry(model.config)
-        self.kv_cache = allocate_kv_tensor(
-            num_layers=self.geometry.num_layers,
-            num_pages=num_pages,
-            page_size=page_size,
-            num_kv_heads=self.geometry.num_kv_heads,
-            head_dim=self.geometry.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        kv_shape = (self.geometry.num_layers, 2, num_pages, page_size, self.geometry.num_kv_heads,
+                    self.geometry.head_dim)
+        self.shared_pool = (allocate_shared_pool(kv_shape, self.dtype)
+                            if shared_pool and self.device.type == "cpu" else None)
+        """The pool's shared memory, for peers on this node (replica/shared_pool.py); None: private memory."""
+        if self.shared_pool is not None:
+            self.kv_cache = self.shared_pool.kv
+        else:
+            self.kv_cache = allocate_kv_tensor(
+                num_layers=self.geometry.num_layers,
+                num_pages=num_pages,
+                page_size=page_size,
+                num_kv_heads=self.geometry.num_kv_heads,
+                head_dim=self.geometry.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
         self.fingerprint = compute_model_fingerprint(model, self.dtype)
         self.decode_kernel = self.device.type == "cpu" and cpu_kernels.load()  # built once per machine type
         self.fallback_reason = unsupported_reason(model) if backend != "transformers" else "asked for"

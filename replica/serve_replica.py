@@ -9,7 +9,8 @@ prefix-aware request router). The ingress calls it through a ``DeploymentHandle`
     handle.broadcast("stats")                                     -> one EngineStats per replica (for /metrics)
     handle.broadcast("kv_source_stats")                           -> one KVSourceStats per replica (for /metrics)
     handle.broadcast("pin_prefix", PinPrefix) / ("unpin_prefix", id) / ("prefix_reports")   -> admin (retention)
-    handle.export_pages.remote(PeerExportRequest)                 -> PageBundle | CudaIpcBundle (peer copy, holder)
+    handle.export_pages.remote(PeerExportRequest)                 -> PageBundle | CudaIpcBundle | SharedPoolBundle
+                                                                     (peer copy, holder)
     handle.release_pages.remote(PeerRelease)                      -> bool (a CUDA IPC copy is done)
     handle.prefetch_prefix.remote(PrefetchRequest)                -> PrefetchResult (hot-prefix replication, target)
 
@@ -41,6 +42,7 @@ from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
 from replica.event_log import ReplicaEventLog, TierEventRelay
 from replica.kv_event_publisher import build_publisher
 from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient, bundle_pages
+from replica.shared_pool import SharedPoolBundle, node_id
 
 logger = logging.getLogger(__name__)
 
@@ -132,12 +134,17 @@ class ServeReplica:
         async for output in self.engine.generate(request):
             yield output
 
-    async def export_pages(self, request: PeerExportRequest) -> PageBundle | CudaIpcBundle:
-        """Peer copy, holder side: the leading pages of ``request.keys`` this replica holds (pinned while copied),
-        as a CUDA IPC bundle when the receiver shares a GPU host with this replica, else as a host bundle.
-        A request that reached another replica than its target (the target left) answers no pages."""
+    async def export_pages(self, request: PeerExportRequest) -> PageBundle | CudaIpcBundle | SharedPoolBundle:
+        """Peer copy, holder side: the leading pages of ``request.keys`` this replica holds, as where they lie in this
+        replica's shared pool when the receiver is a CPU replica of this node, as a CUDA IPC bundle when it shares a
+        GPU host with this replica, else as a host bundle (pinned while copied). A request that reached another
+        replica than its target (the target left) answers no pages."""
         if request.target_replica != self.replica_id:
             return bundle_pages([])
+        if request.node_id is not None and request.node_id == node_id():
+            shared = await self.engine.share_pages(list(request.keys))
+            if shared is not None:
+                return shared
         if self.ipc_exporter is not None and self.ipc_exporter.can_serve(request.ipc_target):
             pages = await self.engine.export_pages(list(request.keys), to_cpu=False)
             if pages:

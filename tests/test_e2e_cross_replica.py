@@ -119,8 +119,11 @@ def test_prefix_on_another_replica_is_copied_from_the_peer(http_base, tiny_llama
     num_peer_tokens = cached + cached_of(local.usage)[1]["peer"]
     peer_pages = metric_values(metrics, "prefixserve_kv_fetch_pages_total")
     assert sum(v for labels, v in peer_pages.items() if 'source="peer"' in labels) == num_peer_tokens // PAGE_SIZE
-    by_transport = metric_values(metrics, "prefixserve_kv_peer_pages_total")  # CPU replicas: through host memory
-    assert sum(v for labels, v in by_transport.items() if 'transport="host"' in labels) == num_peer_tokens // PAGE_SIZE
+    # CPU replicas of one node: straight from the holder's shared pool, not through the object store
+    by_transport = metric_values(metrics, "prefixserve_kv_peer_pages_total")
+    assert sum(v for labels, v in by_transport.items() if 'transport="shared_memory"' in labels) == \
+        num_peer_tokens // PAGE_SIZE
+    assert sum(v for labels, v in by_transport.items() if 'transport="host"' in labels) == 0
     assert sum(v for labels, v in by_transport.items() if 'transport="cuda_ipc"' in labels) == 0
     peer_bytes = metric_values(metrics, "prefixserve_kv_fetch_bytes_total")
     assert sum(v for labels, v in peer_bytes.items() if 'source="peer"' in labels) > 0

@@ -5,6 +5,7 @@ prefix came from local pages, a peer replica, the Redis host tier, the Arrow dis
 import asyncio
 import copy
 import os
+import time
 
 import pytest
 import torch
@@ -310,6 +311,61 @@ def test_pages_copied_from_a_peer_are_written(tiny, prompts, tmp_path):
         tier = copier.fetcher.tiers[0]
         assert tier.stats().pages_stored == PREFIX_PAGES  # the peer pages; not the request's own computed tail
         assert tier.lookup(holder.engine.page_keys(second)) == PREFIX_PAGES
+    finally:
+        holder.shutdown()
+        copier.shutdown()
+
+
+def test_pages_copied_from_a_peer_are_written_after_the_first_token(tiny, prompts, tmp_path):
+    """Sealing and sending the copied pages would take CPU from the prefill that waits for them: the fetch defers
+    the write, and the request starts it once its first token is out."""
+    first, second = prompts
+    holder = make_async_engine(tiny, "A", write_policy="reused")
+    copier = make_async_engine(tiny, "B", disk_dir=str(tmp_path / "disk"), peer_client=LocalPeerClient({"A": holder}),
+                               write_policy="reused")
+    store = copier.fetcher._store_in_background
+    first_token_at_store = []
+
+    def recording_store(pages, parent_key, chain):
+        tracked = copier.engine._tracked.get("b")
+        first_token_at_store.append(tracked.first_token_at if tracked else None)
+        return store(pages, parent_key, chain)
+
+    copier.fetcher._store_in_background = recording_store
+    try:
+        asyncio.run(ask(holder, first, "a"))
+        tokens, cached = asyncio.run(ask(copier, second, "b", peer_hint="A"))
+        assert tokens == tiny.generate(second, NUM_OUT) and cached.peer == PREFIX_PAGES * 128
+        assert len(first_token_at_store) == 1 and first_token_at_store[0] > 0  # once, after the first token
+        deadline = time.monotonic() + 10
+        while copier.fetcher._background and time.monotonic() < deadline:
+            time.sleep(0.01)
+        flush(copier)
+        assert copier.fetcher.tiers[0].stats().pages_stored == PREFIX_PAGES
+
+        # the fetcher on its own: with ``defer_store`` nothing is written until the caller runs what it was given
+        third = second[: PREFIX_PAGES * 128]
+        later: list = []
+        tiers = build_tiers(copier.fetcher.page_format, redis_url=None, disk_cache_dir=str(tmp_path / "disk2"),
+                            disk_budget_bytes=1 << 30, tier_key=TIER_KEY)
+        fetcher = PrefixFetcher(copier.fetcher.page_format, tiers=tiers, peer_client=LocalPeerClient({"A": holder}),
+                                own_replica_id="C")
+        keys = holder.engine.page_keys(third)
+        tokens_per_page = [third[i * 128:(i + 1) * 128] for i in range(PREFIX_PAGES)]
+
+        async def fetch_then_store():
+            pages = await fetcher.fetch(keys, tokens_per_page, peer_hint="A", defer_store=later)
+            stored_before = fetcher.tiers[0].stats().pages_stored
+            assert len(later) == 1
+            later.pop()()
+            await asyncio.gather(*fetcher._background)
+            return pages, stored_before
+
+        pages, stored_before = asyncio.run(fetch_then_store())
+        assert len(pages) == PREFIX_PAGES and stored_before == 0
+        assert tiers[0].flush(timeout=10)
+        assert tiers[0].stats().pages_stored == PREFIX_PAGES
+        fetcher.close()
     finally:
         holder.shutdown()
         copier.shutdown()

@@ -1,9 +1,10 @@
 """Peer copy between two replica processes, through the replica's own export / release methods and ServePeerClient.
 
 The two ``ServeReplica``s run in separate processes (spawned), joined by a pipe that stands in for the Serve handle
-(the same ``export_pages.remote`` / ``release_pages.remote`` calls). On the CPU the pages travel as a host bundle; on a
-CUDA machine the holder answers a CUDA IPC bundle and the receiver copies device to device (these cases are skipped
-without a GPU; benchmarks/gpu_check.py runs them on the lent GPU machine, and also over real Ray actors).
+(the same ``export_pages.remote`` / ``release_pages.remote`` calls). On the CPU the receiver copies the pages straight
+out of the holder's shared pool, or, when it does not name its node (as across nodes), they travel as a host bundle;
+on a CUDA machine the holder answers a CUDA IPC bundle and the receiver copies device to device (these cases are
+skipped without a GPU; benchmarks/gpu_check.py runs them on the lent GPU machine, and also over real Ray actors).
 
 Checked: the receiver's greedy tokens equal transformers' ``generate`` on the same weights, the prefix is counted as
 ``peer`` tokens, the copied pages are bit-identical to the holder's, the transport used, and that the holder's lease
@@ -31,9 +32,10 @@ from common.types import SamplingParams
 
 PAGE_SIZE = 128
 NUM_OUT = 8
-DEVICES = [
-    "cpu",
-    pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+TRANSPORTS = [  # (devices, transport)
+    ("cpu", "shared_memory"),
+    ("cpu", "host"),
+    pytest.param("gpu", "cuda_ipc", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
 ]
 
 
@@ -129,8 +131,8 @@ def reference_tokens(tiny_llama_dir):
     return generate
 
 
-@pytest.mark.parametrize("devices", DEVICES)
-def test_prefix_copied_from_a_replica_in_another_process(tiny_llama_dir, reference_tokens, devices):
+@pytest.mark.parametrize("devices,transport", TRANSPORTS)
+def test_prefix_copied_from_a_replica_in_another_process(tiny_llama_dir, reference_tokens, devices, transport):
     from replica.serve_replica import ServeReplica
 
     context = multiprocessing.get_context("spawn")
@@ -140,6 +142,8 @@ def test_prefix_copied_from_a_replica_in_another_process(tiny_llama_dir, referen
     handle = PipeHandle(parent_conn)
     device = "cuda" if devices == "gpu" else "cpu"
     client = ServePeerClient("unused", "unused", timeout_s=120, device=device, handle=handle)
+    if transport == "host":
+        client.node_id = None  # as a receiver on another node asks
     receiver = ServeReplica(engine_config(tiny_llama_dir, devices, "receiver"), "tiny", peer_client=client)
     try:
         prefix = prompt(3 * PAGE_SIZE + 20, seed=1)
@@ -149,9 +153,8 @@ def test_prefix_copied_from_a_replica_in_another_process(tiny_llama_dir, referen
 
         assert tokens == reference_tokens(second)
         assert cached == {"local": 0, "peer": 3 * PAGE_SIZE, "host": 0, "disk": 0}
-        transport = "cuda_ipc" if devices == "gpu" else "host"
-        assert client.transport_stats.pages == {"cuda_ipc": 0, "host": 0, transport: 3}
-        assert client.transport_stats.ipc_failures == 0
+        assert client.transport_stats.pages == {"cuda_ipc": 0, "shared_memory": 0, "host": 0, transport: 3}
+        assert client.transport_stats.ipc_failures == client.transport_stats.shared_memory_failures == 0
 
         keys = receiver.engine.engine.page_keys(second)[:3]
         held = handle.call("read_pages", keys)
@@ -222,7 +225,7 @@ def test_unopenable_ipc_bundle_falls_back_to_a_host_copy():
     assert [(page.key, page.token_ids) for page in got] == [(page.key, page.token_ids) for page in pages]
     assert all(torch.equal(page.kv, expected.kv) for page, expected in zip(got, pages))
     assert {page.source for page in got} == {CacheSource.PEER}
-    assert client.transport_stats.pages == {"cuda_ipc": 0, "host": 3}
+    assert client.transport_stats.pages == {"cuda_ipc": 0, "shared_memory": 0, "host": 3}
     assert client.transport_stats.ipc_failures == 1
 
 

@@ -793,3 +793,24 @@ def test_reply_reader_raises_when_the_server_closes_mid_reply():
             reader.bulk(32)
     finally:
         ours.close()
+
+
+def test_the_tier_writer_thread_yields_the_cpu_to_the_engine():
+    """Sealing and sending pages runs below the process's other threads (nice + WRITER_NICE)."""
+    import os
+    import threading
+
+    from replica.tiers.writer import WRITER_NICE, BackgroundWriter
+
+    seen = []
+
+    def write_pages(batch):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    writer = BackgroundWriter(name="test", write_pages=write_pages, on_failure=lambda batch: None, capacity=4)
+    try:
+        assert writer.submit(["page"]) == 1 and writer.flush(10)
+        own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert seen == [min(own + WRITER_NICE, 19)]
+    finally:
+        writer.close()

@@ -4,7 +4,9 @@
                         <------------ capacity counts pending + in flight ------------>
 
 ``submit`` never blocks: it accepts what fits under the capacity and rejects the rest (the caller counts them as
-dropped). Because in-flight pages count against the capacity, how many pages one ``submit`` accepts does not depend on
+dropped). The thread runs at a lower CPU priority (``WRITER_NICE``): sealing and sending pages is background work, and
+on a small machine it otherwise takes a core from the engine's next step (the prefill of the request whose copied
+pages it writes). Because in-flight pages count against the capacity, how many pages one ``submit`` accepts does not depend on
 the writer thread's timing.
 """
 
@@ -12,12 +14,25 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from typing import Callable, Sequence
 
 from replica.tiers.base import StoredPage
 
 logger = logging.getLogger(__name__)
+
+WRITER_NICE = 10
+"""Added to the writer thread's nice value (Linux schedules threads on their own; raising it needs no privilege)."""
+
+
+def lower_thread_priority(increment: int = WRITER_NICE) -> None:
+    """Make the calling thread yield the CPU to the process's other threads (a no-op where unsupported)."""
+    try:
+        thread_id = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread_id, os.getpriority(os.PRIO_PROCESS, thread_id) + increment)
+    except (AttributeError, OSError):
+        pass
 
 
 class BackgroundWriter:
@@ -83,6 +98,7 @@ class BackgroundWriter:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        lower_thread_priority()
         while True:
             batch = self._take_batch()
             if batch is None:

@@ -1,0 +1,178 @@
+"""Peer copy from a CPU holder's pool in shared memory (replica/shared_pool.py), without Ray.
+
+Checked: the engine's pool lives in shared memory when peer copy is on; a receiver's copy of shared pages is bit-equal
+to the holder's own export; a page the holder reuses (evicted, reset) before or during the copy is dropped with the
+pages after it; a pool that cannot be opened, or is not the one named, is refused and the client asks for a host
+bundle instead; without shared memory the engine works on private memory and offers nothing. The cross-process copy
+and greedy equality are in tests/test_peer_transport.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from common.types import CacheSource, EngineRequest, SamplingParams
+from replica import shared_pool
+from replica.export_index import ExportIndex
+from replica.peer_copy import PeerExportRequest, ServePeerClient, bundle_pages
+from replica.shared_pool import PoolReader, SharedPool, SharedPoolBundle, map_pool
+from tests.engine_utils import TinyModel
+
+PAGE = 128
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return TinyModel("llama")
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (length,), generator=generator).tolist()
+
+
+def run(engine, tokens: list[int], request_id: str) -> None:
+    engine.add_request(EngineRequest(request_id, tokens, SamplingParams(max_tokens=1, temperature=0.0)))
+    while engine.has_work():
+        engine.step()
+
+
+def test_a_peer_copies_shared_pages_bit_exact_and_drops_them_once_reused(tiny):
+    holder = tiny.engine(num_pages=8)
+    assert holder.runner.shared_pool is not None  # peer copy on, CPU: the pool is shared memory
+    assert holder.runner.kv_cache.data_ptr() == holder.runner.shared_pool.kv.data_ptr()
+    first = prompt(3 * PAGE + 5, seed=1)
+    run(holder, first, "a")
+    keys = holder.page_keys(first)
+
+    bundle = holder.share_pages(keys + [b"\x01" * 32])  # a key it never held ends the run
+    assert bundle.keys == keys and bundle.page_ids == [holder.kv.cache.lookup(key) for key in keys]
+    reader = PoolReader()
+    copied = reader.copy_pages(bundle)
+    exported = holder.export_pages(keys)
+    assert [(page.key, page.token_ids) for page in copied] == [(page.key, page.token_ids) for page in exported]
+    assert all(torch.equal(mine.kv, theirs.kv) for mine, theirs in zip(copied, exported))
+    assert {page.source for page in copied} == {CacheSource.PEER}
+    assert all(page.kv.data_ptr() != holder.runner.kv_cache.data_ptr() for page in copied)  # owned copies
+
+    # the holder evicts the prefix for other prompts: the same answer now copies nothing
+    for seed in range(2, 6):
+        run(holder, prompt(3 * PAGE + 5, seed=10 + seed), f"b{seed}")
+    assert holder.kv.match_prefix(keys) == []
+    assert reader.copy_pages(bundle) == []
+    assert reader.num_stale_pages == 3
+
+    run(holder, first, "c")  # computed again: a fresh answer copies again, and a reset makes that one stale
+    again = holder.share_pages(keys)
+    assert len(reader.copy_pages(again)) == 3
+    assert holder.reset_prefix_cache()
+    assert reader.copy_pages(again) == []
+
+
+def test_a_page_reused_while_it_is_copied_ends_the_run_there():
+    index = ExportIndex()
+    pool = SharedPool((1, 2, 4, 8, 1, 4), torch.float32)
+    index.generations = pool.generations
+    pool.kv.copy_(torch.arange(pool.kv.numel(), dtype=torch.float32).view(pool.kv.shape))
+    keys = [bytes([n + 1]) * 32 for n in range(4)]
+    for page_id, key in enumerate(keys):
+        index.publish(key, page_id, (page_id,))
+    found, generations = index.published_prefix(keys)
+    bundle = pool.bundle([page.key for page in found], [page.token_ids for page in found],
+                         [page.page_id for page in found], generations)
+    reader = PoolReader()
+    kv, gens = reader._mapped(bundle.location)
+
+    class ReusedMidCopy:
+        """The holder withdraws page 2's key (and would rewrite it) while the receiver copies page 1."""
+
+        def __getitem__(self, item):
+            if item[2] == 1:
+                index.withdraw(keys[2])
+            return kv[item]
+
+    reader._mappings[(bundle.location.pid, bundle.location.fd, bundle.location.inode)] = (ReusedMidCopy(), gens)
+    copied = reader.copy_pages(bundle)
+    assert [page.key for page in copied] == keys[:2]
+    assert all(torch.equal(page.kv, pool.kv[:, :, n]) for n, page in enumerate(copied))
+    assert reader.num_stale_pages == 2
+    assert index.published_prefix(keys)[0] == found[:2]  # no new copy can start on the withdrawn page
+
+
+def test_a_pool_that_is_not_the_one_named_is_refused():
+    pool = SharedPool((1, 2, 2, 8, 1, 4), torch.bfloat16)
+    location = pool.location
+    kv, _ = map_pool(location)
+    assert kv.shape == pool.kv.shape
+    with pytest.raises(ValueError, match="not the pool"):
+        map_pool(dataclasses.replace(location, inode=location.inode + 1))
+    with pytest.raises(ValueError, match="not the pool"):
+        map_pool(dataclasses.replace(location, nbytes=location.nbytes + 8))
+    with pytest.raises(ValueError, match="layout"):
+        map_pool(dataclasses.replace(location, generations_offset=8))
+    with pytest.raises(OSError):
+        map_pool(dataclasses.replace(location, fd=location.fd + 1000))
+    pool.close()
+    with pytest.raises(OSError):  # closed: no longer offered
+        map_pool(location)
+
+
+class HolderWithBadPool:
+    """A handle whose holder answers a shared-pool bundle this process cannot open, then (asked again) a host one."""
+
+    def __init__(self, pages, location) -> None:
+        self.pages, self.location, self.requests = pages, location, []
+        outer = self
+
+        class Export:
+            @staticmethod
+            def remote(request):
+                outer.requests.append(request)
+                return outer._answer(request)
+
+        self.export_pages = Export
+
+    async def _answer(self, request):
+        if request.node_id is None:
+            return bundle_pages(self.pages)
+        return SharedPoolBundle([page.key for page in self.pages], [list(page.token_ids) for page in self.pages],
+                                [0, 1], [0, 0], self.location)
+
+
+def test_an_unopenable_shared_pool_falls_back_to_a_host_copy():
+    from replica.page_record import PageRecord
+
+    pages = [PageRecord(bytes([n + 1]) * 32, (n,), torch.full((1, 2, 8, 1, 4), float(n))) for n in range(2)]
+    pool = SharedPool((1, 2, 2, 8, 1, 4), torch.float32)
+    handle = HolderWithBadPool(pages, dataclasses.replace(pool.location, inode=pool.location.inode + 1))
+    client = ServePeerClient("unused", "unused", handle=handle)
+    assert client.node_id == shared_pool.node_id()
+
+    got = asyncio.run(client.fetch("holder", [page.key for page in pages]))
+
+    assert [request.node_id for request in handle.requests] == [client.node_id, None]
+    assert all(torch.equal(page.kv, want.kv) for page, want in zip(got, pages)) and len(got) == 2
+    assert client.transport_stats.pages == {"cuda_ipc": 0, "shared_memory": 0, "host": 2}
+    assert client.transport_stats.shared_memory_failures == 1
+
+
+def test_without_shared_memory_the_pool_is_private_and_nothing_is_shared(tiny, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(os, "memfd_create", refuse)
+    engine = tiny.engine(num_pages=8)
+    assert engine.runner.shared_pool is None and engine.kv.exports.generations is None
+    tokens = prompt(2 * PAGE + 3, seed=7)
+    run(engine, tokens, "a")
+    assert engine.share_pages(engine.page_keys(tokens)) is None
+    assert len(engine.export_pages(engine.page_keys(tokens))) == 2
+    monkeypatch.undo()
+    assert tiny.engine(num_pages=8, share_kv_pool=False).runner.shared_pool is None
+    assert tiny.engine(num_pages=8, enable_peer_copy=False).runner.shared_pool is None
+    assert PeerExportRequest("r", []).node_id is None  # an old-style request is answered with a host bundle
