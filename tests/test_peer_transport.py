@@ -63,6 +63,7 @@ async def ask(replica, tokens: list[int], request_id: str, peer_hint: str | None
 def holder_main(conn, model_dir: str, devices: str) -> None:
     """The holder replica's process: answers (operation, argument) messages until "stop"."""
     from replica.serve_replica import ServeReplica
+    from replica.shared_pool import node_id
 
     torch.set_num_threads(1)
     replica = ServeReplica(engine_config(model_dir, devices, "holder"), "tiny")
@@ -74,6 +75,7 @@ def holder_main(conn, model_dir: str, devices: str) -> None:
         "read_pages": lambda keys: [(page.key, page.token_ids, page.kv) for page in
                                     loop.run_until_complete(replica.engine.export_pages(keys))],
         "num_leases": lambda _: None if replica.ipc_exporter is None else replica.ipc_exporter.num_leases,
+        "node_id": lambda _: node_id(),
     }
     while True:
         operation, argument = conn.recv()
@@ -144,6 +146,8 @@ def test_prefix_copied_from_a_replica_in_another_process(tiny_llama_dir, referen
     client = ServePeerClient("unused", "unused", timeout_s=120, device=device, handle=handle)
     if transport == "host":
         client.node_id = None  # as a receiver on another node asks
+    elif devices == "cpu":  # the node as the holder names it (this test session may run Ray, the holder does not)
+        client.node_id = handle.call("node_id")
     receiver = ServeReplica(engine_config(tiny_llama_dir, devices, "receiver"), "tiny", peer_client=client)
     try:
         prefix = prompt(3 * PAGE_SIZE + 20, seed=1)
