@@ -101,6 +101,7 @@ class AsyncEngine:
                 plan, fetch_plan = admitted
                 fetches = [segment.fetch for segment in fetch_plan.segments if segment.fetch is not None]
                 fetched = await self._collect(plan, fetch_plan)
+                fetched = await self._ask_own_peer_for_the_rest(plan, fetch_plan, fetched, request.peer_hint)
                 self._submit(lambda: self._add(plan, fetched, participant))
             while True:
                 item = await queue.get()
@@ -206,6 +207,34 @@ class AsyncEngine:
         missing = plan.missing
         return await self._collect_pages(plan.page_keys[missing.start : missing.stop],
                                          plan.missing_token_ids(self.engine.config.page_size), fetch_plan)
+
+    async def _ask_own_peer_for_the_rest(self, plan: AdmissionPlan, fetch_plan: FetchPlan,
+                                         fetched: list[PageRecord], peer_hint: str | None) -> list[PageRecord]:
+        """A request that joined another request's fetch came back short, and that fetch asked another peer (or none)
+        than the one the router named for this request: ask this request's peer for the rest, before recomputing it.
+        (The shared fetch carries the hint of the request that started it, which may be stale: its peer may have
+        evicted the prefix since, while this request's router saw where the prefix is now.) The tiers are not asked
+        again: the shared fetch did. Pages copied here go to the tiers at once (a rare path)."""
+        missing = plan.missing
+        num_missing = missing.stop - missing.start
+        if (len(fetched) >= num_missing or not peer_hint or self.fetcher is None or self.fetcher.peer_client is None
+                or not self.engine.config.enable_peer_copy or peer_hint == self.fetcher.own_replica_id):
+            return fetched
+        covered = 0
+        for segment in fetch_plan.segments:  # the segment the run stopped in
+            covered += segment.count
+            if covered > len(fetched):
+                break
+        else:
+            return fetched
+        if segment.fetch is None or segment.fetch.peer_hint == peer_hint:
+            return fetched  # nothing to fetch, or this request's own peer was asked already
+        start = missing.start + len(fetched)
+        rest = await self.fetcher.fetch(plan.page_keys[start : missing.stop],
+                                        plan.missing_token_ids(self.engine.config.page_size)[len(fetched):],
+                                        peer_hint=peer_hint, parent_key=plan.page_keys[start - 1] if start else None,
+                                        use_tiers=False)
+        return fetched + rest
 
     @staticmethod
     async def _collect_pages(keys, token_ids, fetch_plan: FetchPlan) -> list[PageRecord]:

@@ -101,12 +101,13 @@ class PrefixFetcher:
         peer_hint: str | None = None,
         parent_key: PageKey | None = None,
         defer_store: list | None = None,
+        use_tiers: bool = True,
     ) -> list[PageRecord]:
         """The leading run of ``keys`` found in the sources, in order (peer, host, disk), verified. ``parent_key``:
         the key of the page before ``keys[0]`` (None if ``keys[0]`` is page 0); pages copied from a peer are being
         reused, so they are written to the tiers: at once, or, given ``defer_store``, by a callable appended to it
         that the caller runs on the event loop when it likes (after the first token: sealing and sending them
-        would take CPU from the prefill that waits for them)."""
+        would take CPU from the prefill that waits for them). ``use_tiers=False``: the peer only."""
         pages: list[PageRecord] = []
         if self.peer_client is not None and peer_hint and peer_hint != self.own_replica_id:
             pages.extend(await self._fetch_from_peer(peer_hint, keys, token_ids_per_page))
@@ -118,7 +119,7 @@ class PrefixFetcher:
                     store()
                 else:
                     defer_store.append(store)
-        for tier in self.tiers:
+        for tier in self.tiers if use_tiers else ():
             if len(pages) == len(keys):
                 break
             start = len(pages)

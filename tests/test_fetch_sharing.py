@@ -562,3 +562,49 @@ def test_a_call_after_shutdown_gets_an_error_instead_of_waiting_forever(tiny):
         asyncio.run(call_as_the_thread_ends())
     ending._thread.join(10)
     assert not ending._thread.is_alive()
+
+
+class RecordingGatedPeerClient(GatedPeerClient):
+    """``GatedPeerClient`` that also records which peer each call asked."""
+
+    def __init__(self, peers: dict) -> None:
+        super().__init__(peers)
+        self.peer_ids: list[str] = []
+
+    async def fetch(self, peer_id, page_keys):
+        self.peer_ids.append(peer_id)
+        return await super().fetch(peer_id, page_keys)
+
+
+def test_a_request_whose_joined_fetch_asked_a_stale_peer_asks_its_own_peer_for_the_rest(tiny):
+    """r0's router named peer "c", which no longer holds the prefix; r1's named "a", which does. r1 joins r0's fetch;
+    when that comes back empty, r1 asks "a" for the pages instead of recomputing them."""
+    peers = {}
+    client = RecordingGatedPeerClient(peers)
+    holder, stale = make_async_engine(tiny, "a"), make_async_engine(tiny, "c")
+    target = make_async_engine(tiny, "b", peer_client=client)
+    peers.update(a=holder, c=stale)
+    prompts = hot_prompts(2)
+    page_keys = target.engine.page_keys(prompts[0])[:3]
+
+    async def scenario():
+        await ask(holder, prompts[0], "warm")
+        first = asyncio.ensure_future(ask(target, prompts[0], "r0", peer_hint="c"))
+        await wait_for_participants(target, [1])
+        second = asyncio.ensure_future(ask(target, prompts[1], "r1", peer_hint="a"))
+        await wait_for_participants(target, [2])  # r1 joined r0's fetch (from "c")
+        client.gate.set()
+        results = await asyncio.gather(first, second)
+        await target.check_integrity()
+        return results
+
+    try:
+        (tokens0, cached0), (tokens1, cached1) = asyncio.run(scenario())
+        assert client.peer_ids == ["c", "a"] and client.calls == [page_keys, page_keys]
+        assert tokens0 == tiny.generate(prompts[0], NUM_OUT) and tokens1 == tiny.generate(prompts[1], NUM_OUT)
+        # r0 recomputes (its peer had nothing); r1 imports the pages from "a", or, when r0 committed them while r1
+        # was copying, is held back and reuses r0's: both are correct, neither recomputes twice
+        assert cached1.total == 3 * PAGE and cached0.peer == 0
+    finally:
+        for engine in (holder, stale, target):
+            engine.shutdown()
