@@ -171,7 +171,7 @@ def allocate_shared_pool(shape: tuple[int, ...], dtype: torch.dtype) -> SharedPo
 class PoolReader:
     """Receiver side: copies pages out of holders' pools, keeping the last few holders' pools mapped."""
 
-    def __init__(self, max_mappings: int = 8) -> None:
+    def __init__(self, max_mappings: int = 64) -> None:
         self.max_mappings = max_mappings
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peer-pool-copy")
         """Copies run on this one thread: the pages' memory then comes back to the same malloc arena when they are
