@@ -22,6 +22,7 @@ from replica.export_index import ExportIndex
 from replica.peer_copy import PeerExportRequest, ServePeerClient, bundle_pages
 from replica.shared_pool import PoolReader, SharedPool, SharedPoolBundle, map_pool
 from tests.engine_utils import TinyModel
+from test_peer_transport import CpuHolderOfferingIpc
 
 PAGE = 128
 
@@ -122,20 +123,12 @@ def test_a_pool_that_is_not_the_one_named_is_refused():
         map_pool(location)
 
 
-class HolderWithBadPool:
+class HolderWithBadPool(CpuHolderOfferingIpc):
     """A handle whose holder answers a shared-pool bundle this process cannot open, then (asked again) a host one."""
 
     def __init__(self, pages, location) -> None:
-        self.pages, self.location, self.requests = pages, location, []
-        outer = self
-
-        class Export:
-            @staticmethod
-            def remote(request):
-                outer.requests.append(request)
-                return outer._answer(request)
-
-        self.export_pages = Export
+        super().__init__(pages)
+        self.location = location
 
     async def _answer(self, request):
         if request.node_id is None:
