@@ -25,8 +25,8 @@ request gets the rest from the tiers or recomputes it.
 
 Who may read: the file is the holder's open descriptor, reached as ``/proc/<pid>/fd/<fd>``, which only processes of
 the same user (with ptrace-read rights over the holder) can open; nothing is left on any file system, and the memory
-is freed when the holder exits and its receivers drop their mappings. The receiver checks the file's inode and size
-against the answer before mapping it (a reused pid or descriptor number is refused), and maps it read-only.
+is freed when the holder exits and its receivers drop their mappings. The receiver checks the file's device, inode
+and size against the answer before mapping it (a reused pid or descriptor number is refused), and maps it read-only.
 
 A receiver that cannot open the pool (another pid namespace, no ``/proc``) asks again for a host bundle
 (replica/peer_copy.py), so this path only ever makes a copy faster, never makes it fail. ``node_id()`` names the Ray
@@ -79,11 +79,12 @@ def node_id() -> str:
 
 @dataclass(frozen=True)
 class PoolLocation:
-    """Where a holder's pool is: its process's descriptor of the shared file, that file's inode and size, and the
-    layout of the KV and generations inside it."""
+    """Where a holder's pool is: its process's descriptor of the shared file, that file's device, inode and size, and
+    the layout of the KV and generations inside it."""
 
     pid: int
     fd: int
+    device: int
     inode: int
     nbytes: int
     shape: tuple[int, ...]
@@ -133,8 +134,9 @@ class SharedPool:
             raise
         self.kv = torch.frombuffer(self._map, dtype=dtype, count=numel).view(shape)
         self.generations = np.frombuffer(self._map, dtype=np.int64, count=num_pages, offset=self.generations_offset)
-        self.location = PoolLocation(pid=os.getpid(), fd=self.fd, inode=os.fstat(self.fd).st_ino, nbytes=nbytes,
-                                     shape=tuple(shape), dtype=dtype_name(dtype),
+        status = os.fstat(self.fd)
+        self.location = PoolLocation(pid=os.getpid(), fd=self.fd, device=status.st_dev, inode=status.st_ino,
+                                     nbytes=nbytes, shape=tuple(shape), dtype=dtype_name(dtype),
                                      generations_offset=self.generations_offset)
         self._closed = False
 
@@ -225,7 +227,7 @@ def map_pool(location: PoolLocation) -> tuple[torch.Tensor, np.ndarray]:
     fd = os.open(f"/proc/{location.pid}/fd/{location.fd}", os.O_RDONLY | os.O_CLOEXEC)
     try:
         status = os.fstat(fd)
-        if status.st_ino != location.inode or status.st_size != location.nbytes:
+        if (status.st_dev, status.st_ino, status.st_size) != (location.device, location.inode, location.nbytes):
             raise ValueError(f"/proc/{location.pid}/fd/{location.fd} is not the pool the holder named")
         mapped = mmap.mmap(fd, location.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:

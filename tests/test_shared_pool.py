@@ -75,11 +75,12 @@ def test_a_peer_copies_shared_pages_bit_exact_and_drops_them_once_reused(tiny):
     assert reader.copy_pages(again) == []
 
 
-def test_a_page_reused_while_it_is_copied_ends_the_run_there():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_page_reused_while_it_is_copied_ends_the_run_there(dtype):
     index = ExportIndex()
-    pool = SharedPool((1, 2, 4, 8, 1, 4), torch.float32)
+    pool = SharedPool((1, 2, 4, 8, 1, 4), dtype)
     index.generations = pool.generations
-    pool.kv.copy_(torch.arange(pool.kv.numel(), dtype=torch.float32).view(pool.kv.shape))
+    pool.kv.copy_(torch.arange(pool.kv.numel(), dtype=torch.float32).view(pool.kv.shape).to(dtype))
     keys = [bytes([n + 1]) * 32 for n in range(4)]
     for page_id, key in enumerate(keys):
         index.publish(key, page_id, (page_id,))
@@ -100,7 +101,7 @@ def test_a_page_reused_while_it_is_copied_ends_the_run_there():
     reader._mappings[(bundle.location.pid, bundle.location.fd, bundle.location.inode)] = (ReusedMidCopy(), gens)
     copied = reader.copy_pages(bundle)
     assert [page.key for page in copied] == keys[:2]
-    assert all(torch.equal(page.kv, pool.kv[:, :, n]) for n, page in enumerate(copied))
+    assert all(page.kv.dtype == dtype and torch.equal(page.kv, pool.kv[:, :, n]) for n, page in enumerate(copied))
     assert reader.num_stale_pages == 2
     assert index.published_prefix(keys)[0] == found[:2]  # no new copy can start on the withdrawn page
 
@@ -114,6 +115,8 @@ def test_a_pool_that_is_not_the_one_named_is_refused():
         map_pool(dataclasses.replace(location, inode=location.inode + 1))
     with pytest.raises(ValueError, match="not the pool"):
         map_pool(dataclasses.replace(location, nbytes=location.nbytes + 8))
+    with pytest.raises(ValueError, match="not the pool"):
+        map_pool(dataclasses.replace(location, device=location.device + 1))
     with pytest.raises(ValueError, match="layout"):
         map_pool(dataclasses.replace(location, generations_offset=8))
     with pytest.raises(OSError):
