@@ -62,7 +62,7 @@ class ExportIndex:
         self._computing: set[PageKey] = set()
         self._page_to_pins: dict[int, int] = {}
         self.generations = None
-        """Per page, a count of its keys withdrawn (an int64 tensor of the pool's shared memory,
+        """Per page, a count of its keys withdrawn (an int64 numpy array over the pool's shared memory,
         replica/shared_pool.py; None when the pool is private): peers that copy a page without a pin check it."""
         self.num_reuse_waits = 0
         """How often the engine had to wait for a copy before reusing a page (for tests and diagnosis)."""
@@ -134,13 +134,8 @@ class ExportIndex:
 
     def pin_prefix(self, keys: Sequence[PageKey]) -> list[PinnedPage]:
         """Pin the pages of the leading run of ``keys`` that are published; the caller must ``unpin`` them."""
-        pinned = []
         with self._lock:
-            for key in keys:  # look every page up first: a bad key raises here with nothing pinned
-                found = self._key_to_page.get(key)
-                if found is None:
-                    break
-                pinned.append(PinnedPage(key, *found))
+            pinned = self._published_run(keys)  # every page looked up first: a bad key raises with nothing pinned
             for page in pinned:
                 self._page_to_pins[page.page_id] = self._page_to_pins.get(page.page_id, 0) + 1
         return pinned
@@ -148,15 +143,20 @@ class ExportIndex:
     def published_prefix(self, keys: Sequence[PageKey]) -> tuple[list[PinnedPage], list[int]]:
         """The leading run of ``keys`` that is published, with each page's generation now (no pin: for a copy that
         checks the generations afterwards; needs ``generations``)."""
-        found_pages = []
         with self._lock:
-            for key in keys:
-                found = self._key_to_page.get(key)
-                if found is None:
-                    break
-                found_pages.append(PinnedPage(key, *found))
-            generations = self.generations[[page.page_id for page in found_pages]].tolist() if found_pages else []
-        return found_pages, generations
+            found = self._published_run(keys)
+            generations = self.generations[[page.page_id for page in found]].tolist() if found else []
+        return found, generations
+
+    def _published_run(self, keys: Sequence[PageKey]) -> list[PinnedPage]:
+        """The leading run of ``keys`` that is published (call under the lock)."""
+        run = []
+        for key in keys:
+            found = self._key_to_page.get(key)
+            if found is None:
+                break
+            run.append(PinnedPage(key, *found))
+        return run
 
     def unpin(self, page_ids: Iterable[int]) -> None:
         with self._lock:

@@ -28,7 +28,7 @@ from replica import cpu_kernels
 from replica.attention_op import forward_context
 from replica.compile import CompiledEntry, cached_compiled_forward
 from replica.llama import CompactCausalLM, unsupported_reason
-from replica.page_pool import allocate_kv_tensor, bytes_per_page
+from replica.page_pool import allocate_kv_tensor, bytes_per_page, kv_tensor_shape
 from replica.shared_pool import allocate_shared_pool
 from replica.paged_attention import (
     DecodeBatch,
@@ -137,23 +137,13 @@ class ModelRunner:
         self.page_size = page_size
         self.dtype = next(model.parameters()).dtype
         self.geometry = kv_geometry(model.config)
-        kv_shape = (self.geometry.num_layers, 2, num_pages, page_size, self.geometry.num_kv_heads,
-                    self.geometry.head_dim)
-        self.shared_pool = (allocate_shared_pool(kv_shape, self.dtype)
+        layout = dict(num_layers=self.geometry.num_layers, num_pages=num_pages, page_size=page_size,
+                      num_kv_heads=self.geometry.num_kv_heads, head_dim=self.geometry.head_dim)
+        self.shared_pool = (allocate_shared_pool(kv_tensor_shape(**layout), self.dtype)
                             if shared_pool and self.device.type == "cpu" else None)
         """The pool's shared memory, for peers on this node (replica/shared_pool.py); None: private memory."""
-        if self.shared_pool is not None:
-            self.kv_cache = self.shared_pool.kv
-        else:
-            self.kv_cache = allocate_kv_tensor(
-                num_layers=self.geometry.num_layers,
-                num_pages=num_pages,
-                page_size=page_size,
-                num_kv_heads=self.geometry.num_kv_heads,
-                head_dim=self.geometry.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
+        self.kv_cache = (self.shared_pool.kv if self.shared_pool is not None
+                         else allocate_kv_tensor(**layout, dtype=self.dtype, device=self.device))
         self.fingerprint = compute_model_fingerprint(model, self.dtype)
         self.decode_kernel = self.device.type == "cpu" and cpu_kernels.load()  # built once per machine type
         self.fallback_reason = unsupported_reason(model) if backend != "transformers" else "asked for"

@@ -304,8 +304,15 @@ def allocate_kv_tensor(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> torch.Tensor:
-    """The replica's KV memory: ``[layers, 2 (key, value), num_pages, page_size, kv_heads, head_dim]``."""
-    return torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    """The replica's KV memory (private; replica/shared_pool.py places the same shape in shared memory)."""
+    return torch.zeros(kv_tensor_shape(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
+                                       num_kv_heads=num_kv_heads, head_dim=head_dim), dtype=dtype, device=device)
+
+
+def kv_tensor_shape(*, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                    head_dim: int) -> tuple[int, ...]:
+    """``[layers, 2 (key, value), num_pages, page_size, kv_heads, head_dim]``."""
+    return (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
 
 
 def bytes_per_page(

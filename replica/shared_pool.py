@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import mmap
 import os
 import threading
@@ -114,9 +115,7 @@ class SharedPool:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Raises ``OSError`` when the memory cannot be had (no ``memfd_create``, or the fallocate is refused)."""
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         element_size = torch.empty((), dtype=dtype).element_size()
         kv_bytes = numel * element_size
         num_pages = shape[2]
@@ -222,7 +221,8 @@ class PoolReader:
 
 def map_pool(location: PoolLocation) -> tuple[torch.Tensor, np.ndarray]:
     """(KV, generations) of a holder's pool, mapped read-only; the descriptor is closed again (the mapping stays)."""
-    if location.dtype not in ("float32", "float16", "bfloat16"):
+    dtype = getattr(torch, location.dtype, None)
+    if dtype not in _NUMPY_OF:
         raise ValueError(f"unsupported pool dtype {location.dtype!r}")
     fd = os.open(f"/proc/{location.pid}/fd/{location.fd}", os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -232,10 +232,7 @@ def map_pool(location: PoolLocation) -> tuple[torch.Tensor, np.ndarray]:
         mapped = mmap.mmap(fd, location.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    dtype = getattr(torch, location.dtype)
-    numel = 1
-    for size in location.shape:
-        numel *= size
+    numel = math.prod(location.shape)
     num_pages = location.shape[2]
     if location.generations_offset < numel * dtype.itemsize or \
             location.generations_offset + 8 * num_pages > location.nbytes:

@@ -184,8 +184,8 @@ def new_page_tensors(page_format: PageFormat, num_pages: int) -> list[torch.Tens
 LOAD_WORKERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 """Threads that read and decrypt a disk-tier load's pages side by side (``DiskTier.load``). AES-GCM runs at 2-3 GB/s
 on one core and releases the GIL, as do file reads: on 2 cores two threads decrypt 16 float32 pages at 3.1 GB/s, one
-at 2.4 (benchmarks/tier_transfer_floor.py, BENCHMARKS.md section 0b). A Redis load decrypts on its own thread: decrypting there while the next value arrives measured no
-gain."""
+at 2.4 (benchmarks/tier_transfer_floor.py, BENCHMARKS.md section 0b). A Redis load decrypts on its own thread:
+decrypting there while the next value arrives measured no gain."""
 _load_pool: ThreadPoolExecutor | None = None
 _load_pool_lock = threading.Lock()
 

@@ -4,10 +4,10 @@
                         <------------ capacity counts pending + in flight ------------>
 
 ``submit`` never blocks: it accepts what fits under the capacity and rejects the rest (the caller counts them as
-dropped). The thread runs at a lower CPU priority (``WRITER_NICE``): sealing and sending pages is background work, and
-on a small machine it otherwise takes a core from the engine's next step (the prefill of the request whose copied
-pages it writes). Because in-flight pages count against the capacity, how many pages one ``submit`` accepts does not depend on
-the writer thread's timing.
+dropped). Because in-flight pages count against the capacity, how many pages one ``submit`` accepts does not depend on
+the writer thread's timing. The thread runs at a lower CPU priority (``WRITER_NICE``): sealing and sending pages is
+background work, and on a small machine it otherwise takes a core from the engine's next step (the prefill of the
+request whose copied pages it writes).
 """
 
 from __future__ import annotations
