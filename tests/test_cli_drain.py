@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 300
+LONG_CONTEXT = 16384
 
 
 def stream(base: str, max_tokens: int, out: dict) -> None:
@@ -57,14 +58,21 @@ def listener(port: int) -> tuple[int, str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
-def test_sigterm_drains_then_exits_leaving_nothing_running(tiny_llama_dir, tmp_path):
+def test_sigterm_drains_then_exits_leaving_nothing_running(tmp_path):
+    from bench.tiny_models import write_tiny_model
+
+    # the tiny Llama of conftest with a 16k context: the long stream's 16000 tokens take 15-40 s on any CPU here,
+    # so it is certain to be running when the 4 s drain timeout ends it
+    model_dir = tmp_path / "tiny-llama-16k"
+    write_tiny_model(model_dir, arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     vocab_size=1024, max_position_embeddings=LONG_CONTEXT)
     port = find_free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     log = open(tmp_path / "serve.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster", "serve", "--model", tiny_llama_dir, "--devices", "cpu", "--dtype", "float32",
+        [sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--devices", "cpu", "--dtype", "float32",
          "--enforce-eager", "--port", str(port), "--served-model-name", "tiny", "--no-enable-disk-cache",
-         "--kv-cache-memory", "16MiB", "--shutdown-timeout", "4", "--max-model-len", "2048"],
+         "--kv-cache-memory", "16MiB", "--shutdown-timeout", "4", "--max-model-len", str(LONG_CONTEXT)],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
@@ -88,7 +96,7 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tiny_llama_dir, tmp_p
 
         short, long = {}, {}
         threads = [threading.Thread(target=stream, args=(base, 48, short)),
-                   threading.Thread(target=stream, args=(base, 2000 - 8, long))]
+                   threading.Thread(target=stream, args=(base, LONG_CONTEXT - 384, long))]
         for thread in threads:
             thread.start()
         while "status" not in short or "status" not in long:  # both have their first token
