@@ -131,22 +131,26 @@ def main(argv=None) -> int:
         write_tiny_model(MODEL_DIR, arch="llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
                          vocab_size=8192, seed=0)
     port = free_port()
-    redis_proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--save", "", "--appendonly",
-                                   "no", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"],
-                                  stdout=subprocess.DEVNULL)
     disk_dir = tempfile.mkdtemp(prefix="prefixserve-bench-disk-")
+    redis_socket = os.path.join(disk_dir, "redis.sock")
+    redis_proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--unixsocket", redis_socket,
+                                   "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--maxmemory", "1gb",
+                                   "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not args.tiers_only:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         time.sleep(0.5)
-        redis_url = f"redis://127.0.0.1:{port}/0"
+        redis_url = f"redis://127.0.0.1:{port}/0"  # as from another node
+        redis_unix_url = f"unix://{redis_socket}?db=0"  # as on the node that runs redis-server (--start-redis)
         holder = None if args.tiers_only else Holder.remote(engine_config(args, "holder"))
         reader = build_engine(engine_config(args, "reader"))
         page_format = page_format_of(reader)
         host, disk = build_tiers(page_format, redis_url=redis_url, disk_cache_dir=disk_dir, disk_budget_bytes=4 << 30)
-        results = {"recompute": [], "peer (shared memory)": [], "peer (object store)": [], "host": [], "disk": []}
+        host_unix = build_tiers(page_format, redis_url=redis_unix_url, disk_cache_dir=None, disk_budget_bytes=0)[0]  # the same keys, through the unix socket
+        results = {"recompute": [], "peer (shared memory)": [], "peer (object store)": [], "Redis (TCP)": [],
+                   "Redis (unix socket)": [], "disk": []}
         cpu = {name: [] for name in results}
         peers = {}
         if args.tiers_only:
@@ -186,7 +190,7 @@ def main(argv=None) -> int:
                 cpu[name].append(time.thread_time() - cpu_start)
                 assert len(got) == len(keys), name
                 del got
-            for name, tier in (("host", host), ("disk", disk)):
+            for name, tier in (("Redis (TCP)", host), ("Redis (unix socket)", host_unix), ("disk", disk)):
                 start, cpu_start = time.perf_counter(), time.thread_time()
                 loaded = tier.load(keys, slices)
                 for kv in loaded:
@@ -207,25 +211,28 @@ def main(argv=None) -> int:
             print(f"| {name} | {med(values) * 1000:.1f} ms | {min(values) * 1000:.1f} ms | {base / med(values):.1f}x |"
                   f" {num_bytes / med(values) / 1e9:.2f} | {med(cpu[name]) * 1000:.1f} ms |"
                   f" {num_bytes / med(cpu[name]) / 1e9:.2f} |")
+        host_unix.close()
         if args.tiers_only:
             host.close()
             disk.close()
             return 0
 
         # TTFT of a request whose prefix is local, on the other replica, in one shared tier, or nowhere
-        def make(rid: str, *, peer: str | None = None, redis: bool = False, disk: bool = False) -> AsyncEngine:
+        def make(rid: str, *, peer: str | None = None, redis: str | None = None, disk: bool = False) -> AsyncEngine:
             engine = build_engine(engine_config(args, rid))
             fmt = page_format_of(engine)
-            tiers = build_tiers(fmt, redis_url=redis_url if redis else None, disk_cache_dir=disk_dir if disk else None,
+            tiers = build_tiers(fmt, redis_url=redis, disk_cache_dir=disk_dir if disk else None,
                                 disk_budget_bytes=4 << 30) if (redis or disk) else []
             client = peer_client(holder, shared_memory=peer == "shared") if peer else None
             fetcher = PrefixFetcher(fmt, tiers=tiers, peer_client=client, own_replica_id=rid)
             return AsyncEngine(engine, fetcher)
 
         modes = {"local hit (reference)": make("m0"),
-                 "peer copy, shared pool (copy on, Redis behind it)": make("m1", peer="shared", redis=True),
-                 "peer copy, object store (copy on, Redis behind it)": make("m5", peer="store", redis=True),
-                 "Redis tier (copy off)": make("m2", redis=True), "disk tier": make("m3", disk=True),
+                 "peer copy, shared pool (copy on, Redis behind it)": make("m1", peer="shared", redis=redis_url),
+                 "peer copy, object store (copy on, Redis behind it)": make("m5", peer="store", redis=redis_url),
+                 "Redis tier over TCP (copy off)": make("m2", redis=redis_url),
+                 "Redis tier over a unix socket (copy off)": make("m6", redis=redis_unix_url),
+                 "disk tier": make("m3", disk=True),
                  "recompute (no shared tier)": make("m4")}
         ttfts = {name: [] for name in modes}
         sources = {}

@@ -709,12 +709,40 @@ def test_redis_load_with_a_gap_returns_the_leading_pages_and_keeps_its_connectio
     assert tier.flush(timeout=10)
 
     server = redis.Redis.from_url(tier.url)
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:3])  # opens both load connections
     connections_before = server.info("stats")["total_connections_received"]
     assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:3])
     tier.store(pages[3:4])
     assert tier.flush(timeout=10)
     assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages)
     assert server.info("stats")["total_connections_received"] == connections_before  # never reconnected
+    assert tier.stats().errors == 0
+
+
+def test_redis_load_reads_its_two_halves_on_two_connections_and_keeps_the_leading_run(make_tier):
+    """A load of PARALLEL_MIN_PAGES pages or more is two MGETs, one per half, read at the same time; the second half
+    counts only after a whole first half, and a gap in either half ends the answer there."""
+    from replica.tiers.redis_tier import PARALLEL_MIN_PAGES
+
+    page_format = make_format()
+    tier = make_tier("redis", page_format)
+    pages = make_pages(page_format, 8)
+    assert PARALLEL_MIN_PAGES <= len(pages)
+    tier.store(pages[:1] + pages[2:])  # page 1 (first half) missing
+    assert tier.flush(timeout=10)
+    server = redis.Redis.from_url(tier.url)
+    server.config_resetstat()
+
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:1])  # pages 4-7 arrived, not counted
+    assert server.info("commandstats")["cmdstat_mget"]["calls"] == 2
+    assert tier.stats().pages_loaded == 1
+
+    tier.store(pages[1:2])
+    assert tier.flush(timeout=10)
+    server.delete(tier.redis_key(pages[6].key))  # now a gap in the second half
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:6])
+    assert_bit_identical(tier.load(keys_of(pages[:3]), tokens_of(pages[:3])), pages[:3])  # under the minimum: one MGET
+    assert server.info("commandstats")["cmdstat_mget"]["calls"] == 5
     assert tier.stats().errors == 0
 
 
