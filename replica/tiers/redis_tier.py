@@ -176,9 +176,9 @@ return 0
 """
 """Restart a plain page's expiry (ARGV[1]); a retained page (no expiry) is left alone."""
 LOAD_BATCH_BYTES = 32 << 20
+"""At most this many sealed bytes per MGET (bounds the reply a load holds at once)."""
 PARALLEL_MIN_PAGES = 4
 """A load of at least this many pages reads its second half on a second connection at the same time."""
-"""At most this many sealed bytes per MGET (bounds the reply a load holds at once)."""
 
 
 class RedisTier(QueuedWriteTier):
