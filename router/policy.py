@@ -19,11 +19,16 @@ candidate replicas with their load.
 
 The cost model (``enable_cost_model``, on by default) estimates each eligible replica's time to first token:
 
-    copied(r)      = matched(holder) - matched(r)   when peer hints are on, that is >= min_peer_copy_pages and the
-                     holder is expected to have computed them when r starts (pages this router sent to a replica are
-                     expected done at its busy_until after that request, the time left counted 1.5x), else 0: a
-                     replica copies what its peer holds at admission and computes the rest
+    copied(r)      = matched(holder) - matched(r)   when peer hints are on and that is >= min_peer_copy_pages, else 0
+    ready          = when the holder is expected to have computed those pages (pages this router sent to a replica
+                     are expected done at its busy_until after that request, the time left counted 1.5x; now if the
+                     holder already reported them)
     wait(r)        = max(0, busy_until(r) - now)     # prefill work this router already sent to r, as a fluid queue
+                     (and at least until r's own matched pages are expected there, for pages r is still to copy)
+                     if ready > wait(r) (the holder is still computing the pages when r would start), r either
+                     computes them (copied(r) = 0) or, when ready - wait(r) <= holder_wait_s, waits for the holder
+                     and copies them (wait(r) = ready: the holder's export waits that long for pages it is computing);
+                     the estimate takes whichever has the lesser ttft + duplicate_work_weight * work
     fetched(r)     = pages after matched(r) + copied(r) that the shared tiers hold (host, then disk: the replica's
                      fetch order), from the tiers' entries of the routing stats (``tier_index``, below)
     computed(r)    = prompt tokens - (matched(r) + copied(r) + fetched(r)) * page_size   (at least 1: logits need one)
@@ -55,7 +60,9 @@ with the most matched pages (same ties).
              cost_away      the holder holds more and is eligible, but waiting for it costs more than copying the
                             pages (or computing them) on the chosen, less busy replica
     peer_hint = holder for balanced_away / cost_away when it holds at least ``min_peer_copy_pages`` more than chosen
-                (and hints are enabled), so chosen copies the pages from holder instead of recomputing them
+                (and hints are enabled), so chosen copies the pages from holder instead of recomputing them; with the
+                cost model only when chosen's estimate copies (a replica given a hint waits, bounded, for pages the
+                holder is still computing: useless when the estimate chose to compute them)
 
     tie score(r) = mix(blake2b(first page key) ^ blake2b(r)) (rendezvous hashing): when loads and cache sizes tie,
                    requests sharing their first page pick the same replica in every router process; a request with no
@@ -172,6 +179,11 @@ class PolicyConfig:
     default: in the simulator it ties with aging off on 20 of 24 points and moves llm-d shared prefix at DP 4 both
     ways (p99 24.5 -> 14.8 s, 14.8 -> 14.9 s, 12.5 -> 14.1 s, 38.1 -> 46.4 s), with 0.3-0.8 % fewer cached tokens
     there (BENCHMARKS.md section 0a). Before running requests held their pages (session 9) it raised that p99 18x."""
+    holder_wait_s: float = 2.0
+    """How long a holder waits for pages it is computing before it answers a peer's copy (replica/async_engine.py
+    ``EXPORT_WAIT_S``): a candidate that would start before the holder is done may still copy the pages once they
+    are, so its estimate is the lesser of computing them and waiting for the holder, then copying (0: only pages
+    expected done when the candidate starts are priced as copies)."""
     duplicate_work_weight: float = 1.0
     """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
     delays the replica's later requests and, for recomputed pages, stores a second copy)."""
@@ -192,7 +204,7 @@ class PolicyConfig:
                 f"{self.max_num_batched_tokens}"
             )
         for name in ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms", "peer_copy_page_ms",
-                     "host_page_ms", "disk_page_ms", "duplicate_work_weight", "eviction_weight"):
+                     "host_page_ms", "disk_page_ms", "duplicate_work_weight", "eviction_weight", "holder_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (a measured cost), got {getattr(self, name)}")
 
@@ -300,7 +312,18 @@ class PrefixAwarePolicy:
         rel_bound = self.config.balance_rel_threshold * min_load
         eligible = [s for s in scored if s.load <= abs_bound or s.load <= rel_bound]  # not is_overloaded
         top = max(replica_id_to_matched.values(), default=0)
-        holder = _best([s for s in scored if s.matched == top], _preference, anchor) if top else scored[0]
+        holders = [s for s in scored if s.matched == top] if top else [scored[0]]
+        if len(holders) > 1 and self.config.enable_cost_model:
+            # the holder to copy from: the one expected to have the pages soonest (a replica this router just sent
+            # the prefix to holds it only once it has computed or copied it)
+            if now is None:
+                now = time.monotonic()
+            ready_s = self._key_to_ready_s
+            last = page_keys[top - 1]
+            holder = _best(holders, lambda s: (-max(ready_s.get((s.replica_id, last), now), now), _preference(s)),
+                           anchor)
+        else:
+            holder = _best(holders, _preference, anchor)
         if not self.config.enable_cost_model:
             if holder.matched and any(s.matched for s in eligible):
                 chosen = _best(eligible, _preference, anchor)
@@ -338,16 +361,18 @@ class PrefixAwarePolicy:
             tied = [pair for pair, score in zip(zip(eligible, estimates), scores) if score == least]
             pair = tied[0] if len(tied) == 1 else _best(tied, lambda pair: _preference(pair[0]), anchor,
                                                         lambda pair: pair[0])
-        chosen, (estimate_ms, busy_ms, _, _) = pair
+        chosen, (estimate_ms, busy_ms, _, _, copies) = pair
         replica_id = chosen.replica_id
         busy_until = max(self._replica_id_to_busy_until.get(replica_id, now), now) + busy_ms / 1000.0
         self._replica_id_to_busy_until[replica_id] = busy_until
+        # its new pages are there at its first token: after its queue, or after the holder it waits for to copy from
+        ready_at = max(busy_until, now + estimate_ms / 1000.0)
         key_to_ready_s = self._key_to_ready_s
         ready_order = self._ready_order
         for key in page_keys[chosen.matched:]:
-            key_to_ready_s[(replica_id, key)] = busy_until
-            ready_order.append((busy_until, replica_id, key))
-        decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms)
+            key_to_ready_s[(replica_id, key)] = ready_at
+            ready_order.append((ready_at, replica_id, key))
+        decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms, copies=copies)
         self.index.expect_keys(replica_id, page_keys, busy_until - now - busy_ms / 1000.0)  # its admission
         self._count(decision)
         return decision
@@ -418,7 +443,8 @@ class PrefixAwarePolicy:
 
     def _estimate_all(self, eligible: list, holder: "_Scored", page_keys: Sequence[PageKey], num_prompt_tokens: int,
                       now: float, tier_runs: tuple[int, int] = (0, 0)) -> list:
-        """Per eligible replica: (ttft, busy, work, ttft + eviction cost) in ms; the terms of the module docstring.
+        """Per eligible replica: (ttft, busy, work, ttft + eviction cost) in ms and whether it copies pages from the
+        holder; the terms of the module docstring.
         Work and step counts depend only on the pages reused, so they are computed once per distinct count."""
         config = self.config
         copy_from = holder.matched if config.enable_peer_hint else 0
@@ -427,12 +453,12 @@ class PrefixAwarePolicy:
             copy_ready_s = (self._key_to_ready_s.get((holder.replica_id, page_keys[copy_from - 1]), now) - now
                             ) * _READY_MARGIN
         busy_until = self._replica_id_to_busy_until
+        ready_of = self._key_to_ready_s
         prompt_pages = -(-num_prompt_tokens // config.page_size)
         host_run, disk_run = tier_runs
         reused_to_work: dict[tuple, tuple[float, int]] = {}
         estimates = []
         for s, costs in zip(eligible, self.comparable_costs([s.load_report for s in eligible])):
-            step_ms, decode_row_ms = costs.step_ms, costs.decode_row_ms
             cold = reused_to_work.get((costs, 0, 0))
             if cold is None:
                 cold = reused_to_work[(costs, 0, 0)] = self._work_ms(0, 0, num_prompt_tokens, costs)
@@ -444,26 +470,35 @@ class PrefixAwarePolicy:
             # the forecast of queued work only counts while the replica has requests: one with none is idle now,
             # however long the model expected its last requests to take (it has no other feedback that they ended)
             wait_s = busy_until.get(s.replica_id, now) - now if s.load else 0.0
+            if s.matched and s.load:
+                # pages this router sent it that it gets by waiting for another holder are there only then
+                own_ready_s = ready_of.get((s.replica_id, page_keys[s.matched - 1]), now) - now
+                if own_ready_s > wait_s:
+                    wait_s = own_ready_s
             if wait_s < 0.0:
                 wait_s = 0.0
             copied = copy_from - s.matched
-            if copied < config.min_peer_copy_pages or copy_ready_s > wait_s:
-                # no copy: too few pages, or the holder is still computing them when this replica would start (a
-                # replica copies what its peer holds at admission and computes the rest)
+            copy_wait_s = wait_s
+            if copied < config.min_peer_copy_pages:
                 copied = 0
-            # the shared tiers continue the run: the replica fetches host pages, then disk pages, after its own
-            # and the copied ones
-            reused = s.matched + copied
-            from_host = host_run - reused if host_run > reused else 0
-            from_disk = disk_run - reused - from_host if disk_run > reused + from_host else 0
-            work_key = (costs, s.matched, copied, from_host, from_disk)
-            work = reused_to_work.get(work_key)
-            if work is None:
-                work = reused_to_work[work_key] = self._work_ms(s.matched, copied, num_prompt_tokens, costs,
-                                                                from_host, from_disk)
-            work_ms, num_steps = work
-            busy_ms = work_ms + num_steps * (step_ms + s.load * decode_row_ms)
-            ttft_ms = wait_s * 1000.0 + busy_ms
+            elif copy_ready_s > wait_s:
+                # the holder is still computing the pages when this replica would start: it copies them once they
+                # are done (the holder's export waits up to holder_wait_s for pages it is computing) or computes
+                # them itself, whichever the estimate says is sooner
+                copy_wait_s = copy_ready_s
+                if copy_ready_s - wait_s > config.holder_wait_s:
+                    copied = 0
+            ttft_ms, busy_ms, work_ms = self._estimate_one(s, costs, copied, wait_s, num_prompt_tokens, host_run,
+                                                            disk_run, reused_to_work)
+            copies = copied > 0
+            if copied and copy_wait_s > wait_s:
+                ttft_ms += (copy_wait_s - wait_s) * 1000.0  # starts when the holder is done
+                computing = self._estimate_one(s, costs, 0, wait_s, num_prompt_tokens, host_run, disk_run,
+                                               reused_to_work)
+                weight = config.duplicate_work_weight
+                if computing[0] + weight * computing[2] <= ttft_ms + weight * work_ms:
+                    ttft_ms, busy_ms, work_ms = computing
+                    copies = False
             scored_ms = ttft_ms
             load = s.load_report
             if eviction_page_ms and load.num_pages_total > 0:
@@ -471,8 +506,25 @@ class PrefixAwarePolicy:
                 evicted = prompt_pages - s.matched - (empty if empty > 0 else 0)
                 if evicted > 0:
                     scored_ms += evicted * eviction_page_ms
-            estimates.append((ttft_ms, busy_ms, work_ms, scored_ms))
+            estimates.append((ttft_ms, busy_ms, work_ms, scored_ms, copies))
         return estimates
+
+    def _estimate_one(self, s: "_Scored", costs: _Costs, copied: int, wait_s: float, num_prompt_tokens: int,
+                      host_run: int, disk_run: int, reused_to_work: dict) -> tuple[float, float, float]:
+        """(ttft, busy, work) in ms of ``s`` copying ``copied`` pages from the holder after ``wait_s`` of queued work;
+        the shared tiers continue the run (the replica fetches host pages, then disk pages, after its own and the
+        copied ones). ``reused_to_work`` caches the work per distinct reuse."""
+        reused = s.matched + copied
+        from_host = host_run - reused if host_run > reused else 0
+        from_disk = disk_run - reused - from_host if disk_run > reused + from_host else 0
+        work_key = (costs, s.matched, copied, from_host, from_disk)
+        work = reused_to_work.get(work_key)
+        if work is None:
+            work = reused_to_work[work_key] = self._work_ms(s.matched, copied, num_prompt_tokens, costs, from_host,
+                                                            from_disk)
+        work_ms, num_steps = work
+        busy_ms = work_ms + num_steps * (costs.step_ms + s.load * costs.decode_row_ms)
+        return wait_s * 1000.0 + busy_ms, busy_ms, work_ms
 
     def _work_ms(self, matched: int, copied: int, num_prompt_tokens: int, costs: _Costs | None = None,
                  from_host: int = 0, from_disk: int = 0) -> tuple[float, int]:
@@ -575,7 +627,9 @@ class PrefixAwarePolicy:
                 del self._key_to_ready_s[(replica_id, key)]
 
     def _explain(self, chosen: _Scored, holder: _Scored, min_load: int, *, cost_chosen: bool,
-                 estimate_ms: float = 0.0) -> RoutingDecision:
+                 estimate_ms: float = 0.0, copies: bool = True) -> RoutingDecision:
+        """The decision for ``chosen``; a peer hint only where ``chosen`` is to copy (``copies``: with the cost model,
+        whether its estimate copied; a hint to a holder still computing the pages makes the replica wait for them)."""
         if holder.matched == 0:
             return RoutingDecision(chosen.replica_id, 0, None, RoutingReason.NO_MATCH, estimated_ttft_ms=estimate_ms)
         if chosen.matched >= holder.matched:
@@ -584,7 +638,8 @@ class PrefixAwarePolicy:
         holder_overloaded = self.is_overloaded(holder.load, min_load) or not cost_chosen
         reason = RoutingReason.BALANCED_AWAY if holder_overloaded else RoutingReason.COST_AWAY
         wants_hint = (
-            self.config.enable_peer_hint and holder.matched - chosen.matched >= self.config.min_peer_copy_pages
+            copies and self.config.enable_peer_hint
+            and holder.matched - chosen.matched >= self.config.min_peer_copy_pages
         )
         return RoutingDecision(
             chosen.replica_id,

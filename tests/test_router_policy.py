@@ -236,6 +236,61 @@ def test_a_copy_is_not_planned_from_a_holder_still_computing_the_pages():
     assert (second.replica_id, second.reason, second.peer_hint) == (first.replica_id, RoutingReason.PREFIX_HIT, None)
 
 
+def test_a_replica_starting_before_the_holder_is_done_waits_for_it_and_copies_when_that_is_sooner():
+    def busy_holder(config: PolicyConfig | None = None):
+        policy = make_policy(config)
+        long_prompt = [key(f"l{n}") for n in range(12)]
+        assert policy.choose(long_prompt + [key("u1")], loads(a=0, b=9), now=0.0).replica_id == "a"
+        for number in range(3):  # a then queues three more long new prompts
+            other = [key(f"q{number}-{n}") for n in range(13)]
+            assert policy.choose(other, loads(a=0, b=9), now=0.0).replica_id == "a"
+        return policy, long_prompt + [key("u2")]
+
+    policy, prompt = busy_holder()
+    ready_s = policy._key_to_ready_s[("a", prompt[11])]
+    decision = policy.choose(prompt, loads(a=4, b=0), now=0.01)
+    # a: ~4.8 s of queue; b computing the 12 pages: ~1.2 s plus as much duplicate work; b waiting for a's pages
+    # (due at ready_s, counted 1.5x: within holder_wait_s) and copying them: no duplicate work -> b, copying from a
+    assert (decision.replica_id, decision.reason, decision.peer_hint) == ("b", RoutingReason.COST_AWAY, "a")
+    copy_then_suffix = policy.estimate_ttft_ms(0, 0, 12, 13 * 128)[0]
+    assert decision.estimated_ttft_ms == pytest.approx((ready_s - 0.01) * 1.5 * 1000.0 + copy_then_suffix)
+    recompute = policy.estimate_ttft_ms(0, 0, 0, 13 * 128)[0]
+    assert decision.estimated_ttft_ms > recompute  # a later first token, but no second prefill of the prefix
+
+    # without the wait (holder_wait_s 0) b may only recompute the prefix, and gets no hint: a replica with a hint
+    # waits for pages the holder is still computing
+    policy, prompt = busy_holder(PolicyConfig(holder_wait_s=0.0))
+    decision = policy.choose(prompt, loads(a=4, b=0), now=0.01)
+    assert (decision.replica_id, decision.reason, decision.peer_hint) == ("b", RoutingReason.COST_AWAY, None)
+    assert decision.estimated_ttft_ms == pytest.approx(recompute)
+
+    # a holder further out than holder_wait_s: recompute
+    policy, prompt = busy_holder(PolicyConfig(holder_wait_s=0.5))
+    assert policy.choose(prompt, loads(a=4, b=0), now=0.01).estimated_ttft_ms == pytest.approx(recompute)
+
+
+def test_the_holder_to_copy_from_is_the_one_with_the_pages_soonest_not_one_still_waiting_to_copy_them():
+    policy = make_policy()
+    long_prompt = [key(f"l{n}") for n in range(12)]
+    policy.choose(long_prompt + [key("u1")], loads(a=0, b=9, c=9), now=0.0)
+    for number in range(3):
+        policy.choose([key(f"q{number}-{n}") for n in range(13)], loads(a=0, b=9, c=9), now=0.0)
+    second = policy.choose(long_prompt + [key("u2")], loads(a=4, b=0, c=9), now=0.01)
+    assert (second.replica_id, second.peer_hint) == ("b", "a")  # b waits for a's pages, then copies them
+    # b holds the pages only once it has copied them: at its expected first token, after a's
+    ready_s = policy._key_to_ready_s
+    assert ready_s[("b", long_prompt[-1])] == pytest.approx(0.01 + second.estimated_ttft_ms / 1000.0)
+    assert ready_s[("b", long_prompt[-1])] > ready_s[("a", long_prompt[-1])]
+    # a third request, a and b both over the load bound: both count as holders (b by expectation, with the lower
+    # load); c copies from a, which has the pages first, not from b, which is itself still waiting for them
+    third = policy.choose(long_prompt + [key("u3")], loads(a=9, b=5, c=0), now=0.02)
+    assert (third.replica_id, third.peer_hint) == ("c", "a")
+    # b, when eligible, is priced as waiting for its own pages, not as holding them now
+    fourth = policy.choose(long_prompt + [key("u4")], loads(a=9, b=1, c=9), now=0.03)
+    assert fourth.replica_id == "b"
+    assert fourth.estimated_ttft_ms >= (ready_s[("b", long_prompt[-1])] - 0.03) * 1000.0
+
+
 def test_an_overloaded_holder_stays_when_every_other_replica_would_evict():
     policy = make_policy(a=4)
     for replica_id in "bc":
@@ -326,6 +381,7 @@ def test_no_candidates_is_an_error():
         ({"page_size": 0}, "page_size"),
         ({"peer_copy_page_ms": -1.0}, "peer_copy_page_ms"),
         ({"eviction_weight": -0.5}, "eviction_weight"),
+        ({"holder_wait_s": -1.0}, "holder_wait_s"),
     ],
 )
 def test_config_is_validated(kwargs, message):

@@ -68,6 +68,51 @@ def test_a_repeat_hits_locally_and_a_hint_copies_from_the_peer():
     assert again.first_token_s - again.arrival_s >= 8 * COST.peer_copy_page_ms / 1000.0
 
 
+class Scripted:
+    """A router that sends each named request to a fixed replica with a fixed peer hint."""
+
+    name = "scripted"
+    uses_index = False
+    copy_enabled = True
+
+    def __init__(self, plan: dict) -> None:
+        self.plan = plan
+
+    def route(self, request, now):
+        number, hint = self.plan[request.request_id]
+        return number, hint, "scripted"
+
+    def on_finished(self, request):
+        pass
+
+
+def run_scripted(requests: list, plan: dict) -> Simulation:
+    simulation = Simulation(Workload("test", requests, 256), "round-robin", 2, COST)
+    simulation.router = Scripted(plan)
+    simulation.result = simulation.run()
+    return simulation
+
+
+def test_a_request_hinted_at_a_holder_still_computing_waits_for_its_pages_then_copies():
+    first = request("first", 0.0, [("sys", 1536), ("q1", 64)])
+    again = request("again", 0.05, [("sys", 1536), ("q2", 64)])
+    simulation = run_scripted([first, again], {"first": (0, None), "again": (1, 0)})
+    # replica 1 held "again" back until replica 0 committed the 12 system pages, then copied them
+    assert (again.cached_local, again.cached_peer) == (0, 1536)
+    assert simulation.replicas[1].num_copied_pages == 12
+    assert again.first_token_s > first.first_token_s
+    alone = COST.step_ms + 12 * COST.peer_copy_page_ms + COST.prefill_chunk_ms(64, 1536)
+    assert again.first_token_s == pytest.approx(first.first_token_s + alone / 1000.0)
+
+    # a holder busy for longer than the holder's export waits (2 s): the request stops waiting and computes
+    first = request("first", 0.0, [("sys", 6144), ("q1", 64)])
+    again = request("again", 0.05, [("sys", 6144), ("q2", 64)])
+    simulation = run_scripted([first, again], {"first": (0, None), "again": (1, 0)})
+    assert first.first_token_s > 2.05 and again.cached_peer == 0
+    assert simulation.replicas[1].num_copied_pages == 0
+    assert again.first_token_s > 2.05  # it waited the whole bound first
+
+
 def test_tiny_comparison_reaches_the_ideal_and_beats_round_robin():
     ours = simulate("sglang-gsp", "prefixserve", 4, scale=4 / 64)
     blind = simulate("sglang-gsp", "round-robin", 4, scale=4 / 64)

@@ -7,6 +7,11 @@ but the last prompt token), a request whose next page another running request is
 computed once), pages committed to the cache when computed (prompt pages at the end of its prefill, output pages when
 the request ends), and the least recently used unreferenced pages evicted first (a request's tail pages before its
 head).
+
+Peer copy mirrors replica/export_index.py too: a request whose hinted peer is computing the next pages it would copy
+(a running request there is prefilling them) waits for them, at most ``HOLDER_WAIT_S`` from its first try, while the
+requests behind it are admitted; the real holder answers such an export once the pages are computed, within the same
+bound. After the bound it copies what the peer holds and computes the rest.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from common.events import PagesRemoved, PagesStored
 from common.routing_stats import MeasuredCosts
 from benchmarks.router_sim.costs import CostModel
 from replica.cost_meter import StepCostFit
+
+HOLDER_WAIT_S = 2.0
+"""How long a holder waits for pages it is computing before answering an export (replica/export_index.py)."""
 
 
 def _ewma(previous: float | None, value: float) -> float:
@@ -105,7 +113,7 @@ class SimReplica:
     # ---- one engine step -------------------------------------------------------------------------------------------
     def start_step(self, now: float, copy_enabled: bool, cluster) -> float:
         """Admit what fits, schedule one step; returns its duration in seconds (0.0: nothing to do)."""
-        import_ms = self._admit(copy_enabled, cluster)
+        import_ms = self._admit(now, copy_enabled, cluster)
         if not self.running:
             return 0.0
         cost = self.cost
@@ -220,7 +228,7 @@ class SimReplica:
         self.stepping = False
 
     # ---- internals -------------------------------------------------------------------------------------------------
-    def _admit(self, copy_enabled: bool, cluster) -> float:
+    def _admit(self, now: float, copy_enabled: bool, cluster) -> float:
         import_ms = 0.0
         cost = self.cost
         page_size = cost.page_size
@@ -237,6 +245,15 @@ class SimReplica:
             hint = getattr(request, "peer_hint", None)
             if copy_enabled and hint is not None and hint is not self and local < limit:
                 copied = hint.leading_cached(keys, local, limit)
+                if local + copied < limit and keys[local + copied] in hint.computing:
+                    # the holder is computing the next pages: wait for them (bounded), as the real export does
+                    since = request.holder_wait_since
+                    if since < 0.0:
+                        since = request.holder_wait_since = now
+                    if now - since < HOLDER_WAIT_S - 1e-9:
+                        skipped.append(self.waiting.popleft())
+                        cluster.wait_for_holder(self, hint, since + HOLDER_WAIT_S)
+                        continue
             need_new = -(-(request.prompt_len + request.out_len) // page_size) - local
             held = list(keys[:local])
             self._pin(held)

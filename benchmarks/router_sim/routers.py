@@ -266,6 +266,12 @@ def make_router(name: str, view, cost: CostModel, seed: int = 0, policy_kwargs: 
         router = Ours(view, seed, **{**config, "enable_peer_hint": False})
         router.name = name
         return router
+    if name == "prefixserve-nowait":
+        # the cost model without pricing a wait for a holder still computing the pages (holder_wait_s 0): a
+        # candidate that would start before the holder is done is priced as recomputing them
+        router = Ours(view, seed, **{**config, "holder_wait_s": 0.0})
+        router.name = name
+        return router
     classes = {cls.name: cls for cls in (RoundRobin, PowerOfTwo, SGLangCacheAware, LlmdScorers, RayPrefixAffinity,
                                          DynamoCost)}
     return classes[name](view, seed)

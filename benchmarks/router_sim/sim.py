@@ -29,7 +29,7 @@ from common.events import MEDIUM_HOST, PagesRemoved, PagesStored
 from common.routing_stats import ReplicaLoad, tier_holder_id
 from router.index import PrefixIndex
 
-_ARRIVAL, _STEP_END, _SYNC = 0, 1, 2
+_ARRIVAL, _STEP_END, _SYNC, _WAKE = 0, 1, 2, 3
 
 
 class SharedTier:
@@ -162,6 +162,9 @@ class Simulation:
         self.num_done = 0
         self.num_events = 0
         self.now = 0.0
+        self.holder_to_waiters: dict = {}
+        """Replica number -> replicas with a request waiting for pages it is computing (``wait_for_holder``)."""
+        self.wakes: set = set()
 
     def push(self, at: float, kind: int, payload) -> None:
         self.counter += 1
@@ -191,6 +194,11 @@ class Simulation:
                     continue  # a decode run cut short by an arrival: its new end event stands instead
                 replica.end_step(at, self)
                 self._kick(replica, at)
+                waiters = self.holder_to_waiters.pop(replica.number, None)
+                for waiter in waiters or ():  # pages they wait for may have been committed: try again
+                    self._kick(waiter, at)
+            elif kind == _WAKE:
+                self._kick(payload, at)  # a holder wait's bound passed
             else:
                 self._sync()
                 if self.num_done < total:
@@ -215,6 +223,15 @@ class Simulation:
             following.arrival_s = max(self.now + following.arrival_s, request.arrival_s + following.min_gap_s,
                                       following.not_before_s)
             self.push(following.arrival_s, _ARRIVAL, following)
+
+    def wait_for_holder(self, replica, holder, deadline: float) -> None:
+        """``replica`` holds a request back for pages ``holder`` is computing: try it again after each of the holder's
+        steps, and at ``deadline`` (when it stops waiting)."""
+        self.holder_to_waiters.setdefault(holder.number, set()).add(replica)
+        wake = (replica.number, deadline)
+        if wake not in self.wakes:
+            self.wakes.add(wake)
+            self.push(deadline, _WAKE, replica)
 
     def on_rejected(self, request, replica) -> None:
         request.finished_s = self.now

@@ -57,6 +57,8 @@ class SimRequest:
     cached_peer: int = 0
     cached_tier: int = 0
     peer_hint: object = None
+    holder_wait_since: float = -1.0
+    """When it first waited for pages its hinted peer was computing (-1: never)."""
     reason: str = ""
 
 
