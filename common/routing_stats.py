@@ -65,6 +65,12 @@ COST_NAMES = ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms
               "host_page_ms", "disk_page_ms")
 """The measured per-unit costs a payload may carry (``MeasuredCosts`` fields)."""
 
+EXPORT_WAIT_S = 2.0
+"""How long a replica asked for pages it is computing right now waits for them before it answers a peer's export
+(``replica/async_engine.py``; below the peer client's 5 s timeout, so the requester still gets an answer, and
+recomputes, if they take longer). The router prices a copy from a holder still computing the pages within this bound
+(``PolicyConfig.holder_wait_s``)."""
+
 MAX_RETAINED_KEYS = 8192
 """Retained page keys per payload (256 KiB of keys); beyond it the highest priorities, then the latest expiries."""
 

@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable
 from common.errors import EngineDeadError, InvalidRequestError
 from common.events import KVEvent
 from common.types import EngineRequest, EngineStats, PrefetchRequest, PrefetchResult, RequestOutput
+from common.routing_stats import EXPORT_WAIT_S
 from replica.engine import AdmissionPlan, LLMEngine
 from replica.fetch_sharing import FetchPlan, FetchRegistry, SharedFetch, collect_pages, run_deferred
 from replica.kv_sources import PrefixFetcher
@@ -29,9 +30,6 @@ from replica.shared_pool import SharedPoolBundle
 
 logger = logging.getLogger(__name__)
 
-EXPORT_WAIT_S = 2.0
-"""How long a peer export waits for pages this replica is computing right now (below the peer client's 5 s timeout,
-so the requester still gets an answer, and recomputes, if they take longer)."""
 EXPORT_THREADS = 4
 """Threads that copy pages out for peers (an export is a memory copy, or a bounded wait for pages being computed):
 their own pool, so a burst of exports waiting on a prefix in progress cannot starve this replica's tier loads."""

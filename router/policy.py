@@ -112,7 +112,7 @@ from typing import Callable, NamedTuple, Sequence
 from common.page_keys import PageKey
 from router.index import PrefixIndex
 from common.events import MEDIUM_DISK, MEDIUM_HOST
-from common.routing_stats import ReplicaLoad, tier_holder_id
+from common.routing_stats import EXPORT_WAIT_S, ReplicaLoad, tier_holder_id
 
 HOST_HOLDER_SUFFIX = tier_holder_id("", MEDIUM_HOST)
 DISK_HOLDER_SUFFIX = tier_holder_id("", MEDIUM_DISK)
@@ -179,11 +179,11 @@ class PolicyConfig:
     default: in the simulator it ties with aging off on 20 of 24 points and moves llm-d shared prefix at DP 4 both
     ways (p99 24.5 -> 14.8 s, 14.8 -> 14.9 s, 12.5 -> 14.1 s, 38.1 -> 46.4 s), with 0.3-0.8 % fewer cached tokens
     there (BENCHMARKS.md section 0a). Before running requests held their pages (session 9) it raised that p99 18x."""
-    holder_wait_s: float = 2.0
-    """How long a holder waits for pages it is computing before it answers a peer's copy (replica/async_engine.py
-    ``EXPORT_WAIT_S``): a candidate that would start before the holder is done may still copy the pages once they
-    are, so its estimate is the lesser of computing them and waiting for the holder, then copying (0: only pages
-    expected done when the candidate starts are priced as copies)."""
+    holder_wait_s: float = EXPORT_WAIT_S
+    """How long a holder waits for pages it is computing before it answers a peer's copy (``EXPORT_WAIT_S``): a
+    candidate that would start before the holder is done may still copy the pages once they are, so its estimate is
+    the lesser of computing them and waiting for the holder, then copying (0: only pages expected done when the
+    candidate starts are priced as copies)."""
     duplicate_work_weight: float = 1.0
     """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
     delays the replica's later requests and, for recomputed pages, stores a second copy)."""

@@ -3,6 +3,8 @@ copies as the engine counts them, events reaching the real index, and a tiny com
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.router_sim.__main__ import main
@@ -139,6 +141,16 @@ def test_cli_compare_and_scale(tmp_path, capsys):
                  "--scale", "0.02", "--out", str(out)]) == 0
     table = out.with_suffix(".md").read_text()
     assert "## zipf, DP=2" in table and "| prefixserve |" in table and "| round-robin |" in table
+    several = tmp_path / "seeds"
+    assert main(["compare", "--workloads", "zipf", "--dp", "2", "--routers", "prefixserve,round-robin",
+                 "--scale", "0.02", "--seeds", "0,1", "--out", str(several)]) == 0
+    rows = json.loads(several.with_suffix(".json").read_text())
+    assert sorted((row["router"], row["seed"]) for row in rows) == [("prefixserve", 0), ("prefixserve", 1),
+                                                                    ("round-robin", 0), ("round-robin", 1)]
+    ours = [row for row in rows if row["router"] == "prefixserve"]
+    line = next(line for line in several.with_suffix(".md").read_text().splitlines() if line.startswith("| prefixs"))
+    mean_hit = sum(row["hit_rate"] for row in ours) / 2
+    assert line.startswith(f"| prefixserve | {mean_hit:.4f} ({ours[0]['hit_rate']:.3f} / {ours[1]['hit_rate']:.3f}) |")
     assert main(["scale", "--replicas", "8", "--pages", "2048", "--decisions", "200"]) == 0
     assert "decision wall time" in capsys.readouterr().out
 

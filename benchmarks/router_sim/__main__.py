@@ -34,13 +34,14 @@ def compare(args: argparse.Namespace) -> int:
     cost = COST_MODELS[args.cost_model]
     rows = []
     began = time.perf_counter()
+    seeds = [int(seed) for seed in args.seeds.split(",")] if args.seeds else [args.seed]
     for workload in args.workloads.split(","):
         for dp in [int(d) for d in args.dp.split(",")]:
-            for router in args.routers.split(","):
-                result = simulate(workload, router, dp, seed=args.seed, scale=args.scale, cost=cost,
+            for router, seed in ((router, seed) for router in args.routers.split(",") for seed in seeds):
+                result = simulate(workload, router, dp, seed=seed, scale=args.scale, cost=cost,
                                   host_tier_pages=args.host_tier_pages, pool_fraction=args.pool_fraction)
-                rows.append(result.row())
-                print(f"{workload:12s} dp={dp:<3d} {router:22s} hit {result.hit_rate:.3f} (ideal "
+                rows.append({**result.row(), "seed": seed})
+                print(f"{workload:12s} dp={dp:<3d} {router:22s} seed {seed} hit {result.hit_rate:.3f} (ideal "
                       f"{result.ideal_hit_rate:.3f}) ttft p50 {result.ttft_p50_s:6.2f} p99 {result.ttft_p99_s:6.2f} s "
                       f"busiest/mean {result.busiest_over_mean:.2f}  [{result.wall_s:.1f} s]", file=sys.stderr,
                       flush=True)
@@ -57,7 +58,8 @@ def render(rows: list, args: argparse.Namespace, cost: CostModel, wall_s: float)
         "# Router simulation: our policy and index against the published routing rules",
         "",
         f"Command: `python -m benchmarks.router_sim compare --workloads {args.workloads} --dp {args.dp} "
-        f"--routers {args.routers} --scale {args.scale} --seed {args.seed} --cost-model {args.cost_model}"
+        f"--routers {args.routers} --scale {args.scale} "
+        f"{f'--seeds {args.seeds}' if args.seeds else f'--seed {args.seed}'} --cost-model {args.cost_model}"
         f"{f' --host-tier-pages {args.host_tier_pages}' if args.host_tier_pages else ''}"
         f"{f' --pool-fraction {args.pool_fraction}' if args.pool_fraction != 1.0 else ''}`",
         f"Machine: {cpu_model()}; Python {platform.python_version()}; {wall_s:.0f} s in all.",
@@ -70,6 +72,10 @@ def render(rows: list, args: argparse.Namespace, cost: CostModel, wall_s: float)
         "ours on that column.",
         "",
     ]
+    if args.seeds:
+        return "\n".join(lines + [
+            f"Each row: the mean over seeds {args.seeds} (the same shape, different prompts and arrivals), the "
+            "per-seed values in brackets; a `*` marks a baseline whose mean beats ours.", ""] + _mean_tables(rows))
     keyed = {}
     for row in rows:
         keyed.setdefault((row["workload"], row["dp"]), []).append(row)
@@ -90,6 +96,37 @@ def render(rows: list, args: argparse.Namespace, cost: CostModel, wall_s: float)
                 f"{reasons} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _mean_tables(rows: list) -> list:
+    """One table per (workload, DP): each router's mean over the seeds, with the per-seed values."""
+    keyed: dict = {}
+    for row in rows:
+        keyed.setdefault((row["workload"], row["dp"]), {}).setdefault(row["router"], []).append(row)
+    lines = []
+    for (workload, dp), by_router in keyed.items():
+        means = {router: {name: sum(r[name] for r in runs) / len(runs)
+                          for name in ("hit_rate", "local_hit_rate", "ttft_p50_s", "ttft_p99_s", "busiest_over_mean")}
+                 for router, runs in by_router.items()}
+        ours = means.get(OURS)
+        lines += [f"## {workload}, DP={dp}", "",
+                  "| router | hit | local | TTFT p50 (s) | TTFT p99 (s) | busiest/mean |",
+                  "|---|---|---|---|---|---|"]
+        for router, runs in by_router.items():
+            mean = means[router]
+            beats_hit = ours is not None and router != OURS and mean["hit_rate"] > ours["hit_rate"] + 5e-4
+            beats_p99 = ours is not None and router != OURS and mean["ttft_p99_s"] < ours["ttft_p99_s"] * (1 - 5e-3)
+
+            def each(name: str, digits: int) -> str:
+                return " (" + " / ".join(f"{r[name]:.{digits}f}" for r in runs) + ")" if len(runs) > 1 else ""
+
+            lines.append(
+                f"| {router} | {mean['hit_rate']:.4f}{'*' if beats_hit else ''}{each('hit_rate', 3)} | "
+                f"{mean['local_hit_rate']:.3f} | {mean['ttft_p50_s']:.2f} | "
+                f"{mean['ttft_p99_s']:.2f}{'*' if beats_p99 else ''}{each('ttft_p99_s', 2)} | "
+                f"{mean['busiest_over_mean']:.2f}{each('busiest_over_mean', 2)} |")
+        lines.append("")
+    return lines
 
 
 def scale(args: argparse.Namespace) -> int:
@@ -127,6 +164,7 @@ def main(argv: list | None = None) -> int:
     one.add_argument("--dp", default="4,16,64")
     one.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's published size")
     one.add_argument("--seed", type=int, default=0)
+    one.add_argument("--seeds", default="", help="comma-separated seeds: run each, report each router's mean")
     one.add_argument("--cost-model", default="calibrated", choices=sorted(COST_MODELS),
                      help="the simulated replicas' true costs (benchmarks/router_sim/costs.py COST_MODELS)")
     one.add_argument("--host-tier-pages", type=int, default=0,

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from common.events import PagesRemoved, PagesStored
-from common.routing_stats import MeasuredCosts
+from common.routing_stats import EXPORT_WAIT_S, MeasuredCosts
 from benchmarks.router_sim.costs import CostModel
 from replica.cost_meter import StepCostFit
 
-HOLDER_WAIT_S = 2.0
-"""How long a holder waits for pages it is computing before answering an export (replica/export_index.py)."""
+HOLDER_WAIT_S = EXPORT_WAIT_S
+"""How long a holder waits for pages it is computing before answering an export (the real replica's bound)."""
 
 
 def _ewma(previous: float | None, value: float) -> float:
