@@ -38,8 +38,8 @@ if str(ROOT) not in sys.path:
 if str(ROOT / "benchmarks") not in sys.path:
     sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from router_compare import (MODEL_NAME, PAGE_SIZE, Request, kv_bytes_per_page, model_dir, run_load,  # noqa: E402
-                            start_ray, warmup_requests)
+from router_compare import (MODEL_NAME, PAGE_SIZE, Request, kv_bytes_per_page, model_description,  # noqa: E402
+                            model_dir, run_load, start_ray, warmup_requests)
 
 from bench.metrics import percentile  # noqa: E402
 from bench.workloads import IdPromptFactory, seeded_rng  # noqa: E402
@@ -64,8 +64,9 @@ def serve_config(args: argparse.Namespace, replication: bool):
     from cluster.config import ServeConfig
 
     return ServeConfig(
-        model=str(model_dir(args)), devices="cpu", dtype="float32", data_parallel_degree=2, page_size=PAGE_SIZE,
-        kv_cache_memory=args.pages_per_replica * kv_bytes_per_page(args), num_cpus_per_replica=0.5,
+        model=str(model_dir(args)), devices="cpu", dtype=args.dtype, data_parallel_degree=2, page_size=PAGE_SIZE,
+        kv_cache_memory=args.pages_per_replica * kv_bytes_per_page(args),
+        num_cpus_per_replica=args.num_cpus_per_replica,
         max_model_len=2048, max_num_batched_tokens=2048, served_model_name=MODEL_NAME, log_level="warning",
         enable_disk_cache=False, enable_dp_cross_replica_prefix_copy=True, enable_hot_prefix_replication=replication,
     )
@@ -160,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-dir", default=None,
+                        help="serve this model folder (default: a generated --hidden-size x --num-layers Llama)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--num-cpus-per-replica", type=float, default=0.5,
+                        help="Ray CPUs per replica (two apps of DP 2 run at once: 0.5 fills 2 CPUs)")
     parser.add_argument("--settle-s", type=float, default=1.0)
     parser.add_argument("--out", default=str(RESULTS_DIR / "hot_prefix.md"))
     parser.add_argument("--smoke", action="store_true", help="a handful of requests, results to a temp folder")
@@ -209,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     wall_s = time.perf_counter() - started
     settings = (
-        f"model: random-weight Llama, hidden {args.hidden_size} x {args.num_layers} layers, float32, 1 torch thread "
-        f"per replica; two DP=2 apps on one host at once (4 replicas, 0.5 CPU each); page size {PAGE_SIZE}; KV "
+        f"model: {model_description(args)}, {args.dtype}, 1 torch thread per replica; two DP=2 apps on one host at "
+        f"once (4 replicas, {args.num_cpus_per_replica:g} CPU each); page size {PAGE_SIZE}; KV "
         f"budget {args.pages_per_replica} pages per replica; peer copy on in both; disk tier and Redis off; "
         f"replication defaults (hot after 4 requests in 5 s, holder busy at 4 requests, 256 pages per 10 s).\n"
         f"workload: {args.num_prefixes} system prompts x {args.prefix_len} tokens, {args.hot_share:.0%} of "

@@ -251,7 +251,8 @@ def start_ray(args: argparse.Namespace) -> int:
     from ray import serve
 
     # The replicas reserve --num-cpus-per-replica each; Ray's prefix tree actor needs 1 free to be placed.
-    num_cpus = max(2, math.ceil(2 * args.num_cpus_per_replica + ("ray-prefix" in args.routers.split(","))))
+    routers = getattr(args, "routers", "").split(",")  # hot_prefix.py runs no router case
+    num_cpus = max(2, math.ceil(2 * args.num_cpus_per_replica + ("ray-prefix" in routers)))
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="warning",
              log_to_driver=args.verbose)
     port = free_port()
