@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.router_sim.sim import percentile as nearest_rank  # noqa: E402
 
 QUANTILES = (50, 90, 95, 99)
-
-
-def nearest_rank(values: list, q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def describe(values: list) -> str:

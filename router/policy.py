@@ -302,9 +302,9 @@ class PrefixAwarePolicy:
             if c.num_requests > load:
                 load = c.num_requests
             scored.append(_Scored(replica_id, replica_id_to_matched.get(replica_id, 0), load, num_keys(replica_id), c))
+        if self.config.enable_cost_model and now is None:
+            now = time.monotonic()
         if self.config.enable_cost_model and self.config.enable_residency_aging and replica_id_to_matched:
-            if now is None:
-                now = time.monotonic()
             scored = self._resident(scored, page_keys, now)
             replica_id_to_matched = {s.replica_id: s.matched for s in scored if s.matched}
         min_load = min(s.load for s in scored)
@@ -316,8 +316,6 @@ class PrefixAwarePolicy:
         if len(holders) > 1 and self.config.enable_cost_model:
             # the holder to copy from: the one expected to have the pages soonest (a replica this router just sent
             # the prefix to holds it only once it has computed or copied it)
-            if now is None:
-                now = time.monotonic()
             ready_s = self._key_to_ready_s
             last = page_keys[top - 1]
             holder = _best(holders, lambda s: (-max(ready_s.get((s.replica_id, last), now), now), _preference(s)),
@@ -333,8 +331,6 @@ class PrefixAwarePolicy:
             self.index.expect_keys(decision.replica_id, page_keys)
             self._count(decision)
             return decision
-        if now is None:
-            now = time.monotonic()
         if num_prompt_tokens is None:
             num_prompt_tokens = len(page_keys) * self.config.page_size
         self._forget_ready_pages(now)

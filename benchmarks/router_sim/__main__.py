@@ -86,8 +86,7 @@ def render(rows: list, args: argparse.Namespace, cost: CostModel, wall_s: float)
                   "reasons |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for row in group:
-            beats_hit = ours is not None and row is not ours and row["hit_rate"] > ours["hit_rate"] + 5e-4
-            beats_p99 = ours is not None and row is not ours and row["ttft_p99_s"] < ours["ttft_p99_s"] * (1 - 5e-3)
+            beats_hit, beats_p99 = _beats(row, ours) if row is not ours else (False, False)
             reasons = ", ".join(f"{k} {v}" for k, v in row["reasons"].items())
             lines.append(
                 f"| {row['router']} | {row['hit_rate']:.3f}{'*' if beats_hit else ''} | {row['local_hit_rate']:.3f} | "
@@ -96,6 +95,14 @@ def render(rows: list, args: argparse.Namespace, cost: CostModel, wall_s: float)
                 f"{reasons} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _beats(other: dict, ours: dict | None) -> tuple[bool, bool]:
+    """Whether ``other`` (a baseline's row or means) has a higher hit rate than ours, and a lower TTFT p99, beyond
+    rounding (the `*` of the tables)."""
+    if ours is None:
+        return False, False
+    return other["hit_rate"] > ours["hit_rate"] + 5e-4, other["ttft_p99_s"] < ours["ttft_p99_s"] * (1 - 5e-3)
 
 
 def _mean_tables(rows: list) -> list:
@@ -114,8 +121,7 @@ def _mean_tables(rows: list) -> list:
                   "|---|---|---|---|---|---|"]
         for router, runs in by_router.items():
             mean = means[router]
-            beats_hit = ours is not None and router != OURS and mean["hit_rate"] > ours["hit_rate"] + 5e-4
-            beats_p99 = ours is not None and router != OURS and mean["ttft_p99_s"] < ours["ttft_p99_s"] * (1 - 5e-3)
+            beats_hit, beats_p99 = _beats(mean, ours) if router != OURS else (False, False)
 
             def each(name: str, digits: int) -> str:
                 return " (" + " / ".join(f"{r[name]:.{digits}f}" for r in runs) + ")" if len(runs) > 1 else ""
