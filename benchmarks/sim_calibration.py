@@ -52,21 +52,12 @@ sys.path.insert(0, str(ROOT))
 from bench.workloads import IdPromptFactory, WorkloadConfig, build_sessions, seeded_rng  # noqa: E402
 from benchmarks.router_sim.costs import CostModel  # noqa: E402
 from benchmarks.router_sim.trace import load_trace, trace_row  # noqa: E402
+from benchmarks.standard_workloads import SCALED  # noqa: E402  (the same points as BENCHMARKS.md section 9)
 
 PAGE_SIZE = 128
 VOCAB = 8192
 NAMED = ("generated-shared-prefix", "prefix-repetition", "shared-prefix-groups", "multi-round-qa", "zipf-hot")
 
-# scaled to this box (published shapes in bench/standard_workloads.py); the same points as BENCHMARKS.md section 9
-SCALED = {
-    "generated-shared-prefix": dict(num_groups=4, prompts_per_group=8, system_prompt_len=1024, question_len=64,
-                                    output_len=16),
-    "prefix-repetition": dict(prefix_len=256, suffix_len=256, num_prefixes=10, output_len=16),
-    "shared-prefix-groups": dict(num_groups=4, num_prompts_per_group=8, system_prompt_len=1024, question_len=128,
-                                 output_len=16),
-    "multi-round-qa": dict(num_users=4, num_rounds=4, qps=2.0, shared_system_prompt=500, user_history_prompt=500,
-                           answer_len=16, question_len=20),
-}
 ZIPF = dict(num_requests=48, num_prefixes=8, exponent=1.5, prefix_blocks=2, block_size=512, question_len=128,
             output_len=16, rate=6.0)
 """Zipf hot prefix as a Mooncake-format trace: prefix k (2 x 512 tokens) drawn with weight 1 / (k + 1)^1.5 (the

@@ -26,6 +26,7 @@ import torch
 from common.page_format import PageFormat, dtype_name
 from common.page_keys import KEY_FORMAT_VERSION, PageKey
 from common.types import CacheSource, TierStats
+from replica.tiers.seal import TierKey
 
 @dataclass(frozen=True, eq=False)
 class StoredPage:
@@ -300,6 +301,15 @@ class QueuedWriteTier(KVTier):
     """The bookkeeping both shared tiers share: stores go through a ``BackgroundWriter`` (``self._writer``), counters
     live in a ``StatsRecorder`` (``self._stats``), a tier that refused the store's format (``self._refused``) drops
     every page, and ``_record_load`` accounts one ``load`` call."""
+
+    @property
+    def page_format(self) -> PageFormat:
+        return self._page_format
+
+    @property
+    def tier_key(self) -> TierKey:
+        """The key that names and seals this tier's pages."""
+        return self._tier_key
 
     def store(self, pages: Sequence[StoredPage]) -> int:
         prepared = prepare_pages_for_store(self._page_format, pages)

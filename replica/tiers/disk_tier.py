@@ -369,15 +369,6 @@ class DiskTier(QueuedWriteTier):
     # ---- KVTier -----------------------------------------------------------------------------------------------
 
     @property
-    def page_format(self) -> PageFormat:
-        return self._page_format
-
-    @property
-    def tier_key(self) -> TierKey:
-        """The key that names and seals this tier's pages."""
-        return self._tier_key
-
-    @property
     def available(self) -> bool:
         return not self._closed and not self._refused
 
