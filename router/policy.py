@@ -8,6 +8,11 @@ candidate replicas with their load.
     load(r)        = max(requests r reported running + waiting,      # from routing stats, up to one period old
                          requests this router routed to r that have not finished yet)   # covers bursts
     matched(r)     = leading request pages r holds                   # PrefixIndex.longest_prefix
+                     with the cost model, + 1 where r finished, less than ``answer_report_s`` ago, a request whose
+                     prompt's full pages end at page matched(r) of this one, and no candidate is known to hold more:
+                     the page that prompt's tail and its answer filled is stored when it ends and reported with the
+                     next routing stats (a chat's next turn sent within one stats period of the answer would
+                     otherwise tie with every replica holding the system prompt)
     holder         = the candidate, overloaded or not, with the most matched pages (ties: lower load, fewer cached
                      pages, higher tie score)
     min_load       = min over candidates of load(r)
@@ -184,6 +189,11 @@ class PolicyConfig:
     candidate that would start before the holder is done may still copy the pages once they are, so its estimate is
     the lesser of computing them and waiting for the holder, then copying (0: only pages expected done when the
     candidate starts are priced as copies)."""
+    answer_report_s: float = 0.55
+    """How long after a replica finished a request its answer pages may still be missing from the index: they are
+    stored when the request ends and reported with the next routing stats (every 0.5 s, up to 1.1x with the jitter).
+    Within it, a request that continues the finished one's prompt expects one more page there (module docstring,
+    ``matched``); longer, it would guess at replicas whose reports are already in."""
     duplicate_work_weight: float = 1.0
     """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
     delays the replica's later requests and, for recomputed pages, stores a second copy)."""
@@ -204,7 +214,8 @@ class PolicyConfig:
                 f"{self.max_num_batched_tokens}"
             )
         for name in ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms", "peer_copy_page_ms",
-                     "host_page_ms", "disk_page_ms", "duplicate_work_weight", "eviction_weight", "holder_wait_s"):
+                     "host_page_ms", "disk_page_ms", "duplicate_work_weight", "eviction_weight", "holder_wait_s",
+                     "answer_report_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (a measured cost), got {getattr(self, name)}")
 
@@ -275,6 +286,11 @@ class PrefixAwarePolicy:
         self._holds_keys = self.config.enable_cost_model and self.config.enable_residency_aging
         self._request_id_to_keys: dict[str, Sequence[PageKey]] = {}
         """With residency aging: the page keys of each counted request, held in use on its replica (``note_routed``)."""
+        self._request_id_to_last_key: dict[str, PageKey] = {}
+        """The last full prompt page of each counted request (``note_routed``)."""
+        self._answered: dict[tuple[str, PageKey], float] = {}
+        """(replica, last full prompt page of a request it finished) -> when it finished, for ``answer_report_s``."""
+        self._answered_order: deque[tuple[float, str, PageKey]] = deque()
 
     # ---- the decision ----------------------------------------------------------------------------------------------
     def choose(
@@ -306,6 +322,9 @@ class PrefixAwarePolicy:
             now = time.monotonic()
         if self.config.enable_cost_model and self.config.enable_residency_aging and replica_id_to_matched:
             scored = self._resident(scored, page_keys, now)
+            replica_id_to_matched = {s.replica_id: s.matched for s in scored if s.matched}
+        if self.config.enable_cost_model and self._answered and replica_id_to_matched:
+            scored = self._with_answers(scored, page_keys, now)
             replica_id_to_matched = {s.replica_id: s.matched for s in scored if s.matched}
         min_load = min(s.load for s in scored)
         abs_bound = min_load + self.config.balance_abs_threshold
@@ -391,6 +410,24 @@ class PrefixAwarePolicy:
                     s = s._replace(matched=resident)
             out.append(s)
         return out
+
+    def _with_answers(self, scored: list, page_keys: Sequence[PageKey], now: float) -> list:
+        """``scored`` with one more matched page on each replica that finished, within ``answer_report_s``, a request
+        whose prompt's full pages are exactly the ones it matches and that this request continues: the page the
+        finished prompt's tail and its answer filled was stored when it ended and is not reported yet (a chat's next
+        turn sent within one stats period of the answer; every replica holding the system prompt matches as much)."""
+        answered = self._answered
+        self._forget_answers(now)
+        if not answered:
+            return scored
+        # only where no replica is known to hold more: a replica that reported the continuation already holds it
+        # (another replica's finished request that ended at the same page is another chat on the same system prompt)
+        top = max(s.matched for s in scored)
+        if top >= len(page_keys):
+            return scored
+        last = page_keys[top - 1]
+        return [s._replace(matched=top + 1) if s.matched == top and (s.replica_id, last) in answered else s
+                for s in scored]
 
     def comparable_costs(self, loads: Sequence[ReplicaLoad]) -> list[_Costs]:
         """``costs_of`` each candidate, with every compute cost (step, prompt token, attention pair, decode row) that
@@ -584,6 +621,8 @@ class PrefixAwarePolicy:
                 keys = held
         self._request_id_to_replica_id[request_id] = replica_id
         self._replica_id_to_num_inflight[replica_id] = self._replica_id_to_num_inflight.get(replica_id, 0) + 1
+        if page_keys and self.config.enable_cost_model:
+            self._request_id_to_last_key[request_id] = page_keys[-1]
         if keys and self._holds_keys:
             self._request_id_to_keys[request_id] = keys
             self.index.hold(replica_id, keys)
@@ -598,6 +637,12 @@ class PrefixAwarePolicy:
         keys = self._request_id_to_keys.pop(request_id, None)
         if keys:
             self.index.release(counted_on, keys)
+        last_key = self._request_id_to_last_key.pop(request_id, None)
+        if last_key is not None:  # its answer pages are stored there now, reported with the next routing stats
+            finished_s = self.index.clock()
+            self._answered[(counted_on, last_key)] = finished_s
+            self._answered_order.append((finished_s, counted_on, last_key))
+            self._forget_answers(finished_s)
 
     def num_inflight(self, replica_id: str) -> int:
         return self._replica_id_to_num_inflight.get(replica_id, 0)
@@ -613,8 +658,17 @@ class PrefixAwarePolicy:
         for request_id in [r for r, owner in self._request_id_to_replica_id.items() if owner == replica_id]:
             del self._request_id_to_replica_id[request_id]
             self._request_id_to_keys.pop(request_id, None)
+            self._request_id_to_last_key.pop(request_id, None)
 
     # ---- internals -------------------------------------------------------------------------------------------------
+    def _forget_answers(self, now: float) -> None:
+        """Drop the finished requests whose answer pages the index has heard of by ``now`` (``answer_report_s``)."""
+        answered, order = self._answered, self._answered_order
+        while order and order[0][0] < now - self.config.answer_report_s:
+            finished_s, replica_id, key = order.popleft()
+            if answered.get((replica_id, key)) == finished_s:
+                del answered[(replica_id, key)]
+
     def _forget_ready_pages(self, now: float) -> None:
         order = self._ready_order
         while order and order[0][0] <= now:

@@ -588,3 +588,30 @@ def test_tier_runs_follow_the_fetch_order_and_forget_a_replica_that_left():
     assert policy.tier_runs(prompt) == (2, 0)
     assert policy.tier_index.replica_ids() == ["a@CPU"]
     assert make_policy().tier_runs(prompt) == (0, 0)  # off by default
+
+
+def test_a_follow_up_sent_before_the_answer_is_reported_expects_the_answer_page_where_the_turn_finished():
+    """A chat's next turn sent within one routing-stats period of the previous answer: every replica holding the
+    system prompt matches as much, and the page the previous prompt's tail and answer filled, stored when it ended,
+    is not reported yet; the replica that finished the previous turn is expected to hold that one more page."""
+    def route(at: float, finished_on: tuple = ("a",)) -> RoutingDecision:
+        clock = Clock()
+        index = PrefixIndex(clock=clock)
+        for replica_id in ("a", "b"):  # both hold the system prompt (two pages) for other chats
+            index.apply_events(replica_id, [PagesStored(1, tuple(PROMPT[:2]))])
+        policy = PrefixAwarePolicy(index, PolicyConfig(enable_peer_hint=False))
+        clock.now = 0.0
+        for replica_id in finished_on:  # a turn whose prompt's full pages were the system prompt ends there
+            policy.note_routed(f"turn-on-{replica_id}", replica_id, PROMPT[:2])
+            policy.note_finished(f"turn-on-{replica_id}")
+        clock.now = at
+        return policy.choose(PROMPT, loads(a=1, b=0), num_prompt_tokens=4 * 128, now=at)
+
+    follow_up = route(at=0.3)
+    assert (follow_up.replica_id, follow_up.reason, follow_up.matched_pages) == ("a", RoutingReason.PREFIX_HIT, 3)
+    # one stats period later the answer would be in the index: nothing is expected beyond it; and where both
+    # replicas just finished such a turn, neither is told apart (the lower load decides, as without the rule)
+    for late_or_ambiguous in (route(at=0.6), route(at=0.3, finished_on=("a", "b"))):
+        assert late_or_ambiguous.replica_id == "b"
+    assert route(at=0.3, finished_on=("a", "b")).matched_pages == 3
+    assert route(at=0.6).matched_pages == 2
