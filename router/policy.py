@@ -138,8 +138,11 @@ class RoutingReason(str, enum.Enum):
 class PolicyConfig:
     """Thresholds and per-unit costs of the rule in the module docstring."""
 
-    balance_abs_threshold: int = 4
-    """Load gap (requests) to the least-loaded replica that must be exceeded before a replica is excluded."""
+    balance_abs_threshold: int = 3
+    """Load gap (requests) to the least-loaded replica that must be exceeded before a replica is excluded. 3, not
+    SGLang's wide gap: in the simulator 4 let chats pile up (multi-turn at DP 64: busiest/mean 1.33, 1.17 with 3),
+    and 3 changes no hit rate by more than 0.001 nor p99 by more than 4% (BENCHMARKS.md 0f); 8 or 16 made zipf at DP
+    64 worse (section 8)."""
     balance_rel_threshold: float = 1.5
     """... and the load ratio to the least-loaded replica that must be exceeded as well."""
     min_peer_copy_pages: int = 1
@@ -580,9 +583,8 @@ class PrefixAwarePolicy:
                          ) -> tuple[float, float, float]:
         """(estimated TTFT, the part of it the replica is busy, the copy and compute work in it), in ms, for a replica
         with ``load`` requests, ``matched`` pages local, ``copied`` pages copied and ``wait_s`` of queued prefill."""
-        work_ms, num_steps = self._work_ms(matched, copied, num_prompt_tokens)
-        busy_ms = work_ms + num_steps * (self.config.step_ms + load * self.config.decode_row_ms)
-        return wait_s * 1000.0 + busy_ms, busy_ms, work_ms
+        return self._estimate_one(_Scored("", matched, load, 0, ReplicaLoad("")), self._default_costs, copied, wait_s,
+                                  num_prompt_tokens, 0, 0, {})
 
     def hint_for_pinned(self, page_keys: Sequence[PageKey], target: str) -> str | None:
         """A request pinned to ``target`` (no choice to make): the replica holding more of its leading pages than the

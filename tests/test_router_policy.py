@@ -51,8 +51,9 @@ def test_imbalance_beyond_both_thresholds_moves_request_and_sets_peer_hint():
 
 def test_imbalance_within_absolute_threshold_keeps_affinity():
     policy = make_policy(a=4)
-    assert policy.choose(PROMPT, loads(a=4, b=0)).replica_id == "a"  # gap 4 is not > 4
-    assert policy.choose(PROMPT, loads(a=5, b=0)).replica_id == "b"
+    assert PolicyConfig().balance_abs_threshold == 3
+    assert policy.choose(PROMPT, loads(a=3, b=0)).replica_id == "a"  # gap 3 is not > 3
+    assert policy.choose(PROMPT, loads(a=4, b=0)).replica_id == "b"
 
 
 def test_imbalance_within_relative_threshold_keeps_affinity():
@@ -157,9 +158,9 @@ def test_burst_on_one_prefix_spills_once_the_holder_is_busy():
         decision = policy.choose(PROMPT, loads(a=0, b=0))
         policy.note_routed(f"req-{number}", decision.replica_id)
         chosen.append((decision.replica_id, decision.peer_hint))
-    # a takes 5 (gap 5 > 4 and 5 > 1.5 * 0), then b takes one (copying from a); from then on b is expected to hold the
-    # prefix too, so the next request goes to the less loaded of the two holders: b again.
-    assert chosen == [("a", None)] * 5 + [("b", "a"), ("b", None)]
+    # a takes 4 (gap 4 > 3 and 4 > 1.5 * 0), then b takes one (copying from a); from then on b is expected to hold the
+    # prefix too, so the next requests go to the less loaded of the two holders: b again (1, then 2 against a's 4)
+    assert chosen == [("a", None)] * 4 + [("b", "a"), ("b", None), ("b", None)]
 
 
 def test_cost_model_burst_on_one_prefix_copies_once_queueing_costs_more_than_the_copy():
@@ -248,7 +249,7 @@ def test_a_replica_starting_before_the_holder_is_done_waits_for_it_and_copies_wh
 
     policy, prompt = busy_holder()
     ready_s = policy._key_to_ready_s[("a", prompt[11])]
-    decision = policy.choose(prompt, loads(a=4, b=0), now=0.01)
+    decision = policy.choose(prompt, loads(a=3, b=0), now=0.01)
     # a: ~4.8 s of queue; b computing the 12 pages: ~1.2 s plus as much duplicate work; b waiting for a's pages
     # (due at ready_s, counted 1.5x: within holder_wait_s) and copying them: no duplicate work -> b, copying from a
     assert (decision.replica_id, decision.reason, decision.peer_hint) == ("b", RoutingReason.COST_AWAY, "a")
@@ -260,13 +261,13 @@ def test_a_replica_starting_before_the_holder_is_done_waits_for_it_and_copies_wh
     # without the wait (holder_wait_s 0) b may only recompute the prefix, and gets no hint: a replica with a hint
     # waits for pages the holder is still computing
     policy, prompt = busy_holder(PolicyConfig(holder_wait_s=0.0))
-    decision = policy.choose(prompt, loads(a=4, b=0), now=0.01)
+    decision = policy.choose(prompt, loads(a=3, b=0), now=0.01)
     assert (decision.replica_id, decision.reason, decision.peer_hint) == ("b", RoutingReason.COST_AWAY, None)
     assert decision.estimated_ttft_ms == pytest.approx(recompute)
 
     # a holder further out than holder_wait_s: recompute
     policy, prompt = busy_holder(PolicyConfig(holder_wait_s=0.5))
-    assert policy.choose(prompt, loads(a=4, b=0), now=0.01).estimated_ttft_ms == pytest.approx(recompute)
+    assert policy.choose(prompt, loads(a=3, b=0), now=0.01).estimated_ttft_ms == pytest.approx(recompute)
 
 
 def test_the_holder_to_copy_from_is_the_one_with_the_pages_soonest_not_one_still_waiting_to_copy_them():
