@@ -58,6 +58,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def ensure_model() -> None:
+    """The tiny Llama (hidden 512 x 8 layers) at ``MODEL_DIR``, written once."""
+    if not (MODEL_DIR / "config.json").exists():
+        write_tiny_model(MODEL_DIR, arch="llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+                         vocab_size=8192, seed=0)
+
+
+def private_redis(maxmemory: str) -> tuple[int, str, str, subprocess.Popen]:
+    """A redis-server of this run's own on a free port and a unix socket (no persistence): (port, a temporary folder
+    that holds the socket and serves as the disk tier's root, the socket's path, the process)."""
+    port = free_port()
+    folder = tempfile.mkdtemp(prefix="prefixserve-bench-disk-")
+    redis_socket = os.path.join(folder, "redis.sock")
+    process = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--unixsocket", redis_socket,
+                                "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--maxmemory", maxmemory,
+                                "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
+    return port, folder, redis_socket, process
+
+
 def tokens(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, 8000, (n,), generator=g).tolist()
@@ -127,15 +146,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiers-only", action="store_true", help="only the Redis and disk rows (no Ray)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if not (MODEL_DIR / "config.json").exists():
-        write_tiny_model(MODEL_DIR, arch="llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                         vocab_size=8192, seed=0)
-    port = free_port()
-    disk_dir = tempfile.mkdtemp(prefix="prefixserve-bench-disk-")
-    redis_socket = os.path.join(disk_dir, "redis.sock")
-    redis_proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--unixsocket", redis_socket,
-                                   "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--maxmemory", "1gb",
-                                   "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
+    ensure_model()
+    port, disk_dir, redis_socket, redis_proc = private_redis("1gb")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not args.tiers_only:

@@ -53,7 +53,7 @@ import torch
 from common.page_format import PageFormat
 from common.page_keys import PageKey
 from common.types import CacheSource
-from replica.tiers.arrow_file import TEMP_SUFFIX, NotRegularFile, read_page_file, remove_quietly, write_page_file
+from replica.tiers.arrow_file import TEMP_SUFFIX, read_page_file, remove_quietly, write_page_file
 from replica.tiers.base import (
     QueuedWriteTier,
     RetentionUpdate,

@@ -1,0 +1,187 @@
+"""Where a 16-page KV load's time goes, path by path (BENCHMARKS.md 0f): the parts that ``benchmarks/kv_sources.py``
+times as one.
+
+1. Peer copy from a CPU holder's shared pool on this node: the export call to the holder (and an empty call: the
+   actor round trip alone), the copy out of the holder's pool, the writes into the reader's pool.
+2. Redis (TCP and unix socket) and disk tier loads of pages stored just before (fresh: each round stores new pages,
+   as a real load finds them) split into the tier's ``load`` and the writes into the reader's pool.
+3. A raw ``MGET`` of the same number of values of the same size read off a unix socket with ``recv_into`` into one
+   buffer, against redis-py's own parser: what ``redis-server`` writing the reply costs without any decryption.
+
+The tier pages hold random KV under real keys and token ids (what a load verifies); timing does not depend on it.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/kv_breakdown.py [--dtype bfloat16] [--rounds 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import shutil
+import socket
+import statistics
+import time
+
+import ray
+import redis
+import torch
+
+from benchmarks.kv_sources import Holder, engine_config, ensure_model, peer_client, private_redis, tokens
+from common.types import EngineRequest, SamplingParams
+from replica.engine import build_engine
+from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
+from replica.peer_copy import PeerExportRequest
+from replica.shared_pool import node_id
+
+PAGE_SIZE = 128
+
+
+def ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.2f} ms (min {min(values) * 1e3:.2f})"
+
+
+def peer_rows(args, reader, keys, nbytes: int) -> list[str]:
+    holder = Holder.remote(engine_config(args, "holder"))
+    ray.get(holder.compute.remote(args.prefix))
+    client = peer_client(holder, shared_memory=True)
+    loop = asyncio.new_event_loop()
+    parts = {"export call": [], "copy out of the holder's pool": [], "writes into the reader's pool": [],
+             "whole fetch": [], "an empty export call (round trip alone)": []}
+    for round_ in range(args.rounds + 3):
+        t0 = time.perf_counter()
+        bundle = loop.run_until_complete(client._export(PeerExportRequest("holder", list(keys), None, node_id())))
+        t1 = time.perf_counter()
+        pages = loop.run_until_complete(loop.run_in_executor(client.pool_reader.executor,
+                                                             client.pool_reader.copy_pages, bundle))
+        t2 = time.perf_counter()
+        for page_id, page in enumerate(pages):
+            reader.runner.write_page(page_id, page.kv)
+        t3 = time.perf_counter()
+        loop.run_until_complete(client._export(PeerExportRequest("holder", [], None, node_id())))
+        t4 = time.perf_counter()
+        assert len(pages) == len(keys)
+        del pages
+        if round_ >= 3:  # the first rounds map the holder's pool in
+            for name, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, t4 - t3)):
+                parts[name].append(value)
+    loop.close()
+    whole = statistics.median(parts["whole fetch"])
+    return [f"| peer, shared pool | {name} | {ms(values)} |" for name, values in parts.items()] + [
+        f"| peer, shared pool | effective | {nbytes / whole / 1e9:.2f} GB/s |"]
+
+
+def tier_rows(args, reader, page_format, template, redis_url, redis_unix_url, disk_dir, nbytes: int) -> list[str]:
+    host, disk = build_tiers(page_format, redis_url=redis_url, disk_cache_dir=disk_dir, disk_budget_bytes=4 << 30)
+    host_unix = build_tiers(page_format, redis_url=redis_unix_url, disk_cache_dir=None, disk_budget_bytes=0)[0]
+    tiers = {"Redis (TCP)": host, "Redis (unix socket)": host_unix, "disk": disk}
+    parts = {name: ([], []) for name in tiers}
+    for round_ in range(args.rounds + 2):
+        prefix = tokens(args.prefix_len, seed=1000 + round_)
+        keys = reader.page_keys(prefix)
+        slices = [prefix[i * PAGE_SIZE:(i + 1) * PAGE_SIZE] for i in range(len(keys))]
+        pages = [dataclasses.replace(template, key=key, token_ids=tuple(token_ids),
+                                     kv=torch.randn(template.kv.shape).to(template.kv.dtype))
+                 for key, token_ids in zip(keys, slices)]
+        PrefixFetcher(page_format, tiers=[host, disk]).store(pages)
+        host.flush(30)
+        disk.flush(30)
+        del pages
+        for name, tier in tiers.items():
+            t0 = time.perf_counter()
+            loaded = tier.load(keys, slices)
+            t1 = time.perf_counter()
+            for page_id, kv in enumerate(loaded):
+                reader.runner.write_page(page_id, kv)
+            t2 = time.perf_counter()
+            assert len(loaded) == len(keys), name
+            del loaded
+            if round_ >= 2:
+                parts[name][0].append(t1 - t0)
+                parts[name][1].append(t2 - t1)
+    for tier in (host, host_unix, disk):
+        tier.close()
+    rows = []
+    for name, (loads, writes) in parts.items():
+        whole = statistics.median([a + b for a, b in zip(loads, writes)])
+        rows += [f"| {name} | the tier's load | {ms(loads)} |", f"| {name} | writes into the reader's pool | {ms(writes)} |",
+                 f"| {name} | effective | {nbytes / whole / 1e9:.2f} GB/s ({whole * 1e3:.2f} ms) |"]
+    return rows
+
+
+def raw_mget_rows(args, redis_socket: str, num_values: int, value_bytes: int) -> list[str]:
+    client = redis.Redis(unix_socket_path=redis_socket)
+    keys = [f"kv-breakdown-{i}".encode() for i in range(num_values)]
+    for key in keys:
+        client.set(key, os.urandom(value_bytes))
+    command = (b"*%d\r\n$4\r\nMGET\r\n" % (num_values + 1)
+               + b"".join(b"$%d\r\n%s\r\n" % (len(key), key) for key in keys))
+    reply_bytes = len(b"*%d\r\n" % num_values) + num_values * (len(b"$%d\r\n" % value_bytes) + value_bytes + 2)
+    buffer = bytearray(reply_bytes)
+    view = memoryview(buffer)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(redis_socket)
+
+    def raw() -> None:
+        sock.sendall(command)
+        got = 0
+        while got < reply_bytes:
+            got += sock.recv_into(view[got:], reply_bytes - got)
+
+    results = {}
+    for name, call in (("redis-py's parser", lambda: client.mget(keys)), ("recv_into one buffer", raw)):
+        values = []
+        for round_ in range(args.rounds + 3):
+            t0 = time.perf_counter()
+            call()
+            if round_ >= 3:
+                values.append(time.perf_counter() - t0)
+        results[name] = values
+    sock.close()
+    client.delete(*keys)
+    client.close()
+    return [f"| raw MGET, unix socket, no decryption | {name} | {ms(values)} |" for name, values in results.items()]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prefix-len", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    ensure_model()
+    args.prefix = tokens(args.prefix_len, seed=0)
+    port, disk_dir, redis_socket, redis_proc = private_redis("2gb")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        time.sleep(0.5)
+        reader = build_engine(engine_config(args, "reader"))
+        page_format = page_format_of(reader)
+        head = args.prefix[:PAGE_SIZE]
+        reader.add_request(EngineRequest("template", head, SamplingParams(max_tokens=1, temperature=0.0)))
+        while reader.has_work():
+            reader.step()
+        template = reader.export_pages(reader.page_keys(head))[0]
+        keys = reader.page_keys(args.prefix)
+        nbytes = len(keys) * page_format.page_num_bytes
+        rows = peer_rows(args, reader, keys, nbytes)
+        rows += tier_rows(args, reader, page_format, template, f"redis://127.0.0.1:{port}/0",
+                          f"unix://{redis_socket}?db=0", disk_dir, nbytes)
+        rows += raw_mget_rows(args, redis_socket, len(keys), page_format.page_num_bytes)
+        print(f"\n{len(keys)} pages of {page_format.page_num_bytes / 2**20:.2f} MiB = {nbytes / 2**20:.1f} MiB, "
+              f"{args.dtype}; medians of {args.rounds} rounds")
+        print("\n| path | part | time |\n|---|---|---|")
+        print("\n".join(rows))
+    finally:
+        ray.shutdown()
+        redis_proc.terminate()
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
