@@ -12,6 +12,8 @@ Routers (the replica deployment's ``request_router_config``; everything else ide
     affinity         ours with --no-router-cost-model (pure affinity with fallback), peer copy on
                      (the measured comparison of issue 12, "cost-aware routing vs pure affinity"; both set through
                      ServeConfig.router_cost_model)
+    cost-model-abs4  the product default but with the load bound of sessions 8-13 (balance_abs_threshold 4, now 3;
+                     BENCHMARKS.md 0f)
 
 The disk tier is off in every row and peer copy is off in all but the last, so the cached-token rate shows what
 routing alone achieves. The KV budget of each replica holds fewer pages than all K system prompts need, but the two
@@ -148,6 +150,12 @@ def round_robin_router_config() -> Any:
     return RequestRouterConfig(request_router_class=RoundRobinRequestRouter)
 
 
+def abs4_router_config() -> Any:
+    from router.ray_router import router_config
+
+    return router_config(balance_abs_threshold=4)  # peer hint and cost model on, as build_app's default
+
+
 def ray_prefix_router_config() -> Any:
     from ray.serve.config import RequestRouterConfig
 
@@ -164,6 +172,8 @@ ROUTER_CASES = {
         RouterCase("prefix-aware+copy", "ours, peer copy ON (product default)", True, None),
         RouterCase("cost-model", "ours, cost model ON, peer copy ON (product default)", True, None, True),
         RouterCase("affinity", "ours, --no-router-cost-model, peer copy ON", True, None, False),
+        RouterCase("cost-model-abs4", "ours, the product default with balance_abs_threshold 4", True,
+                   abs4_router_config, True),
     )
 }
 
