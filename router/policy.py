@@ -665,18 +665,10 @@ class PrefixAwarePolicy:
     # ---- internals -------------------------------------------------------------------------------------------------
     def _forget_answers(self, now: float) -> None:
         """Drop the finished requests whose answer pages the index has heard of by ``now`` (``answer_report_s``)."""
-        answered, order = self._answered, self._answered_order
-        while order and order[0][0] < now - self.config.answer_report_s:
-            finished_s, replica_id, key = order.popleft()
-            if answered.get((replica_id, key)) == finished_s:
-                del answered[(replica_id, key)]
+        _expire(self._answered_order, self._answered, now - self.config.answer_report_s, inclusive=False)
 
     def _forget_ready_pages(self, now: float) -> None:
-        order = self._ready_order
-        while order and order[0][0] <= now:
-            ready_s, replica_id, key = order.popleft()
-            if self._key_to_ready_s.get((replica_id, key)) == ready_s:
-                del self._key_to_ready_s[(replica_id, key)]
+        _expire(self._ready_order, self._key_to_ready_s, now, inclusive=True)
 
     def _explain(self, chosen: _Scored, holder: _Scored, min_load: int, *, cost_chosen: bool,
                  estimate_ms: float = 0.0, copies: bool = True) -> RoutingDecision:
@@ -729,6 +721,15 @@ def _mix(value: int) -> int:
 
 
 _MASK64 = (1 << 64) - 1
+
+
+def _expire(order: deque, times: dict, cutoff: float, *, inclusive: bool) -> None:
+    """Pop the (time, replica, key) entries of ``order`` (in time order) up to ``cutoff`` (included or not), and drop
+    each from ``times`` unless a later time replaced it there."""
+    while order and (order[0][0] <= cutoff if inclusive else order[0][0] < cutoff):
+        at, replica_id, key = order.popleft()
+        if times.get((replica_id, key)) == at:
+            del times[(replica_id, key)]
 
 
 def _best(items: list, preference: Callable, anchor: PageKey, scored_of: Callable | None = None):

@@ -233,17 +233,18 @@ def app_state(mn: MultiNodeCluster) -> str:
     return f"app {app.get('status')} ({app.get('message')!r}), replicas {deployments}, messages {messages}"
 
 
-def app_failed(mn: MultiNodeCluster) -> bool:
+def deploy_outcome(mn: MultiNodeCluster, args: dict, num_replicas: int) -> str | None:
+    """"serving" (the app with ``args`` runs ``num_replicas`` running replicas), "failed" (DEPLOY_FAILED), or None
+    while it deploys; one look at Serve's details."""
     app = mn.serve_details().get("applications", {}).get(APP)
-    return bool(app) and app.get("status") == "DEPLOY_FAILED"
-
-
-def app_is_serving(mn: MultiNodeCluster, args: dict, num_replicas: int) -> bool:
-    app = mn.serve_details().get("applications", {}).get(APP)
-    if not app or app["status"] != "RUNNING" or app["deployed_app_config"]["args"] != args:
-        return False
+    if not app:
+        return None
+    if app["status"] == "DEPLOY_FAILED":
+        return "failed"
+    if app["status"] != "RUNNING" or app["deployed_app_config"]["args"] != args:
+        return None
     replicas = app["deployments"][REPLICA_DEPLOYMENT]["replicas"]
-    return len(replicas) == num_replicas and all(r["state"] == "RUNNING" for r in replicas)
+    return "serving" if len(replicas) == num_replicas and all(r["state"] == "RUNNING" for r in replicas) else None
 
 
 def ensure_deployed(mn: MultiNodeCluster, model_dir: str, **overrides) -> dict:
@@ -265,14 +266,13 @@ def ensure_deployed(mn: MultiNodeCluster, model_dir: str, **overrides) -> dict:
     # 480 s: under a steal phase of this shared box (half its CPU taken) a redeploy's two replicas, each compiling its
     # forward, once took longer than 300 s. A failed deploy ends the wait at once; it is retried once, with the first
     # failure printed (a CI run on the loaded 2-core box once saw DEPLOY_FAILED here, never reproduced alone)
-    ready = lambda: app_is_serving(mn, args, shipped["data_parallel_degree"]) or app_failed(mn)  # noqa: E731
-    wait_until(ready, 480, "the app to run", explain=lambda: app_state(mn))
-    if app_failed(mn):
+    outcome = lambda: deploy_outcome(mn, args, shipped["data_parallel_degree"])  # noqa: E731
+    if wait_until(outcome, 480, "the app to run", explain=lambda: app_state(mn)) == "failed":
         print(f"deploy failed, retrying once: {app_state(mn)}", flush=True)
         serve.delete(APP)
         serve_deploy(config)
-        wait_until(ready, 480, "the app to run (second try)", explain=lambda: app_state(mn))
-        assert not app_failed(mn), f"the deploy failed twice: {app_state(mn)}"
+        assert wait_until(outcome, 480, "the app to run (second try)", explain=lambda: app_state(mn)) == "serving", \
+            f"the deploy failed twice: {app_state(mn)}"
 
     def serves() -> bool:
         try:
