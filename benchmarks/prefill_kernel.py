@@ -12,12 +12,16 @@ microseconds, and GFLOP/s of the two products (4 x heads x T x keys seen x head 
     git show HEAD~2:replica/csrc/amx_attention.cpp > /tmp/old_amx.cpp
     PYTHONPATH=. .venv/bin/python benchmarks/prefill_kernel.py --source old=/tmp/old_amx.cpp
     PYTHONPATH=. .venv/bin/python benchmarks/prefill_kernel.py --dtype float32 --threads 2 --tokens 16,64,256
+    # as inside an engine step (scattered pages, caches flushed before each call), against the previous version:
+    git show HEAD~1:replica/csrc/prefill_attention.cpp > /tmp/old_f32.cpp
+    PYTHONPATH=. .venv/bin/python benchmarks/prefill_kernel.py --dtype float32 --cold --source before=/tmp/old_f32.cpp
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -80,6 +84,10 @@ def main(argv=None) -> int:
     parser.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
                         help="another version of the kernel's source to time beside this one (repeatable)")
     parser.add_argument("--no-flash", action="store_true", help="skip ATen's flash kernel")
+    parser.add_argument("--cold", action="store_true",
+                        help="as in an engine step: the context in 128-token pages scattered over a pool of 16384 "
+                             "slots, and 128 MiB written before every call (the layer's weights and other layers' "
+                             "KV pass through the caches between two calls of one layer); medians, not bests")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -92,34 +100,46 @@ def main(argv=None) -> int:
         kernels[name] = build_version(name, Path(path), dtype)
     gen = torch.Generator().manual_seed(0)
     longest = args.context + max(int(t) for t in args.tokens.split(","))
-    k_cache = torch.randn(longest, args.kv_heads, args.head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(longest, args.kv_heads, args.head_dim, generator=gen).to(dtype)
+    slots = max(longest, 16384) if args.cold else longest
+    k_cache = torch.randn(slots, args.kv_heads, args.head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, args.kv_heads, args.head_dim, generator=gen).to(dtype)
+    page_order = torch.randperm(slots // 128, generator=gen).tolist()
+    flush = torch.empty(32 << 20) if args.cold else None
     scale = args.head_dim ** -0.5
     names = list(kernels) + ([] if args.no_flash else ["aten flash"])
     print(f"{args.dtype}, threads {args.threads}, {args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, context "
-          f"{args.context}; best of {args.reps} calls, us (GFLOP/s)")
+          f"{args.context}; " + (f"caches flushed, scattered pages: median of {args.reps} calls" if args.cold else
+                                 f"best of {args.reps} calls") + ", us (GFLOP/s)")
     print("| tokens | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for tokens in (int(t) for t in args.tokens.split(",")):
         query = torch.randn(tokens, args.heads, args.head_dim, generator=gen).to(dtype)
-        runs = torch.tensor([[0, args.context + tokens]])
+        if args.cold:  # whole pages, the chunk's own tokens in the last one or more
+            runs = torch.tensor([[page * 128, min(128, args.context + tokens - 128 * i)]
+                                 for i, page in enumerate(page_order[:-(-(args.context + tokens) // 128)])])
+        else:
+            runs = torch.tensor([[0, args.context + tokens]])
         outs = {name: torch.empty_like(query) for name in names}
         calls = {name: (lambda op=kernel_call(ops, dtype), out=outs[name]: op(query, k_cache, v_cache, runs, scale,
                                                                               out))
                  for name, ops in kernels.items()}
         if not args.no_flash:
             group = args.heads // args.kv_heads
-            keys, values = (cache[: args.context + tokens].transpose(0, 1).repeat_interleave(group, 0)[None]
+            order = torch.cat([torch.arange(first, first + length) for first, length in runs.tolist()])
+            keys, values = (cache[order].transpose(0, 1).repeat_interleave(group, 0)[None]
                             for cache in (k_cache, v_cache))
             calls["aten flash"] = lambda: flash(query, keys, values, args.context, scale, outs["aten flash"])
-        best = dict.fromkeys(names, float("inf"))
+        times = {name: [] for name in names}
         for rep in range(args.reps + 3):
             for name in names:
+                if flush is not None:
+                    flush.fill_(rep)
                 start = time.perf_counter()
                 calls[name]()
                 elapsed = time.perf_counter() - start
                 if rep >= 3:
-                    best[name] = min(best[name], elapsed)
+                    times[name].append(elapsed)
+        best = {name: (statistics.median(values) if args.cold else min(values)) for name, values in times.items()}
         for name in names:  # every version computes the same attention
             torch.testing.assert_close(outs[name].float(), outs["this"].float(), rtol=0.02, atol=0.02)
         seen = tokens * args.context + tokens * (tokens + 1) / 2

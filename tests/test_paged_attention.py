@@ -191,12 +191,24 @@ def test_float32_prefill_kernel_matches_run_by_run_attention(case, head_dim, mon
 
 
 @pytest.mark.skipif(not VECTOR_CPU, reason="needs a CPU with AVX2 and FMA")
+@pytest.mark.parametrize("threads", [1, 8])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_float32_prefill_kernel_rescales_and_masks(head_dim):
+def test_float32_prefill_kernel_rescales_and_masks(head_dim, threads):
     """Keys that grow along the context (a row's maximum moves block after block, so the running sums and outputs
     are rescaled), the context split into uneven runs (blocks cut short), 3 query heads per kv head (rows of one
-    token in two items), against one float64 softmax, causal; a run outside the pool is refused."""
+    token in two row blocks), against one float64 softmax, causal; a run outside the pool is refused. The 9 row blocks
+    of a kv head are split into items of 8 + 1 on one thread, of 2 (and one of 1) on 8 threads: each key block is shared
+    by row blocks whose causal limits end at different keys."""
     assert cpu_kernels.has_vector_prefill(), cpu_kernels._state
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_rescales_and_masks(head_dim)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_rescales_and_masks(head_dim):
     gen = torch.Generator().manual_seed(3)
     num_kv_heads, group, context, tokens, slots = 2, 3, 150, 45, 400
     order = torch.cat([torch.arange(300, 370), torch.arange(7, 87), torch.arange(200, 245)])  # 70 + 80 cached, 45 own
