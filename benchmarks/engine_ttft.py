@@ -68,7 +68,9 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tu
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "prefixserve-bench-llama-512x8"))
+    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "prefixserve-bench-llama-512x8"),
+                        help="a model folder (the tiny Llama is written there if it holds none), or 'default': the "
+                             "embedded default model (SmolLM2-135M-Instruct)")
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
@@ -82,8 +84,8 @@ def main(argv=None) -> int:
                         help="threads for steps of prefill size (a DP=1 server on 2 cores uses 2; decode keeps 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    model_dir = make_model(Path(args.model_dir))
-    common = dict(model=str(model_dir), dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
+    model = None if args.model_dir == "default" else str(make_model(Path(args.model_dir)))
+    common = dict(model=model, dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
                   max_num_batched_tokens=4096, max_model_len=4096, num_prefill_threads=args.prefill_threads)
     engine = build_engine(EngineConfig(**common))
     engine_off = build_engine(EngineConfig(**common, enable_prefix_caching=False))
@@ -115,7 +117,8 @@ def main(argv=None) -> int:
 
     med = statistics.median
     result = {
-        "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "dtype": args.dtype, "rounds": args.rounds,
+        "model": args.model_dir, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "dtype": args.dtype,
+        "rounds": args.rounds,
         "prefill_threads": args.prefill_threads,
         "ttft_cold_s": cold, "ttft_warm_s": warm, "ttft_floor_s": floor,
         "unique_req_per_s_caching_on": on_times, "unique_req_per_s_caching_off": off_times,
