@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import shutil
 import socket
 import statistics
 import time
@@ -153,7 +152,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     ensure_model()
     args.prefix = tokens(args.prefix_len, seed=0)
-    port, disk_dir, redis_socket, redis_proc = private_redis("2gb")
+    server = private_redis("2gb")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -169,17 +168,16 @@ def main(argv=None) -> int:
         keys = reader.page_keys(args.prefix)
         nbytes = len(keys) * page_format.page_num_bytes
         rows = peer_rows(args, reader, keys, nbytes)
-        rows += tier_rows(args, reader, page_format, template, f"redis://127.0.0.1:{port}/0",
-                          f"unix://{redis_socket}?db=0", disk_dir, nbytes)
-        rows += raw_mget_rows(args, redis_socket, len(keys), page_format.page_num_bytes)
+        rows += tier_rows(args, reader, page_format, template, f"redis://127.0.0.1:{server.port}/0",
+                          f"unix://{server.socket}?db=0", server.folder, nbytes)
+        rows += raw_mget_rows(args, server.socket, len(keys), page_format.page_num_bytes)
         print(f"\n{len(keys)} pages of {page_format.page_num_bytes / 2**20:.2f} MiB = {nbytes / 2**20:.1f} MiB, "
               f"{args.dtype}; medians of {args.rounds} rounds")
         print("\n| path | part | time |\n|---|---|---|")
         print("\n".join(rows))
     finally:
         ray.shutdown()
-        redis_proc.terminate()
-        shutil.rmtree(disk_dir, ignore_errors=True)
+        server.close()
     return 0
 
 

@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -65,16 +66,30 @@ def ensure_model() -> None:
                          vocab_size=8192, seed=0)
 
 
-def private_redis(maxmemory: str) -> tuple[int, str, str, subprocess.Popen]:
-    """A redis-server of this run's own on a free port and a unix socket (no persistence): (port, a temporary folder
-    that holds the socket and serves as the disk tier's root, the socket's path, the process)."""
+@dataclass
+class PrivateRedis:
+    """A redis-server of this run's own (``private_redis``); ``close`` stops it and removes its folder."""
+
+    port: int
+    folder: str
+    """A temporary folder that holds the socket and serves as the disk tier's root."""
+    socket: str
+    process: subprocess.Popen
+
+    def close(self) -> None:
+        self.process.terminate()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def private_redis(maxmemory: str) -> PrivateRedis:
+    """A redis-server of this run's own on a free port and a unix socket (no persistence)."""
     port = free_port()
     folder = tempfile.mkdtemp(prefix="prefixserve-bench-disk-")
     redis_socket = os.path.join(folder, "redis.sock")
     process = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--unixsocket", redis_socket,
                                 "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--maxmemory", maxmemory,
                                 "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
-    return port, folder, redis_socket, process
+    return PrivateRedis(port, folder, redis_socket, process)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -147,15 +162,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     ensure_model()
-    port, disk_dir, redis_socket, redis_proc = private_redis("1gb")
+    server = private_redis("1gb")
+    disk_dir = server.folder
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not args.tiers_only:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         time.sleep(0.5)
-        redis_url = f"redis://127.0.0.1:{port}/0"  # as from another node
-        redis_unix_url = f"unix://{redis_socket}?db=0"  # as on the node that runs redis-server (--start-redis)
+        redis_url = f"redis://127.0.0.1:{server.port}/0"  # as from another node
+        redis_unix_url = f"unix://{server.socket}?db=0"  # as on the node that runs redis-server (--start-redis)
         holder = None if args.tiers_only else Holder.remote(engine_config(args, "holder"))
         reader = build_engine(engine_config(args, "reader"))
         page_format = page_format_of(reader)
@@ -284,8 +300,7 @@ def main(argv=None) -> int:
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        redis_proc.terminate()
-        shutil.rmtree(disk_dir, ignore_errors=True)
+        server.close()
     return 0
 
 
