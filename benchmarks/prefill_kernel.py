@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     slots = max(longest, 16384) if args.cold else longest
     k_cache = torch.randn(slots, args.kv_heads, args.head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(slots, args.kv_heads, args.head_dim, generator=gen).to(dtype)
-    page_order = torch.randperm(slots // 128, generator=gen).tolist()
+    page_order = torch.randperm(slots // 128, generator=gen).tolist() if args.cold else None
     flush = torch.empty(32 << 20) if args.cold else None
     scale = args.head_dim ** -0.5
     names = list(kernels) + ([] if args.no_flash else ["aten flash"])

@@ -18,8 +18,9 @@
 //   O^T += V^T P^T  each key's values broadcast from the pool, 6 head dims x 2 row vectors at a time
 //
 // Query rows are (token, query head of the kv head) pairs, so the query heads sharing a kv head (GQA) read its keys
-// once. An item is one kv head and up to 8 blocks of 16 rows: each block of 64 keys and values is copied once out of
-// the pool into a small packed buffer and attended by all of the item's row blocks in turn, while it is in L1 / L2.
+// once. An item is one kv head and up to 8 blocks of 16 rows: each block of 64 keys and values is attended by all of the
+// item's row blocks in turn while it is in L1 / L2 (copied once out of the pool into a packed buffer first when the
+// item has 4 row blocks or more).
 // (Before, each item was 16 rows: a kv head's keys and values for a 2048-token context, 1 MiB in float32 at head size
 // 64 and more than one core's L2, came from L3 or memory again for every 16 rows, in pool rows 1 KiB apart that map
 // onto a quarter of L1's sets: 10-16% slower alone, more in an engine step after the weights have gone through the
@@ -244,8 +245,8 @@ constexpr int64_t kGroup = 8;     // most row blocks of one kv head per item
 constexpr int64_t kPackFrom = 4;  // fewest row blocks that a key block is packed for (fewer: read in place)
 
 // One item: kv head ``h``, row blocks ``first_block`` .. + ``blocks`` (<= kGroup; row r is token r / group, query head
-// h * group + r % group). Each block of keys and values is packed (rows ``dim`` apart instead of the pool's
-// ``slot_stride``) and attended by all of the item's row blocks in turn.
+// h * group + r % group). Each block of keys and values is attended by all of the item's row blocks in turn, packed
+// first (rows ``dim`` apart instead of the pool's ``slot_stride``) when the item has kPackFrom row blocks or more.
 void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
   const int64_t dim = c.head_dim, state = dim * kRows;
   thread_local std::vector<float> scratch;
