@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -357,7 +358,7 @@ def reuse_across_nodes(mn: MultiNodeCluster, reference, tag: str, source: str) -
 def test_copy_off_reuses_a_prefix_from_another_node_through_redis(mn, model_dir, reference, redis_server):
     """Nodes sharing one Redis must share the key that seals its pages: one key file, the same on every node."""
     key_file = mn.workdir / "kv-tier.key"
-    key_file.write_bytes(os.urandom(32))
+    key_file.write_text(secrets.token_hex(32) + "\n")  # the documented format
     key_file.chmod(0o600)
     ensure_deployed(mn, model_dir, enable_dp_cross_replica_prefix_copy=False, redis_url=redis_server,
                     kv_tier_key_file=str(key_file))

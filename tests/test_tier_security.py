@@ -247,6 +247,20 @@ def test_key_file_is_created_once_0600_and_must_be_long_enough(tmp_path):
         __import__("pickle").dumps(load_key_file(path))
 
 
+def test_a_binary_key_file_keeps_every_byte_and_a_text_key_loses_its_newline(tmp_path):
+    """Raw random key bytes may begin or end with a whitespace byte: stripping them would shorten (and so refuse or
+    change) the key. A text key keeps working with or without the newline ``print`` adds."""
+    secret = b"\n" + bytes(range(0x80, 0x9E)) + b" "  # 32 bytes, whitespace at both ends, not text
+    binary = tmp_path / "binary.key"
+    binary.write_bytes(secret)
+    assert load_key_file(binary).key_id == TierKey(secret).key_id
+    hex_key = "ab" * 32
+    with_newline, without = tmp_path / "a.key", tmp_path / "b.key"
+    with_newline.write_text(hex_key + "\n")
+    without.write_text(hex_key)
+    assert load_key_file(with_newline).key_id == load_key_file(without).key_id == TierKey(hex_key.encode()).key_id
+
+
 # ---- one budget, chain-aware eviction -----------------------------------------------------------------------------
 
 

@@ -128,6 +128,16 @@ def create_key_file(path: str | os.PathLike) -> bool:
         os.unlink(temp)
 
 
+def _key_file_secret(raw: bytes) -> bytes:
+    """A text key (hex, base64, a passphrase: printable ASCII) loses the whitespace around it, such as the newline
+    that ``print`` or an editor adds; raw binary key bytes (``head -c 32 /dev/urandom``) are the key as they are, so a
+    random key that happens to begin or end with a whitespace byte keeps all of its bytes."""
+    text = raw.strip()
+    if text and all(0x20 <= byte < 0x7F for byte in text):
+        return text
+    return raw
+
+
 def load_key_file(path: str | os.PathLike) -> TierKey:
     """The key in ``path``. Raises ValueError (with the remedy) if it is missing, too short, or not a regular file;
     warns if other users may read it."""
@@ -144,7 +154,7 @@ def load_key_file(path: str | os.PathLike) -> TierKey:
         if info.st_mode & 0o077:
             logger.warning("KV tier key file %s is readable by other users (mode %o); chmod 600 it",
                            path, stat.S_IMODE(info.st_mode))
-        secret = file.read(4096).strip()
+        secret = _key_file_secret(file.read(4096))
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"the KV tier key file {path} holds {len(secret)} bytes; it needs at least "
                          f"{MIN_SECRET_BYTES} (e.g. the output of `python -c 'import secrets; "
