@@ -2,7 +2,9 @@
 times as one.
 
 1. Peer copy from a CPU holder's shared pool on this node: the export call to the holder (and an empty call: the
-   actor round trip alone), the copy out of the holder's pool, the writes into the reader's pool.
+   round trip alone), the copy out of the holder's pool, the writes into the reader's pool. The export call goes over
+   the holder's socket as the replicas' client asks after its first fetch (replica/pool_socket.py), or through the
+   holder's Ray actor with ``--export-through-ray`` (as every fetch did before that socket).
 2. Redis (TCP and unix socket) and disk tier loads of pages stored just before (fresh: each round stores new pages,
    as a real load finds them) split into the tier's ``load`` and the writes into the reader's pool.
 3. A raw ``MGET`` of the same number of values of the same size read off a unix socket with ``recv_into`` into one
@@ -10,7 +12,8 @@ times as one.
 
 The tier pages hold random KV under real keys and token ids (what a load verifies); timing does not depend on it.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/kv_breakdown.py [--dtype bfloat16] [--rounds 30]
+    PYTHONPATH=. .venv/bin/python benchmarks/kv_breakdown.py [--dtype bfloat16] [--rounds 30] [--peer-only]
+        [--export-through-ray]
 """
 
 from __future__ import annotations
@@ -48,9 +51,17 @@ def peer_rows(args, reader, keys, nbytes: int) -> list[str]:
     loop = asyncio.new_event_loop()
     parts = {"export call": [], "copy out of the holder's pool": [], "writes into the reader's pool": [],
              "whole fetch": [], "an empty export call (round trip alone)": []}
+    request = PeerExportRequest("holder", list(keys), None, node_id())
+    socket_export = getattr(client, "_ask_socket", None)  # a checkout before the holder's export socket has none
+    if socket_export is not None:
+        loop.run_until_complete(client.fetch("holder", list(keys)))  # the first fetch (through Ray) learns the socket
     for round_ in range(args.rounds + 3):
         t0 = time.perf_counter()
-        bundle = loop.run_until_complete(client._export(PeerExportRequest("holder", list(keys), None, node_id())))
+        bundle = None
+        if socket_export is not None and not args.export_through_ray:
+            bundle = loop.run_until_complete(socket_export("holder", list(keys)))
+        if bundle is None:
+            bundle = loop.run_until_complete(client._export(request))
         t1 = time.perf_counter()
         pages = loop.run_until_complete(loop.run_in_executor(client.pool_reader.executor,
                                                              client.pool_reader.copy_pages, bundle))
@@ -58,7 +69,10 @@ def peer_rows(args, reader, keys, nbytes: int) -> list[str]:
         for page_id, page in enumerate(pages):
             reader.runner.write_page(page_id, page.kv)
         t3 = time.perf_counter()
-        loop.run_until_complete(client._export(PeerExportRequest("holder", [], None, node_id())))
+        if socket_export is not None and not args.export_through_ray:
+            assert loop.run_until_complete(socket_export("holder", [])) is not None
+        else:
+            loop.run_until_complete(client._export(PeerExportRequest("holder", [], None, node_id())))
         t4 = time.perf_counter()
         assert len(pages) == len(keys)
         del pages
@@ -67,8 +81,10 @@ def peer_rows(args, reader, keys, nbytes: int) -> list[str]:
                 parts[name].append(value)
     loop.close()
     whole = statistics.median(parts["whole fetch"])
-    return [f"| peer, shared pool | {name} | {ms(values)} |" for name, values in parts.items()] + [
-        f"| peer, shared pool | effective | {nbytes / whole / 1e9:.2f} GB/s |"]
+    path = "peer, shared pool, export " + ("through Ray" if socket_export is None or args.export_through_ray
+                                           else "over the holder's socket")
+    return [f"| {path} | {name} | {ms(values)} |" for name, values in parts.items()] + [
+        f"| {path} | effective | {nbytes / whole / 1e9:.2f} GB/s |"]
 
 
 def tier_rows(args, reader, page_format, template, redis_url, redis_unix_url, disk_dir, nbytes: int) -> list[str]:
@@ -148,6 +164,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--peer-only", action="store_true", help="only the peer rows")
+    parser.add_argument("--export-through-ray", action="store_true",
+                        help="ask the holder through its Ray actor every time, not over its export socket")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     ensure_model()
@@ -168,9 +187,10 @@ def main(argv=None) -> int:
         keys = reader.page_keys(args.prefix)
         nbytes = len(keys) * page_format.page_num_bytes
         rows = peer_rows(args, reader, keys, nbytes)
-        rows += tier_rows(args, reader, page_format, template, f"redis://127.0.0.1:{server.port}/0",
-                          f"unix://{server.socket}?db=0", server.folder, nbytes)
-        rows += raw_mget_rows(args, server.socket, len(keys), page_format.page_num_bytes)
+        if not args.peer_only:
+            rows += tier_rows(args, reader, page_format, template, f"redis://127.0.0.1:{server.port}/0",
+                              f"unix://{server.socket}?db=0", server.folder, nbytes)
+            rows += raw_mget_rows(args, server.socket, len(keys), page_format.page_num_bytes)
         print(f"\n{len(keys)} pages of {page_format.page_num_bytes / 2**20:.2f} MiB = {nbytes / 2**20:.1f} MiB, "
               f"{args.dtype}; medians of {args.rounds} rounds")
         print("\n| path | part | time |\n|---|---|---|")

@@ -109,6 +109,9 @@ class Holder:
     def __init__(self, config: EngineConfig) -> None:
         torch.set_num_threads(1)
         self.engine = build_engine(config)
+        pool = getattr(self.engine.runner, "shared_pool", None)
+        if hasattr(pool, "serve_exports"):  # as AsyncEngine does: peers of this node ask over a socket once they know it
+            pool.serve_exports(self.engine.share_pages)
 
     def compute(self, prompt: list[int]) -> int:
         self.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0.0)))

@@ -54,6 +54,9 @@ class AsyncEngine:
         self._fetches = FetchRegistry()
         self.export_wait_s = EXPORT_WAIT_S
         self._export_pool = concurrent.futures.ThreadPoolExecutor(EXPORT_THREADS, thread_name_prefix="kv-export")
+        if engine.runner.shared_pool is not None:  # peers of this node ask over a socket once they know it
+            engine.runner.shared_pool.serve_exports(
+                lambda keys: engine.share_pages(keys, wait_for_computing_s=self.export_wait_s))
         self._fetch_tasks: set[asyncio.Future] = set()
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine.config.replica_id}", daemon=True)
         self._thread.start()
@@ -372,6 +375,8 @@ class AsyncEngine:
         if self.fetcher is not None:
             self.fetcher.close()
         self._export_pool.shutdown(wait=False, cancel_futures=True)
+        if self.engine.runner.shared_pool is not None:
+            self.engine.runner.shared_pool.stop_serving_exports()
 
     # ---- engine thread -------------------------------------------------------------------------------------------
     async def _call(self, fn: Callable):

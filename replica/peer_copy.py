@@ -11,7 +11,8 @@ viewed back.
 On GPUs of one host the holder answers a ``CudaIpcBundle`` instead (replica/cuda_ipc.py): the receiver maps the
 holder's staging tensor and copies it device to device, then releases it. Between CPU replicas of one node it answers
 a ``SharedPoolBundle`` (replica/shared_pool.py): the receiver copies the pages straight out of the holder's pool, kept
-in shared memory, and checks they were not reused meanwhile. Across nodes, or when the receiver cannot open the
+in shared memory, and checks they were not reused meanwhile; once it knows the holder's export socket, it asks there
+instead of through Ray (replica/pool_socket.py: a tenth of a millisecond instead of a 3-4 ms round trip). Across nodes, or when the receiver cannot open the
 holder's memory, the host bundle above is used (a copy on the holder, the object store, the write on the receiver).
 """
 
@@ -30,7 +31,8 @@ from common.page_keys import PageKey
 from common.types import CacheSource
 from replica.cuda_ipc import CudaIpcBundle, IpcTarget, PeerRelease, local_ipc_target, open_bundle
 from replica.page_record import PageRecord
-from replica.shared_pool import PoolReader, SharedPoolBundle, node_id
+from replica.pool_socket import ExportClient
+from replica.shared_pool import PoolLocation, PoolReader, SharedPoolBundle, node_id
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,10 @@ class PeerTransportStats:
     """CUDA IPC bundles that could not be opened (the copy was retried as a host bundle)."""
     shared_memory_failures: int = 0
     """Shared pools that could not be opened (the copy was retried as a host bundle)."""
+    socket_exports: int = 0
+    """Export calls answered over a holder's local socket instead of through Ray."""
+    socket_failures: int = 0
+    """Export calls over a socket that failed (asked again through Ray; the socket is forgotten)."""
 
 
 class ServePeerClient:
@@ -146,6 +152,9 @@ class ServePeerClient:
         self.ipc_target = local_ipc_target() if self.device.type == "cuda" else None
         self.node_id = node_id() if self.device.type == "cpu" else None
         self.pool_reader = PoolReader()
+        self.export_client = ExportClient()
+        self._export_sockets: dict[str, PoolLocation] = {}
+        """Holders (by replica id) whose export socket a shared-pool bundle named: asked there next time."""
         self.transport_stats = PeerTransportStats()
         self._handle = handle
         self._pending_releases: set[asyncio.Future] = set()
@@ -158,7 +167,11 @@ class ServePeerClient:
         return self._handle
 
     async def fetch(self, peer_id: str, keys) -> list[PageRecord]:
-        bundle = await self._export(PeerExportRequest(peer_id, list(keys), self.ipc_target, self.node_id))
+        bundle = await self._ask_socket(peer_id, list(keys))
+        if bundle is None:
+            bundle = await self._export(PeerExportRequest(peer_id, list(keys), self.ipc_target, self.node_id))
+            if isinstance(bundle, SharedPoolBundle) and bundle.location.socket is not None:
+                self._export_sockets[peer_id] = bundle.location
         if isinstance(bundle, SharedPoolBundle):
             try:  # one copy of ~5 GB/s: off the event loop, on the reader's own thread
                 pages = await asyncio.get_running_loop().run_in_executor(self.pool_reader.executor,
@@ -168,6 +181,7 @@ class ServePeerClient:
                                peer_id, exc)
                 self.transport_stats.shared_memory_failures += 1
                 self.pool_reader.forget(bundle.location)
+                self._forget_socket(peer_id)
                 bundle = await self._export(PeerExportRequest(peer_id, list(keys)))
             else:
                 self.transport_stats.pages["shared_memory"] += len(pages)
@@ -187,6 +201,27 @@ class ServePeerClient:
         pages = unbundle_pages(bundle)
         self.transport_stats.pages["host"] += len(pages)
         return pages
+
+    async def _ask_socket(self, peer_id: str, keys: list[PageKey]) -> SharedPoolBundle | None:
+        """The holder's answer over its export socket, or None (no socket known, or it failed: then forgotten)."""
+        location = self._export_sockets.get(peer_id)
+        if location is None:
+            return None
+        try:
+            found, page_ids, generations, token_ids = await asyncio.wait_for(
+                self.export_client.ask(location.socket, location.pid, keys), timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - gone, restarted, timed out: ask through Ray
+            logger.info("the export socket of %s failed (%r); asking through Ray", peer_id, exc)
+            self.transport_stats.socket_failures += 1
+            self._forget_socket(peer_id)
+            return None
+        self.transport_stats.socket_exports += 1
+        return SharedPoolBundle(found, token_ids, page_ids, generations, location)
+
+    def _forget_socket(self, peer_id: str) -> None:
+        location = self._export_sockets.pop(peer_id, None)
+        if location is not None:
+            self.export_client.forget(location.socket, location.pid)
 
     async def _export(self, request: PeerExportRequest):
         response = self._get_handle().export_pages.remote(request)

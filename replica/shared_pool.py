@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import mmap
@@ -93,6 +94,8 @@ class PoolLocation:
     dtype: str
     generations_offset: int
     """Byte offset of the int64 generation of each page (``num_pages`` of them)."""
+    socket: str | None = None
+    """The holder's export socket (replica/pool_socket.py): a receiver asks it directly next time, without Ray."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,29 @@ class SharedPool:
                                      nbytes=nbytes, shape=tuple(shape), dtype=dtype_name(dtype),
                                      generations_offset=self.generations_offset)
         self._closed = False
+        self.export_server = None
+
+    def serve_exports(self, answer) -> None:
+        """Answer peers' export calls over a local socket too (replica/pool_socket.py); ``answer(keys)`` gives the
+        bundle. The location peers are sent names it from now on. A socket that cannot be had is logged and skipped:
+        peers then ask through Ray."""
+        from replica.pool_socket import ExportServer
+
+        if self.export_server is not None:
+            return
+        try:
+            self.export_server = ExportServer(answer)
+        except OSError as exc:
+            logger.warning("no export socket for the shared KV pool (%s); peers ask through Ray", exc)
+            return
+        self.location = dataclasses.replace(self.location, socket=self.export_server.name)
+
+    def stop_serving_exports(self) -> None:
+        """Close the export socket; peers ask through Ray again (bundles name no socket from now on)."""
+        if self.export_server is not None:
+            self.export_server.close()
+            self.export_server = None
+            self.location = dataclasses.replace(self.location, socket=None)
 
     def bundle(self, keys: list[PageKey], token_ids: list[tuple[int, ...]], page_ids: list[int],
                generations: list[int]) -> SharedPoolBundle:
@@ -146,6 +172,7 @@ class SharedPool:
 
     def close(self) -> None:
         """Stop offering the pool to peers (the memory itself goes with the last tensor and mapping over it)."""
+        self.stop_serving_exports()
         if not self._closed:
             self._closed = True
             os.close(self.fd)

@@ -160,6 +160,18 @@ def test_prefix_copied_from_a_replica_in_another_process(tiny_llama_dir, referen
         assert client.transport_stats.pages == {"cuda_ipc": 0, "shared_memory": 0, "host": 0, transport: 3}
         assert client.transport_stats.ipc_failures == client.transport_stats.shared_memory_failures == 0
 
+        if transport == "shared_memory":  # the next fetch from this holder asks over its socket, not the handle
+            exports = handle.calls.count("export_pages")
+            other = prompt(2 * PAGE_SIZE + 9, seed=4)
+            handle.call("generate", other + prompt(11, seed=5))
+            third = other + prompt(13, seed=6)
+            tokens, cached = asyncio.run(ask(receiver, third, "receiver-request-2", peer_hint="holder"))
+            assert tokens == reference_tokens(third)
+            assert cached == {"local": 0, "peer": 2 * PAGE_SIZE, "host": 0, "disk": 0}
+            assert handle.calls.count("export_pages") == exports
+            assert client.transport_stats.socket_exports >= 1 and client.transport_stats.socket_failures == 0
+            assert client.transport_stats.pages["shared_memory"] == 5
+
         keys = receiver.engine.engine.page_keys(second)[:3]
         held = handle.call("read_pages", keys)
         copied = asyncio.run(receiver.engine.export_pages(keys))

@@ -172,3 +172,113 @@ def test_without_shared_memory_the_pool_is_private_and_nothing_is_shared(tiny, m
     assert tiny.engine(num_pages=8, share_kv_pool=False).runner.shared_pool is None
     assert tiny.engine(num_pages=8, enable_peer_copy=False).runner.shared_pool is None
     assert PeerExportRequest("r", []).node_id is None  # an old-style request is answered with a host bundle
+
+
+# ---- the export call over the holder's socket (replica/pool_socket.py) ---------------------------------------------
+
+
+class HolderOverHandle:
+    """A handle that answers ``export_pages`` with the holder engine's ``share_pages`` (what the Ray path answers)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.calls = 0
+        outer = self
+
+        class Export:
+            @staticmethod
+            def remote(request):
+                outer.calls += 1
+                return outer._answer(request)
+
+        self.export_pages = Export
+
+    async def _answer(self, request):
+        return self.engine.share_pages(list(request.keys))
+
+
+def test_after_one_call_through_the_handle_a_peer_asks_the_holders_socket_and_falls_back_when_it_goes(tiny):
+    holder = tiny.engine(num_pages=8)
+    pool = holder.runner.shared_pool
+    pool.serve_exports(holder.share_pages)
+    assert pool.location.socket.startswith("\0prefixserve-pool-")
+    first, second = prompt(2 * PAGE + 3, seed=21), prompt(PAGE + 9, seed=22)
+    run(holder, first, "a")
+    run(holder, second, "b")
+    handle = HolderOverHandle(holder)
+    client = ServePeerClient("unused", "unused", handle=handle)
+
+    async def fetch(tokens, extra=()):
+        return await client.fetch("holder", holder.page_keys(tokens) + list(extra))
+
+    async def scenario():
+        got_first = await fetch(first)
+        assert handle.calls == 1 and client.transport_stats.socket_exports == 0
+        got_second = await fetch(second, extra=[b"\x07" * 32])  # an unknown key ends the run, as through Ray
+        assert handle.calls == 1 and client.transport_stats.socket_exports == 1
+        assert await fetch([]) == [] and client.transport_stats.socket_exports == 2
+        pool.stop_serving_exports()  # the holder's socket is gone: asked through the handle again, and then
+        got_again = await fetch(second)  # no socket is named any more
+        assert handle.calls == 2 and client.transport_stats.socket_failures == 1
+        assert await fetch(second) and handle.calls == 3
+        return got_first, got_second, got_again
+
+    got_first, got_second, got_again = asyncio.run(scenario())
+    for tokens, got in ((first, got_first), (second, got_second), (second, got_again)):
+        want = holder.export_pages(holder.page_keys(tokens))
+        assert [(page.key, page.token_ids) for page in got] == [(page.key, page.token_ids) for page in want]
+        assert all(torch.equal(mine.kv, theirs.kv) for mine, theirs in zip(got, want))
+    assert client.transport_stats.pages["shared_memory"] == 2 + 1 + 1 + 1
+
+
+def test_an_export_socket_answers_only_its_pid_and_refuses_malformed_requests(tiny):
+    import socket as sockets
+    import struct
+
+    from replica import pool_socket
+
+    holder = tiny.engine(num_pages=8)
+    pool = holder.runner.shared_pool
+    pool.serve_exports(holder.share_pages)
+    tokens = prompt(PAGE + 1, seed=23)
+    run(holder, tokens, "a")
+    keys = holder.page_keys(tokens)
+    client = pool_socket.ExportClient()
+    name, pid = pool.location.socket, pool.location.pid
+
+    async def ask(asked_pid):
+        return await client.ask(name, asked_pid, keys)
+
+    found, page_ids, generations, token_ids = asyncio.run(ask(pid))
+    assert found == keys and page_ids == [holder.kv.cache.lookup(keys[0])] and token_ids == [tokens[:PAGE]]
+    with pytest.raises(ConnectionError, match="not the holder's"):  # a name another process answers is refused
+        asyncio.run(ask(pid + 1))
+    with pytest.raises(ValueError):
+        pool_socket.encode_request([b"short"])
+
+    def exchange(payload: bytes) -> bytes:
+        with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as raw:
+            raw.settimeout(10)
+            raw.connect(name)
+            raw.sendall(payload)
+            raw.shutdown(sockets.SHUT_WR)
+            try:
+                return raw.recv(1 << 16)
+            except ConnectionResetError:  # hung up with our bytes unread
+                return b""
+
+    assert exchange(b"HTTP/1.1 GET /\r\n") == b""  # not our magic: hung up, nothing answered
+    assert exchange(struct.pack("<4sI", b"PSXE", pool_socket.MAX_KEYS + 1)) == b""  # too many keys: not even read
+    assert exchange(struct.pack("<4sI", b"PSXE", 2) + keys[0]) == b""  # cut short
+    answer = exchange(pool_socket.encode_request(keys))
+    assert pool_socket.decode_answer_header(answer[:12]) == (1, PAGE)
+
+    # an answer must name only the leading run of what was asked, with token counts that add up
+    body = pool_socket.encode_answer(keys, [0], [0], [tokens[:PAGE]])[12:]
+    with pytest.raises(ConnectionError, match="not asked"):
+        pool_socket.decode_answer_body(body, 1, [b"\x09" * 32])
+    with pytest.raises(ConnectionError, match="out of bounds"):
+        pool_socket.decode_answer_header(struct.pack("<4sII", b"PSXA", 2, 2 * pool_socket.MAX_TOKENS_PER_PAGE + 1))
+    with pytest.raises(ConnectionError, match="could not answer"):
+        pool_socket.decode_answer_header(pool_socket.failed_answer())
+    pool.stop_serving_exports()
