@@ -223,8 +223,7 @@ class PoolReader:
         while num_valid < len(copies) and now[num_valid] == bundle.generations[num_valid]:
             num_valid += 1
         self.num_stale_pages += len(copies) - num_valid
-        dtype = getattr(torch, bundle.location.dtype)
-        return [PageRecord(key, tuple(tokens), copy.view(dtype) if copy.dtype != dtype else copy, CacheSource.PEER)
+        return [PageRecord(key, tuple(tokens), copy, CacheSource.PEER)
                 for key, tokens, copy in zip(bundle.keys[:num_valid], bundle.token_ids, copies[:num_valid])]
 
     def forget(self, location: PoolLocation) -> None:
@@ -267,6 +266,9 @@ def map_pool(location: PoolLocation) -> tuple[torch.Tensor, np.ndarray]:
     with warnings.catch_warnings():  # read-only on purpose: this process never writes a peer's pool
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         kv = torch.from_numpy(np.frombuffer(mapped, dtype=_NUMPY_OF[dtype], count=numel)).view(location.shape)
+    # viewed as the pool's own dtype: torch copies uint16 at about half the speed of the same bytes as bfloat16
+    # (16 pages of 1 MiB: 3.0 against 1.6 ms here)
+    kv = kv.view(dtype)
     generations = np.frombuffer(mapped, dtype=np.int64, count=num_pages, offset=location.generations_offset)
     base = np.frombuffer(mapped, dtype=np.uint8)
     threading.Thread(target=populate, args=(base,), name="prefixserve-map-peer-pool", daemon=True).start()
