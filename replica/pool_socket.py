@@ -213,19 +213,29 @@ class ExportServer:
             sock.close()
 
 
+def _close(writer: asyncio.StreamWriter) -> None:
+    try:
+        writer.close()
+    except RuntimeError:  # its event loop is closed already
+        pass
+
+
 class ExportClient:
-    """Receiver side: asks holders over their sockets, keeping a few idle connections per holder."""
+    """Receiver side: asks holders over their sockets, keeping a few idle connections per holder (on the event loop
+    that opened them: a connection is never used from another loop)."""
 
     def __init__(self, max_idle_per_holder: int = 2) -> None:
         self.max_idle_per_holder = max_idle_per_holder
-        self._idle: dict[tuple[str, int], list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._idle: dict[tuple[str, int], list[tuple[asyncio.AbstractEventLoop, asyncio.StreamReader,
+                                                     asyncio.StreamWriter]]] = {}
 
     async def ask(self, name: str, pid: int, keys: list[PageKey]):
         """(keys, page_ids, generations, token_ids) of the leading pages the holder ``pid`` listening on ``name``
         holds. Raises ``OSError`` / ``ConnectionError`` (wrap it in a timeout: a holder may wait for pages being
         computed)."""
         request = encode_request(keys)
-        reader, writer = await self._connection(name, pid)
+        loop = asyncio.get_running_loop()
+        reader, writer = await self._connection(loop, name, pid)
         try:
             writer.write(request)
             await writer.drain()
@@ -233,29 +243,29 @@ class ExportClient:
             body = await reader.readexactly(answer_body_size(num_pages, num_tokens))
             answer = decode_answer_body(body, num_pages, keys)
         except BaseException:
-            writer.close()
+            _close(writer)
             raise
         idle = self._idle.setdefault((name, pid), [])
         if len(idle) < self.max_idle_per_holder:
-            idle.append((reader, writer))
+            idle.append((loop, reader, writer))
         else:
-            writer.close()
+            _close(writer)
         return answer
 
     def forget(self, name: str, pid: int) -> None:
-        for _reader, writer in self._idle.pop((name, pid), []):
-            writer.close()
+        for _loop, _reader, writer in self._idle.pop((name, pid), []):
+            _close(writer)
 
-    async def _connection(self, name: str, pid: int):
+    async def _connection(self, loop: asyncio.AbstractEventLoop, name: str, pid: int):
         idle = self._idle.get((name, pid))
         while idle:
-            reader, writer = idle.pop()
-            if not reader.at_eof() and not writer.is_closing():
+            owner, reader, writer = idle.pop()
+            if owner is loop and not reader.at_eof() and not writer.is_closing():
                 return reader, writer
-            writer.close()
+            _close(writer)
         reader, writer = await asyncio.open_unix_connection(name)
         their_pid, their_uid = peer_credentials(writer.get_extra_info("socket"))
         if their_pid != pid or their_uid != os.getuid():
-            writer.close()
+            _close(writer)
             raise ConnectionError(f"the socket {name!r} is not the holder's (pid {their_pid}, not {pid})")
         return reader, writer
