@@ -182,6 +182,14 @@ class ReplicaStatsCollector(Collector):
             for name, value in report.peer_transport.items():
                 transport.add_metric([report.replica_id, name], value)
         yield transport
+        calls = CounterMetricFamily(PREFIX + "kv_peer_export_calls",
+                                    "peer copy: calls asking a holder for its pages, by path: handle (through Ray) | "
+                                    "socket (the holder's export socket on this node) | socket_failed (then through Ray)",
+                                    labels=["replica", "path"])
+        for report in self._kv_sources:
+            for name, value in report.peer_export_calls.items():
+                calls.add_metric([report.replica_id, name], value)
+        yield calls
         available = GaugeMetricFamily(PREFIX + "kv_tier_available", "1 while the shared tier answers",
                                       labels=["replica", "tier"])
         for report in self._kv_sources:

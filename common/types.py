@@ -365,6 +365,9 @@ class KVSourceStats:
     peer_transport: dict[str, int] = field(default_factory=dict)
     """Pages copied from peers by transport: "cuda_ipc" (device to device), "shared_memory" (straight from the pool
     of a CPU peer on this node) or "host" (through the object store)."""
+    peer_export_calls: dict[str, int] = field(default_factory=dict)
+    """Export calls to holders by path: "handle" (through Ray), "socket" (a holder's export socket on this node),
+    "socket_failed" (then asked through Ray)."""
 
 
 @dataclass(frozen=True)

@@ -128,10 +128,16 @@ class PeerTransportStats:
     """CUDA IPC bundles that could not be opened (the copy was retried as a host bundle)."""
     shared_memory_failures: int = 0
     """Shared pools that could not be opened (the copy was retried as a host bundle)."""
+    handle_exports: int = 0
+    """Export calls through the deployment's handle (Ray)."""
     socket_exports: int = 0
     """Export calls answered over a holder's local socket instead of through Ray."""
     socket_failures: int = 0
     """Export calls over a socket that failed (asked again through Ray; the socket is forgotten)."""
+
+    def export_calls(self) -> dict[str, int]:
+        """Export calls by path, for /metrics: "handle" (Ray), "socket", "socket_failed"."""
+        return {"handle": self.handle_exports, "socket": self.socket_exports, "socket_failed": self.socket_failures}
 
 
 class ServePeerClient:
@@ -211,7 +217,7 @@ class ServePeerClient:
             found, page_ids, generations, token_ids = await asyncio.wait_for(
                 self.export_client.ask(location.socket, location.pid, keys), timeout=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - gone, restarted, timed out: ask through Ray
-            logger.info("the export socket of %s failed (%r); asking through Ray", peer_id, exc)
+            logger.warning("the export socket of %s failed (%r); asking through Ray", peer_id, exc)
             self.transport_stats.socket_failures += 1
             self._forget_socket(peer_id)
             return None
@@ -224,6 +230,7 @@ class ServePeerClient:
             self.export_client.forget(location.socket, location.pid)
 
     async def _export(self, request: PeerExportRequest):
+        self.transport_stats.handle_exports += 1
         response = self._get_handle().export_pages.remote(request)
         return await asyncio.wait_for(response, timeout=self.timeout_s)
 

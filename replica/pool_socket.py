@@ -263,9 +263,16 @@ class ExportClient:
             if owner is loop and not reader.at_eof() and not writer.is_closing():
                 return reader, writer
             _close(writer)
-        reader, writer = await asyncio.open_unix_connection(name)
-        their_pid, their_uid = peer_credentials(writer.get_extra_info("socket"))
-        if their_pid != pid or their_uid != os.getuid():
-            _close(writer)
-            raise ConnectionError(f"the socket {name!r} is not the holder's (pid {their_pid}, not {pid})")
-        return reader, writer
+        # connected here, then handed to the loop: uvloop (Serve's loop) refuses an abstract name (EINVAL). A local
+        # connect to a listening socket completes at once (or fails at once: a full backlog is refused, not waited on)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setblocking(False)
+            sock.connect(name)
+            their_pid, their_uid = peer_credentials(sock)
+            if their_pid != pid or their_uid != os.getuid():
+                raise ConnectionError(f"the socket {name!r} is not the holder's (pid {their_pid}, not {pid})")
+            return await asyncio.open_unix_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            raise

@@ -178,6 +178,8 @@ class ServeReplica:
             tiers={tier.name: TierReport(tier.stats(), tier.available) for tier in fetcher.tiers},
             peer_transport=(dict(peer_client.transport_stats.pages) if isinstance(peer_client, ServePeerClient)
                             else {}),
+            peer_export_calls=(peer_client.transport_stats.export_calls() if isinstance(peer_client, ServePeerClient)
+                               else {}),
         )
 
     async def info(self) -> ReplicaInfo:

@@ -127,6 +127,31 @@ def test_prefix_on_another_replica_is_copied_from_the_peer(http_base, tiny_llama
     assert sum(v for labels, v in by_transport.items() if 'transport="cuda_ipc"' in labels) == 0
     peer_bytes = metric_values(metrics, "prefixserve_kv_fetch_bytes_total")
     assert sum(v for labels, v in peer_bytes.items() if 'source="peer"' in labels) > 0
+    # the first call to a holder goes through Serve's handle and names the holder's export socket; none failed
+    calls = metric_values(metrics, "prefixserve_kv_peer_export_calls_total")
+    assert sum(v for labels, v in calls.items() if 'path="handle"' in labels) >= 1
+    assert sum(v for labels, v in calls.items() if 'path="socket_failed"' in labels) == 0
+
+
+def test_a_second_prefix_from_the_same_holder_is_asked_over_its_socket(http_base, tiny_llama_dir):
+    """After one copy from a holder, the next asks the holder's export socket instead of Serve's handle, and gives the
+    same tokens as a local hit."""
+    from ray import serve
+
+    config = make_config(tiny_llama_dir, enable_dp_cross_replica_prefix_copy=True)
+    deploy(config, "peersocket")
+    try:
+        client = make_client(http_base, "peersocket")
+        run_scenario(client, "socket-1", f"{http_base}/peersocket/metrics")
+        remote, local = run_scenario(client, "socket-2", f"{http_base}/peersocket/metrics")
+        assert cached_of(remote.usage)[1]["peer"] >= 2 * PAGE_SIZE
+        assert remote.choices[0].text == local.choices[0].text
+        metrics = httpx.get(f"{http_base}/peersocket/metrics", headers=AUTH).text
+        calls = metric_values(metrics, "prefixserve_kv_peer_export_calls_total")
+        assert sum(v for labels, v in calls.items() if 'path="socket"' in labels) >= 1
+        assert sum(v for labels, v in calls.items() if 'path="socket_failed"' in labels) == 0
+    finally:
+        serve.delete("peersocket")
 
 
 def test_copy_off_reuses_the_prefix_through_redis(http_base, tiny_llama_dir, redis_server):
