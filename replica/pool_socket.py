@@ -52,8 +52,9 @@ FAILED = 0xFFFFFFFF
 MAX_KEYS = 1 << 16
 """A request naming more keys is refused before they are read (a 128-token page each: 8M tokens)."""
 MAX_TOKENS_PER_PAGE = 1 << 16
-MAX_CONNECTIONS = 64
-"""Peer connections a holder serves at once (one per receiver, plus one per concurrent fetch from it)."""
+MAX_CONNECTIONS = 256
+"""Peer connections a holder serves at once, a thread each (a receiver keeps up to 2 open: 127 peers on one node). A
+connection over the limit is closed at once and its receiver asks through Ray."""
 _HEADER = struct.Struct("<4sI")
 _ANSWER_HEADER = struct.Struct("<4sII")
 _PEERCRED = struct.Struct("3i")
