@@ -174,22 +174,20 @@ class ReplicaStatsCollector(Collector):
                 for tier, tier_report in report.tiers.items():
                     family.add_metric([report.replica_id, tier], getattr(tier_report.stats, field_name))
             yield family
-        transport = CounterMetricFamily(PREFIX + "kv_peer_pages",
-                                        "pages copied from a peer, by transport: cuda_ipc (device to device) | "
-                                        "shared_memory (from the pool of a CPU peer on this node) | host",
-                                        labels=["replica", "transport"])
-        for report in self._kv_sources:
-            for name, value in report.peer_transport.items():
-                transport.add_metric([report.replica_id, name], value)
-        yield transport
-        calls = CounterMetricFamily(PREFIX + "kv_peer_export_calls",
-                                    "peer copy: calls asking a holder for its pages, by path: handle (through Ray) | "
-                                    "socket (the holder's export socket on this node) | socket_failed (then through Ray)",
-                                    labels=["replica", "path"])
-        for report in self._kv_sources:
-            for name, value in report.peer_export_calls.items():
-                calls.add_metric([report.replica_id, name], value)
-        yield calls
+        peer_counters = (
+            ("kv_peer_pages", "transport", "peer_transport",
+             "pages copied from a peer, by transport: cuda_ipc (device to device) | "
+             "shared_memory (from the pool of a CPU peer on this node) | host"),
+            ("kv_peer_export_calls", "path", "peer_export_calls",
+             "peer copy: calls asking a holder for its pages, by path: handle (through Ray) | "
+             "socket (the holder's export socket on this node) | socket_failed (then through Ray)"),
+        )
+        for metric, label, report_field, documentation in peer_counters:
+            family = CounterMetricFamily(PREFIX + metric, documentation, labels=["replica", label])
+            for report in self._kv_sources:
+                for name, value in getattr(report, report_field).items():
+                    family.add_metric([report.replica_id, name], value)
+            yield family
         available = GaugeMetricFamily(PREFIX + "kv_tier_available", "1 while the shared tier answers",
                                       labels=["replica", "tier"])
         for report in self._kv_sources:
