@@ -1,0 +1,97 @@
+"""The disk tier's load alone: 16-page prefixes stored once, then loaded again and again (rotating over several sets
+so they come from the page cache, not from the CPU's caches), without the pool write or anything around it.
+
+``--before PATH`` also times the ``DiskTier.load`` of another version of replica/tiers/disk_tier.py on the same tier
+and files, alternating with this checkout's (e.g. ``git show REV:replica/tiers/disk_tier.py > /tmp/old_disk_tier.py``).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/disk_load.py [--dtype bfloat16] [--rounds 40] [--before /tmp/old_disk_tier.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from benchmarks.kv_sources import engine_config, ensure_model, tokens
+from common.types import EngineRequest, SamplingParams
+from replica.engine import build_engine
+from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
+
+PAGE_SIZE = 128
+
+
+def load_method(path: str):
+    spec = importlib.util.spec_from_file_location("disk_tier_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.DiskTier.load
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prefix-len", type=int, default=2048)
+    parser.add_argument("--sets", type=int, default=4, help="prefixes stored and loaded in turn")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--before", help="another disk_tier.py whose DiskTier.load is timed beside this one")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    ensure_model()
+    reader = build_engine(engine_config(args, "reader"))
+    page_format = page_format_of(reader)
+    head = tokens(args.prefix_len, seed=0)[:PAGE_SIZE]
+    reader.add_request(EngineRequest("template", head, SamplingParams(max_tokens=1, temperature=0.0)))
+    while reader.has_work():
+        reader.step()
+    template = reader.export_pages(reader.page_keys(head))[0]
+    folder = tempfile.mkdtemp(prefix="prefixserve-disk-load-")
+    try:
+        (disk,) = build_tiers(page_format, redis_url=None, disk_cache_dir=folder, disk_budget_bytes=4 << 30)
+        sets = []
+        for index in range(args.sets):
+            prefix = tokens(args.prefix_len, seed=50 + index)
+            keys = reader.page_keys(prefix)
+            slices = [prefix[i * PAGE_SIZE:(i + 1) * PAGE_SIZE] for i in range(len(keys))]
+            pages = [dataclasses.replace(template, key=key, token_ids=tuple(token_ids),
+                                         kv=torch.randn(template.kv.shape).to(template.kv.dtype))
+                     for key, token_ids in zip(keys, slices)]
+            PrefixFetcher(page_format, tiers=[disk]).store(pages)
+            disk.flush(30)
+            sets.append((keys, slices))
+        versions = {"this checkout": lambda keys, slices: disk.load(keys, slices)}
+        if args.before:
+            before = load_method(args.before)
+            versions["before"] = lambda keys, slices: before(disk, keys, slices)
+        times = {name: [] for name in versions}
+        names = list(versions)
+        for round_ in range(args.rounds):
+            keys, slices = sets[round_ % len(sets)]
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                start = time.perf_counter()
+                loaded = versions[name](keys, slices)
+                times[name].append(time.perf_counter() - start)
+                assert len(loaded) == len(keys), name
+        nbytes = len(sets[0][0]) * page_format.page_num_bytes
+        print(f"\n{len(sets[0][0])} pages of {page_format.page_num_bytes / 2**20:.2f} MiB, {args.dtype}; medians of "
+              f"{args.rounds} loads over {args.sets} stored prefixes\n")
+        print("| load | median | min | GB/s (median) |\n|---|---|---|---|")
+        for name, values in times.items():
+            median = statistics.median(values)
+            print(f"| {name} | {median * 1e3:.2f} ms | {min(values) * 1e3:.2f} ms | {nbytes / median / 1e9:.2f} |")
+        disk.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
