@@ -272,6 +272,9 @@ class PrefixFetcher:
         for tier in self.tiers:
             tier.close()
         self._load_executor.shutdown(wait=False)
+        close_peer = getattr(self.peer_client, "close", None)
+        if close_peer is not None:
+            close_peer()
 
 
 def page_format_of(engine) -> PageFormat:

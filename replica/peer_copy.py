@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -35,6 +37,9 @@ from replica.pool_socket import ExportClient
 from replica.shared_pool import PoolLocation, PoolReader, SharedPoolBundle, node_id
 
 logger = logging.getLogger(__name__)
+
+SOCKET_RETRY_S = 60.0
+"""After a holder's export socket failed, its answers through Ray are not used to learn it again for this long."""
 
 _WIRE_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.uint16, torch.float32: torch.float32}
 
@@ -161,6 +166,9 @@ class ServePeerClient:
         self.export_client = ExportClient()
         self._export_sockets: dict[str, PoolLocation] = {}
         """Holders (by replica id) whose export socket a shared-pool bundle named: asked there next time."""
+        self._socket_failed_at: dict[str, float] = {}
+        """When a holder's socket last failed: not learned again for ``SOCKET_RETRY_S`` (e.g. another network
+        namespace, where it can never work: one warning and one slow call per interval, not per fetch)."""
         self.transport_stats = PeerTransportStats()
         self._handle = handle
         self._pending_releases: set[asyncio.Future] = set()
@@ -176,7 +184,8 @@ class ServePeerClient:
         bundle = await self._ask_socket(peer_id, list(keys))
         if bundle is None:
             bundle = await self._export(PeerExportRequest(peer_id, list(keys), self.ipc_target, self.node_id))
-            if isinstance(bundle, SharedPoolBundle) and bundle.location.socket is not None:
+            if (isinstance(bundle, SharedPoolBundle) and bundle.location.socket is not None
+                    and time.monotonic() - self._socket_failed_at.get(peer_id, -math.inf) >= SOCKET_RETRY_S):
                 self._export_sockets[peer_id] = bundle.location
         if isinstance(bundle, SharedPoolBundle):
             try:  # one copy of ~5 GB/s: off the event loop, on the reader's own thread
@@ -217,12 +226,18 @@ class ServePeerClient:
             found, page_ids, generations, token_ids = await asyncio.wait_for(
                 self.export_client.ask(location.socket, location.pid, keys), timeout=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - gone, restarted, timed out: ask through Ray
-            logger.warning("the export socket of %s failed (%r); asking through Ray", peer_id, exc)
+            logger.warning("the export socket of %s failed (%r); asking through Ray for %.0f s", peer_id, exc,
+                           SOCKET_RETRY_S)
             self.transport_stats.socket_failures += 1
+            self._socket_failed_at[peer_id] = time.monotonic()
             self._forget_socket(peer_id)
             return None
         self.transport_stats.socket_exports += 1
         return SharedPoolBundle(found, token_ids, page_ids, generations, location)
+
+    def close(self) -> None:
+        """Close the idle connections to holders' export sockets."""
+        self.export_client.close()
 
     def _forget_socket(self, peer_id: str) -> None:
         location = self._export_sockets.pop(peer_id, None)

@@ -38,6 +38,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -52,6 +53,8 @@ FAILED = 0xFFFFFFFF
 MAX_KEYS = 1 << 16
 """A request naming more keys is refused before they are read (a 128-token page each: 8M tokens)."""
 MAX_TOKENS_PER_PAGE = 1 << 16
+ACCEPT_RETRY_S = 0.05
+"""Pause after a failed ``accept`` (out of descriptors or memory) before the next."""
 MAX_CONNECTIONS = 256
 """Peer connections a holder serves at once, a thread each (a receiver keeps up to 2 open: 127 peers on one node). A
 connection over the limit is closed at once and its receiver asks through Ray."""
@@ -168,22 +171,40 @@ class ExportServer:
                 pass
             sock.close()
 
+    @property
+    def serving(self) -> bool:
+        """Whether peers may be sent to this socket (open, and its accept thread alive)."""
+        return not self._closed and self._thread.is_alive()
+
     def _accept(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            _pid, uid = peer_credentials(sock)
-            with self._lock:
-                refuse = self._closed or uid != os.getuid() or len(self._connections) >= MAX_CONNECTIONS
-                if not refuse:
-                    self._connections.add(sock)
-            if refuse:
-                self.num_refused += 1
-                sock.close()
+            except OSError as exc:
+                if self._closed:
+                    return
+                # out of descriptors or memory for a moment: the peers asking meanwhile wait or are refused, and
+                # ask through Ray; this socket stays (a return here would leave it named in bundles, unanswered)
+                logger.warning("accepting a peer on the pool's export socket failed (%s); retrying", exc)
+                time.sleep(ACCEPT_RETRY_S)
                 continue
-            threading.Thread(target=self._serve, args=(sock,), name="prefixserve-pool-export", daemon=True).start()
+            try:
+                _pid, uid = peer_credentials(sock)
+                with self._lock:
+                    refuse = self._closed or uid != os.getuid() or len(self._connections) >= MAX_CONNECTIONS
+                    if not refuse:
+                        self._connections.add(sock)
+                if refuse:
+                    self.num_refused += 1
+                    sock.close()
+                    continue
+                threading.Thread(target=self._serve, args=(sock,), name="prefixserve-pool-export",
+                                 daemon=True).start()
+            except (OSError, RuntimeError) as exc:  # e.g. "can't start new thread": this peer asks through Ray
+                logger.warning("serving a peer on the pool's export socket failed (%s)", exc)
+                with self._lock:
+                    self._connections.discard(sock)
+                sock.close()
 
     def _serve(self, sock: socket.socket) -> None:
         try:
@@ -214,11 +235,14 @@ class ExportServer:
             sock.close()
 
 
-def _close(writer: asyncio.StreamWriter) -> None:
+def _close(writer: asyncio.StreamWriter, sock: socket.socket) -> None:
+    """Close a connection through its transport; when the transport's event loop is closed already (nothing will run
+    that close), close the socket object itself. (Only then: a live transport may still flush to it. uvloop holds an
+    I/O reference on the socket object, so this close leaves its descriptor to uvloop.)"""
     try:
         writer.close()
-    except RuntimeError:  # its event loop is closed already
-        pass
+    except RuntimeError:
+        sock.close()
 
 
 class ExportClient:
@@ -228,7 +252,7 @@ class ExportClient:
     def __init__(self, max_idle_per_holder: int = 2) -> None:
         self.max_idle_per_holder = max_idle_per_holder
         self._idle: dict[tuple[str, int], list[tuple[asyncio.AbstractEventLoop, asyncio.StreamReader,
-                                                     asyncio.StreamWriter]]] = {}
+                                                     asyncio.StreamWriter, socket.socket]]] = {}
 
     async def ask(self, name: str, pid: int, keys: list[PageKey]):
         """(keys, page_ids, generations, token_ids) of the leading pages the holder ``pid`` listening on ``name``
@@ -236,34 +260,41 @@ class ExportClient:
         computed)."""
         request = encode_request(keys)
         loop = asyncio.get_running_loop()
-        reader, writer = await self._connection(loop, name, pid)
+        reader, writer, sock = await self._connection(loop, name, pid)
         try:
             writer.write(request)
             await writer.drain()
             num_pages, num_tokens = decode_answer_header(await reader.readexactly(_ANSWER_HEADER.size))
+            if num_pages > len(keys):  # checked before the body is read
+                raise ConnectionError("the holder answered more pages than were asked")
             body = await reader.readexactly(answer_body_size(num_pages, num_tokens))
             answer = decode_answer_body(body, num_pages, keys)
         except BaseException:
-            _close(writer)
+            _close(writer, sock)
             raise
         idle = self._idle.setdefault((name, pid), [])
         if len(idle) < self.max_idle_per_holder:
-            idle.append((loop, reader, writer))
+            idle.append((loop, reader, writer, sock))
         else:
-            _close(writer)
+            _close(writer, sock)
         return answer
 
     def forget(self, name: str, pid: int) -> None:
-        for _loop, _reader, writer in self._idle.pop((name, pid), []):
-            _close(writer)
+        for _loop, _reader, writer, sock in self._idle.pop((name, pid), []):
+            _close(writer, sock)
+
+    def close(self) -> None:
+        """Close every idle connection."""
+        for name, pid in list(self._idle):
+            self.forget(name, pid)
 
     async def _connection(self, loop: asyncio.AbstractEventLoop, name: str, pid: int):
         idle = self._idle.get((name, pid))
         while idle:
-            owner, reader, writer = idle.pop()
+            owner, reader, writer, sock = idle.pop()
             if owner is loop and not reader.at_eof() and not writer.is_closing():
-                return reader, writer
-            _close(writer)
+                return reader, writer, sock
+            _close(writer, sock)
         # connected here, then handed to the loop: uvloop (Serve's loop) refuses an abstract name (EINVAL). A local
         # connect to a listening socket completes at once (or fails at once: a full backlog is refused, not waited on)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -273,7 +304,8 @@ class ExportClient:
             their_pid, their_uid = peer_credentials(sock)
             if their_pid != pid or their_uid != os.getuid():
                 raise ConnectionError(f"the socket {name!r} is not the holder's (pid {their_pid}, not {pid})")
-            return await asyncio.open_unix_connection(sock=sock)
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+            return reader, writer, sock
         except BaseException:
             sock.close()
             raise

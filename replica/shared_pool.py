@@ -167,8 +167,11 @@ class SharedPool:
 
     def bundle(self, keys: list[PageKey], token_ids: list[tuple[int, ...]], page_ids: list[int],
                generations: list[int]) -> SharedPoolBundle:
+        location = self.location
+        if location.socket is not None and not (self.export_server is not None and self.export_server.serving):
+            location = dataclasses.replace(location, socket=None)  # its accept thread ended: do not send peers there
         return SharedPoolBundle(list(keys), [list(tokens) for tokens in token_ids], list(page_ids), list(generations),
-                                self.location)
+                                location)
 
     def close(self) -> None:
         """Stop offering the pool to peers (the memory itself goes with the last tensor and mapping over it)."""

@@ -293,3 +293,103 @@ def test_an_export_socket_answers_only_its_pid_and_refuses_malformed_requests(ti
     with pytest.raises(ConnectionError, match="could not answer"):
         pool_socket.decode_answer_header(pool_socket.failed_answer())
     pool.stop_serving_exports()
+
+
+def test_a_failed_socket_is_not_learned_again_for_a_while_and_a_dead_server_is_not_named(tiny):
+    import threading
+
+    holder = tiny.engine(num_pages=8)
+    pool = holder.runner.shared_pool
+    pool.serve_exports(holder.share_pages)
+    tokens = prompt(PAGE + 3, seed=31)
+    run(holder, tokens, "a")
+    keys = holder.page_keys(tokens)
+    handle = HolderOverHandle(holder)
+    client = ServePeerClient("unused", "unused", handle=handle)
+
+    async def scenario():
+        assert len(await client.fetch("holder", keys)) == 1 and handle.calls == 1  # learns the socket
+        # the socket now fails (as from another network namespace: here, it names another pid)
+        client._export_sockets["holder"] = dataclasses.replace(pool.location, pid=pool.location.pid + 1)
+        assert len(await client.fetch("holder", keys)) == 1 and handle.calls == 2
+        assert client.transport_stats.socket_failures == 1
+        assert len(await client.fetch("holder", keys)) == 1 and handle.calls == 3  # not learned again yet
+        assert client.transport_stats.socket_failures == 1 and "holder" not in client._export_sockets
+
+    asyncio.run(scenario())
+    client.close()
+
+    # a server whose accept thread has ended is not named in bundles (peers would wait on it until their timeout)
+    assert holder.share_pages(keys).location.socket == pool.location.socket
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    live, pool.export_server._thread = pool.export_server._thread, dead
+    assert holder.share_pages(keys).location.socket is None
+    pool.export_server._thread = live
+    pool.stop_serving_exports()
+
+
+def test_the_export_server_keeps_accepting_after_a_failed_accept_and_the_client_bounds_answers(tiny):
+    import errno
+    import socket as sockets
+    import struct
+    import threading
+
+    from replica import pool_socket
+
+    holder = tiny.engine(num_pages=8)
+    pool = holder.runner.shared_pool
+    pool.serve_exports(holder.share_pages)
+    server = pool.export_server
+    tokens = prompt(PAGE + 3, seed=32)
+    run(holder, tokens, "a")
+    keys = holder.page_keys(tokens)
+    real = server._listener
+
+    class FailsOnce:
+        """The listener, whose next accept fails as when the process is out of descriptors."""
+
+        def __init__(self) -> None:
+            self.failed = False
+
+        def accept(self):
+            if not self.failed:
+                self.failed = True
+                raise OSError(errno.EMFILE, "Too many open files")
+            return real.accept()
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    flaky = FailsOnce()
+    server._listener = flaky  # the accept already waiting takes the first connection, the next accept fails once
+    client = pool_socket.ExportClient(max_idle_per_holder=0)  # a new connection for every ask
+
+    async def ask():
+        return await asyncio.wait_for(client.ask(server.name, os.getpid(), keys), timeout=10)
+
+    assert asyncio.run(ask())[0] == keys
+    assert asyncio.run(ask())[0] == keys and flaky.failed and server.serving
+    server._listener = real
+    pool.stop_serving_exports()
+
+    # an answer claiming more pages than were asked is refused before its body is read (none is ever sent here)
+    listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    name = f"\0prefixserve-test-{os.getpid()}-{threading.get_ident()}"
+    listener.bind(name)
+    listener.listen(1)
+
+    def lying_holder():
+        conn, _ = listener.accept()
+        conn.recv(1 << 16)
+        conn.sendall(struct.pack("<4sII", b"PSXA", 5, 0))
+        conn.recv(1)  # until the client hangs up
+        conn.close()
+
+    thread = threading.Thread(target=lying_holder, daemon=True)
+    thread.start()
+    with pytest.raises(ConnectionError, match="more pages than were asked"):
+        asyncio.run(asyncio.wait_for(client.ask(name, os.getpid(), keys), timeout=10))
+    thread.join(timeout=10)
+    listener.close()

@@ -254,11 +254,14 @@ def test_a_binary_key_file_keeps_every_byte_and_a_text_key_loses_its_newline(tmp
     binary = tmp_path / "binary.key"
     binary.write_bytes(secret)
     assert load_key_file(binary).key_id == TierKey(secret).key_id
-    hex_key = "ab" * 32
-    with_newline, without = tmp_path / "a.key", tmp_path / "b.key"
-    with_newline.write_text(hex_key + "\n")
-    without.write_text(hex_key)
-    assert load_key_file(with_newline).key_id == load_key_file(without).key_id == TierKey(hex_key.encode()).key_id
+    # text keys, one copy with the final newline and one without, give one key (two nodes' copies of one secret)
+    wrapped_base64 = "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo=\nYWJjZGVmZ2hpamtsbW5vcHFyc3R1dnd4eXo="  # `openssl rand -base64`
+    for text in ("ab" * 32, wrapped_base64, "ein Geheimnis über dreißig Bytes lang, wirklich"):
+        with_newline, without = tmp_path / "a.key", tmp_path / "b.key"
+        with_newline.write_text(text + "\n", encoding="utf-8")
+        without.write_text(text, encoding="utf-8")
+        assert load_key_file(with_newline).key_id == load_key_file(without).key_id == \
+            TierKey(text.encode("utf-8")).key_id
 
 
 # ---- one budget, chain-aware eviction -----------------------------------------------------------------------------

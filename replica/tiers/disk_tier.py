@@ -431,7 +431,8 @@ class DiskTier(QueuedWriteTier):
         loaded: list[torch.Tensor] = []
         pages = new_page_tensors(self._page_format, len(keys))  # decrypted straight into these
         results: list[object] = [None] * len(keys)
-        end = [len(keys)]  # the first page known missing, rejected or timed out: no worker reads past it
+        end = [len(keys)]  # the first page known missing, rejected or timed out: no worker starts a page past it
+        end_lock = threading.Lock()
         num_workers = min(LOAD_WORKERS, len(keys))
 
         def load_share(first: int) -> None:
@@ -443,7 +444,8 @@ class DiskTier(QueuedWriteTier):
                       self._load_one(keys[index], token_ids_per_page[index], pages[index]))
                 results[index] = kv
                 if kv is None or kv is TIMED_OUT:
-                    end[0] = min(end[0], index)
+                    with end_lock:
+                        end[0] = min(end[0], index)
                     return
 
         # the pages are read and decrypted side by side (codec.load_pool), one task per worker rather than per page:
@@ -461,7 +463,8 @@ class DiskTier(QueuedWriteTier):
                 loaded.append(kv)
             self._touch([self.page_id(key) for key in keys[: len(loaded)]])
         finally:
-            end[0] = 0  # a worker still running (an exception above) stops at its next page
+            with end_lock:
+                end[0] = 0  # a worker still running (an exception above) stops at its next page
             self._record_load(len(loaded), start_time)
         return loaded
 

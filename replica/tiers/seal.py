@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import stat
+import unicodedata
 from pathlib import Path
 from typing import Sequence
 
@@ -129,13 +130,18 @@ def create_key_file(path: str | os.PathLike) -> bool:
 
 
 def _key_file_secret(raw: bytes) -> bytes:
-    """A text key (hex, base64, a passphrase: printable ASCII) loses the whitespace around it, such as the newline
-    that ``print`` or an editor adds; raw binary key bytes (``head -c 32 /dev/urandom``) are the key as they are, so a
-    random key that happens to begin or end with a whitespace byte keeps all of its bytes."""
-    text = raw.strip()
-    if text and all(0x20 <= byte < 0x7F for byte in text):
-        return text
-    return raw
+    """The key in a key file's bytes. A text key (UTF-8 without control characters other than whitespace: hex,
+    base64 wrapped over lines, a passphrase) loses the whitespace around it, such as the newline that ``print``, an
+    editor or a secret store may or may not add, as every version before binary keys did. Binary key bytes (``head -c
+    32 /dev/urandom``) are the key as they are, so a random key that happens to begin or end with a whitespace byte
+    keeps all of its bytes."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw
+    if any(unicodedata.category(char) == "Cc" and char not in "\t\n\v\f\r" for char in text):
+        return raw
+    return raw.strip()
 
 
 def load_key_file(path: str | os.PathLike) -> TierKey:
