@@ -10,7 +10,6 @@ and files, alternating with this checkout's (e.g. ``git show REV:replica/tiers/d
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import shutil
 import statistics
@@ -20,8 +19,7 @@ import time
 
 import torch
 
-from benchmarks.kv_sources import engine_config, ensure_model, tokens
-from common.types import EngineRequest, SamplingParams
+from benchmarks.kv_sources import engine_config, ensure_model, page_template, random_pages, tokens
 from replica.engine import build_engine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
 
@@ -48,22 +46,13 @@ def main(argv=None) -> int:
     ensure_model()
     reader = build_engine(engine_config(args, "reader"))
     page_format = page_format_of(reader)
-    head = tokens(args.prefix_len, seed=0)[:PAGE_SIZE]
-    reader.add_request(EngineRequest("template", head, SamplingParams(max_tokens=1, temperature=0.0)))
-    while reader.has_work():
-        reader.step()
-    template = reader.export_pages(reader.page_keys(head))[0]
+    template = page_template(reader, tokens(args.prefix_len, seed=0), PAGE_SIZE)
     folder = tempfile.mkdtemp(prefix="prefixserve-disk-load-")
     try:
         (disk,) = build_tiers(page_format, redis_url=None, disk_cache_dir=folder, disk_budget_bytes=4 << 30)
         sets = []
         for index in range(args.sets):
-            prefix = tokens(args.prefix_len, seed=50 + index)
-            keys = reader.page_keys(prefix)
-            slices = [prefix[i * PAGE_SIZE:(i + 1) * PAGE_SIZE] for i in range(len(keys))]
-            pages = [dataclasses.replace(template, key=key, token_ids=tuple(token_ids),
-                                         kv=torch.randn(template.kv.shape).to(template.kv.dtype))
-                     for key, token_ids in zip(keys, slices)]
+            keys, slices, pages = random_pages(reader, template, tokens(args.prefix_len, seed=50 + index), PAGE_SIZE)
             PrefixFetcher(page_format, tiers=[disk]).store(pages)
             disk.flush(30)
             sets.append((keys, slices))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import socket
 import statistics
@@ -30,8 +29,8 @@ import ray
 import redis
 import torch
 
-from benchmarks.kv_sources import Holder, engine_config, ensure_model, peer_client, private_redis, tokens
-from common.types import EngineRequest, SamplingParams
+from benchmarks.kv_sources import (Holder, engine_config, ensure_model, page_template, peer_client, private_redis,
+                                   random_pages, tokens)
 from replica.engine import build_engine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
 from replica.peer_copy import PeerExportRequest
@@ -93,12 +92,7 @@ def tier_rows(args, reader, page_format, template, redis_url, redis_unix_url, di
     tiers = {"Redis (TCP)": host, "Redis (unix socket)": host_unix, "disk": disk}
     parts = {name: ([], []) for name in tiers}
     for round_ in range(args.rounds + 2):
-        prefix = tokens(args.prefix_len, seed=1000 + round_)
-        keys = reader.page_keys(prefix)
-        slices = [prefix[i * PAGE_SIZE:(i + 1) * PAGE_SIZE] for i in range(len(keys))]
-        pages = [dataclasses.replace(template, key=key, token_ids=tuple(token_ids),
-                                     kv=torch.randn(template.kv.shape).to(template.kv.dtype))
-                 for key, token_ids in zip(keys, slices)]
+        keys, slices, pages = random_pages(reader, template, tokens(args.prefix_len, seed=1000 + round_), PAGE_SIZE)
         PrefixFetcher(page_format, tiers=[host, disk]).store(pages)
         host.flush(30)
         disk.flush(30)
@@ -179,11 +173,7 @@ def main(argv=None) -> int:
         time.sleep(0.5)
         reader = build_engine(engine_config(args, "reader"))
         page_format = page_format_of(reader)
-        head = args.prefix[:PAGE_SIZE]
-        reader.add_request(EngineRequest("template", head, SamplingParams(max_tokens=1, temperature=0.0)))
-        while reader.has_work():
-            reader.step()
-        template = reader.export_pages(reader.page_keys(head))[0]
+        template = page_template(reader, args.prefix, PAGE_SIZE)
         keys = reader.page_keys(args.prefix)
         nbytes = len(keys) * page_format.page_num_bytes
         rows = peer_rows(args, reader, keys, nbytes)

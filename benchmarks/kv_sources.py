@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shutil
 import socket
@@ -37,6 +38,7 @@ from replica.config import EngineConfig
 from replica.engine import build_engine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
 from common.types import EngineRequest
+from replica.page_record import PageRecord
 from replica.peer_copy import PeerExportRequest, ServePeerClient, bundle_pages, unbundle_pages
 from common.types import SamplingParams
 
@@ -95,6 +97,26 @@ def private_redis(maxmemory: str) -> PrivateRedis:
 def tokens(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, 8000, (n,), generator=g).tolist()
+
+
+def page_template(reader, prefix: list[int], page_size: int = 128) -> PageRecord:
+    """One page of ``reader``'s format (its first page of ``prefix``, computed): what random test pages copy."""
+    head = prefix[:page_size]
+    reader.add_request(EngineRequest("template", head, SamplingParams(max_tokens=1, temperature=0.0)))
+    while reader.has_work():
+        reader.step()
+    return reader.export_pages(reader.page_keys(head))[0]
+
+
+def random_pages(reader, template: PageRecord, prefix: list[int], page_size: int = 128):
+    """(keys, token ids per page, pages) of ``prefix``'s full pages under their real keys and token ids, holding random
+    KV (what a tier load verifies; timing does not depend on the values)."""
+    keys = reader.page_keys(prefix)
+    slices = [prefix[i * page_size:(i + 1) * page_size] for i in range(len(keys))]
+    pages = [dataclasses.replace(template, key=key, token_ids=tuple(token_ids),
+                                 kv=torch.randn(template.kv.shape).to(template.kv.dtype))
+             for key, token_ids in zip(keys, slices)]
+    return keys, slices, pages
 
 
 def engine_config(args, replica_id: str) -> EngineConfig:

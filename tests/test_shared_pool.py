@@ -197,14 +197,20 @@ class HolderOverHandle:
         return self.engine.share_pages(list(request.keys))
 
 
-def test_after_one_call_through_the_handle_a_peer_asks_the_holders_socket_and_falls_back_when_it_goes(tiny):
+def socket_holder(tiny, *prompts: list[int]):
+    """A holder engine serving exports on its socket, having computed ``prompts``: (engine, its shared pool)."""
     holder = tiny.engine(num_pages=8)
     pool = holder.runner.shared_pool
     pool.serve_exports(holder.share_pages)
-    assert pool.location.socket.startswith("\0prefixserve-pool-")
+    for number, tokens in enumerate(prompts):
+        run(holder, tokens, f"p{number}")
+    return holder, pool
+
+
+def test_after_one_call_through_the_handle_a_peer_asks_the_holders_socket_and_falls_back_when_it_goes(tiny):
     first, second = prompt(2 * PAGE + 3, seed=21), prompt(PAGE + 9, seed=22)
-    run(holder, first, "a")
-    run(holder, second, "b")
+    holder, pool = socket_holder(tiny, first, second)
+    assert pool.location.socket.startswith("\0prefixserve-pool-")
     handle = HolderOverHandle(holder)
     client = ServePeerClient("unused", "unused", handle=handle)
 
@@ -248,11 +254,8 @@ def test_an_export_socket_answers_only_its_pid_and_refuses_malformed_requests(ti
 
     from replica import pool_socket
 
-    holder = tiny.engine(num_pages=8)
-    pool = holder.runner.shared_pool
-    pool.serve_exports(holder.share_pages)
     tokens = prompt(PAGE + 1, seed=23)
-    run(holder, tokens, "a")
+    holder, pool = socket_holder(tiny, tokens)
     keys = holder.page_keys(tokens)
     client = pool_socket.ExportClient()
     name, pid = pool.location.socket, pool.location.pid
@@ -298,11 +301,8 @@ def test_an_export_socket_answers_only_its_pid_and_refuses_malformed_requests(ti
 def test_a_failed_socket_is_not_learned_again_for_a_while_and_a_dead_server_is_not_named(tiny):
     import threading
 
-    holder = tiny.engine(num_pages=8)
-    pool = holder.runner.shared_pool
-    pool.serve_exports(holder.share_pages)
     tokens = prompt(PAGE + 3, seed=31)
-    run(holder, tokens, "a")
+    holder, pool = socket_holder(tiny, tokens)
     keys = holder.page_keys(tokens)
     handle = HolderOverHandle(holder)
     client = ServePeerClient("unused", "unused", handle=handle)
@@ -338,12 +338,9 @@ def test_the_export_server_keeps_accepting_after_a_failed_accept_and_the_client_
 
     from replica import pool_socket
 
-    holder = tiny.engine(num_pages=8)
-    pool = holder.runner.shared_pool
-    pool.serve_exports(holder.share_pages)
-    server = pool.export_server
     tokens = prompt(PAGE + 3, seed=32)
-    run(holder, tokens, "a")
+    holder, pool = socket_holder(tiny, tokens)
+    server = pool.export_server
     keys = holder.page_keys(tokens)
     real = server._listener
 
