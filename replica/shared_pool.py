@@ -56,6 +56,7 @@ from common.page_keys import PageKey
 from common.types import CacheSource
 from replica.cuda_ipc import host_id
 from replica.page_record import PageRecord
+from replica.pool_socket import ExportServer
 
 logger = logging.getLogger(__name__)
 
@@ -137,18 +138,23 @@ class SharedPool:
         self.kv = torch.frombuffer(self._map, dtype=dtype, count=numel).view(shape)
         self.generations = np.frombuffer(self._map, dtype=np.int64, count=num_pages, offset=self.generations_offset)
         status = os.fstat(self.fd)
-        self.location = PoolLocation(pid=os.getpid(), fd=self.fd, device=status.st_dev, inode=status.st_ino,
+        self._location = PoolLocation(pid=os.getpid(), fd=self.fd, device=status.st_dev, inode=status.st_ino,
                                      nbytes=nbytes, shape=tuple(shape), dtype=dtype_name(dtype),
                                      generations_offset=self.generations_offset)
         self._closed = False
         self.export_server = None
+        self._served_location = self._location
+
+    @property
+    def location(self) -> PoolLocation:
+        """Where peers find this pool, naming the export socket while it serves (a closed socket, or one whose accept
+        thread ended, is not named: peers would wait on it until their timeout)."""
+        server = self.export_server
+        return self._served_location if server is not None and server.serving else self._location
 
     def serve_exports(self, answer) -> None:
         """Answer peers' export calls over a local socket too (replica/pool_socket.py); ``answer(keys)`` gives the
-        bundle. The location peers are sent names it from now on. A socket that cannot be had is logged and skipped:
-        peers then ask through Ray."""
-        from replica.pool_socket import ExportServer
-
+        bundle. A socket that cannot be had is logged and skipped: peers then ask through Ray."""
         if self.export_server is not None:
             return
         try:
@@ -156,22 +162,18 @@ class SharedPool:
         except OSError as exc:
             logger.warning("no export socket for the shared KV pool (%s); peers ask through Ray", exc)
             return
-        self.location = dataclasses.replace(self.location, socket=self.export_server.name)
+        self._served_location = dataclasses.replace(self._location, socket=self.export_server.name)
 
     def stop_serving_exports(self) -> None:
-        """Close the export socket; peers ask through Ray again (bundles name no socket from now on)."""
+        """Close the export socket; peers ask through Ray again."""
         if self.export_server is not None:
             self.export_server.close()
             self.export_server = None
-            self.location = dataclasses.replace(self.location, socket=None)
 
     def bundle(self, keys: list[PageKey], token_ids: list[tuple[int, ...]], page_ids: list[int],
                generations: list[int]) -> SharedPoolBundle:
-        location = self.location
-        if location.socket is not None and not (self.export_server is not None and self.export_server.serving):
-            location = dataclasses.replace(location, socket=None)  # its accept thread ended: do not send peers there
         return SharedPoolBundle(list(keys), [list(tokens) for tokens in token_ids], list(page_ids), list(generations),
-                                location)
+                                self.location)
 
     def close(self) -> None:
         """Stop offering the pool to peers (the memory itself goes with the last tensor and mapping over it)."""
