@@ -2,8 +2,9 @@
 
 Everything the policy decides is in this header; thresholds and per-unit costs live in ``PolicyConfig``.
 
-Inputs per request: its page keys (``EngineRequest.page_keys``), optionally its prompt length in tokens, and the
-candidate replicas with their load.
+Inputs per request: its page keys (``EngineRequest.page_keys``), optionally its prompt length in tokens and its
+partial page keys (``PartialKey``: what identifies the tokens after a full page, e.g. ``token_partial_key`` of its
+prompt's token ids), and the candidate replicas with their load.
 
     load(r)        = max(requests r reported running + waiting,      # from routing stats, up to one period old
                          requests this router routed to r that have not finished yet)   # covers bursts
@@ -12,7 +13,10 @@ candidate replicas with their load.
                      prompt's full pages end at page matched(r) of this one, and no candidate is known to hold more:
                      the page that prompt's tail and its answer filled is stored when it ends and reported with the
                      next routing stats (a chat's next turn sent within one stats period of the answer would
-                     otherwise tie with every replica holding the system prompt)
+                     otherwise tie with every replica holding the system prompt); where both requests came with
+                     partial keys, only if this one continues that prompt's tail (the tokens after its last full
+                     page): two chats on one system prompt whose turns ended at the same page on two replicas are
+                     told apart by their tails, not by load
     holder         = the candidate, overloaded or not, with the most matched pages (ties: lower load, fewer cached
                      pages, higher tie score)
     min_load       = min over candidates of load(r)
@@ -114,6 +118,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
+import msgpack
+
 from common.page_keys import PageKey
 from router.index import PrefixIndex
 from common.events import MEDIUM_DISK, MEDIUM_HOST
@@ -125,6 +131,23 @@ DISK_HOLDER_SUFFIX = tier_holder_id("", MEDIUM_DISK)
 
 _READY_MARGIN = 1.5
 """The fluid queue underestimates (decodes of other routers' requests): pages expected at t are counted at 1.5 t."""
+
+
+PartialKey = Callable[[int, int], "bytes | None"]
+"""A request's partial page keys: ``(num_pages, num_tokens)`` -> the key of the ``num_tokens`` prompt tokens after its
+first ``num_pages`` full pages, chained to the key of the last of those pages (``num_pages`` >= 1), or None when the
+prompt has no such tokens. Equal keys mean equal tokens after equal prefixes, as with page keys. The policy uses them to
+tell which finished request a new one continues (module docstring, ``matched``): a replica finished prompt P, whose
+tail (tokens after its last full page) is T; request Q continues P there when Q's partial key over ``len(T)`` tokens
+after P's last full page equals P's over T. ``token_partial_key`` makes one from token ids; the simulator derives one
+from its segments."""
+
+
+class PromptTail(NamedTuple):
+    """The tokens of a prompt after its last full page, as a partial key (``PartialKey``) and their number."""
+
+    num_tokens: int
+    key: bytes
 
 
 class RoutingReason(str, enum.Enum):
@@ -291,9 +314,12 @@ class PrefixAwarePolicy:
         """With residency aging: the page keys of each counted request, held in use on its replica (``note_routed``)."""
         self._request_id_to_last_key: dict[str, PageKey] = {}
         """The last full prompt page of each counted request (``note_routed``)."""
-        self._answered: dict[tuple[str, PageKey], float] = {}
-        """(replica, last full prompt page of a request it finished) -> when it finished, for ``answer_report_s``."""
-        self._answered_order: deque[tuple[float, str, PageKey]] = deque()
+        self._request_id_to_tail: dict[str, PromptTail] = {}
+        """The prompt tail of each counted request that came with partial keys (``note_routed``)."""
+        self._answered: dict[tuple[str, PageKey], dict[PromptTail | None, float]] = {}
+        """(replica, last full prompt page of a request it finished) -> that request's prompt tail (None: not known)
+        -> when it finished, for ``answer_report_s``; an entry goes when its latest finish is that old."""
+        self._answered_order: deque[tuple[float, str, PageKey, PromptTail | None]] = deque()
 
     # ---- the decision ----------------------------------------------------------------------------------------------
     def choose(
@@ -303,10 +329,12 @@ class PrefixAwarePolicy:
         *,
         num_prompt_tokens: int | None = None,
         now: float | None = None,
+        partial_key: PartialKey | None = None,
     ) -> RoutingDecision:
         """Pick one of ``candidates`` for a request with ``page_keys``. Raises ValueError when there are none.
 
         ``num_prompt_tokens`` defaults to the full pages' tokens; ``now`` (seconds) to ``time.monotonic()``.
+        ``partial_key`` (optional) tells which recently finished request this one continues (module docstring).
         """
         if not candidates:
             raise ValueError("no candidate replicas to route to")
@@ -327,7 +355,7 @@ class PrefixAwarePolicy:
             scored = self._resident(scored, page_keys, now)
             replica_id_to_matched = {s.replica_id: s.matched for s in scored if s.matched}
         if self.config.enable_cost_model and self._answered and replica_id_to_matched:
-            scored = self._with_answers(scored, page_keys, now)
+            scored = self._with_answers(scored, page_keys, now, partial_key)
             replica_id_to_matched = {s.replica_id: s.matched for s in scored if s.matched}
         min_load = min(s.load for s in scored)
         abs_bound = min_load + self.config.balance_abs_threshold
@@ -414,23 +442,33 @@ class PrefixAwarePolicy:
             out.append(s)
         return out
 
-    def _with_answers(self, scored: list, page_keys: Sequence[PageKey], now: float) -> list:
+    def _with_answers(self, scored: list, page_keys: Sequence[PageKey], now: float,
+                      partial_key: PartialKey | None = None) -> list:
         """``scored`` with one more matched page on each replica that finished, within ``answer_report_s``, a request
         whose prompt's full pages are exactly the ones it matches and that this request continues: the page the
         finished prompt's tail and its answer filled was stored when it ended and is not reported yet (a chat's next
-        turn sent within one stats period of the answer; every replica holding the system prompt matches as much)."""
+        turn sent within one stats period of the answer; every replica holding the system prompt matches as much).
+        With ``partial_key``, a finished request whose tail is known counts only if this request's tokens after that
+        page begin with its tail: other chats' turns ending at the same page of a shared system prompt filled that
+        page with their own tails, so their replicas hold nothing more of this request."""
         answered = self._answered
         self._forget_answers(now)
         if not answered:
             return scored
         # only where no replica is known to hold more: a replica that reported the continuation already holds it
-        # (another replica's finished request that ended at the same page is another chat on the same system prompt)
         top = max(s.matched for s in scored)
         if top >= len(page_keys):
             return scored
         last = page_keys[top - 1]
-        return [s._replace(matched=top + 1) if s.matched == top and (s.replica_id, last) in answered else s
-                for s in scored]
+        length_to_key: dict[int, bytes | None] = {}  # this request's partial keys after page ``top``, by length
+        out = []
+        for s in scored:
+            if s.matched == top:
+                tails = answered.get((s.replica_id, last))
+                if tails and (partial_key is None or _continues_any(tails, top, partial_key, length_to_key)):
+                    s = s._replace(matched=top + 1)
+            out.append(s)
+        return out
 
     def comparable_costs(self, loads: Sequence[ReplicaLoad]) -> list[_Costs]:
         """``costs_of`` each candidate, with every compute cost (step, prompt token, attention pair, decode row) that
@@ -606,11 +644,14 @@ class PrefixAwarePolicy:
         return max(candidate.num_requests, self.num_inflight(candidate.replica_id))
 
     # ---- in-flight accounting --------------------------------------------------------------------------------------
-    def note_routed(self, request_id: str, replica_id: str, page_keys: Sequence[PageKey] = ()) -> None:
+    def note_routed(self, request_id: str, replica_id: str, page_keys: Sequence[PageKey] = (), *,
+                    num_prompt_tokens: int | None = None, partial_key: PartialKey | None = None) -> None:
         """Count ``request_id`` against ``replica_id`` until ``note_finished``. Routing it again moves it.
 
         With residency aging, ``page_keys`` (the request's) are held in use on the replica until then
-        (``PrefixIndex.hold``): a running request's pages are not in its LRU queue."""
+        (``PrefixIndex.hold``): a running request's pages are not in its LRU queue. With ``num_prompt_tokens`` and
+        ``partial_key`` its prompt's tail is kept until it finishes, to tell its continuation from other requests
+        that ended at the same page (``choose``)."""
         previous = self._request_id_to_replica_id.get(request_id)
         if previous == replica_id:
             return
@@ -625,6 +666,11 @@ class PrefixAwarePolicy:
         self._replica_id_to_num_inflight[replica_id] = self._replica_id_to_num_inflight.get(replica_id, 0) + 1
         if page_keys and self.config.enable_cost_model:
             self._request_id_to_last_key[request_id] = page_keys[-1]
+            tail = self._tail(page_keys, num_prompt_tokens, partial_key)
+            if tail is None:
+                self._request_id_to_tail.pop(request_id, None)
+            else:
+                self._request_id_to_tail[request_id] = tail
         if keys and self._holds_keys:
             self._request_id_to_keys[request_id] = keys
             self.index.hold(replica_id, keys)
@@ -640,10 +686,11 @@ class PrefixAwarePolicy:
         if keys:
             self.index.release(counted_on, keys)
         last_key = self._request_id_to_last_key.pop(request_id, None)
+        tail = self._request_id_to_tail.pop(request_id, None)
         if last_key is not None:  # its answer pages are stored there now, reported with the next routing stats
             finished_s = self.index.clock()
-            self._answered[(counted_on, last_key)] = finished_s
-            self._answered_order.append((finished_s, counted_on, last_key))
+            self._answered.setdefault((counted_on, last_key), {})[tail] = finished_s
+            self._answered_order.append((finished_s, counted_on, last_key, tail))
             self._forget_answers(finished_s)
 
     def num_inflight(self, replica_id: str) -> int:
@@ -661,11 +708,34 @@ class PrefixAwarePolicy:
             del self._request_id_to_replica_id[request_id]
             self._request_id_to_keys.pop(request_id, None)
             self._request_id_to_last_key.pop(request_id, None)
+            self._request_id_to_tail.pop(request_id, None)
 
     # ---- internals -------------------------------------------------------------------------------------------------
     def _forget_answers(self, now: float) -> None:
-        """Drop the finished requests whose answer pages the index has heard of by ``now`` (``answer_report_s``)."""
-        _expire(self._answered_order, self._answered, now - self.config.answer_report_s, inclusive=False)
+        """Drop the finished requests whose answer pages the index has heard of by ``now`` (``answer_report_s``): each
+        (replica, page, tail) goes with its latest finish, so what is kept is what finished within that time."""
+        cutoff = now - self.config.answer_report_s
+        order = self._answered_order
+        answered = self._answered
+        while order and order[0][0] < cutoff:
+            at, replica_id, key, tail = order.popleft()
+            tails = answered.get((replica_id, key))
+            if tails is not None and tails.get(tail) == at:  # not finished again since
+                del tails[tail]
+                if not tails:
+                    del answered[(replica_id, key)]
+
+    def _tail(self, page_keys: Sequence[PageKey], num_prompt_tokens: int | None,
+              partial_key: PartialKey | None) -> PromptTail | None:
+        """The prompt's tokens after its last full page as a ``PromptTail``; None without partial keys or prompt
+        length, or when the prompt ends at a page's end (nothing then tells its continuation from another's)."""
+        if partial_key is None or num_prompt_tokens is None:
+            return None
+        num_tokens = num_prompt_tokens - len(page_keys) * self.config.page_size
+        if not 0 < num_tokens < self.config.page_size:
+            return None
+        key = partial_key(len(page_keys), num_tokens)
+        return None if key is None else PromptTail(num_tokens, key)
 
     def _forget_ready_pages(self, now: float) -> None:
         _expire(self._ready_order, self._key_to_ready_s, now, inclusive=True)
@@ -702,6 +772,24 @@ class PrefixAwarePolicy:
             self._replica_id_to_num_inflight.pop(replica_id, None)
 
 
+def token_partial_key(page_keys: Sequence[PageKey], token_ids: Sequence[int], page_size: int) -> PartialKey | None:
+    """The ``PartialKey`` of a prompt with these full-page keys and token ids: a digest of the parent page key and the
+    tokens. None when the keys are not the prompt's full pages of ``page_size`` tokens (a router configured with
+    another page size than the replicas': it would compare tails cut at the wrong token, so it gives none and the
+    policy credits answers by page as without partial keys)."""
+    if not page_keys or len(token_ids) // page_size != len(page_keys):
+        return None
+
+    def partial_key(num_pages: int, num_tokens: int) -> bytes | None:
+        start = num_pages * page_size
+        if not 0 < num_pages <= len(page_keys) or num_tokens < 0 or start + num_tokens > len(token_ids):
+            return None
+        tokens = msgpack.packb(list(token_ids[start:start + num_tokens]))
+        return hashlib.blake2b(page_keys[num_pages - 1] + tokens, digest_size=16, person=b"partial-page").digest()
+
+    return partial_key
+
+
 def tie_score(anchor: PageKey, replica_id: str) -> int:
     """Rendezvous score of ``replica_id`` for requests whose first page key is ``anchor`` (same in every process):
     a 64-bit mix of the two digests, so a decision hashes the anchor once however many replicas tie."""
@@ -730,6 +818,20 @@ def _expire(order: deque, times: dict, cutoff: float, *, inclusive: bool) -> Non
         at, replica_id, key = order.popleft()
         if times.get((replica_id, key)) == at:
             del times[(replica_id, key)]
+
+
+def _continues_any(tails: dict, num_pages: int, partial_key: PartialKey, length_to_key: dict) -> bool:
+    """Whether a request with ``partial_key`` continues one of ``tails``, finished prompts whose full pages are its
+    first ``num_pages``: a tail not known (None) may be this request's; a known one must equal this request's tokens
+    after those pages over its length (``length_to_key`` keeps this request's keys by length, computed once)."""
+    for tail in tails:
+        if tail is None:
+            return True
+        if tail.num_tokens not in length_to_key:
+            length_to_key[tail.num_tokens] = partial_key(num_pages, tail.num_tokens)
+        if length_to_key[tail.num_tokens] == tail.key:
+            return True
+    return False
 
 
 def _best(items: list, preference: Callable, anchor: PageKey, scored_of: Callable | None = None):

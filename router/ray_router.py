@@ -19,6 +19,8 @@ Ray Serve 2.60 facts this relies on (read from ray/serve/_private/request_router
   own deployment's handle (a request carrying ``target_replica`` is routed to exactly that replica).
 - ``pending_request.args`` holds the ``EngineRequest`` (``generate(request)``), so its ``prompt_token_ids`` give the
   prompt length the cost model needs (``num_prompt_tokens_of``); requests without one fall back to the full pages.
+  With its ``page_keys`` they also give its partial page keys (``partial_key_of``), which tell the policy which
+  recently finished request a chat's next turn continues (router/policy.py ``PartialKey``).
 - Every decision is also added to this process's ``router.decision_metrics.DECISIONS`` (chosen replica, reason),
   which the ingress exports on ``/metrics`` as ``prefixserve_router_decisions_total``.
 - ``on_request_completed(replica_id, internal_request_id)`` fires when a sent request finishes, fails or is rejected;
@@ -44,7 +46,7 @@ from common.page_keys import PageKey
 from router import decision_metrics
 from router.index import PrefixIndex
 from router import replication
-from router.policy import PolicyConfig, PrefixAwarePolicy, RoutingDecision
+from router.policy import PartialKey, PolicyConfig, PrefixAwarePolicy, RoutingDecision, token_partial_key
 from common.routing_stats import ReplicaLoad, ReplicaReport, RoutingStatsError, parse_routing_stats, tier_holder_id
 
 logger = logging.getLogger(__name__)
@@ -104,11 +106,13 @@ class PrefixAwareRequestRouter(RequestRouter):
         page_keys = page_keys_of(pending_request)
         loads = [self._load_of(r) for r in candidate_replicas]
         self._observe_hot_prefix(pending_request, page_keys, loads)
-        decision = self.policy.choose(page_keys, loads, num_prompt_tokens=num_prompt_tokens_of(pending_request))
+        num_prompt_tokens = num_prompt_tokens_of(pending_request)
+        partial_key = partial_key_of(pending_request, self.policy.config.page_size)
+        decision = self.policy.choose(page_keys, loads, num_prompt_tokens=num_prompt_tokens, partial_key=partial_key)
         decision_metrics.DECISIONS.add(self._deployment_name(), decision.replica_id, decision.reason.value)
         if pending_request is not None:
             set_peer_hint(pending_request, hint_for_request(decision))
-            self._count_inflight(pending_request, decision.replica_id)
+            self._count_inflight(pending_request, decision.replica_id, num_prompt_tokens, partial_key)
         chosen = replica_id_to_replica[decision.replica_id]
         rest = [r for r in candidate_replicas if r is not chosen]
         return [[chosen], rest] if rest else [[chosen]]
@@ -189,9 +193,11 @@ class PrefixAwareRequestRouter(RequestRouter):
             return dataclasses.replace(reported, num_requests=num_queued)
         return reported
 
-    def _count_inflight(self, pending_request: PendingRequest, replica_id: str) -> None:
+    def _count_inflight(self, pending_request: PendingRequest, replica_id: str, num_prompt_tokens: int | None = None,
+                        partial_key: PartialKey | None = None) -> None:
         request_id = pending_request.metadata.internal_request_id
-        self.policy.note_routed(request_id, replica_id, page_keys_of(pending_request))
+        self.policy.note_routed(request_id, replica_id, page_keys_of(pending_request),
+                                num_prompt_tokens=num_prompt_tokens, partial_key=partial_key)
         future = pending_request.future
         if self._request_id_to_future.get(request_id) is not future:
             self._request_id_to_future[request_id] = future
@@ -242,6 +248,19 @@ def num_prompt_tokens_of(pending_request: Optional[PendingRequest]) -> int | Non
         return None
     token_ids = getattr(found[2], "prompt_token_ids", None)
     return len(token_ids) if token_ids else None
+
+
+def partial_key_of(pending_request: Optional[PendingRequest], page_size: int) -> PartialKey | None:
+    """The request object's partial page keys from its ``prompt_token_ids`` and ``page_keys`` (router/policy.py
+    ``token_partial_key``), or None when it lacks either (or its keys are not of ``page_size``-token pages)."""
+    found = engine_request_of(pending_request)
+    if found is None:
+        return None
+    token_ids = getattr(found[2], "prompt_token_ids", None)
+    page_keys = getattr(found[2], "page_keys", None)
+    if not token_ids or not page_keys:
+        return None
+    return token_partial_key(page_keys, token_ids, page_size)
 
 
 def apply_residency(index: PrefixIndex, replica_id: str, report: ReplicaReport) -> None:

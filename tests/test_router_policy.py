@@ -8,7 +8,8 @@ import pytest
 
 from common.events import PagesRemoved, PagesStored
 from router.index import PrefixIndex
-from router.policy import PolicyConfig, PrefixAwarePolicy, RoutingDecision, RoutingReason, tie_score
+from router.policy import (PolicyConfig, PrefixAwarePolicy, RoutingDecision, RoutingReason, tie_score,
+                           token_partial_key)
 from common.routing_stats import ReplicaLoad
 
 
@@ -616,3 +617,41 @@ def test_a_follow_up_sent_before_the_answer_is_reported_expects_the_answer_page_
         assert late_or_ambiguous.replica_id == "b"
     assert route(at=0.3, finished_on=("a", "b")).matched_pages == 3
     assert route(at=0.6).matched_pages == 2
+
+
+def test_a_follow_up_goes_where_its_own_chat_finished_not_where_another_chat_ended_at_the_same_page():
+    """Two chats on one system prompt (two pages); each one's turn, the system prompt and a user message, finished on
+    its own replica within one stats period of the follow-ups. Both replicas match the system prompt and both just
+    finished a turn ending at its last page; only the replica whose finished tail (the user message after that page)
+    the follow-up continues holds the next page, whichever is less loaded. Without partial keys both replicas are
+    credited, as before (the lower load decides)."""
+    system = list(range(256))
+    user = {"a": [1000 + i for i in range(50)], "b": [2000 + i for i in range(70)], "c": [5000 + i for i in range(50)]}
+
+    def follow_up(chat: str, busier: str, *, with_partial_keys: bool = True, at: float = 0.3) -> RoutingDecision:
+        clock = Clock()
+        index = PrefixIndex(clock=clock)
+        for replica_id in ("a", "b"):
+            index.apply_events(replica_id, [PagesStored(1, tuple(PROMPT[:2]))])
+        policy = PrefixAwarePolicy(index, PolicyConfig(enable_peer_hint=False))
+        clock.now = 0.0
+        for finished in ("a", "b"):  # chat a's turn finishes on replica a, chat b's on replica b
+            tokens = system + user[finished]
+            policy.note_routed(f"{finished}-turn-0", finished, PROMPT[:2], num_prompt_tokens=len(tokens),
+                               partial_key=token_partial_key(PROMPT[:2], tokens, 128))
+            policy.note_finished(f"{finished}-turn-0")
+        clock.now = at
+        tokens = system + user[chat] + [3000 + i for i in range(100)] + [4000 + i for i in range(80)]  # answer, next
+        keys = PROMPT[:2] + [key(f"{chat}-turn-1-page-2")]
+        partial_key = token_partial_key(keys, tokens, 128) if with_partial_keys else None
+        return policy.choose(keys, loads(**{"a": 0, "b": 0, busier: 1}), num_prompt_tokens=len(tokens),
+                             now=at, partial_key=partial_key)
+
+    for chat in ("a", "b"):  # each chat's follow-up, its own replica the busier one
+        decision = follow_up(chat, busier=chat)
+        assert (decision.replica_id, decision.reason, decision.matched_pages) == (chat, RoutingReason.PREFIX_HIT, 3)
+    assert follow_up("a", "a", with_partial_keys=False).replica_id == "b"
+    assert follow_up("a", "a", at=0.6).matched_pages == 2  # reported by then: the finished tails are forgotten too
+    # a third chat's follow-up continues neither tail: the system prompt alone is matched, the lower load decides
+    third = follow_up("c", "a")
+    assert (third.replica_id, third.matched_pages) == ("b", 2)
