@@ -10,7 +10,7 @@ import pytest
 from benchmarks.router_sim.__main__ import main
 from benchmarks.router_sim.costs import CostModel
 from benchmarks.router_sim.sim import Simulation, simulate
-from benchmarks.router_sim.workloads import SimRequest, Workload, chain_keys
+from benchmarks.router_sim.workloads import SimRequest, Workload, chain_keys, segment_partial_key
 
 COST = CostModel()
 
@@ -33,6 +33,24 @@ def test_chain_keys_equal_for_equal_prefixes_only():
     assert len(a) == len(b) == 3
     assert a[:2] == b[:2] and a[2] != b[2]  # page 2 holds tokens 256..383: 44 of sys, then the question
     assert chain_keys([("sys", 256)], 128) == a[:2]
+
+
+def test_segment_partial_keys_tell_a_chat_s_next_turn_from_another_chat_on_the_same_system_prompt():
+    """The simulator's stand-in for partial page keys from token ids: a turn's tail (the tokens after its last full
+    page) is keyed as its next turn's first tokens after that page, and differs from another chat's tail."""
+    def chat(name: str, user_len: int) -> tuple:
+        return (("sys", 256), (f"{name}u0", user_len), (f"{name}a0", 100), (f"{name}u1", 80))
+
+    one, two = chat("c1", 50), chat("c2", 50)
+    keys_one, keys_two = chain_keys(one, 128), chain_keys(two, 128)
+    assert keys_one[:2] == keys_two[:2] and keys_one[2] != keys_two[2]
+    turn = segment_partial_key(one, keys_one[:2], 306, 128, 2, 50)  # the first turn: 2 pages + 50 user tokens
+    assert segment_partial_key(one, keys_one[:3], 486, 128, 2, 50) == turn  # its next turn, over the same tokens
+    assert segment_partial_key(one, keys_one[:3], 486, 128, 2, 49) != turn
+    assert segment_partial_key(two, keys_two[:3], 486, 128, 2, 50) != turn  # another chat's next turn
+    assert segment_partial_key(one, keys_one[:2], 306, 128, 2, 51) is None  # past the prompt
+    simulation = Simulation(Workload("test", [], 64), "prefixserve", 2, COST)
+    assert simulation.router.partial_key_of(request("trace", 0.0, [("p", 300)])) is None  # no segments
 
 
 def test_a_lone_request_costs_exactly_the_cost_model():

@@ -30,10 +30,12 @@ can only help them). Only our router sends peer hints: the baselines' systems ha
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 
 from benchmarks.router_sim.costs import CostModel
+from benchmarks.router_sim.workloads import segment_partial_key
 from router.index import PrefixIndex
 from router.policy import PolicyConfig, PrefixAwarePolicy
 from common.events import PagesStored
@@ -68,14 +70,24 @@ class Ours(Router):
         self.id_to_number = {replica_id: number for number, replica_id in enumerate(view.replica_ids)}
 
     def route(self, request, now):
+        partial_key = self.partial_key_of(request)
         decision = self.policy.choose(request.page_keys, self.view.loads, num_prompt_tokens=request.prompt_len,
-                                      now=now)
-        self.policy.note_routed(request.request_id, decision.replica_id, request.page_keys)
+                                      now=now, partial_key=partial_key)
+        self.policy.note_routed(request.request_id, decision.replica_id, request.page_keys,
+                                num_prompt_tokens=request.prompt_len, partial_key=partial_key)
         hint = self.id_to_number[decision.peer_hint] if decision.peer_hint is not None else None
         return self.id_to_number[decision.replica_id], hint, decision.reason.value
 
     def on_finished(self, request):
         self.policy.note_finished(request.request_id)
+
+    def partial_key_of(self, request):
+        """The request's partial page keys from its segments (what the Ray adapter gets from its token ids), or None
+        for a request without segments (a trace)."""
+        if not request.segments:
+            return None
+        return functools.partial(segment_partial_key, request.segments, request.page_keys, request.prompt_len,
+                                 self.view.page_size)
 
 
 class RoundRobin(Router):

@@ -13,7 +13,8 @@
 
 A segment is (segment id, number of tokens); its tokens are distinct from every other segment's. A page's key chains
 its parent's key with the (segment id, start, end) pieces covering it, so equal keys mean equal prefixes, as with the
-real page keys (common/page_keys.py), at a fraction of the hashing cost.
+real page keys (common/page_keys.py), at a fraction of the hashing cost. A request keeps its segments, so the router
+gets partial page keys from them the same way (``segment_partial_key``; router/policy.py ``PartialKey``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class SimRequest:
     """Keys of the full pages of prompt + output (what the replica caches when the request ends)."""
     ideal_cached_pages: int = 0
     """Leading reusable pages some earlier request already had: what a perfect cluster cache would reuse."""
+    segments: tuple = ()
+    """Segments whose first ``prompt_len`` tokens are the prompt (a chat's turns share the whole conversation's); the
+    router's partial page keys come from them. Empty (a trace): the request has none."""
     next_turn: "SimRequest | None" = None
     min_gap_s: float = 0.0
     """A later turn: sent no sooner than this long after the previous turn was sent (bench's multi-round-qa pacing)."""
@@ -100,6 +104,26 @@ def chain_keys(segments: Sequence[Segment], page_size: int) -> list:
     return keys
 
 
+def segment_partial_key(segments: Sequence[Segment], page_keys: Sequence, prompt_len: int, page_size: int,
+                        num_pages: int, num_tokens: int) -> bytes | None:
+    """The simulator's partial page key (router/policy.py ``PartialKey``) of a prompt spelled by the first
+    ``prompt_len`` tokens of ``segments``: the (segment id, start, end) pieces covering the ``num_tokens`` tokens after
+    its first ``num_pages`` full pages, chained to the last of those pages' keys, as ``chain_keys`` keys a page."""
+    start = num_pages * page_size
+    end = start + num_tokens
+    if not 0 < num_pages <= len(page_keys) or num_tokens < 0 or end > prompt_len:
+        return None
+    pieces = []
+    offset = 0
+    for segment_id, length in segments:
+        if offset >= end:
+            break
+        if offset + length > start:
+            pieces.append(f"{segment_id}:{max(start - offset, 0)}:{min(end - offset, length)}")
+        offset += length
+    return hashlib.blake2b(page_keys[num_pages - 1] + ("partial|" + "|".join(pieces)).encode(), digest_size=16).digest()
+
+
 def request_seconds(cost: CostModel, new_tokens: int, context: int, out_len: int, batch: int = 16) -> float:
     """Replica time one request takes at a typical batch: its prefill plus its share of the decode steps."""
     prefill_ms = cost.prefill_chunk_ms(new_tokens, context) + math.ceil(new_tokens / cost.max_num_batched_tokens) * (
@@ -146,7 +170,7 @@ def sglang_gsp(dp: int, cost: CostModel, *, seed: int = 0, load: float = 0.7, sc
         keys = chain_keys(segments + [(f"g{group}q{index}o", out_len)], cost.page_size)
         prompt_len = system_len + question_len
         requests.append(SimRequest(f"g{group}-{index}", arrival, prompt_len, out_len,
-                                   tuple(keys[: prompt_len // cost.page_size]), tuple(keys)))
+                                   tuple(keys[: prompt_len // cost.page_size]), tuple(keys), segments=tuple(segments)))
     _mark_ideal(requests, cost.page_size)
     return Workload("sglang-gsp", requests, 1024, f"{num_groups} groups x {per_group}, 2048+128 in, 256 out, "
                                                  f"Poisson {load} x capacity")
@@ -170,7 +194,8 @@ def llmd_prefix(dp: int, cost: CostModel, *, seed: int = 0, load: float = 0.9, s
             keys = chain_keys(segments, cost.page_size)
             prompt_len = prefix_len + question_len
             requests.append(SimRequest(name, arrival, prompt_len, out_len,
-                                       tuple(keys[: prompt_len // cost.page_size]), tuple(keys)))
+                                       tuple(keys[: prompt_len // cost.page_size]), tuple(keys),
+                                       segments=tuple(segments)))
     _mark_ideal(requests, cost.page_size)
     prefix_pages = num_groups * (prefix_len // cost.page_size)
     request_pages = math.ceil((prefix_len + question_len + out_len) / cost.page_size)
@@ -197,7 +222,7 @@ def zipf(dp: int, cost: CostModel, *, seed: int = 0, load: float = 0.8, scale: f
         keys = chain_keys(segments, cost.page_size)
         prompt_len = prefix_len + question_len
         requests.append(SimRequest(f"z{prefix}-{number}", arrival, prompt_len, out_len,
-                                   tuple(keys[: prompt_len // cost.page_size]), tuple(keys)))
+                                   tuple(keys[: prompt_len // cost.page_size]), tuple(keys), segments=tuple(segments)))
     _mark_ideal(requests, cost.page_size)
     hot_share = weights[0] / sum(weights)
     return Workload("zipf", requests, 1024,
@@ -218,6 +243,7 @@ def multi_turn(dp: int, cost: CostModel, *, seed: int = 0, load: float = 0.7, sc
         for turn, user_len in enumerate(user_lens):
             segments += [(f"c{chat}u{turn}", user_len), (f"c{chat}a{turn}", out_len)]
         keys = chain_keys(segments, cost.page_size)
+        conversation = tuple(segments)
         previous = None
         prompt_len = system_len
         start = rng.uniform(0, 10.0)
@@ -225,7 +251,8 @@ def multi_turn(dp: int, cost: CostModel, *, seed: int = 0, load: float = 0.7, sc
             prompt_len += user_len
             request = SimRequest(f"c{chat}t{turn}", start if turn == 0 else rng.uniform(0, 4.0), prompt_len, out_len,
                                  tuple(keys[: prompt_len // cost.page_size]),
-                                 tuple(keys[: (prompt_len + out_len) // cost.page_size]), first_turn=turn == 0)
+                                 tuple(keys[: (prompt_len + out_len) // cost.page_size]), first_turn=turn == 0,
+                                 segments=conversation)
             if previous is None:
                 firsts.append(request)
             else:
