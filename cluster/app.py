@@ -44,10 +44,13 @@ cross-thread hops to every request and every streamed message. Measured with ben
 def request_router_config(config: ServeConfig) -> Any:
     """The prefix-aware router's config. The router names a peer holding more of the prompt's pages (``peer_hint``)
     only when cross-replica prefix copy is on; ``--no-router-cost-model`` turns its cost model off;
-    ``--route-on-tier-contents`` makes it price the pages the shared tiers hold as fetches."""
+    ``--route-on-tier-contents`` makes it price the pages the shared tiers hold as fetches. It counts tokens in the
+    replicas' pages and steps (``--kv-cache-page-size``, ``--max-num-batched-tokens``)."""
     return ray_router.router_config(enable_peer_hint=bool(config.enable_dp_cross_replica_prefix_copy),
                                     enable_cost_model=config.router_cost_model,
-                                    enable_tier_routing=bool(config.route_on_tier_contents))
+                                    enable_tier_routing=bool(config.route_on_tier_contents),
+                                    page_size=config.page_size,
+                                    max_num_batched_tokens=config.max_num_batched_tokens)
 
 
 def replica_actor_options(config: ServeConfig) -> dict[str, Any]:

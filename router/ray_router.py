@@ -321,13 +321,19 @@ def router_config(
     enable_peer_hint: bool = PolicyConfig.enable_peer_hint,
     enable_cost_model: bool = PolicyConfig.enable_cost_model,
     enable_tier_routing: bool = PolicyConfig.enable_tier_routing,
+    page_size: int = PolicyConfig.page_size,
+    max_num_batched_tokens: int = PolicyConfig.max_num_batched_tokens,
     stats_period_s: float = DEFAULT_STATS_PERIOD_S,
     stats_timeout_s: float = DEFAULT_STATS_TIMEOUT_S,
 ) -> RequestRouterConfig:
-    """The ``request_router_config`` of the replica deployment (policy thresholds validated here, not in Serve)."""
+    """The ``request_router_config`` of the replica deployment (policy thresholds validated here, not in Serve).
+    ``page_size`` and ``max_num_batched_tokens`` are the replicas' (``--kv-cache-page-size``,
+    ``--max-num-batched-tokens``): the cost model counts tokens per page and per step with them, and a prompt's tail
+    (``partial_key_of``) is cut where the replicas' pages end."""
     policy = PolicyConfig(balance_abs_threshold=balance_abs_threshold, balance_rel_threshold=balance_rel_threshold,
                           min_peer_copy_pages=min_peer_copy_pages, enable_peer_hint=enable_peer_hint,
-                          enable_cost_model=enable_cost_model, enable_tier_routing=enable_tier_routing)
+                          enable_cost_model=enable_cost_model, enable_tier_routing=enable_tier_routing,
+                          page_size=page_size, max_num_batched_tokens=max_num_batched_tokens)
     return RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
         request_router_kwargs=dataclasses.asdict(policy),

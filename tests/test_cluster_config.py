@@ -226,3 +226,18 @@ def test_route_on_tier_contents_reaches_the_replicas_and_the_router():
         assert config.route_on_tier_contents is expected
         assert config.engine_config("r").route_on_tier_contents is expected
         assert request_router_config(config).request_router_kwargs["enable_tier_routing"] is expected
+
+
+def test_the_router_counts_tokens_in_the_replicas_pages_and_steps():
+    """The router's cost model and its prompt tails use the replicas' page size and step budget, not the defaults
+    (before, a deployment with 256-token pages was priced, and its tails cut, as if its pages held 128)."""
+    from cluster.app import request_router_config
+    from cluster.cli import build_parser, config_from_args
+    from router.policy import PolicyConfig
+
+    default = request_router_config(config_from_args(build_parser().parse_args(["serve", "--model", "m"])))
+    assert default.request_router_kwargs["page_size"] == 128
+    argv = ["serve", "--model", "m", "--kv-cache-page-size", "256", "--max-num-batched-tokens", "4096"]
+    kwargs = request_router_config(config_from_args(build_parser().parse_args(argv))).request_router_kwargs
+    assert (kwargs["page_size"], kwargs["max_num_batched_tokens"]) == (256, 4096)
+    assert PolicyConfig(**kwargs).page_size == 256  # what the router builds its policy from

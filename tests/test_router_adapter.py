@@ -272,3 +272,49 @@ def test_router_cost_model_flag_reaches_the_policy(flags, expected):
     assert deployed.request_router_kwargs["enable_cost_model"] is expected
     router = make_router(**deployed.request_router_kwargs)
     assert router.policy.config.enable_cost_model is expected
+
+
+# ---- issues 11 / 12: a chat's next turn, sent before its answer is reported, goes where its own chat finished --------
+def test_a_chat_s_next_turn_goes_where_its_own_turn_finished_through_the_adapter():
+    """Two chats on one system prompt (two full pages) finished their turns on a and b, each prompt ending 50 tokens
+    into the third page. Neither answer page is reported yet. Each chat's next turn is credited the third page only on
+    the replica that finished its own turn, even where that replica is the busier one: the adapter hands the policy
+    the request's partial page keys (``partial_key_of``, from its token ids), which tell the two tails apart. So the
+    request's peer hint names that replica, whether it is sent there or (busier: ``cost_away``) to the other replica,
+    which copies the page from it. Without partial keys both replicas are credited the page, the less loaded one
+    wins and names itself (tests/test_router_policy.py)."""
+    from common.page_keys import compute_page_keys
+    from router.ray_router import partial_key_of
+
+    system = list(range(1000, 1256))
+    tails = {"a": list(range(5000, 5050)), "b": list(range(6000, 6050))}
+
+    def request(name: str, tokens: list[int]) -> EngineRequest:
+        return EngineRequest(name, tokens, page_keys=compute_page_keys(tokens, page_size=128, model_fingerprint="m"))
+
+    async def scenario():
+        router = make_router()
+        a, b = StandInReplica("a"), StandInReplica("b")
+        system_keys = compute_page_keys(system, page_size=128, model_fingerprint="m")
+        for replica in (a, b):
+            replica.store(system_keys)
+            replica.publish()
+        router.update_replicas([a, b])
+        for name, replica in (("a", a), ("b", b)):
+            turn = pending(request(f"{name}1", system + tails[name]), f"i-{name}1")
+            assert partial_key_of(turn, 128) is not None
+            assert ids(await router.choose_replicas([replica], turn)) == [[name]]
+            router.on_request_completed(replica.replica_id, f"i-{name}1")
+        for busier in ("a", "b"):
+            for replica in (a, b):
+                replica.publish(num_waiting=2 if replica.replica_id.unique_id == busier else 0)
+            router.update_replicas([a, b])
+            answer_and_question = list(range(7000, 7140))
+            follow_up = pending(request(f"{busier}2", system + tails[busier] + answer_and_question), f"i-{busier}2")
+            assert len(follow_up.args[0].page_keys) == 3
+            await router.choose_replicas([a, b], follow_up)
+            assert follow_up.args[0].peer_hint == busier
+            follow_up.future.cancel()
+            await asyncio.sleep(0)
+
+    run(scenario)
