@@ -5,6 +5,12 @@ times as one.
    round trip alone), the copy out of the holder's pool, the writes into the reader's pool. The export call goes over
    the holder's socket as the replicas' client asks after its first fetch (replica/pool_socket.py), or through the
    holder's Ray actor with ``--export-through-ray`` (as every fetch did before that socket).
+   With ``--object-store``, also the path to a holder on another node (the receiver names no node, so the holder
+   answers a host bundle through Ray's object store, as across nodes): an empty call, the export call (the holder's
+   copy out of its pool, Ray storing the bundle, the receiver mapping it), the writes into the reader's pool, and
+   the holder's copy and a ``ray.put`` of the same bundle timed inside the holder; then the same pages over the
+   holder's TCP page stream (replica/page_stream.py: sent straight out of its pool, received into one array), as the
+   replicas' client asks once a host bundle has named it.
 2. Redis (TCP and unix socket) and disk tier loads of pages stored just before (fresh: each round stores new pages,
    as a real load finds them) split into the tier's ``load`` and the writes into the reader's pool.
 3. A raw ``MGET`` of the same number of values of the same size read off a unix socket with ``recv_into`` into one
@@ -13,7 +19,7 @@ times as one.
 The tier pages hold random KV under real keys and token ids (what a load verifies); timing does not depend on it.
 
     PYTHONPATH=. .venv/bin/python benchmarks/kv_breakdown.py [--dtype bfloat16] [--rounds 30] [--peer-only]
-        [--export-through-ray]
+        [--export-through-ray] [--object-store]
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from benchmarks.kv_sources import (Holder, engine_config, ensure_model, page_tem
                                    random_pages, tokens)
 from replica.engine import build_engine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
-from replica.peer_copy import PeerExportRequest
+from replica.peer_copy import PeerExportRequest, unbundle_pages
 from replica.shared_pool import node_id
 
 PAGE_SIZE = 128
@@ -83,6 +89,62 @@ def peer_rows(args, reader, keys, nbytes: int) -> list[str]:
     path = "peer, shared pool, export " + ("through Ray" if socket_export is None or args.export_through_ray
                                            else "over the holder's socket")
     return [f"| {path} | {name} | {ms(values)} |" for name, values in parts.items()] + [
+        f"| {path} | effective | {nbytes / whole / 1e9:.2f} GB/s |"]
+
+
+def object_store_rows(args, reader, keys, nbytes: int) -> list[str]:
+    holder = Holder.remote(engine_config(args, "far-holder"))
+    ray.get(holder.compute.remote(args.prefix))
+    client = peer_client(holder, shared_memory=False)  # names no node: a host bundle, as from another node
+    loop = asyncio.new_event_loop()
+    parts = {"an empty export call (round trip alone)": [], "export call (holder copy, object store, receiver get)": [],
+             "writes into the reader's pool": [], "whole fetch": []}
+    for round_ in range(args.rounds + 3):
+        t0 = time.perf_counter()
+        loop.run_until_complete(client._export(PeerExportRequest("holder", [])))
+        t1 = time.perf_counter()
+        bundle = loop.run_until_complete(client._export(PeerExportRequest("holder", list(keys))))
+        t2 = time.perf_counter()
+        pages = unbundle_pages(bundle)
+        for page_id, page in enumerate(pages):
+            reader.runner.write_page(page_id, page.kv)
+        t3 = time.perf_counter()
+        assert len(pages) == len(keys)
+        del pages, bundle
+        if round_ >= 3:
+            for name, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t3 - t1)):
+                parts[name].append(value)
+    loop.close()
+    inside = ray.get(holder.time_export.remote(list(keys), args.rounds + 3))[3:]
+    parts["inside the holder: its copy out of the pool"] = [copy for copy, _put in inside]
+    parts["inside the holder: ray.put of that bundle"] = [put for _copy, put in inside]
+    whole = statistics.median(parts["whole fetch"])
+    path = "peer, object store (a holder on another node)"
+    rows = [f"| {path} | {name} | {ms(values)} |" for name, values in parts.items()] + [
+        f"| {path} | effective | {nbytes / whole / 1e9:.2f} GB/s |"]
+
+    client = peer_client(holder, shared_memory=False, stream=True)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(client.fetch("holder", list(keys)))  # through Ray: names the holder's page stream
+    parts = {"pages over the stream (ask, send, receive)": [], "writes into the reader's pool": [], "whole fetch": []}
+    for round_ in range(args.rounds + 3):
+        t0 = time.perf_counter()
+        bundle = loop.run_until_complete(client._ask_stream("holder", list(keys)))
+        t1 = time.perf_counter()
+        pages = unbundle_pages(bundle)
+        for page_id, page in enumerate(pages):
+            reader.runner.write_page(page_id, page.kv)
+        t2 = time.perf_counter()
+        assert len(pages) == len(keys)
+        del pages, bundle
+        if round_ >= 3:
+            for name, value in zip(parts, (t1 - t0, t2 - t1, t2 - t0)):
+                parts[name].append(value)
+    loop.close()
+    client.close()
+    whole = statistics.median(parts["whole fetch"])
+    path = "peer, TCP page stream (a holder on another node)"
+    return rows + [f"| {path} | {name} | {ms(values)} |" for name, values in parts.items()] + [
         f"| {path} | effective | {nbytes / whole / 1e9:.2f} GB/s |"]
 
 
@@ -161,6 +223,8 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-only", action="store_true", help="only the peer rows")
     parser.add_argument("--export-through-ray", action="store_true",
                         help="ask the holder through its Ray actor every time, not over its export socket")
+    parser.add_argument("--object-store", action="store_true",
+                        help="also the rows of a holder on another node (a host bundle through the object store)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     ensure_model()
@@ -177,6 +241,8 @@ def main(argv=None) -> int:
         keys = reader.page_keys(args.prefix)
         nbytes = len(keys) * page_format.page_num_bytes
         rows = peer_rows(args, reader, keys, nbytes)
+        if args.object_store:
+            rows += object_store_rows(args, reader, keys, nbytes)
         if not args.peer_only:
             rows += tier_rows(args, reader, page_format, template, f"redis://127.0.0.1:{server.port}/0",
                               f"unix://{server.socket}?db=0", server.folder, nbytes)

@@ -1,6 +1,6 @@
 """Time to obtain the KV pages of a shared prefix from each source, side by side in one run:
-recompute (prefill), peer copy (another process on this node: straight from its shared pool, and through Ray's object
-store as between nodes), Redis host tier, Arrow disk tier.
+recompute (prefill), peer copy (another process on this node: straight from its shared pool, and as between nodes
+through Ray's object store or over the holder's TCP page stream), Redis host tier, Arrow disk tier.
 Each fetch includes the write into the reader's page pool; wall time and the reading thread's CPU time are reported
 (the peer rows' CPU excludes the holder process, Ray's threads and the shared-pool copy's worker thread).
 Then TTFT of a request (prefix + new suffix) whose prefix is: in the replica's own cache (local hit, the reference),
@@ -134,6 +134,9 @@ class Holder:
         pool = getattr(self.engine.runner, "shared_pool", None)
         if hasattr(pool, "serve_exports"):  # as AsyncEngine does: peers of this node ask over a socket once they know it
             pool.serve_exports(self.engine.share_pages)
+        if hasattr(pool, "serve_stream"):  # and peers of other nodes over TCP (here on the loopback address)
+            pool.serve_stream(self.engine.share_pages, "127.0.0.1")
+        self.stream = getattr(pool, "stream_location", None)
 
     def compute(self, prompt: list[int]) -> int:
         self.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0.0)))
@@ -142,7 +145,22 @@ class Holder:
         return len(self.engine.page_keys(prompt))
 
     def export(self, keys):
-        return bundle_pages(export_pages(self.engine, list(keys)))
+        """A host bundle naming this holder's page stream, as ``ServeReplica.export_pages`` answers another node."""
+        bundle = bundle_pages(export_pages(self.engine, list(keys)))
+        return dataclasses.replace(bundle, stream=self.stream) if self.stream is not None else bundle
+
+    def time_export(self, keys, rounds: int) -> list[tuple[float, float]]:
+        """(the export's copy out of the pool, ``ray.put`` of the bundle) in seconds, ``rounds`` times: the holder's
+        share of a host bundle's trip through the object store (kv_breakdown.py)."""
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            bundle = self.export(keys)
+            copied = time.perf_counter()
+            ref = ray.put(bundle)
+            times.append((copied - start, time.perf_counter() - copied))
+            del ref, bundle
+        return times
 
     def export_pages(self, request: PeerExportRequest):
         """What a replica answers a peer: where the pages lie in its shared pool when the peer is on this node and
@@ -158,12 +176,14 @@ class Holder:
         return self.export(request.keys)
 
 
-def peer_client(holder, *, shared_memory: bool) -> ServePeerClient:
+def peer_client(holder, *, shared_memory: bool, stream: bool = False) -> ServePeerClient:
     """The replicas' own peer client over the holder actor (``shared_memory=False``: it asks as a peer on another
-    node does, for a host bundle through the object store)."""
+    node does, for a host bundle through the object store; with ``stream``, over the holder's page stream once a
+    host bundle has named it, as the replicas' client does by default)."""
     client = ServePeerClient("bench", "bench", timeout_s=60, handle=holder)
     if not shared_memory:
         client.node_id = None
+    client.use_streams = stream
     return client
 
 
@@ -202,18 +222,24 @@ def main(argv=None) -> int:
         page_format = page_format_of(reader)
         host, disk = build_tiers(page_format, redis_url=redis_url, disk_cache_dir=disk_dir, disk_budget_bytes=4 << 30)
         host_unix = build_tiers(page_format, redis_url=redis_unix_url, disk_cache_dir=None, disk_budget_bytes=0)[0]  # the same keys, through the unix socket
-        results = {"recompute": [], "peer (shared memory)": [], "peer (object store)": [], "Redis (TCP)": [],
-                   "Redis (unix socket)": [], "disk": []}
+        results = {"recompute": [], "peer (shared memory)": [], "peer (object store)": [],
+                   "peer (TCP page stream)": [], "Redis (TCP)": [], "Redis (unix socket)": [], "disk": []}
         cpu = {name: [] for name in results}
         peers = {}
         if args.tiers_only:
-            for name in ("peer (shared memory)", "peer (object store)"):
+            for name in ("peer (shared memory)", "peer (object store)", "peer (TCP page stream)"):
                 del results[name]
                 del cpu[name]
         else:
             peers = {"peer (shared memory)": peer_client(holder, shared_memory=True),
-                     "peer (object store)": peer_client(holder, shared_memory=False)}
+                     "peer (object store)": peer_client(holder, shared_memory=False),
+                     "peer (TCP page stream)": peer_client(holder, shared_memory=False, stream=True)}
         loop = asyncio.new_event_loop()
+        if peers:  # the first copy goes through Ray and names the holder's page stream (not counted)
+            warm_up = tokens(args.prefix_len, seed=999)
+            ray.get(holder.compute.remote(warm_up))
+            for client in peers.values():
+                loop.run_until_complete(client.fetch("holder", reader.page_keys(warm_up)))
         for r in range(args.rounds):
             prefix = tokens(args.prefix_len, seed=r)
             keys = reader.page_keys(prefix)
@@ -276,13 +302,14 @@ def main(argv=None) -> int:
             fmt = page_format_of(engine)
             tiers = build_tiers(fmt, redis_url=redis, disk_cache_dir=disk_dir if disk else None,
                                 disk_budget_bytes=4 << 30) if (redis or disk) else []
-            client = peer_client(holder, shared_memory=peer == "shared") if peer else None
+            client = peer_client(holder, shared_memory=peer == "shared", stream=peer == "stream") if peer else None
             fetcher = PrefixFetcher(fmt, tiers=tiers, peer_client=client, own_replica_id=rid)
             return AsyncEngine(engine, fetcher)
 
         modes = {"local hit (reference)": make("m0"),
                  "peer copy, shared pool (copy on, Redis behind it)": make("m1", peer="shared", redis=redis_url),
                  "peer copy, object store (copy on, Redis behind it)": make("m5", peer="store", redis=redis_url),
+                 "peer copy, TCP page stream (copy on, Redis behind it)": make("m7", peer="stream", redis=redis_url),
                  "Redis tier over TCP (copy off)": make("m2", redis=redis_url),
                  "Redis tier over a unix socket (copy off)": make("m6", redis=redis_unix_url),
                  "disk tier": make("m3", disk=True),

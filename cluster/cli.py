@@ -144,6 +144,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="disk KV tier folder (default: ~/.cache/prefixserve/kv-pages)")
     cache.add_argument("--disk-cache-budget", type=memory_size, default=default("disk_cache_budget"),
                        help="disk KV tier size budget; least recently used pages are deleted beyond it")
+    cache.add_argument("--peer-copy-stream", action=argparse.BooleanOptionalAction,
+                       default=default("peer_copy_stream"),
+                       help="copy a prefix from a replica on another node over a TCP connection to it, straight out "
+                            "of its page pool, instead of through Ray's object store (default: on; needs a port "
+                            "between the nodes: each replica listens on an ephemeral port of its node's address)")
     cache.add_argument("--route-on-tier-contents", action=argparse.BooleanOptionalAction,
                        default=default("route_on_tier_contents"),
                        help="replicas report which of their pages the shared tiers (Redis, disk) hold, and the router "

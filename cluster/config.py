@@ -143,6 +143,9 @@ class ServeConfig:
     cluster, an explicit CPU count, GPU replicas) the replica's own thread count."""
     served_model_name: str | None = None
     """Name clients put in ``model``; defaults to the model folder's name (or SmolLM2-135M-Instruct)."""
+    peer_copy_stream: bool = True
+    """Peer copy between nodes over the holder's page stream (TCP, replica/page_stream.py) once the first copy through
+    Ray has named it; off: every copy between nodes goes through Ray's object store."""
     route_on_tier_contents: bool = False
     """Replicas report the pages they stored in the shared tiers that the tiers still hold (routing stats ``tiers``),
     and the router prices them as tier fetches (router/policy.py ``enable_tier_routing``). Only with a shared tier.
@@ -349,6 +352,7 @@ class ServeConfig:
             kv_cache_retention_budget=float(self.kv_cache_retention_budget),
             kv_events_config=self.kv_events_config,
             route_on_tier_contents=bool(self.route_on_tier_contents),
+            peer_copy_stream=bool(self.peer_copy_stream),
         )
 
     @property

@@ -30,7 +30,9 @@ Names (all prefixed ``prefixserve_``)::
              events_removed,retention_updates,retention_updates_dropped,retention_expired,
              oom_refused}_total{replica,tier}  counter
     kv_tier_available{replica,tier}        gauge      1 while the shared tier answers
-    kv_peer_pages_total{replica,transport} counter    transport = cuda_ipc (device to device) | host
+    kv_peer_pages_total{replica,transport} counter    transport = cuda_ipc (device to device) | shared_memory (a
+                                                      peer's pool on this node) | host (Ray's object store) | tcp
+                                                      (a peer on another node's page stream)
     kv_page_lifetime_seconds{replica}      histogram  cached -> evicted (like vLLM's --kv-cache-metrics)
     kv_page_idle_before_evict_seconds{replica}  histogram  last use -> evicted
     kv_page_reuse_gap_seconds{replica}     histogram  last use -> next prefix hit
@@ -177,10 +179,12 @@ class ReplicaStatsCollector(Collector):
         peer_counters = (
             ("kv_peer_pages", "transport", "peer_transport",
              "pages copied from a peer, by transport: cuda_ipc (device to device) | "
-             "shared_memory (from the pool of a CPU peer on this node) | host"),
+             "shared_memory (from the pool of a CPU peer on this node) | host (through Ray's object store) | "
+             "tcp (from a peer on another node, over its page stream)"),
             ("kv_peer_export_calls", "path", "peer_export_calls",
              "peer copy: calls asking a holder for its pages, by path: handle (through Ray) | "
-             "socket (the holder's export socket on this node) | socket_failed (then through Ray)"),
+             "socket (the holder's export socket on this node) | socket_failed (then through Ray) | "
+             "stream (a holder on another node's page stream) | stream_failed (then through Ray)"),
         )
         for metric, label, report_field, documentation in peer_counters:
             family = CounterMetricFamily(PREFIX + metric, documentation, labels=["replica", label])

@@ -26,6 +26,7 @@ from replica.engine import AdmissionPlan, LLMEngine
 from replica.fetch_sharing import FetchPlan, FetchRegistry, SharedFetch, collect_pages, run_deferred
 from replica.kv_sources import PrefixFetcher
 from replica.page_record import PageRecord
+from replica.page_stream import StreamLocation, node_address
 from replica.shared_pool import SharedPoolBundle
 
 logger = logging.getLogger(__name__)
@@ -55,8 +56,11 @@ class AsyncEngine:
         self.export_wait_s = EXPORT_WAIT_S
         self._export_pool = concurrent.futures.ThreadPoolExecutor(EXPORT_THREADS, thread_name_prefix="kv-export")
         if engine.runner.shared_pool is not None:  # peers of this node ask over a socket once they know it
-            engine.runner.shared_pool.serve_exports(
-                lambda keys: engine.share_pages(keys, wait_for_computing_s=self.export_wait_s))
+            share = lambda keys: engine.share_pages(keys, wait_for_computing_s=self.export_wait_s)  # noqa: E731
+            engine.runner.shared_pool.serve_exports(share)
+            host = node_address() if engine.config.peer_copy_stream else None
+            if host is not None:  # peers of other nodes ask over TCP once they know it
+                engine.runner.shared_pool.serve_stream(share, host)
         self._fetch_tasks: set[asyncio.Future] = set()
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine.config.replica_id}", daemon=True)
         self._thread.start()
@@ -163,6 +167,12 @@ class AsyncEngine:
         # on threads of their own: an export may wait for pages being computed, and must not hold up this replica's
         # tier loads and stores in the loop's default executor (nor they it)
         return await asyncio.get_running_loop().run_in_executor(self._export_pool, copy)
+
+    @property
+    def stream_location(self) -> StreamLocation | None:
+        """Where replicas on other nodes ask this one for pages over TCP (replica/page_stream.py), or None."""
+        pool = self.engine.runner.shared_pool
+        return pool.stream_location if pool is not None else None
 
     async def share_pages(self, keys: list[bytes]) -> SharedPoolBundle | None:
         """For a peer on this node: where the leading pages of ``keys`` this replica holds lie in its pool's shared

@@ -147,6 +147,9 @@ class EngineConfig:
     share_kv_pool: bool = True
     """With peer copy on a CPU: keep the page pool in shared memory, so that peers on this node copy pages straight
     out of it (replica/shared_pool.py) instead of through Ray's object store."""
+    peer_copy_stream: bool = True
+    """With the pool in shared memory, inside Ray: also send pages to peers on other nodes over TCP, straight out of
+    the pool (replica/page_stream.py), instead of through Ray's object store after the first copy."""
     redis_url: str | None = None
     """Shared host tier; None disables it."""
     disk_cache_dir: str | None = None

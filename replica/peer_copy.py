@@ -33,13 +33,15 @@ from common.page_keys import PageKey
 from common.types import CacheSource
 from replica.cuda_ipc import CudaIpcBundle, IpcTarget, PeerRelease, local_ipc_target, open_bundle
 from replica.page_record import PageRecord
+from replica.page_stream import StreamClient, StreamLocation
 from replica.pool_socket import ExportClient
 from replica.shared_pool import PoolLocation, PoolReader, SharedPoolBundle, node_id
 
 logger = logging.getLogger(__name__)
 
 SOCKET_RETRY_S = 60.0
-"""After a holder's export socket failed, its answers through Ray are not used to learn it again for this long."""
+"""After a holder's export socket (or page stream) failed, its answers through Ray are not used to learn it again for
+this long."""
 
 _WIRE_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.uint16, torch.float32: torch.float32}
 
@@ -51,6 +53,8 @@ class PageBundle:
     kv: np.ndarray
     """[num_pages, layers, 2, page_size, kv_heads, head_dim], raw bits of ``dtype``."""
     dtype: str
+    stream: StreamLocation | None = None
+    """The holder's page stream (replica/page_stream.py), when it serves one: the receiver asks there next time."""
 
     @property
     def num_pages(self) -> int:
@@ -120,13 +124,14 @@ class PeerExportRequest:
     on the same node and its pool is in shared memory."""
 
 
-TRANSPORTS = ("cuda_ipc", "shared_memory", "host")
+TRANSPORTS = ("cuda_ipc", "shared_memory", "host", "tcp")
 
 
 @dataclass
 class PeerTransportStats:
     """Pages received per transport: ``cuda_ipc`` (device to device), ``shared_memory`` (straight from the pool of a
-    CPU peer on this node) or ``host`` (numpy through the object store)."""
+    CPU peer on this node), ``host`` (numpy through the object store) or ``tcp`` (a peer on another node's page
+    stream)."""
 
     pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSPORTS, 0))
     ipc_failures: int = 0
@@ -139,10 +144,15 @@ class PeerTransportStats:
     """Export calls answered over a holder's local socket instead of through Ray."""
     socket_failures: int = 0
     """Export calls over a socket that failed (asked again through Ray; the socket is forgotten)."""
+    stream_exports: int = 0
+    """Pages asked of a peer on another node over its page stream instead of through Ray."""
+    stream_failures: int = 0
+    """Page stream calls that failed (asked again through Ray; the stream is forgotten)."""
 
     def export_calls(self) -> dict[str, int]:
-        """Export calls by path, for /metrics: "handle" (Ray), "socket", "socket_failed"."""
-        return {"handle": self.handle_exports, "socket": self.socket_exports, "socket_failed": self.socket_failures}
+        """Export calls by path, for /metrics: "handle" (Ray), "socket", "socket_failed", "stream", "stream_failed"."""
+        return {"handle": self.handle_exports, "socket": self.socket_exports, "socket_failed": self.socket_failures,
+                "stream": self.stream_exports, "stream_failed": self.stream_failures}
 
 
 class ServePeerClient:
@@ -164,8 +174,13 @@ class ServePeerClient:
         self.node_id = node_id() if self.device.type == "cpu" else None
         self.pool_reader = PoolReader()
         self.export_client = ExportClient()
+        self.stream_client = StreamClient(timeout_s)
         self._export_sockets: dict[str, PoolLocation] = {}
         """Holders (by replica id) whose export socket a shared-pool bundle named: asked there next time."""
+        self._streams: dict[str, StreamLocation] = {}
+        """Holders on other nodes whose page stream a host bundle named: asked there next time."""
+        self.use_streams = True
+        """Learn holders' page streams from their host bundles (False: every copy between nodes through Ray)."""
         self._socket_failed_at: dict[str, float] = {}
         """When a holder's socket last failed: not learned again for ``SOCKET_RETRY_S`` (e.g. another network
         namespace, where it can never work: one warning and one slow call per interval, not per fetch)."""
@@ -181,12 +196,20 @@ class ServePeerClient:
         return self._handle
 
     async def fetch(self, peer_id: str, keys) -> list[PageRecord]:
+        streamed = await self._ask_stream(peer_id, list(keys))
+        if streamed is not None:
+            pages = unbundle_pages(streamed)
+            self.transport_stats.pages["tcp"] += len(pages)
+            return pages
         bundle = await self._ask_socket(peer_id, list(keys))
         if bundle is None:
             bundle = await self._export(PeerExportRequest(peer_id, list(keys), self.ipc_target, self.node_id))
-            if (isinstance(bundle, SharedPoolBundle) and bundle.location.socket is not None
-                    and time.monotonic() - self._socket_failed_at.get(peer_id, -math.inf) >= SOCKET_RETRY_S):
+            retry_ok = time.monotonic() - self._socket_failed_at.get(peer_id, -math.inf) >= SOCKET_RETRY_S
+            if isinstance(bundle, SharedPoolBundle) and bundle.location.socket is not None and retry_ok:
                 self._export_sockets[peer_id] = bundle.location
+            elif (isinstance(bundle, PageBundle) and bundle.stream is not None and retry_ok and self.use_streams
+                  and self.device.type == "cpu"):
+                self._streams[peer_id] = bundle.stream
         if isinstance(bundle, SharedPoolBundle):
             try:  # one copy of ~5 GB/s: off the event loop, on the reader's own thread
                 pages = await asyncio.get_running_loop().run_in_executor(self.pool_reader.executor,
@@ -235,9 +258,35 @@ class ServePeerClient:
         self.transport_stats.socket_exports += 1
         return SharedPoolBundle(found, token_ids, page_ids, generations, location)
 
+    async def _ask_stream(self, peer_id: str, keys: list[PageKey]) -> PageBundle | None:
+        """The pages the holder sends over its page stream, or None (no stream known, or it failed: then forgotten).
+        The blocking reads run on the stream client's own thread, like a shared-pool copy."""
+        location = self._streams.get(peer_id)
+        if location is None:
+            return None
+        try:
+            found, token_ids, kv, dtype = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self.stream_client.executor, self.stream_client.fetch,
+                                                           location, keys), timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - gone, restarted, timed out, a port not open: ask through Ray
+            logger.warning("the page stream of %s at %s failed (%r); asking through Ray for %.0f s", peer_id,
+                           location, exc, SOCKET_RETRY_S)
+            self.transport_stats.stream_failures += 1
+            self._socket_failed_at[peer_id] = time.monotonic()
+            self._forget_stream(peer_id)
+            return None
+        self.transport_stats.stream_exports += 1
+        return PageBundle(found, token_ids, kv, dtype)
+
     def close(self) -> None:
-        """Close the idle connections to holders' export sockets."""
+        """Close the idle connections to holders' export sockets and page streams."""
         self.export_client.close()
+        self.stream_client.close()
+
+    def _forget_stream(self, peer_id: str) -> None:
+        location = self._streams.pop(peer_id, None)
+        if location is not None:
+            self.stream_client.forget(location)
 
     def _forget_socket(self, peer_id: str) -> None:
         location = self._export_sockets.pop(peer_id, None)

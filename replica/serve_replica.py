@@ -150,7 +150,9 @@ class ServeReplica:
             if pages:
                 return self.ipc_exporter.export(pages)
             return bundle_pages([])
-        return bundle_pages(await self.engine.export_pages(list(request.keys), contiguous=True))
+        bundle = bundle_pages(await self.engine.export_pages(list(request.keys), contiguous=True))
+        stream = self.engine.stream_location  # the receiver asks there next time, without the object store
+        return dataclasses.replace(bundle, stream=stream) if stream is not None else bundle
 
     def release_pages(self, request: PeerRelease) -> bool:
         """Peer copy, holder side: the receiver of a CUDA IPC bundle is done with it (False: unknown lease)."""

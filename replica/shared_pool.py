@@ -56,6 +56,7 @@ from common.page_keys import PageKey
 from common.types import CacheSource
 from replica.cuda_ipc import host_id
 from replica.page_record import PageRecord
+from replica.page_stream import StreamLocation, StreamServer
 from replica.pool_socket import ExportServer
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class SharedPool:
         self._closed = False
         self.export_server = None
         self._served_location = self._location
+        self.stream_server: StreamServer | None = None
 
     @property
     def location(self) -> PoolLocation:
@@ -164,11 +166,31 @@ class SharedPool:
             return
         self._served_location = dataclasses.replace(self._location, socket=self.export_server.name)
 
+    def serve_stream(self, answer, host: str) -> None:
+        """Send pages to peers on other nodes over TCP too, listening on ``host`` (replica/page_stream.py);
+        ``answer(keys)`` as for ``serve_exports``. A port that cannot be had is logged and skipped: peers on other nodes
+        then copy through Ray's object store."""
+        if self.stream_server is not None:
+            return
+        try:
+            self.stream_server = StreamServer(answer, self.kv, self.generations, host)
+        except OSError as exc:
+            logger.warning("no page stream for peers on other nodes at %s (%s); they copy through Ray", host, exc)
+
+    @property
+    def stream_location(self) -> StreamLocation | None:
+        """Where peers on other nodes ask for pages over TCP while the stream serves, else None."""
+        server = self.stream_server
+        return server.location if server is not None and server.serving else None
+
     def stop_serving_exports(self) -> None:
-        """Close the export socket; peers ask through Ray again."""
+        """Close the export socket and the page stream; peers ask through Ray again."""
         if self.export_server is not None:
             self.export_server.close()
             self.export_server = None
+        if self.stream_server is not None:
+            self.stream_server.close()
+            self.stream_server = None
 
     def bundle(self, keys: list[PageKey], token_ids: list[tuple[int, ...]], page_ids: list[int],
                generations: list[int]) -> SharedPoolBundle:

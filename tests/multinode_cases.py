@@ -395,6 +395,16 @@ def test_copy_on_reuses_a_prefix_from_another_node_by_peer_copy(mn, model_dir, r
     by_transport = metric_values(after, "prefixserve_kv_peer_pages_total")
     assert sum(v for labels, v in by_transport.items() if 'transport="host"' in labels) >= 2
     assert sum(v for labels, v in by_transport.items() if 'transport="cuda_ipc"' in labels) == 0
+    # that host bundle named the holder's page stream: the next prefix from that holder comes over TCP, straight out
+    # of its pool (replica/page_stream.py), with the same greedy output
+    reuse_across_nodes(mn, reference, "mn-peer-stream", "peer")
+    streamed = httpx.get(f"{mn.base_url}/metrics").text
+    by_transport = metric_values(streamed, "prefixserve_kv_peer_pages_total")
+    assert sum(v for labels, v in by_transport.items() if 'transport="tcp"' in labels) >= 2
+    calls = metric_values(streamed, "prefixserve_kv_peer_export_calls_total")
+    assert sum(v for labels, v in calls.items() if 'path="stream"' in labels) >= 1
+    assert sum(v for labels, v in calls.items() if 'path="stream_failed"' in labels) == 0
+    after = streamed
     assert source_sum(after, "prefixserve_kv_fetch_errors_total", "peer") == \
         source_sum(before, "prefixserve_kv_fetch_errors_total", "peer")
 

@@ -157,7 +157,7 @@ def test_prefix_copied_from_a_replica_in_another_process(tiny_llama_dir, referen
 
         assert tokens == reference_tokens(second)
         assert cached == {"local": 0, "peer": 3 * PAGE_SIZE, "host": 0, "disk": 0}
-        assert client.transport_stats.pages == {"cuda_ipc": 0, "shared_memory": 0, "host": 0, transport: 3}
+        assert client.transport_stats.pages == {"cuda_ipc": 0, "shared_memory": 0, "host": 0, "tcp": 0, transport: 3}
         assert client.transport_stats.ipc_failures == client.transport_stats.shared_memory_failures == 0
 
         if transport == "shared_memory":  # the next fetch from this holder asks over its socket, not the handle
@@ -241,7 +241,7 @@ def test_unopenable_ipc_bundle_falls_back_to_a_host_copy():
     assert [(page.key, page.token_ids) for page in got] == [(page.key, page.token_ids) for page in pages]
     assert all(torch.equal(page.kv, expected.kv) for page, expected in zip(got, pages))
     assert {page.source for page in got} == {CacheSource.PEER}
-    assert client.transport_stats.pages == {"cuda_ipc": 0, "shared_memory": 0, "host": 3}
+    assert client.transport_stats.pages == {"cuda_ipc": 0, "shared_memory": 0, "host": 3, "tcp": 0}
     assert client.transport_stats.ipc_failures == 1
 
 

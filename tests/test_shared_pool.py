@@ -153,7 +153,7 @@ def test_an_unopenable_shared_pool_falls_back_to_a_host_copy():
 
     assert [request.node_id for request in handle.requests] == [client.node_id, None]
     assert all(torch.equal(page.kv, want.kv) for page, want in zip(got, pages)) and len(got) == 2
-    assert client.transport_stats.pages == {"cuda_ipc": 0, "shared_memory": 0, "host": 2}
+    assert client.transport_stats.pages == {"cuda_ipc": 0, "shared_memory": 0, "host": 2, "tcp": 0}
     assert client.transport_stats.shared_memory_failures == 1
 
 

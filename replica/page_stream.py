@@ -1,0 +1,391 @@
+"""Peer copy between nodes without Ray's object store: the holder streams pages straight out of its pool over TCP.
+
+A receiver on another node cannot map the holder's pool (replica/shared_pool.py). Through Ray, a host bundle costs
+the holder's copy of the pages into a new array, Ray storing it, the object's trip and the receiver's get: 17-24 ms for
+16 MiB on this project's 2-core box, of which the round trip alone is 3 ms and the copy and ``ray.put`` 5-7 ms
+(``benchmarks/kv_breakdown.py --object-store``, BENCHMARKS.md 0i). Here the holder writes the pages' bytes from its
+pool onto a TCP connection (``sendmsg`` of each page's per-layer K and V slices: no copy in the holder's process) and
+the receiver reads them into one array, the layout of a host bundle; the rest of the path is the host bundle's::
+
+    receiver                                              holder (StreamServer: an accept thread, a thread per peer)
+      first fetch: export_pages through Ray       ---->
+                   PageBundle                     <----   bundle.stream names host, port and a token
+      later fetches: connect, prove the token     <--->   (mutual HMAC-SHA256 over both sides' nonces)
+                     keys                         ---->   engine.share_pages(keys): page ids, generations, tokens
+                     keys, tokens, page bytes     <----   sent from the pool; then the generations read again:
+                     pages still valid            <----   pages withdrawn meanwhile (and those after) are not valid
+
+Who may ask: a process that knows the holder's token, which is random per holder and only ever travels inside Ray
+(the export answer through Serve's handle): whoever can ask the holder through Ray for its pages may ask here. Each
+side proves it knows the token without sending it, so the receiver also refuses a process that took over the port
+after the holder went. The pages cross the network unencrypted, as Ray's own object transfers do without TLS: run
+the cluster on a private network (README, "Threat model"). A request is bounded before it is read (at most
+``MAX_KEYS`` keys) and an answer before it is read (no more pages than asked, the keys asked in order, a page no
+larger than ``MAX_PAGE_BYTES``); a peer that breaks the protocol is hung up on.
+
+Every failure (refused, closed, malformed, timed out) makes the receiver forget the address and ask through Ray again
+(replica/peer_copy.py), so this path only makes a copy faster, never makes it fail.
+
+Wire format, little endian; after the handshake, one request and one answer per exchange, any number per connection::
+
+    handshake: holder b"PSXH" | 32-byte nonce_h; peer 32-byte nonce_p | HMAC(token, b"peer" | nonce_h | nonce_p);
+               holder HMAC(token, b"holder" | nonce_h | nonce_p)
+    request:   b"PSXT" | u32 num_keys | num_keys x 32-byte page keys
+    answer:    b"PSXP" | u32 num_pages (0xFFFFFFFF: the holder failed) | u32 num_tokens | u8 dtype | 5 x u32 page
+               shape (layers, 2, page size, kv heads, head dim) | num_pages x 32-byte keys | u32
+               tokens_per_page[num_pages] | int64 token_ids[num_tokens] | the pages' bytes, page after page
+               | u32 num_valid
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+import secrets
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from common.page_keys import KEY_NUM_BYTES, PageKey
+
+logger = logging.getLogger(__name__)
+
+HELLO_MAGIC = b"PSXH"
+REQUEST_MAGIC = b"PSXT"
+ANSWER_MAGIC = b"PSXP"
+FAILED = 0xFFFFFFFF
+NONCE_BYTES = 32
+MAX_KEYS = 1 << 16
+MAX_TOKENS_PER_PAGE = 1 << 16
+MAX_PAGE_BYTES = 256 << 20
+"""A page larger than this is refused before any of it is read (a float32 page of 128 tokens of a 70B-class model with
+80 layers x 8 KV heads x 128 is 40 MiB)."""
+MAX_CONNECTIONS = 64
+"""Peer connections a holder serves at once, a thread each; a connection over the limit is closed at once."""
+HANDSHAKE_TIMEOUT_S = 5.0
+ACCEPT_RETRY_S = 0.05
+IOV_MAX = 1024
+"""Buffers per ``sendmsg`` (Linux's IOV_MAX)."""
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HEADER = struct.Struct("<4sI")
+_ANSWER_HEADER = struct.Struct("<4sIIB5I")
+_VALID = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class StreamLocation:
+    """Where and how to ask a holder for pages over TCP: its address and the token both sides prove they know."""
+
+    host: str
+    port: int
+    token: bytes
+
+    def __repr__(self) -> str:  # the token stays out of logs
+        return f"StreamLocation({self.host}:{self.port})"
+
+
+def node_address() -> str | None:
+    """The address of this process's Ray node (what replicas on other nodes reach it by), or None outside Ray."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no Ray, or it cannot tell: no stream, peers copy through Ray
+        return None
+
+
+def _mac(token: bytes, role: bytes, nonce_holder: bytes, nonce_peer: bytes) -> bytes:
+    return hmac.new(token, role + nonce_holder + nonce_peer, hashlib.sha256).digest()
+
+
+def _receive_into(sock: socket.socket, view: memoryview) -> None:
+    received, size = 0, len(view)
+    while received < size:
+        count = sock.recv_into(view[received:])
+        if count == 0:
+            raise ConnectionError("the connection closed mid-message")
+        received += count
+
+
+def _receive(sock: socket.socket, size: int) -> bytes:
+    buffer = bytearray(size)
+    _receive_into(sock, memoryview(buffer))
+    return bytes(buffer)
+
+
+def _send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
+    """``sendmsg`` the buffers in order, as many per call as the kernel takes (partial sends resumed)."""
+    index = 0
+    while index < len(buffers):
+        sent = sock.sendmsg(buffers[index:index + IOV_MAX])
+        while sent:
+            size = len(buffers[index])
+            if sent >= size:
+                sent -= size
+                index += 1
+            else:
+                buffers[index] = buffers[index][sent:]
+                sent = 0
+
+
+class StreamServer:
+    """Holder side: answers peers that prove the token, sending pages from ``kv`` ([layers, 2, pages, ...], the
+    pool) and checking ``generations`` after the send. ``answer(keys)`` returns the ``SharedPoolBundle`` of the leading
+    pages held (``LLMEngine.share_pages``); it runs on the connection's thread and may wait (pages being computed)."""
+
+    def __init__(self, answer: Callable[[list[PageKey]], object], kv: torch.Tensor, generations: np.ndarray,
+                 host: str, port: int = 0) -> None:
+        if kv.dtype not in _DTYPES or kv.dim() != 6 or not kv.is_contiguous():
+            raise ValueError(f"a pool [layers, 2, pages, page size, kv heads, head dim] of {_DTYPES}, got "
+                             f"{tuple(kv.shape)} {kv.dtype}")
+        self.answer = answer
+        self.kv = kv
+        self.generations = generations
+        self._bytes = kv.view(torch.uint8).numpy()  # [layers, 2, pages, page size, kv heads, head dim x bytes]
+        self._page_shape = (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4], kv.shape[5])
+        self._dtype_code = _DTYPES.index(kv.dtype)
+        self.num_refused = 0
+        """Connections refused: over ``MAX_CONNECTIONS``, or a peer that could not prove the token."""
+        token = secrets.token_bytes(32)
+        self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                       socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self._listener.bind((host, port))
+            self._listener.listen(MAX_CONNECTIONS)
+        except BaseException:
+            self._listener.close()
+            raise
+        self.location = StreamLocation(host, self._listener.getsockname()[1], token)
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="prefixserve-page-stream", daemon=True)
+        self._thread.start()
+
+    @property
+    def serving(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            connections = list(self._connections)
+        for sock in (self._listener, *connections):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError as exc:
+                if self._closed:
+                    return
+                logger.warning("accepting a peer on the page stream failed (%s); retrying", exc)
+                time.sleep(ACCEPT_RETRY_S)
+                continue
+            with self._lock:
+                refuse = self._closed or len(self._connections) >= MAX_CONNECTIONS
+                if not refuse:
+                    self._connections.add(sock)
+            if refuse:
+                self.num_refused += 1
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(sock,), name="prefixserve-page-stream-peer",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # "can't start new thread": this peer asks through Ray
+                logger.warning("serving a peer on the page stream failed (%s)", exc)
+                self._drop(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(sock)
+        sock.close()
+
+    def _handshake(self, sock: socket.socket) -> bool:
+        token = self.location.token
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        sock.sendall(HELLO_MAGIC + nonce)
+        reply = _receive(sock, NONCE_BYTES + hashlib.sha256().digest_size)
+        peer_nonce, proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+        if not hmac.compare_digest(proof, _mac(token, b"peer", nonce, peer_nonce)):
+            self.num_refused += 1
+            return False
+        sock.sendall(_mac(token, b"holder", nonce, peer_nonce))
+        sock.settimeout(None)
+        return True
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not self._handshake(sock):
+                return
+            while True:
+                try:
+                    header = _receive(sock, _HEADER.size)
+                except ConnectionError:
+                    return  # the peer closed its idle connection
+                magic, num_keys = _HEADER.unpack(header)
+                if magic != REQUEST_MAGIC or num_keys > MAX_KEYS:
+                    return
+                body = _receive(sock, num_keys * KEY_NUM_BYTES) if num_keys else b""
+                keys = [body[index * KEY_NUM_BYTES:(index + 1) * KEY_NUM_BYTES] for index in range(num_keys)]
+                self._send_pages(sock, keys)
+        except (OSError, ConnectionError):
+            pass  # the peer went away or timed out, or we are closing
+        finally:
+            self._drop(sock)
+
+    def _send_pages(self, sock: socket.socket, keys: list[PageKey]) -> None:
+        try:
+            bundle = self.answer(keys)
+        except Exception:  # noqa: BLE001 - the peer asks through Ray instead
+            logger.warning("answering a page stream request failed", exc_info=True)
+            bundle = None
+        if bundle is None:
+            sock.sendall(_ANSWER_HEADER.pack(ANSWER_MAGIC, FAILED, 0, 0, 0, 0, 0, 0, 0))
+            return
+        counts = np.fromiter((len(tokens) for tokens in bundle.token_ids), dtype="<u4", count=len(bundle.keys))
+        flat = np.fromiter((token for tokens in bundle.token_ids for token in tokens), dtype="<i8",
+                           count=int(counts.sum()))
+        head = b"".join((_ANSWER_HEADER.pack(ANSWER_MAGIC, len(bundle.keys), flat.size, self._dtype_code,
+                                             *self._page_shape),
+                         *bundle.keys, counts.tobytes(), flat.tobytes()))
+        layers, two = self._page_shape[:2]
+        pages = [memoryview(self._bytes[layer, kv, page_id]).cast("B")
+                 for page_id in bundle.page_ids for layer in range(layers) for kv in range(two)]
+        _send_buffers(sock, [memoryview(head), *pages])
+        # after the send, as a receiver of a shared pool checks after its copy (replica/shared_pool.py): a page whose
+        # generation moved was withdrawn, and perhaps written, while it was sent
+        now = self.generations[bundle.page_ids].tolist() if bundle.page_ids else []
+        num_valid = 0
+        while num_valid < len(now) and now[num_valid] == bundle.generations[num_valid]:
+            num_valid += 1
+        sock.sendall(_VALID.pack(num_valid))
+
+
+class StreamClient:
+    """Receiver side: asks holders for pages over TCP, keeping a few idle, proven connections per holder. Calls block
+    (run them on a worker thread); ``timeout_s`` bounds every connect and read."""
+
+    def __init__(self, timeout_s: float = 5.0, max_idle_per_holder: int = 2) -> None:
+        self.timeout_s = timeout_s
+        self.max_idle_per_holder = max_idle_per_holder
+        self._idle: dict[tuple[str, int, bytes], list[socket.socket]] = {}
+        self._lock = threading.Lock()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="peer-page-stream")
+        """Where callers on an event loop run ``fetch``: one thread, so the arrays of one fetch after another come from
+        the same malloc arena, already mapped in (as ``PoolReader.executor``)."""
+
+    def fetch(self, location: StreamLocation, keys: list[PageKey]):
+        """(keys, token_ids, kv, dtype) of the leading pages of ``keys`` the holder held and still held after sending
+        them: ``kv`` is a numpy array [pages, layers, 2, page size, kv heads, head dim] of the dtype's bits (the layout
+        of ``PageBundle.kv``). Raises ``OSError`` / ``ConnectionError`` on any failure."""
+        if len(keys) > MAX_KEYS or any(len(key) != KEY_NUM_BYTES for key in keys):
+            raise ValueError(f"at most {MAX_KEYS} page keys of {KEY_NUM_BYTES} bytes")
+        sock = self._connection(location)
+        try:
+            sock.sendall(_HEADER.pack(REQUEST_MAGIC, len(keys)) + b"".join(keys))
+            answer = self._read_answer(sock, keys)
+        except BaseException:
+            sock.close()
+            raise
+        self._release(location, sock)
+        return answer
+
+    def forget(self, location: StreamLocation) -> None:
+        with self._lock:
+            idle = self._idle.pop((location.host, location.port, location.token), [])
+        for sock in idle:
+            sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle = [sock for socks in self._idle.values() for sock in socks]
+            self._idle.clear()
+        for sock in idle:
+            sock.close()
+
+    def _read_answer(self, sock: socket.socket, keys: list[PageKey]):
+        magic, num_pages, num_tokens, dtype_code, *page_shape = _ANSWER_HEADER.unpack(
+            _receive(sock, _ANSWER_HEADER.size))
+        if magic != ANSWER_MAGIC:
+            raise ConnectionError("not a page stream answer")
+        if num_pages == FAILED:
+            raise ConnectionError("the holder could not answer")
+        if num_pages > len(keys):  # checked before anything more is read
+            raise ConnectionError("the holder answered more pages than were asked")
+        if dtype_code >= len(_DTYPES) or num_tokens > num_pages * MAX_TOKENS_PER_PAGE or page_shape[1] != 2:
+            raise ConnectionError("a page stream answer out of bounds")
+        dtype = _DTYPES[dtype_code]
+        page_bytes = math.prod(page_shape) * dtype.itemsize
+        if page_bytes > MAX_PAGE_BYTES:
+            raise ConnectionError(f"a page of {page_bytes} bytes is over the limit")
+        answered = _receive(sock, num_pages * KEY_NUM_BYTES) if num_pages else b""
+        found = [answered[index * KEY_NUM_BYTES:(index + 1) * KEY_NUM_BYTES] for index in range(num_pages)]
+        if found != list(keys[:num_pages]):
+            raise ConnectionError("the holder answered keys that were not asked")
+        counts = np.frombuffer(_receive(sock, 4 * num_pages), dtype="<u4") if num_pages else np.empty(0, "<u4")
+        if int(counts.sum()) != num_tokens:
+            raise ConnectionError("a page stream answer's token counts do not add up")
+        flat = np.frombuffer(_receive(sock, 8 * num_tokens), dtype="<i8").tolist() if num_tokens else []
+        bounds = np.concatenate(([0], np.cumsum(counts, dtype=np.int64))).tolist()
+        token_ids = [flat[bounds[index]:bounds[index + 1]] for index in range(num_pages)]
+        layers, two, page_size, heads, dim = page_shape
+        wire = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16: np.uint16}[dtype]
+        kv = np.empty((num_pages, layers, two, page_size, heads, dim), dtype=wire)
+        if num_pages:
+            _receive_into(sock, memoryview(kv).cast("B"))
+        (num_valid,) = _VALID.unpack(_receive(sock, _VALID.size))
+        if num_valid > num_pages:
+            raise ConnectionError("the holder called more pages valid than it sent")
+        return found[:num_valid], token_ids[:num_valid], kv[:num_valid], str(dtype).removeprefix("torch.")
+
+    def _connection(self, location: StreamLocation) -> socket.socket:
+        key = (location.host, location.port, location.token)
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                return idle.pop()
+        sock = socket.create_connection((location.host, location.port), timeout=self.timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = _receive(sock, len(HELLO_MAGIC) + NONCE_BYTES)
+            if hello[:len(HELLO_MAGIC)] != HELLO_MAGIC:
+                raise ConnectionError(f"{location} is not a holder's page stream")
+            holder_nonce, nonce = hello[len(HELLO_MAGIC):], secrets.token_bytes(NONCE_BYTES)
+            sock.sendall(nonce + _mac(location.token, b"peer", holder_nonce, nonce))
+            proof = _receive(sock, hashlib.sha256().digest_size)
+            if not hmac.compare_digest(proof, _mac(location.token, b"holder", holder_nonce, nonce)):
+                raise ConnectionError(f"{location} could not prove the holder's token")
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _release(self, location: StreamLocation, sock: socket.socket) -> None:
+        key = (location.host, location.port, location.token)
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if len(idle) < self.max_idle_per_holder:
+                idle.append(sock)
+                return
+        sock.close()

@@ -1,0 +1,254 @@
+"""Peer copy between nodes over a holder's page stream (replica/page_stream.py), without Ray.
+
+Checked: pages sent straight out of the holder's shared pool arrive bit-equal to its own export, with their keys and
+token ids, in both dtypes; a page withdrawn while it was sent is not valid, with the pages after it; both sides prove
+the token (a peer without it is hung up on, and a listener that cannot prove it is refused); requests and answers out
+of bounds are refused before they are read; the peer client learns the stream from a host bundle answered through the
+handle, asks there next time, and goes back to the handle for a while when the stream fails. The path across two Ray
+nodes is in tests/multinode_cases.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import struct
+import threading
+
+import pytest
+import torch
+
+from common.types import EngineRequest, SamplingParams
+from replica import page_stream
+from replica.page_stream import StreamClient, StreamServer
+from replica.peer_copy import ServePeerClient, bundle_pages
+from replica.shared_pool import SharedPool
+from tests.engine_utils import TinyModel
+
+PAGE = 128
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return TinyModel("llama")
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (length,), generator=generator).tolist()
+
+
+def computed(engine, *prompts: list[int]) -> None:
+    for number, tokens in enumerate(prompts):
+        engine.add_request(EngineRequest(f"p{number}", tokens, SamplingParams(max_tokens=1, temperature=0.0)))
+        while engine.has_work():
+            engine.step()
+
+
+def streaming_holder(tiny, *prompts: list[int]):
+    """A holder engine whose shared pool serves a page stream on the loopback address: (engine, its pool)."""
+    holder = tiny.engine(num_pages=8)
+    pool = holder.runner.shared_pool
+    pool.serve_stream(holder.share_pages, "127.0.0.1")
+    computed(holder, *prompts)
+    return holder, pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_stream_out_of_the_pool_bit_exact_and_a_page_withdrawn_meanwhile_is_not_valid(dtype):
+    pool = SharedPool((3, 2, 6, 8, 2, 4), dtype)  # layers, K/V, pages, page size, kv heads, head dim
+    pool.kv.copy_(torch.randn(pool.kv.shape).to(dtype))
+    keys = [bytes([n + 1]) * 32 for n in range(4)]
+    page_ids = [4, 1, 5, 0]  # scattered over the pool
+    token_ids = [list(range(8 * n, 8 * n + 8)) for n in range(4)]
+
+    def answer(asked):
+        held = 0
+        while held < len(asked) and held < len(keys) and asked[held] == keys[held]:
+            held += 1
+        ids = page_ids[:held]
+        return pool.bundle(keys[:held], token_ids[:held], ids, pool.generations[ids].tolist())
+
+    pool.serve_stream(answer, "127.0.0.1")
+    client = StreamClient(timeout_s=10)
+    location = pool.stream_location
+    assert location.host == "127.0.0.1" and "token" not in repr(location)
+
+    found, tokens, kv, wire_dtype = client.fetch(location, keys[:3] + [b"\x09" * 32])  # a key not held ends the run
+    pages = torch.from_numpy(kv).view(getattr(torch, wire_dtype))
+    assert wire_dtype == str(dtype).removeprefix("torch.") and found == keys[:3] and tokens == token_ids[:3]
+    assert all(torch.equal(pages[n], pool.kv[:, :, page_ids[n]]) for n in range(3))
+    found, tokens, kv, _dtype = client.fetch(location, [])
+    assert found == [] and tokens == [] and kv.shape[0] == 0
+    assert len(pool.stream_server._connections) == 1  # one connection, kept between the calls
+
+    def withdrawn_meanwhile(asked):  # page 2's key is withdrawn (its generation moves) before the page is sent
+        bundle = answer(asked)
+        pool.generations[bundle.page_ids[2]] += 1
+        return bundle
+
+    pool.stream_server.answer = withdrawn_meanwhile
+    found, tokens, kv, _dtype = client.fetch(location, keys)
+    assert found == keys[:2] and tokens == token_ids[:2] and kv.shape[0] == 2
+    pool.stream_server.answer = lambda asked: None  # the holder cannot answer: an error, never a wrong page
+    with pytest.raises(ConnectionError, match="could not answer"):
+        client.fetch(location, keys)
+    pool.close()
+    assert pool.stream_location is None
+    with pytest.raises(OSError):
+        client.fetch(location, keys)
+
+
+def test_both_sides_prove_the_token_and_messages_out_of_bounds_are_refused(tiny):
+    tokens = prompt(PAGE + 1, seed=32)
+    holder, pool = streaming_holder(tiny, tokens)
+    keys = holder.page_keys(tokens)
+    location = pool.stream_location
+    server = pool.stream_server
+
+    with pytest.raises(ConnectionError):  # the holder hangs up on a peer that cannot prove the token
+        StreamClient(timeout_s=10).fetch(dataclasses.replace(location, token=b"\x00" * 32), keys)
+    assert server.num_refused == 1
+
+    def raw_connection() -> socket.socket:
+        sock = socket.create_connection((location.host, location.port), timeout=10)
+        hello = page_stream._receive(sock, 4 + page_stream.NONCE_BYTES)
+        nonce = b"\x05" * page_stream.NONCE_BYTES
+        sock.sendall(nonce + page_stream._mac(location.token, b"peer", hello[4:], nonce))
+        page_stream._receive(sock, 32)
+        return sock
+
+    def hung_up(sock: socket.socket) -> bool:
+        """The holder closed the connection (a reset when bytes it did not read were left)."""
+        try:
+            return sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    with raw_connection() as sock:  # too many keys: hung up on before any key is read
+        sock.sendall(struct.pack("<4sI", b"PSXT", page_stream.MAX_KEYS + 1))
+        assert hung_up(sock)
+    with raw_connection() as sock:  # not a request at all
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        assert hung_up(sock)
+    assert len(StreamClient(timeout_s=10).fetch(location, keys)[0]) == 1  # still serving
+
+    # a listener that answers the hello but cannot prove the token is refused by the peer, and so is one that
+    # answers more pages than were asked (before it is read)
+    impostor = socket.socket()
+    impostor.bind(("127.0.0.1", 0))
+    impostor.listen(2)
+    prove = {"value": False}
+
+    def impostor_holder():
+        for _ in range(2):
+            sock, _ = impostor.accept()
+            with sock:
+                nonce = b"\x09" * page_stream.NONCE_BYTES
+                sock.sendall(b"PSXH" + nonce)
+                reply = page_stream._receive(sock, 64)
+                if not prove["value"]:
+                    sock.sendall(b"\x00" * 32)
+                    continue
+                sock.sendall(page_stream._mac(location.token, b"holder", nonce, reply[:32]))
+                page_stream._receive(sock, 8 + 32)
+                sock.sendall(struct.pack("<4sIIB5I", b"PSXP", 2, 0, 0, 1, 2, 1, 1, 1))
+                sock.recv(1)
+
+    thread = threading.Thread(target=impostor_holder, daemon=True)
+    thread.start()
+    fake = dataclasses.replace(location, port=impostor.getsockname()[1])
+    with pytest.raises(ConnectionError, match="could not prove"):
+        StreamClient(timeout_s=10).fetch(fake, keys)
+    prove["value"] = True
+    with pytest.raises(ConnectionError, match="more pages than were asked"):
+        StreamClient(timeout_s=10).fetch(fake, keys)
+    thread.join(10)
+    impostor.close()
+
+
+class HostBundleHandle:
+    """A handle that answers ``export_pages`` as a CPU holder on another node does: a host bundle naming its stream."""
+
+    def __init__(self, engine, pool) -> None:
+        self.engine, self.pool, self.calls = engine, pool, 0
+        outer = self
+
+        class Export:
+            @staticmethod
+            def remote(request):
+                outer.calls += 1
+                return outer._answer(request)
+
+        self.export_pages = Export
+
+    async def _answer(self, request):
+        bundle = bundle_pages(self.engine.export_pages(list(request.keys), contiguous=True))
+        stream = self.pool.stream_location
+        return dataclasses.replace(bundle, stream=stream) if stream is not None else bundle
+
+
+def test_a_peer_on_another_node_asks_the_holders_stream_after_one_copy_through_the_handle(tiny):
+    first, second = prompt(2 * PAGE + 3, seed=33), prompt(PAGE + 9, seed=34)
+    holder, pool = streaming_holder(tiny, first, second)
+    handle = HostBundleHandle(holder, pool)
+    client = ServePeerClient("unused", "unused", timeout_s=10, handle=handle)
+    client.node_id = None  # as a receiver on another node: no shared-pool answers
+
+    async def fetch(tokens):
+        return await client.fetch("holder", holder.page_keys(tokens))
+
+    async def scenario():
+        got = [await fetch(first)]
+        assert handle.calls == 1 and client.transport_stats.pages["host"] == 2
+        got.append(await fetch(second))
+        got.append(await fetch(first))
+        assert handle.calls == 1 and client.transport_stats.stream_exports == 2
+        assert client.transport_stats.pages["tcp"] == 1 + 2
+        pool.stop_serving_exports()  # the holder's stream is gone: through the handle again, for a while
+        got.append(await fetch(second))
+        assert handle.calls == 2 and client.transport_stats.stream_failures == 1
+        assert client.transport_stats.export_calls()["stream_failed"] == 1
+        return got
+
+    got = asyncio.run(scenario())
+    client.close()
+    for tokens, pages in zip((first, second, first, second), got):
+        want = holder.export_pages(holder.page_keys(tokens))
+        assert [(page.key, page.token_ids) for page in pages] == [(page.key, page.token_ids) for page in want]
+        assert all(torch.equal(mine.kv, theirs.kv) for mine, theirs in zip(pages, want))
+
+
+def test_a_replica_serves_its_stream_inside_ray_unless_told_not_to_and_a_taken_address_is_only_logged(
+        tiny, monkeypatch, caplog):
+    from replica import async_engine
+    from replica.async_engine import AsyncEngine
+
+    monkeypatch.setattr(async_engine, "node_address", lambda: None)  # outside Ray: no address to offer
+    engine = AsyncEngine(tiny.engine(num_pages=8), None)
+    assert engine.stream_location is None
+    engine.shutdown()
+    monkeypatch.setattr(async_engine, "node_address", lambda: "127.0.0.1")  # inside Ray: the node's address
+    engine = AsyncEngine(tiny.engine(num_pages=8), None)
+    assert engine.stream_location.host == "127.0.0.1" and engine.stream_location.port > 0
+    engine.shutdown()
+    assert engine.stream_location is None  # closed with the engine
+    engine = AsyncEngine(tiny.engine(num_pages=8, peer_copy_stream=False), None)  # --no-peer-copy-stream
+    assert engine.stream_location is None
+    engine.shutdown()
+
+    holder = tiny.engine(num_pages=8)
+    pool = holder.runner.shared_pool
+    pool.serve_stream(holder.share_pages, "192.0.2.1")  # TEST-NET-1: not this machine's, the bind fails
+    assert pool.stream_location is None and "no page stream" in caplog.text
+    with pytest.raises(ValueError):
+        StreamServer(holder.share_pages, pool.kv[0], pool.generations, "127.0.0.1")  # not a pool's shape
+
+
+def test_the_stream_flag_reaches_the_replicas():
+    from cluster.cli import build_parser, config_from_args
+
+    for argv, expected in (([], True), (["--no-peer-copy-stream"], False)):
+        config = config_from_args(build_parser().parse_args(["serve", "--model", "m", *argv]))
+        assert config.peer_copy_stream is expected and config.engine_config("r").peer_copy_stream is expected
