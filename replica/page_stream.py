@@ -47,7 +47,6 @@ import secrets
 import socket
 import struct
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -56,6 +55,7 @@ import numpy as np
 import torch
 
 from common.page_keys import KEY_NUM_BYTES, PageKey
+from replica.pool_socket import PeerServer
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,6 @@ MAX_PAGE_BYTES = 256 << 20
 MAX_CONNECTIONS = 64
 """Peer connections a holder serves at once, a thread each; a connection over the limit is closed at once."""
 HANDSHAKE_TIMEOUT_S = 5.0
-ACCEPT_RETRY_S = 0.05
 IOV_MAX = 1024
 """Buffers per ``sendmsg`` (Linux's IOV_MAX)."""
 
@@ -138,7 +137,7 @@ def _send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
                 sent = 0
 
 
-class StreamServer:
+class StreamServer(PeerServer):
     """Holder side: answers peers that prove the token, sending pages from ``kv`` ([layers, 2, pages, ...], the
     pool) and checking ``generations`` after the send. ``answer(keys)`` returns the ``SharedPoolBundle`` of the leading
     pages held (``LLMEngine.share_pages``); it runs on the connection's thread and may wait (pages being computed)."""
@@ -154,70 +153,17 @@ class StreamServer:
         self._bytes = kv.view(torch.uint8).numpy()  # [layers, 2, pages, page size, kv heads, head dim x bytes]
         self._page_shape = (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4], kv.shape[5])
         self._dtype_code = _DTYPES.index(kv.dtype)
-        self.num_refused = 0
-        """Connections refused: over ``MAX_CONNECTIONS``, or a peer that could not prove the token."""
-        token = secrets.token_bytes(32)
-        self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                       socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                 socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            self._listener.bind((host, port))
-            self._listener.listen(MAX_CONNECTIONS)
+            listener.bind((host, port))
+            listener.listen(MAX_CONNECTIONS)
         except BaseException:
-            self._listener.close()
+            listener.close()
             raise
-        self.location = StreamLocation(host, self._listener.getsockname()[1], token)
-        self._connections: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="prefixserve-page-stream", daemon=True)
-        self._thread.start()
-
-    @property
-    def serving(self) -> bool:
-        return not self._closed and self._thread.is_alive()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            connections = list(self._connections)
-        for sock in (self._listener, *connections):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError as exc:
-                if self._closed:
-                    return
-                logger.warning("accepting a peer on the page stream failed (%s); retrying", exc)
-                time.sleep(ACCEPT_RETRY_S)
-                continue
-            with self._lock:
-                refuse = self._closed or len(self._connections) >= MAX_CONNECTIONS
-                if not refuse:
-                    self._connections.add(sock)
-            if refuse:
-                self.num_refused += 1
-                sock.close()
-                continue
-            try:
-                threading.Thread(target=self._serve, args=(sock,), name="prefixserve-page-stream-peer",
-                                 daemon=True).start()
-            except RuntimeError as exc:  # "can't start new thread": this peer asks through Ray
-                logger.warning("serving a peer on the page stream failed (%s)", exc)
-                self._drop(sock)
-
-    def _drop(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._connections.discard(sock)
-        sock.close()
+        self.location = StreamLocation(host, listener.getsockname()[1], secrets.token_bytes(32))
+        super().__init__(listener, MAX_CONNECTIONS, "prefixserve-page-stream")
+        # num_refused also counts peers that could not prove the token
 
     def _handshake(self, sock: socket.socket) -> bool:
         token = self.location.token

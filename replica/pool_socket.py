@@ -139,23 +139,21 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes | None:
     return bytes(buffer)
 
 
-class ExportServer:
-    """Holder side: answers peers of this user on this node. ``answer(keys)`` returns the ``SharedPoolBundle`` of the
-    leading pages held (``LLMEngine.share_pages``); it runs on the connection's thread and may wait (pages being
-    computed)."""
+class PeerServer:
+    """A listening socket, its accept thread, and a thread per admitted peer connection (at most
+    ``max_connections``; more are closed at once). Subclasses give ``_admit`` (a check of a new connection: False
+    closes it) and ``_serve`` (the connection's exchanges; it ends with ``_drop``)."""
 
-    def __init__(self, answer: Callable[[list[PageKey]], object]) -> None:
-        self.answer = answer
-        self.name = f"\0prefixserve-pool-{os.getpid()}-{secrets.token_hex(12)}"
+    def __init__(self, listener: socket.socket, max_connections: int, thread_name: str) -> None:
+        self._listener = listener
+        self.max_connections = max_connections
         self.num_refused = 0
-        """Connections refused: another user's process, or more than ``MAX_CONNECTIONS`` at once."""
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self._listener.bind(self.name)
-        self._listener.listen(MAX_CONNECTIONS)
+        """Connections refused: ``_admit`` said no, or ``max_connections`` were open."""
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="prefixserve-pool-exports", daemon=True)
+        self._thread_name = thread_name
+        self._thread = threading.Thread(target=self._accept, name=thread_name, daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -173,8 +171,19 @@ class ExportServer:
 
     @property
     def serving(self) -> bool:
-        """Whether peers may be sent to this socket (open, and its accept thread alive)."""
+        """Whether peers may be sent here (open, and its accept thread alive)."""
         return not self._closed and self._thread.is_alive()
+
+    def _admit(self, sock: socket.socket) -> bool:
+        return True
+
+    def _serve(self, sock: socket.socket) -> None:
+        raise NotImplementedError
+
+    def _drop(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(sock)
+        sock.close()
 
     def _accept(self) -> None:
         while not self._closed:
@@ -184,27 +193,47 @@ class ExportServer:
                 if self._closed:
                     return
                 # out of descriptors or memory for a moment: the peers asking meanwhile wait or are refused, and
-                # ask through Ray; this socket stays (a return here would leave it named in bundles, unanswered)
-                logger.warning("accepting a peer on the pool's export socket failed (%s); retrying", exc)
+                # ask through Ray; this socket stays (a return here would leave it named in answers, unanswered)
+                logger.warning("accepting a peer on %s failed (%s); retrying", self._thread_name, exc)
                 time.sleep(ACCEPT_RETRY_S)
                 continue
             try:
-                _pid, uid = peer_credentials(sock)
+                admitted = self._admit(sock)
                 with self._lock:
-                    refuse = self._closed or uid != os.getuid() or len(self._connections) >= MAX_CONNECTIONS
+                    refuse = self._closed or not admitted or len(self._connections) >= self.max_connections
                     if not refuse:
                         self._connections.add(sock)
                 if refuse:
                     self.num_refused += 1
                     sock.close()
                     continue
-                threading.Thread(target=self._serve, args=(sock,), name="prefixserve-pool-export",
+                threading.Thread(target=self._serve, args=(sock,), name=f"{self._thread_name}-peer",
                                  daemon=True).start()
             except (OSError, RuntimeError) as exc:  # e.g. "can't start new thread": this peer asks through Ray
-                logger.warning("serving a peer on the pool's export socket failed (%s)", exc)
-                with self._lock:
-                    self._connections.discard(sock)
-                sock.close()
+                logger.warning("serving a peer on %s failed (%s)", self._thread_name, exc)
+                self._drop(sock)
+
+
+class ExportServer(PeerServer):
+    """Holder side: answers peers of this user on this node. ``answer(keys)`` returns the ``SharedPoolBundle`` of the
+    leading pages held (``LLMEngine.share_pages``); it runs on the connection's thread and may wait (pages being
+    computed)."""
+
+    def __init__(self, answer: Callable[[list[PageKey]], object]) -> None:
+        self.answer = answer
+        self.name = f"\0prefixserve-pool-{os.getpid()}-{secrets.token_hex(12)}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(self.name)
+            listener.listen(MAX_CONNECTIONS)
+        except BaseException:
+            listener.close()
+            raise
+        super().__init__(listener, MAX_CONNECTIONS, "prefixserve-pool-exports")
+
+    def _admit(self, sock: socket.socket) -> bool:
+        _pid, uid = peer_credentials(sock)  # another user's process is refused
+        return uid == os.getuid()
 
     def _serve(self, sock: socket.socket) -> None:
         try:
@@ -230,9 +259,7 @@ class ExportServer:
         except (OSError, ConnectionError):
             pass  # the peer went away, or we are closing
         finally:
-            with self._lock:
-                self._connections.discard(sock)
-            sock.close()
+            self._drop(sock)
 
 
 def _close(writer: asyncio.StreamWriter, sock: socket.socket) -> None:

@@ -19,31 +19,11 @@ import threading
 import pytest
 import torch
 
-from common.types import EngineRequest, SamplingParams
 from replica import page_stream
 from replica.page_stream import StreamClient, StreamServer
 from replica.peer_copy import ServePeerClient, bundle_pages
 from replica.shared_pool import SharedPool
-from tests.engine_utils import TinyModel
-
-PAGE = 128
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return TinyModel("llama")
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 500, (length,), generator=generator).tolist()
-
-
-def computed(engine, *prompts: list[int]) -> None:
-    for number, tokens in enumerate(prompts):
-        engine.add_request(EngineRequest(f"p{number}", tokens, SamplingParams(max_tokens=1, temperature=0.0)))
-        while engine.has_work():
-            engine.step()
+from test_shared_pool import PAGE, prompt, run, tiny  # noqa: F401 - tiny: the module's engine fixture
 
 
 def streaming_holder(tiny, *prompts: list[int]):
@@ -51,7 +31,8 @@ def streaming_holder(tiny, *prompts: list[int]):
     holder = tiny.engine(num_pages=8)
     pool = holder.runner.shared_pool
     pool.serve_stream(holder.share_pages, "127.0.0.1")
-    computed(holder, *prompts)
+    for number, tokens in enumerate(prompts):
+        run(holder, tokens, f"p{number}")
     return holder, pool
 
 
