@@ -9,7 +9,7 @@ times as one.
    answers a host bundle through Ray's object store, as across nodes): an empty call, the export call (the holder's
    copy out of its pool, Ray storing the bundle, the receiver mapping it), the writes into the reader's pool, and
    the holder's copy and a ``ray.put`` of the same bundle timed inside the holder; then the same pages over the
-   holder's TCP page stream (replica/page_stream.py: sent straight out of its pool, received into one array), as the
+   holder's TCP page stream (replica/page_stream.py: sent straight out of its pool, received into an array per page), as the
    replicas' client asks once a host bundle has named it.
 2. Redis (TCP and unix socket) and disk tier loads of pages stored just before (fresh: each round stores new pages,
    as a real load finds them) split into the tier's ``load`` and the writes into the reader's pool.
@@ -129,14 +129,13 @@ def object_store_rows(args, reader, keys, nbytes: int) -> list[str]:
     parts = {"pages over the stream (ask, send, receive)": [], "writes into the reader's pool": [], "whole fetch": []}
     for round_ in range(args.rounds + 3):
         t0 = time.perf_counter()
-        bundle = loop.run_until_complete(client._ask_stream("holder", list(keys)))
+        pages = loop.run_until_complete(client._ask_stream("holder", list(keys)))
         t1 = time.perf_counter()
-        pages = unbundle_pages(bundle)
         for page_id, page in enumerate(pages):
             reader.runner.write_page(page_id, page.kv)
         t2 = time.perf_counter()
         assert len(pages) == len(keys)
-        del pages, bundle
+        del pages
         if round_ >= 3:
             for name, value in zip(parts, (t1 - t0, t2 - t1, t2 - t0)):
                 parts[name].append(value)

@@ -5,7 +5,7 @@ the holder's copy of the pages into a new array, Ray storing it, the object's tr
 16 MiB on this project's 2-core box, of which the round trip alone is 3 ms and the copy and ``ray.put`` 5-7 ms
 (``benchmarks/kv_breakdown.py --object-store``, BENCHMARKS.md 0i). Here the holder writes the pages' bytes from its
 pool onto a TCP connection (``sendmsg`` of each page's per-layer K and V slices: no copy in the holder's process) and
-the receiver reads them into one array, the layout of a host bundle; the rest of the path is the host bundle's::
+the receiver reads them into an array per page, which the engine writes into its pool as it does a host bundle's::
 
     receiver                                              holder (StreamServer: an accept thread, a thread per peer)
       first fetch: export_pages through Ray       ---->
@@ -242,9 +242,11 @@ class StreamClient:
         the same malloc arena, already mapped in (as ``PoolReader.executor``)."""
 
     def fetch(self, location: StreamLocation, keys: list[PageKey]):
-        """(keys, token_ids, kv, dtype) of the leading pages of ``keys`` the holder held and still held after sending
-        them: ``kv`` is a numpy array [pages, layers, 2, page size, kv heads, head dim] of the dtype's bits (the layout
-        of ``PageBundle.kv``). Raises ``OSError`` / ``ConnectionError`` on any failure."""
+        """(keys, token_ids, pages, dtype) of the leading pages of ``keys`` the holder held and still held after
+        sending them: ``pages`` are numpy arrays [layers, 2, page size, kv heads, head dim] of the dtype's bits, one per
+        page (a page of a few MiB comes from malloc's heap and is reused, already mapped in; one array for a 32 MiB
+        prefix would be mapped anew, and fault in every page, each time: 2.5x slower on a VM). Raises ``OSError`` /
+        ``ConnectionError`` on any failure."""
         if len(keys) > MAX_KEYS or any(len(key) != KEY_NUM_BYTES for key in keys):
             raise ValueError(f"at most {MAX_KEYS} page keys of {KEY_NUM_BYTES} bytes")
         sock = self._connection(location)
@@ -297,13 +299,13 @@ class StreamClient:
         token_ids = [flat[bounds[index]:bounds[index + 1]] for index in range(num_pages)]
         layers, two, page_size, heads, dim = page_shape
         wire = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16: np.uint16}[dtype]
-        kv = np.empty((num_pages, layers, two, page_size, heads, dim), dtype=wire)
-        if num_pages:
-            _receive_into(sock, memoryview(kv).cast("B"))
+        pages = [np.empty((layers, two, page_size, heads, dim), dtype=wire) for _ in range(num_pages)]
+        for page in pages:
+            _receive_into(sock, memoryview(page).cast("B"))
         (num_valid,) = _VALID.unpack(_receive(sock, _VALID.size))
         if num_valid > num_pages:
             raise ConnectionError("the holder called more pages valid than it sent")
-        return found[:num_valid], token_ids[:num_valid], kv[:num_valid], str(dtype).removeprefix("torch.")
+        return found[:num_valid], token_ids[:num_valid], pages[:num_valid], str(dtype).removeprefix("torch.")
 
     def _connection(self, location: StreamLocation) -> socket.socket:
         key = (location.host, location.port, location.token)

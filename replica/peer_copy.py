@@ -196,9 +196,8 @@ class ServePeerClient:
         return self._handle
 
     async def fetch(self, peer_id: str, keys) -> list[PageRecord]:
-        streamed = await self._ask_stream(peer_id, list(keys))
-        if streamed is not None:
-            pages = unbundle_pages(streamed)
+        pages = await self._ask_stream(peer_id, list(keys))
+        if pages is not None:
             self.transport_stats.pages["tcp"] += len(pages)
             return pages
         bundle = await self._ask_socket(peer_id, list(keys))
@@ -258,14 +257,14 @@ class ServePeerClient:
         self.transport_stats.socket_exports += 1
         return SharedPoolBundle(found, token_ids, page_ids, generations, location)
 
-    async def _ask_stream(self, peer_id: str, keys: list[PageKey]) -> PageBundle | None:
+    async def _ask_stream(self, peer_id: str, keys: list[PageKey]) -> list[PageRecord] | None:
         """The pages the holder sends over its page stream, or None (no stream known, or it failed: then forgotten).
         The blocking reads run on the stream client's own thread, like a shared-pool copy."""
         location = self._streams.get(peer_id)
         if location is None:
             return None
         try:
-            found, token_ids, kv, dtype = await asyncio.wait_for(
+            found, token_ids, arrays, dtype = await asyncio.wait_for(
                 asyncio.get_running_loop().run_in_executor(self.stream_client.executor, self.stream_client.fetch,
                                                            location, keys), timeout=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - gone, restarted, timed out, a port not open: ask through Ray
@@ -276,7 +275,9 @@ class ServePeerClient:
             self._forget_stream(peer_id)
             return None
         self.transport_stats.stream_exports += 1
-        return PageBundle(found, token_ids, kv, dtype)
+        dtype = getattr(torch, dtype)
+        return [PageRecord(key, tuple(tokens), torch.from_numpy(array).view(dtype), CacheSource.PEER)
+                for key, tokens, array in zip(found, token_ids, arrays)]
 
     def close(self) -> None:
         """Close the idle connections to holders' export sockets and page streams."""

@@ -56,12 +56,11 @@ def test_pages_stream_out_of_the_pool_bit_exact_and_a_page_withdrawn_meanwhile_i
     location = pool.stream_location
     assert location.host == "127.0.0.1" and "token" not in repr(location)
 
-    found, tokens, kv, wire_dtype = client.fetch(location, keys[:3] + [b"\x09" * 32])  # a key not held ends the run
-    pages = torch.from_numpy(kv).view(getattr(torch, wire_dtype))
+    found, tokens, arrays, wire_dtype = client.fetch(location, keys[:3] + [b"\x09" * 32])  # a key not held ends it
+    pages = [torch.from_numpy(array).view(getattr(torch, wire_dtype)) for array in arrays]
     assert wire_dtype == str(dtype).removeprefix("torch.") and found == keys[:3] and tokens == token_ids[:3]
-    assert all(torch.equal(pages[n], pool.kv[:, :, page_ids[n]]) for n in range(3))
-    found, tokens, kv, _dtype = client.fetch(location, [])
-    assert found == [] and tokens == [] and kv.shape[0] == 0
+    assert len(pages) == 3 and all(torch.equal(pages[n], pool.kv[:, :, page_ids[n]]) for n in range(3))
+    assert client.fetch(location, []) == ([], [], [], wire_dtype)
     assert len(pool.stream_server._connections) == 1  # one connection, kept between the calls
 
     def withdrawn_meanwhile(asked):  # page 2's key is withdrawn (its generation moves) before the page is sent
@@ -70,8 +69,8 @@ def test_pages_stream_out_of_the_pool_bit_exact_and_a_page_withdrawn_meanwhile_i
         return bundle
 
     pool.stream_server.answer = withdrawn_meanwhile
-    found, tokens, kv, _dtype = client.fetch(location, keys)
-    assert found == keys[:2] and tokens == token_ids[:2] and kv.shape[0] == 2
+    found, tokens, arrays, _dtype = client.fetch(location, keys)
+    assert found == keys[:2] and tokens == token_ids[:2] and len(arrays) == 2
     pool.stream_server.answer = lambda asked: None  # the holder cannot answer: an error, never a wrong page
     with pytest.raises(ConnectionError, match="could not answer"):
         client.fetch(location, keys)
