@@ -232,3 +232,25 @@ def test_the_stream_flag_reaches_the_replicas():
     for argv, expected in (([], True), (["--no-peer-copy-stream"], False)):
         config = config_from_args(build_parser().parse_args(["serve", "--model", "m", *argv]))
         assert config.peer_copy_stream is expected and config.engine_config("r").peer_copy_stream is expected
+
+
+def test_receive_slots_are_reused_only_once_nothing_refers_to_the_page_received_into_them():
+    import gc
+
+    from replica.page_stream import PageSlots
+
+    slots = PageSlots(max_bytes=3 * 64)
+    first = torch.from_numpy(slots.take((4, 4), "<f4"))  # 64 bytes: as the client hands a page to the engine
+    view = first.view(torch.int32)[1:]  # a view keeps the slot taken, as the engine's or a tier's reference does
+    second = slots.take((4, 4), "<f4")
+    assert second.ctypes.data != first.data_ptr()
+    address = first.data_ptr()
+    del first
+    gc.collect()
+    assert all(slots.take((4, 4), "<f4").ctypes.data != address for _ in range(2))  # still viewed
+    del view
+    gc.collect()
+    again = slots.take((4, 4), "<f4")
+    assert again.ctypes.data == address  # back once the last view went
+    beyond = [slots.take((4, 4), "<f4") for _ in range(3)]  # over max_bytes: plain arrays, never kept
+    assert slots._kept_bytes == 3 * 64 and all(page.shape == (4, 4) for page in beyond)
