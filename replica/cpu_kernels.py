@@ -113,6 +113,10 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                                vector_code)
 
 
+AMX_HEAD_SIZES = (32, 64, 128)
+"""Head sizes the AMX prefill kernel takes."""
+
+
 def has_amx() -> bool:
     """Whether ``prefill_attention`` can run: the kernels are built with AMX tiles (``-march=native`` on a CPU with
     amx_tile, amx_bf16 and avx512_bf16) and Linux granted this process the tile state."""
@@ -136,12 +140,13 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """Write into ``out`` [tokens, heads, head_dim] the attention of a prompt chunk's ``query`` (same shape) to its
     context: the keys are the pool slots of ``runs`` [R, 2] int64 (first slot, length) in order, the last ``tokens``
     of them the chunk's own tokens (causal). Contiguous; ``k_cache`` / ``v_cache`` are a layer's pool
-    [slots, kv_heads, head_dim]. bfloat16 runs on AMX tiles (``has_amx``), float32 on AVX2 vectors
+    [slots, kv_heads, head_dim]. bfloat16 of head size 32, 64 or 128 runs on AMX tiles where the CPU has them
+    (``has_amx``); float32, and bfloat16 elsewhere (widened to float32 as it is read), on AVX2 vectors
     (``has_vector_prefill``)."""
-    if query.dtype == torch.float32:
-        torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache, v_cache, runs, scale, out)
-    else:
+    if query.dtype == torch.bfloat16 and query.shape[-1] in AMX_HEAD_SIZES and has_amx():
         torch.ops.prefixserve_cpu.prefill_attention(query, k_cache, v_cache, runs, scale, out)
+    else:
+        torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache, v_cache, runs, scale, out)
 
 
 def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool = True) -> torch.Tensor:

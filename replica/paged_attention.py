@@ -534,13 +534,14 @@ def _attend_segments(
 def _prefill_kernel_for(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether this step's prompt chunks go to a C++ prefill kernel (``cpu_kernels.prefill_attention``): a contiguous
     pool of the query's dtype, and either bfloat16 with a head size the AMX kernel takes on a CPU and build with AMX
-    tiles, or float32 on a build with AVX2 and FMA."""
+    tiles, or float32 or bfloat16 (widened to float32) up to head size 256 on a build with AVX2 and FMA."""
     if not (_CPU_PREFILL_KERNEL and k_cache.dtype == query.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous()):
         return False
-    if query.dtype == torch.bfloat16:
-        return query.shape[-1] in (32, 64, 128) and cpu_kernels.has_amx()
-    return query.dtype == torch.float32 and query.shape[-1] <= 256 and cpu_kernels.has_vector_prefill()
+    if query.dtype == torch.bfloat16 and query.shape[-1] in cpu_kernels.AMX_HEAD_SIZES and cpu_kernels.has_amx():
+        return True
+    return (query.dtype in (torch.float32, torch.bfloat16) and query.shape[-1] <= 256
+            and cpu_kernels.has_vector_prefill())
 
 
 def _decode_kernel_for(query: torch.Tensor) -> bool:

@@ -295,3 +295,40 @@ def test_amx_prefill_kernel_rescales_when_later_keys_dominate(head_dim):
     assert (top[:, -1] - top[:, 0]).max() > 3 * 8  # the maximum does outgrow the slack, more than once
     reference = (torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v).transpose(0, 1)
     torch.testing.assert_close(out.float(), reference, rtol=0.004, atol=0.004)
+
+
+@pytest.mark.skipif(not VECTOR_CPU, reason="needs a CPU with AVX2 and FMA")
+@pytest.mark.parametrize("threads", [1, 8])
+def test_bfloat16_prefill_without_amx_is_the_float32_kernel_rounded_once(threads):
+    """bfloat16 on a CPU without AMX tiles (an AVX512-BF16 EPYC, say) runs the float32 kernel on its inputs widened
+    as they are read: its output is exactly the float32 kernel's on the same (bfloat16-valued) inputs, rounded to
+    bfloat16 once (round to nearest even, as torch), over uneven runs, causal, GQA, one and eight threads (items
+    packed for 8 + 1 row blocks and for 2). The dispatcher sends bfloat16 there when there are no tiles."""
+    assert cpu_kernels.has_vector_prefill(), cpu_kernels._state
+    gen = torch.Generator().manual_seed(5)
+    num_kv_heads, group, head_dim, tokens, slots = 2, 3, 64, 45, 400
+    k_cache = (torch.randn(slots, num_kv_heads, head_dim, generator=gen) * 3).to(torch.bfloat16)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    query = torch.randn(tokens, num_kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
+    runs = torch.tensor([[300, 70], [7, 80], [200, 45]])
+    scale = head_dim ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.zeros_like(query)
+        torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache, v_cache, runs, scale, out)
+        wide = torch.zeros(query.shape, dtype=torch.float32)
+        torch.ops.prefixserve_cpu.prefill_attention_f32(query.float(), k_cache.float(), v_cache.float(), runs, scale,
+                                                        wide)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, wide.to(torch.bfloat16))
+    assert out.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="all of one dtype"):
+        torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache.float(), v_cache, runs, scale, out)
+    if not cpu_kernels.has_amx():  # what the paged path calls for bfloat16 here
+        routed = torch.zeros_like(query)
+        cpu_kernels.prefill_attention(query, k_cache, v_cache, runs, scale, routed)
+        assert torch.equal(routed, out)
+        from replica.paged_attention import _prefill_kernel_for
+        assert _prefill_kernel_for(query, k_cache, v_cache)

@@ -1,7 +1,9 @@
 // Prefill attention in float32 on AVX2 + FMA vectors (any x86-64 CPU of the last decade; the AMX kernel in
-// amx_attention.cpp covers bfloat16): one prompt chunk's query tokens against their whole context, the cached part
-// and the chunk's own tokens (causal), wherever its pages lie in the pool. See replica/cpu_kernels.py
-// (``prefill_attention``).
+// amx_attention.cpp covers bfloat16 where the CPU has AMX tiles): one prompt chunk's query tokens against their whole
+// context, the cached part and the chunk's own tokens (causal), wherever its pages lie in the pool. See
+// replica/cpu_kernels.py (``prefill_attention``). bfloat16 on a CPU without AMX (e.g. an AVX512-BF16 EPYC) comes here
+// too: the query and each block of keys and values are widened to float32 as they are packed, the arithmetic is the
+// float32 kernel's, and the output is rounded to bfloat16 once.
 //
 // Before it, float32 chunks were attended run by run by ATen's flash kernel, one call per run of consecutive pool
 // slots, and the parts merged by their log-sum-exp in Python: on a 2-core AVX2 EPYC that path spent ~9 ms per layer on
@@ -31,6 +33,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <vector>
 
@@ -67,16 +70,44 @@ inline __m256 exp2_8(__m256 t) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), keep);
 }
 
+// bfloat16 <-> float32: a bfloat16 is the top half of a float32; float32 -> bfloat16 rounds to nearest even (as torch)
+inline float bf16_to_f32(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+inline uint16_t f32_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// ``count`` bfloat16 values at ``from`` as float32 at ``to``
+inline void widen(const uint16_t* from, int64_t count, float* to) {
+  int64_t d = 0;
+  for (; d + 8 <= count; d += 8) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + d));
+    _mm256_storeu_ps(to + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)));
+  }
+  for (; d < count; ++d) to[d] = bf16_to_f32(from[d]);
+}
+
 struct Chunk {
-  const float* query;  // [tokens, heads, dim]
-  float* out;
-  const float* k;      // a layer's pool [slots, kv_heads, dim]
-  const float* v;
+  // float32, or bfloat16 (``bf16``: the kernel reads the query and each key block widened to float32, computes as for
+  // float32, and rounds the output once)
+  const void* query;  // [tokens, heads, dim]
+  void* out;
+  const void* k;      // a layer's pool [slots, kv_heads, dim]
+  const void* v;
   const int64_t* runs;  // [R, 2]: first slot, length
   int64_t num_runs;
   int64_t num_heads, group, num_rows, head_dim, slot_stride;
   int64_t cached;       // keys before the chunk's own tokens
   float scale;
+  bool bf16;
 };
 
 // S^T for N (<= 6) consecutive keys at ``key`` (pool rows ``slot_stride`` apart) against the item's 16 rows
@@ -169,8 +200,10 @@ void start_rows(const Chunk& c, int64_t h, int64_t first, float* qt, float* ot, 
     s.limit[i] = static_cast<float>(c.cached + token + 1);
     s.max_limit = std::max(s.max_limit, s.limit[i]);
     if (i >= s.rows) continue;
-    const float* q = c.query + (token * c.num_heads + h * c.group + (first + i) % c.group) * dim;
-    for (int64_t d = 0; d < dim; ++d) qt[d * kRows + i] = q[d] * factor;
+    const int64_t at = (token * c.num_heads + h * c.group + (first + i) % c.group) * dim;
+    for (int64_t d = 0; d < dim; ++d)
+      qt[d * kRows + i] = (c.bf16 ? bf16_to_f32(static_cast<const uint16_t*>(c.query)[at + d])
+                                  : static_cast<const float*>(c.query)[at + d]) * factor;
   }
   s.min_limit = static_cast<int64_t>(s.limit[0]);
   s.m0 = s.m1 = _mm256_set1_ps(kNoScore);
@@ -236,8 +269,14 @@ void finish_rows(const Chunk& c, int64_t h, const Rows& s) {
   _mm256_store_ps(inverse + 8, _mm256_div_ps(_mm256_set1_ps(1.0f), s.l1));
   for (int64_t i = 0; i < s.rows; ++i) {
     const int64_t token = (s.first + i) / c.group;
-    float* o = c.out + (token * c.num_heads + h * c.group + (s.first + i) % c.group) * dim;
-    for (int64_t d = 0; d < dim; ++d) o[d] = s.ot[d * kRows + i] * inverse[i];
+    const int64_t at = (token * c.num_heads + h * c.group + (s.first + i) % c.group) * dim;
+    if (c.bf16) {
+      uint16_t* o = static_cast<uint16_t*>(c.out) + at;
+      for (int64_t d = 0; d < dim; ++d) o[d] = f32_to_bf16(s.ot[d * kRows + i] * inverse[i]);
+    } else {
+      float* o = static_cast<float*>(c.out) + at;
+      for (int64_t d = 0; d < dim; ++d) o[d] = s.ot[d * kRows + i] * inverse[i];
+    }
   }
 }
 
@@ -266,18 +305,33 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
     const int64_t slot0 = c.runs[2 * r], length = c.runs[2 * r + 1];
     for (int64_t start = 0; start < length && position < max_limit; start += kKeys) {
       const int64_t count = std::min(kKeys, length - start);
-      const float* key = c.k + (slot0 + start) * c.slot_stride + h * dim;
-      const float* value = c.v + (slot0 + start) * c.slot_stride + h * dim;
+      const int64_t at = (slot0 + start) * c.slot_stride + h * dim;
       int64_t stride = c.slot_stride;
-      if (blocks >= kPackFrom) {
-        float* packed = pt + kKeys * kRows;
+      const float* key;
+      const float* value;
+      float* packed = pt + kKeys * kRows;
+      if (c.bf16) {  // always packed: widened to float32 once per block, for all of the item's row blocks
+        const uint16_t* k16 = static_cast<const uint16_t*>(c.k) + at;
+        const uint16_t* v16 = static_cast<const uint16_t*>(c.v) + at;
         for (int64_t j = 0; j < count; ++j) {
-          std::copy(key + j * stride, key + j * stride + dim, packed + j * dim);
-          std::copy(value + j * stride, value + j * stride + dim, packed + (kKeys + j) * dim);
+          widen(k16 + j * stride, dim, packed + j * dim);
+          widen(v16 + j * stride, dim, packed + (kKeys + j) * dim);
         }
         key = packed;
         value = packed + kKeys * dim;
         stride = dim;
+      } else {
+        key = static_cast<const float*>(c.k) + at;
+        value = static_cast<const float*>(c.v) + at;
+        if (blocks >= kPackFrom) {
+          for (int64_t j = 0; j < count; ++j) {
+            std::copy(key + j * stride, key + j * stride + dim, packed + j * dim);
+            std::copy(value + j * stride, value + j * stride + dim, packed + (kKeys + j) * dim);
+          }
+          key = packed;
+          value = packed + kKeys * dim;
+          stride = dim;
+        }
       }
       for (int64_t b = 0; b < blocks; ++b)
         if (position < rows[b].max_limit) attend_block(c, rows[b], key, value, stride, count, position, pt);
@@ -297,18 +351,19 @@ bool has_vector_prefill() {
 #endif
 }
 
-// query / out [tokens, heads, dim] float32, contiguous; k_cache / v_cache [slots, kv_heads, dim] float32, contiguous
-// (a layer's pool); runs [R, 2] int64: (first slot, length) of the context's runs in order, the chunk's own tokens
-// being the last ``tokens`` keys. dim <= 256.
+// query / out [tokens, heads, dim], contiguous; k_cache / v_cache [slots, kv_heads, dim], contiguous (a layer's pool),
+// all float32 or all bfloat16 (computed in float32: CPUs without AMX tiles); runs [R, 2] int64: (first slot, length) of
+// the context's runs in order, the chunk's own tokens being the last ``tokens`` keys. dim <= 256.
 void prefill_attention_f32(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& runs, double scale, at::Tensor& out) {
   TORCH_CHECK(has_vector_prefill(), "prefill_attention_f32: built without AVX2 and FMA");
 #ifdef PREFIXSERVE_VEC_PREFILL
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 3 && out.sizes() == query.sizes() &&
                   v_cache.sizes() == k_cache.sizes(), "prefill_attention_f32: bad shapes");
+  const bool bf16 = query.scalar_type() == at::kBFloat16;
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&query, &k_cache, &v_cache, &out})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "prefill_attention_f32: contiguous float32 only");
+    TORCH_CHECK(t->scalar_type() == (bf16 ? at::kBFloat16 : at::kFloat) && t->is_contiguous(),
+                "prefill_attention_f32: contiguous float32 or bfloat16 only, all of one dtype");
   const int64_t tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_slots = k_cache.size(0), num_kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == head_dim && num_heads % num_kv_heads == 0, "prefill_attention_f32: head mismatch");
@@ -324,9 +379,9 @@ void prefill_attention_f32(const at::Tensor& query, const at::Tensor& k_cache, c
   }
   TORCH_CHECK(tokens > 0 && length >= tokens, "prefill_attention_f32: the runs must end with the chunk's own tokens");
   const int64_t group = num_heads / num_kv_heads;
-  const Chunk chunk{query.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
-                    v_cache.data_ptr<float>(), run, runs.size(0), num_heads, group, tokens * group, head_dim,
-                    num_kv_heads * head_dim, length - tokens, static_cast<float>(scale)};
+  const Chunk chunk{query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), run, runs.size(0),
+                    num_heads, group, tokens * group, head_dim, num_kv_heads * head_dim, length - tokens,
+                    static_cast<float>(scale), bf16};
   // items: (kv head, up to kGroup row blocks), as many row blocks per item as still leaves every thread an item
   const int64_t row_blocks = (chunk.num_rows + kRows - 1) / kRows, threads = at::get_num_threads();
   int64_t per_item = std::min(kGroup, row_blocks);
