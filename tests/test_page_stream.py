@@ -23,7 +23,7 @@ from replica import page_stream
 from replica.page_stream import StreamClient, StreamServer
 from replica.peer_copy import ServePeerClient, bundle_pages
 from replica.shared_pool import SharedPool
-from test_shared_pool import PAGE, prompt, run, tiny  # noqa: F401 - tiny: the module's engine fixture
+from test_shared_pool import PAGE, HolderOverHandle, prompt, run, tiny  # noqa: F401 - tiny: the engine fixture
 
 
 def streaming_holder(tiny, *prompts: list[int]):
@@ -148,20 +148,12 @@ def test_both_sides_prove_the_token_and_messages_out_of_bounds_are_refused(tiny)
     impostor.close()
 
 
-class HostBundleHandle:
+class HostBundleHandle(HolderOverHandle):
     """A handle that answers ``export_pages`` as a CPU holder on another node does: a host bundle naming its stream."""
 
     def __init__(self, engine, pool) -> None:
-        self.engine, self.pool, self.calls = engine, pool, 0
-        outer = self
-
-        class Export:
-            @staticmethod
-            def remote(request):
-                outer.calls += 1
-                return outer._answer(request)
-
-        self.export_pages = Export
+        super().__init__(engine)
+        self.pool = pool
 
     async def _answer(self, request):
         bundle = bundle_pages(self.engine.export_pages(list(request.keys), contiguous=True))
