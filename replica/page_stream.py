@@ -66,7 +66,6 @@ ANSWER_MAGIC = b"PSXP"
 FAILED = 0xFFFFFFFF
 NONCE_BYTES = 32
 MAX_KEYS = 1 << 16
-MAX_TOKENS_PER_PAGE = 1 << 16
 MAX_PAGE_BYTES = 256 << 20
 """A page larger than this is refused before any of it is read (a float32 page of 128 tokens of a 70B-class model with
 80 layers x 8 KV heads x 128 is 40 MiB)."""
@@ -313,8 +312,8 @@ class StreamClient:
             raise ConnectionError("the holder could not answer")
         if num_pages > len(keys):  # checked before anything more is read
             raise ConnectionError("the holder answered more pages than were asked")
-        if dtype_code >= len(_DTYPES) or num_tokens > num_pages * MAX_TOKENS_PER_PAGE or page_shape[1] != 2:
-            raise ConnectionError("a page stream answer out of bounds")
+        if dtype_code >= len(_DTYPES) or page_shape[1] != 2 or num_tokens > num_pages * page_shape[2]:
+            raise ConnectionError("a page stream answer out of bounds")  # a page holds at most page-size tokens
         dtype = _DTYPES[dtype_code]
         page_bytes = math.prod(page_shape) * dtype.itemsize
         if page_bytes > MAX_PAGE_BYTES:

@@ -115,25 +115,25 @@ def test_both_sides_prove_the_token_and_messages_out_of_bounds_are_refused(tiny)
     assert len(StreamClient(timeout_s=10).fetch(location, keys)[0]) == 1  # still serving
 
     # a listener that answers the hello but cannot prove the token is refused by the peer, and so is one that
-    # answers more pages than were asked (before it is read)
+    # answers more pages than were asked, or more tokens than its pages hold (before they are read)
     impostor = socket.socket()
     impostor.bind(("127.0.0.1", 0))
-    impostor.listen(2)
-    prove = {"value": False}
+    impostor.listen(3)
 
     def impostor_holder():
-        for _ in range(2):
+        for mode in ("no proof", "more pages", "more tokens"):
             sock, _ = impostor.accept()
             with sock:
                 nonce = b"\x09" * page_stream.NONCE_BYTES
                 sock.sendall(b"PSXH" + nonce)
                 reply = page_stream._receive(sock, 64)
-                if not prove["value"]:
+                if mode == "no proof":
                     sock.sendall(b"\x00" * 32)
                     continue
                 sock.sendall(page_stream._mac(location.token, b"holder", nonce, reply[:32]))
                 page_stream._receive(sock, 8 + 32)
-                sock.sendall(struct.pack("<4sIIB5I", b"PSXP", 2, 0, 0, 1, 2, 1, 1, 1))
+                num_pages, num_tokens = (2, 0) if mode == "more pages" else (1, 1000)  # pages of 1 token
+                sock.sendall(struct.pack("<4sIIB5I", b"PSXP", num_pages, num_tokens, 0, 1, 2, 1, 1, 1))
                 sock.recv(1)
 
     thread = threading.Thread(target=impostor_holder, daemon=True)
@@ -141,8 +141,9 @@ def test_both_sides_prove_the_token_and_messages_out_of_bounds_are_refused(tiny)
     fake = dataclasses.replace(location, port=impostor.getsockname()[1])
     with pytest.raises(ConnectionError, match="could not prove"):
         StreamClient(timeout_s=10).fetch(fake, keys)
-    prove["value"] = True
     with pytest.raises(ConnectionError, match="more pages than were asked"):
+        StreamClient(timeout_s=10).fetch(fake, keys)
+    with pytest.raises(ConnectionError, match="out of bounds"):  # more tokens than its pages hold, before reading
         StreamClient(timeout_s=10).fetch(fake, keys)
     thread.join(10)
     impostor.close()
