@@ -3,9 +3,10 @@
 frozen bfloat16 graphs call) and ATen's ``F.linear`` (MKL for float32), on the tiny Llama 512 x 8's shapes: 8 layers
 of qkv 512->1024, o 512->512, gate_up 512->2048 and down 1024->512, then the 512->8192 head, every weight its own
 tensor so that a step streams all of them from memory as the model does (46 MiB bfloat16, 92 MiB float32). One
-thread; the best of 5 rounds of 5 steps each, the paths interleaved within a round.
+thread (``--threads``: a prefill step's count); the best of 5 rounds of 5 steps each, the paths interleaved within a
+round.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/linear_rows.py [--dtype bfloat16] [--rows 1,2,4,8,16]
+    PYTHONPATH=. .venv/bin/python benchmarks/linear_rows.py [--dtype bfloat16] [--rows 1,2,4,8,16] [--threads 1]
 
 Rows above the kernel's limit (16 float32, 8 bfloat16) time the library paths only in practice (the kernel column
 is then at::linear too). float32 adds MKL's prepacked GEMM (``torch.ops.mkl._mkl_linear``), the path inductor's
@@ -30,10 +31,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,24")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if not cpu_kernels.load():
         raise SystemExit(f"CPU kernels not built: {cpu_kernels._state.get('reason')}")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     weights = [torch.randn(n, k).to(dtype) for _ in range(args.layers) for k, n in SHAPES]
     weights.append(torch.randn(8192, 512).to(dtype))
