@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from common.page_keys import KEY_FORMAT_VERSION
 
 DTYPE_NAME_TO_ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_NAME_TO_NUMPY: dict[str, str] = {"float32": "<f4", "bfloat16": "<u2", "float16": "<f2"}
+"""The numpy dtype that holds a page's values in memory (numpy has no bfloat16: its bits, viewed back by torch)."""
 """The KV dtypes pages may be stored in (by torch's name, without "torch.": ``getattr(torch, name)`` is the dtype), and
 their bytes per element."""
 

@@ -55,8 +55,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from common.page_format import DTYPE_NAME_TO_NUMPY, dtype_name
 from common.page_keys import KEY_NUM_BYTES, PageKey
-from replica.pool_socket import PeerServer
+from replica.pool_socket import PeerServer, receive_exactly, receive_into
 
 logger = logging.getLogger(__name__)
 
@@ -107,19 +108,12 @@ def _mac(token: bytes, role: bytes, nonce_holder: bytes, nonce_peer: bytes) -> b
     return hmac.new(token, role + nonce_holder + nonce_peer, hashlib.sha256).digest()
 
 
-def _receive_into(sock: socket.socket, view: memoryview) -> None:
-    received, size = 0, len(view)
-    while received < size:
-        count = sock.recv_into(view[received:])
-        if count == 0:
-            raise ConnectionError("the connection closed mid-message")
-        received += count
-
-
 def _receive(sock: socket.socket, size: int) -> bytes:
-    buffer = bytearray(size)
-    _receive_into(sock, memoryview(buffer))
-    return bytes(buffer)
+    """``size`` bytes; ConnectionError if the peer closes the connection first."""
+    data = receive_exactly(sock, size)
+    if data is None:
+        raise ConnectionError("the connection closed")
+    return data
 
 
 def _send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
@@ -185,9 +179,8 @@ class StreamServer(PeerServer):
             if not self._handshake(sock):
                 return
             while True:
-                try:
-                    header = _receive(sock, _HEADER.size)
-                except ConnectionError:
+                header = receive_exactly(sock, _HEADER.size)
+                if header is None:
                     return  # the peer closed its idle connection
                 magic, num_keys = _HEADER.unpack(header)
                 if magic != REQUEST_MAGIC or num_keys > MAX_KEYS:
@@ -268,7 +261,7 @@ class StreamClient:
     def __init__(self, timeout_s: float = 5.0, max_idle_per_holder: int = 2) -> None:
         self.timeout_s = timeout_s
         self.max_idle_per_holder = max_idle_per_holder
-        self._idle: dict[tuple[str, int, bytes], list[socket.socket]] = {}
+        self._idle: dict[StreamLocation, list[socket.socket]] = {}
         self._lock = threading.Lock()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="peer-page-stream")
         """Where callers on an event loop run ``fetch`` (blocking reads off the event loop)."""
@@ -292,7 +285,7 @@ class StreamClient:
 
     def forget(self, location: StreamLocation) -> None:
         with self._lock:
-            idle = self._idle.pop((location.host, location.port, location.token), [])
+            idle = self._idle.pop(location, [])
         for sock in idle:
             sock.close()
 
@@ -329,19 +322,20 @@ class StreamClient:
         bounds = np.concatenate(([0], np.cumsum(counts, dtype=np.int64))).tolist()
         token_ids = [flat[bounds[index]:bounds[index + 1]] for index in range(num_pages)]
         layers, two, page_size, heads, dim = page_shape
-        wire = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16: np.uint16}[dtype]
-        pages = [self.slots.take((layers, two, page_size, heads, dim), wire) for _ in range(num_pages)]
+        name = dtype_name(dtype)
+        pages = [self.slots.take((layers, two, page_size, heads, dim), DTYPE_NAME_TO_NUMPY[name])
+                 for _ in range(num_pages)]
         for page in pages:
-            _receive_into(sock, memoryview(page).cast("B"))
+            if not receive_into(sock, memoryview(page).cast("B")):
+                raise ConnectionError("the holder closed the connection mid-answer")
         (num_valid,) = _VALID.unpack(_receive(sock, _VALID.size))
         if num_valid > num_pages:
             raise ConnectionError("the holder called more pages valid than it sent")
-        return found[:num_valid], token_ids[:num_valid], pages[:num_valid], str(dtype).removeprefix("torch.")
+        return found[:num_valid], token_ids[:num_valid], pages[:num_valid], name
 
     def _connection(self, location: StreamLocation) -> socket.socket:
-        key = (location.host, location.port, location.token)
         with self._lock:
-            idle = self._idle.get(key)
+            idle = self._idle.get(location)
             if idle:
                 return idle.pop()
         sock = socket.create_connection((location.host, location.port), timeout=self.timeout_s)
@@ -361,9 +355,8 @@ class StreamClient:
             raise
 
     def _release(self, location: StreamLocation, sock: socket.socket) -> None:
-        key = (location.host, location.port, location.token)
         with self._lock:
-            idle = self._idle.setdefault(key, [])
+            idle = self._idle.setdefault(location, [])
             if len(idle) < self.max_idle_per_holder:
                 idle.append(sock)
                 return

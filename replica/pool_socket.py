@@ -124,19 +124,24 @@ def decode_answer_body(body: bytes, num_pages: int,
     return keys, page_ids, generations, [tokens[bounds[index]:bounds[index + 1]] for index in range(num_pages)]
 
 
-def _receive_exactly(sock: socket.socket, size: int) -> bytes | None:
-    """``size`` bytes, or None if the peer closed the connection before the first one."""
-    buffer = bytearray(size)
-    view = memoryview(buffer)
+def receive_into(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False if the peer closed the connection before the first byte, ConnectionError if
+    it closed part-way."""
     received = 0
-    while received < size:
+    while received < len(view):
         count = sock.recv_into(view[received:])
         if count == 0:
             if received == 0:
-                return None
-            raise ConnectionError("a pool export request was cut short")
+                return False
+            raise ConnectionError("a message was cut short")
         received += count
-    return bytes(buffer)
+    return True
+
+
+def receive_exactly(sock: socket.socket, size: int) -> bytes | None:
+    """``size`` bytes, or None if the peer closed the connection before the first one."""
+    buffer = bytearray(size)
+    return bytes(buffer) if receive_into(sock, memoryview(buffer)) else None
 
 
 class PeerServer:
@@ -238,13 +243,13 @@ class ExportServer(PeerServer):
     def _serve(self, sock: socket.socket) -> None:
         try:
             while True:
-                header = _receive_exactly(sock, _HEADER.size)
+                header = receive_exactly(sock, _HEADER.size)
                 if header is None:
                     return
                 magic, num_keys = _HEADER.unpack(header)
                 if magic != REQUEST_MAGIC or num_keys > MAX_KEYS:
                     return  # not a peer of ours: hang up before reading anything more
-                body = _receive_exactly(sock, num_keys * KEY_NUM_BYTES) if num_keys else b""
+                body = receive_exactly(sock, num_keys * KEY_NUM_BYTES) if num_keys else b""
                 if body is None:
                     return
                 keys = [body[index * KEY_NUM_BYTES:(index + 1) * KEY_NUM_BYTES] for index in range(num_keys)]

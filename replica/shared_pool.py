@@ -51,7 +51,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from common.page_format import dtype_name
+from common.page_format import DTYPE_NAME_TO_NUMPY, dtype_name
 from common.page_keys import PageKey
 from common.types import CacheSource
 from replica.cuda_ipc import host_id
@@ -60,9 +60,6 @@ from replica.page_stream import StreamLocation, StreamServer
 from replica.pool_socket import ExportServer
 
 logger = logging.getLogger(__name__)
-
-_NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
-"""How each pool dtype is mapped through numpy (bfloat16 has no numpy dtype: its bits are mapped as uint16)."""
 
 GENERATION_ALIGN = 64
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -144,7 +141,6 @@ class SharedPool:
                                      generations_offset=self.generations_offset)
         self._closed = False
         self.export_server = None
-        self._served_location = self._location
         self.stream_server: StreamServer | None = None
 
     @property
@@ -152,7 +148,9 @@ class SharedPool:
         """Where peers find this pool, naming the export socket while it serves (a closed socket, or one whose accept
         thread ended, is not named: peers would wait on it until their timeout)."""
         server = self.export_server
-        return self._served_location if server is not None and server.serving else self._location
+        if server is not None and server.serving:
+            return dataclasses.replace(self._location, socket=server.name)
+        return self._location
 
     def serve_exports(self, answer) -> None:
         """Answer peers' export calls over a local socket too (replica/pool_socket.py); ``answer(keys)`` gives the
@@ -163,8 +161,6 @@ class SharedPool:
             self.export_server = ExportServer(answer)
         except OSError as exc:
             logger.warning("no export socket for the shared KV pool (%s); peers ask through Ray", exc)
-            return
-        self._served_location = dataclasses.replace(self._location, socket=self.export_server.name)
 
     def serve_stream(self, answer, host: str) -> None:
         """Send pages to peers on other nodes over TCP too, listening on ``host`` (replica/page_stream.py);
@@ -274,9 +270,9 @@ class PoolReader:
 
 def map_pool(location: PoolLocation) -> tuple[torch.Tensor, np.ndarray]:
     """(KV, generations) of a holder's pool, mapped read-only; the descriptor is closed again (the mapping stays)."""
-    dtype = getattr(torch, location.dtype, None)
-    if dtype not in _NUMPY_OF:
+    if location.dtype not in DTYPE_NAME_TO_NUMPY:
         raise ValueError(f"unsupported pool dtype {location.dtype!r}")
+    dtype = getattr(torch, location.dtype)
     fd = os.open(f"/proc/{location.pid}/fd/{location.fd}", os.O_RDONLY | os.O_CLOEXEC)
     try:
         status = os.fstat(fd)
@@ -292,7 +288,7 @@ def map_pool(location: PoolLocation) -> tuple[torch.Tensor, np.ndarray]:
         raise ValueError("the pool's layout does not fit its file")
     with warnings.catch_warnings():  # read-only on purpose: this process never writes a peer's pool
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        kv = torch.from_numpy(np.frombuffer(mapped, dtype=_NUMPY_OF[dtype], count=numel)).view(location.shape)
+        kv = torch.from_numpy(np.frombuffer(mapped, dtype=DTYPE_NAME_TO_NUMPY[location.dtype], count=numel)).view(location.shape)
     # viewed as the pool's own dtype: torch copies uint16 at about half the speed of the same bytes as bfloat16
     # (16 pages of 1 MiB: 3.0 against 1.6 ms here)
     kv = kv.view(dtype)
