@@ -13,11 +13,12 @@ and ``--compare-prefill-threads`` repeats every measurement with them on ``--thr
 CPU, so one graph serves both); with ``--compare-flash-prefill``, with bfloat16 prompt chunks attended by ATen's flash
 kernel run by run (merged by log-sum-exp) instead of the AMX prefill kernel (on CPUs with AMX tiles). The paths are
 printed side by side, with the first one's time over each other's.
-Times are the engine thread's CPU time, except with prefill threads, where they are wall time (the step's second
+Times are the engine thread's CPU time, except with prefill threads or ``--wall``, where they are wall time (the step's second
 thread works while the engine thread waits for it).
 
     PYTHONPATH=. .venv/bin/python benchmarks/engine_steps.py --model DIR [--dtype bfloat16] [--rounds 3]
-        [--compare-aten-decode] [--compare-generic] [--compare-small-linear] [--enforce-eager]
+        [--compare-aten-decode] [--compare-generic] [--compare-small-linear] [--compare-packed-linear] [--wall]
+        [--enforce-eager]
         [--prefill-threads N [--compare-prefill-threads]] [--compare-flash-prefill]
 """
 
@@ -49,6 +50,8 @@ def main() -> None:
     parser.add_argument("--compare-flash-prefill", action="store_true")
     parser.add_argument("--compare-generic", action="store_true")
     parser.add_argument("--compare-small-linear", action="store_true")
+    parser.add_argument("--compare-packed-linear", action="store_true")
+    parser.add_argument("--wall", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--prefill-threads", type=int, default=None)
     parser.add_argument("--compare-prefill-threads", action="store_true")
@@ -57,7 +60,7 @@ def main() -> None:
     engine = build_engine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
                                        enforce_eager=args.enforce_eager, num_threads=args.threads,
                                        num_prefill_threads=args.prefill_threads))
-    wall = args.prefill_threads is not None and args.prefill_threads != args.threads
+    wall = args.wall or (args.prefill_threads is not None and args.prefill_threads != args.threads)
     rng = random.Random(0)
     prefixes = [[rng.randrange(100, 8000) for _ in range(1536)] for _ in range(4)]
     counter = iter(range(10**9))
@@ -115,33 +118,42 @@ def main() -> None:
     runner = engine.runner
     compact = runner._compiled.forward.module if runner._compiled is not None else runner._compact
     linear_kernel = compact.linear_kernel if compact is not None else None
+    packed = compact.packed_from_rows if compact is not None else 0
 
-    # name: (_CPU_SEGMENTS, decode kernel, small-row linear kernel, step threads (short, long), AMX prefill kernel)
+    # name: (_CPU_SEGMENTS, decode kernel, small-row linear kernel, step threads (short, long), AMX prefill kernel,
+    #        rows from which linears run on packed oneDNN weights)
     threads = engine._step_threads
     amx = kernel and cpu_kernels.has_amx() and args.dtype == "bfloat16"
     first_name = ("in place, C++ decode" if kernel else "in place") + (", AMX prefill" if amx else "")
-    if wall:
+    if args.prefill_threads is not None and args.prefill_threads != args.threads:
         first_name += f", prefill on {args.prefill_threads} threads"
-    paths = {first_name: (True, kernel, linear_kernel, threads, amx)}
+    if packed:
+        first_name += f", packed linear from {packed} rows"
+    paths = {first_name: (True, kernel, linear_kernel, threads, amx, packed)}
     if args.compare_aten_decode and kernel:
-        paths["in place, ATen decode"] = (True, False, linear_kernel, threads, amx)
+        paths["in place, ATen decode"] = (True, False, linear_kernel, threads, amx, packed)
     if args.compare_generic:
-        paths["generic"] = (False, False, linear_kernel, threads, False)
+        paths["generic"] = (False, False, linear_kernel, threads, False, packed)
     if args.compare_small_linear and linear_kernel:
-        paths["library linear"] = (True, kernel, None, threads, amx)
+        paths["library linear"] = (True, kernel, None, threads, amx, packed)
     if args.compare_prefill_threads and wall:
-        paths[f"prefill on {args.threads} thread(s)"] = (True, kernel, linear_kernel, (args.threads, args.threads), amx)
+        paths[f"prefill on {args.threads} thread(s)"] = (True, kernel, linear_kernel, (args.threads, args.threads), amx,
+                                                         packed)
     if args.compare_flash_prefill and amx:
-        paths["ATen flash prefill"] = (True, kernel, linear_kernel, threads, False)
+        paths["ATen flash prefill"] = (True, kernel, linear_kernel, threads, False, packed)
+    if args.compare_packed_linear and packed:
+        paths["unpacked linear"] = (True, kernel, linear_kernel, threads, amx, 1 << 40)
+        paths["packed from 1 row"] = (True, kernel, linear_kernel, threads, amx, 1)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
     for round_index in range(args.rounds + 1):  # round 0 warms up (first use of each shape)
-        for name, (segments, decode_kernel, linear_kernel, step_threads, prefill_kernel) in paths.items():
+        for name, (segments, decode_kernel, linear_kernel, step_threads, prefill_kernel, from_rows) in paths.items():
             paged_attention._CPU_SEGMENTS = segments
             paged_attention._CPU_DECODE_KERNEL = decode_kernel
             paged_attention._CPU_PREFILL_KERNEL = prefill_kernel
             engine._step_threads = step_threads
             if compact is not None:
                 compact.linear_kernel = linear_kernel
+                compact.packed_from_rows = from_rows
             measured = one_round()
             if round_index:
                 results[name].append(measured)

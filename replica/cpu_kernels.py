@@ -17,8 +17,10 @@ Each block of weight rows is read from memory once and dotted against every inpu
 once to the output dtype. float32: up to 16 rows, where ATen's MKL GEMM packs the weight matrix on every call; it
 measured 0.4-0.7x ATen's time for 3-16 rows of the 512 x 8 tiny Llama and 0.7-0.9x for 1-2. bfloat16: up to 8 rows,
 0.5-0.8x oneDNN's AMX GEMM at 1-4 rows; the unpacked ``F.linear`` the unfrozen graph would call instead wins from ~12
-rows (``benchmarks/linear_rows.py``). Larger inputs and other
-dtypes go to ``at::linear`` inside the op.
+rows (``benchmarks/linear_rows.py``). Larger inputs and other dtypes go to ``at::linear`` inside the op, or, on CPUs
+with AVX-512 (``packed_gemm_pays``), every input of 3 rows or more goes to oneDNN's GEMM on a copy of the weight
+packed once into its blocked layout (``pack_linear_weight``): on the Zen 4 box that measured 1.3-2x faster than the
+kernel and MKL from 4 rows up in both dtypes, and level with the kernel at 1-2 rows, which keep the kernel.
 
 The library is compiled once per machine type (the build directory's name carries a digest of the source, the
 compiler flags and the CPU's flags, since ``-march=native`` code must not run on another CPU) and loaded with
@@ -149,11 +151,37 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache, v_cache, runs, scale, out)
 
 
-def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool = True) -> torch.Tensor:
+def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool = True,
+                  packed: torch.Tensor | None = None, packed_from_rows: int = 0) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernel: bool = True) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a 2-D ``x``; float32 inputs of at most 16 rows are computed by the kernel in
-    ``csrc/small_linear.cpp`` (``use_kernel=False``: always ``at::linear``, for tests), everything else by ATen."""
-    return torch.ops.prefixserve_cpu.linear(x, weight, bias, use_kernel)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernel: bool = True,
+           packed: torch.Tensor | None = None, packed_from_rows: int = 0) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 2-D ``x``. With ``packed`` (``pack_linear_weight(weight)``), inputs of at
+    least ``packed_from_rows`` rows run oneDNN's GEMM on it. Otherwise float32 inputs of at most 16 rows (bfloat16: 8)
+    are computed by the kernel in ``csrc/small_linear.cpp`` (``use_kernel=False``: ``at::linear``, for tests), and
+    everything else by ATen."""
+    return torch.ops.prefixserve_cpu.linear(x, weight, bias, use_kernel, packed, packed_from_rows)
+
+
+PACK_ROWS_HINT = 64
+"""The row count oneDNN packs a weight for. Measured on the Zen 4 box (``benchmarks/linear_rows.py``), a weight packed
+for 4 to 256 rows ran every row count from 1 to 1024 equally fast; one packed for 1 row was up to 2x slower from 2
+rows up."""
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] reordered once into oneDNN's blocked layout (an opaque mkldnn tensor) for ``linear``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def packed_gemm_pays() -> bool:
+    """Whether linear layers should run on packed oneDNN weights: on CPUs with AVX-512, where oneDNN's packed GEMM
+    measured 1.3-2x faster than the small-row kernel and MKL from 4 rows up, in float32 and bfloat16
+    (``benchmarks/linear_rows.py``, BENCHMARKS.md section 0j). On AVX2-only CPUs the kernel and MKL are kept, as
+    measured there (sections 0a-0h). ``PREFIXSERVE_PACKED_LINEAR=0`` / ``1`` overrides."""
+    forced = os.environ.get("PREFIXSERVE_PACKED_LINEAR", "")
+    if forced in ("0", "1"):
+        return forced == "1" and torch.backends.mkldnn.is_available()
+    return torch.backends.mkldnn.is_available() and " avx512f " in f" {_cpu_flags()} "

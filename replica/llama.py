@@ -37,6 +37,9 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Gemma3ForCausalLM": "gemma3",
 }
+PACKED_FROM_ROWS = 3
+"""Where linear layers hold packed oneDNN weights, inputs of this many rows or more use them, smaller ones the
+small-row kernel (measured level at 1-2 rows, 1.3-2x slower than oneDNN from 4: BENCHMARKS.md section 0j)."""
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 """Rope types whose inverse frequencies are fixed at construction (``dynamic`` and ``longrope`` change them with the
 sequence length, which a packed batch of sequences of different lengths cannot reproduce)."""
@@ -130,18 +133,26 @@ def linear_kernel(weight: torch.Tensor) -> bool:
     The op takes inputs of a few rows itself (a decode batch, a short prompt: up to 16 float32 rows, 8 bfloat16) and
     hands larger ones to ``at::linear``, so one graph serves every step. ATen's float32 GEMM (MKL) packs the weight
     matrix on every call, and oneDNN's bfloat16 GEMMs spend as long on their call and tile set-up; with 1-8 rows
-    either costs more than streaming the weights once (``benchmarks/linear_rows.py``)."""
+    either costs more than streaming the weights once (``benchmarks/linear_rows.py``). On AVX-512 CPUs each layer also
+    holds its weight packed for oneDNN (``cpu_kernels.packed_gemm_pays``), which takes inputs of ``PACKED_FROM_ROWS``
+    rows or more: a second copy of the linear weights, kept because the kernel still wins at 1-2 rows."""
     return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> torch.Tensor:
+def _packed(weight: torch.Tensor, pack: bool) -> torch.Tensor | None:
+    """``weight`` packed for oneDNN's GEMM (``cpu_kernels.pack_linear_weight``) when ``pack``, else None."""
+    return cpu_kernels.pack_linear_weight(weight) if pack else None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool,
+            packed: torch.Tensor | None = None, packed_from_rows: int = 0) -> torch.Tensor:
     if kernel:
-        return torch.ops.prefixserve_cpu.linear(x, weight, bias)
+        return torch.ops.prefixserve_cpu.linear(x, weight, bias, True, packed, packed_from_rows)
     return F.linear(x, weight, bias)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, source: nn.Module, layer_idx: int, config, gemma: bool, rope_index: int) -> None:
+    def __init__(self, source: nn.Module, layer_idx: int, config, gemma: bool, rope_index: int, pack: bool) -> None:
         super().__init__()
         attn, mlp = source.self_attn, source.mlp
         self.layer_idx = layer_idx
@@ -157,25 +168,30 @@ class DecoderLayer(nn.Module):
         self.sliding_window = int(window or 0)
         self.input_norm = RMSNorm(source.input_layernorm, gemma)
         self.qkv_weight, self.qkv_bias = _cat_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv_packed = _packed(self.qkv_weight, pack)
         self.q_norm = RMSNorm(attn.q_norm, gemma) if getattr(attn, "q_norm", None) is not None else None
         self.k_norm = RMSNorm(attn.k_norm, gemma) if getattr(attn, "k_norm", None) is not None else None
         self.o_weight, self.o_bias = _frozen(attn.o_proj.weight), _frozen(attn.o_proj.bias)
+        self.o_packed = _packed(self.o_weight, pack)
         self.post_attention_norm = RMSNorm(source.post_attention_layernorm, gemma)
         self.sandwich = gemma
         if gemma:  # post_attention_norm normalizes the attention output; these wrap the MLP
             self.pre_feedforward_norm = RMSNorm(source.pre_feedforward_layernorm, gemma)
             self.post_feedforward_norm = RMSNorm(source.post_feedforward_layernorm, gemma)
         self.gate_up_weight, self.gate_up_bias = _cat_linear(mlp.gate_proj, mlp.up_proj)
+        self.gate_up_packed = _packed(self.gate_up_weight, pack)
         self.intermediate = mlp.gate_proj.out_features
         self.down_weight, self.down_bias = _frozen(mlp.down_proj.weight), _frozen(mlp.down_proj.bias)
+        self.down_packed = _packed(self.down_weight, pack)
         self.act_fn = mlp.act_fn
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool, packed_from_rows: int
+                ) -> torch.Tensor:
         num_tokens = h.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         residual = h
         x = self.input_norm(h)
-        qkv = _linear(x, self.qkv_weight, self.qkv_bias, kernel)
+        qkv = _linear(x, self.qkv_weight, self.qkv_bias, kernel, self.qkv_packed, packed_from_rows)
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -186,19 +202,22 @@ class DecoderLayer(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         attn = torch.ops.prefixserve.paged_attention(q, k, v, self.layer_idx, self.scaling, self.sliding_window)
-        out = _linear(attn.view(num_tokens, q_size), self.o_weight, self.o_bias, kernel)
+        out = _linear(attn.view(num_tokens, q_size), self.o_weight, self.o_bias, kernel, self.o_packed,
+                      packed_from_rows)
         if self.sandwich:
             h = residual + self.post_attention_norm(out)
             x = self.pre_feedforward_norm(h)
         else:
             h = residual + out
             x = self.post_attention_norm(h)
-        gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, kernel)
+        gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, kernel, self.gate_up_packed, packed_from_rows)
         mlp_out = _linear(
             self.act_fn(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :],
             self.down_weight,
             self.down_bias,
             kernel,
+            self.down_packed,
+            packed_from_rows,
         )
         if self.sandwich:
             mlp_out = self.post_feedforward_norm(mlp_out)
@@ -218,6 +237,11 @@ class CompactCausalLM(nn.Module):
         inner = model.model
         gemma = ARCHITECTURES[type(model).__name__] == "gemma3"
         self.embed_weight = _frozen(inner.embed_tokens.weight)
+        self.linear_kernel = linear_kernel(self.embed_weight)
+        """``linear_kernel``; the benchmarks switch it (a compiled forward then compiles a graph per setting)."""
+        pack = self.linear_kernel and cpu_kernels.packed_gemm_pays()
+        self.packed_from_rows = PACKED_FROM_ROWS if pack else 0
+        """Inputs of this many rows or more run on the packed weights (``cpu_kernels.linear``; a graph constant)."""
         embed_scale = getattr(inner.embed_tokens, "embed_scale", None)
         if embed_scale is not None:
             self.register_buffer("embed_scale", embed_scale.detach().to(self.embed_weight.dtype), persistent=False)
@@ -239,20 +263,19 @@ class CompactCausalLM(nn.Module):
             self.register_buffer(f"inv_freq_{index}", inv_freq.detach().float().clone(), persistent=False)
         self.rope_scalings = [float(scaling) for _, scaling in ropes]
         self.layers = nn.ModuleList(
-            DecoderLayer(layer, layer_idx, config, gemma, rope_of_layer[layer_idx])
+            DecoderLayer(layer, layer_idx, config, gemma, rope_of_layer[layer_idx], pack)
             for layer_idx, layer in enumerate(inner.layers)
         )
         self.norm = RMSNorm(inner.norm, gemma)
         lm_head = model.get_output_embeddings()
         self.lm_head_weight = _frozen(lm_head.weight)  # the embedding itself when the source ties them
         self.lm_head_bias = _frozen(getattr(lm_head, "bias", None))
+        self.lm_head_packed = _packed(self.lm_head_weight, pack)
         softcap = getattr(config, "final_logit_softcapping", None)
         self.final_logit_softcapping = float(softcap) if softcap else None
-        self.linear_kernel = linear_kernel(self.lm_head_weight)
-        """``linear_kernel``; the benchmarks switch it (a compiled forward then compiles a graph per setting)."""
 
     def forward(self, ids_pos: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
-        kernel = self.linear_kernel
+        kernel, packed_from_rows = self.linear_kernel, self.packed_from_rows
         h = F.embedding(ids_pos[0], self.embed_weight)
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -266,9 +289,9 @@ class CompactCausalLM(nn.Module):
             rope.append((cos, sin))
         for layer in self.layers:
             cos, sin = rope[layer.rope_index]
-            h = layer(h, cos, sin, kernel)
+            h = layer(h, cos, sin, kernel, packed_from_rows)
         h = self.norm(h.index_select(0, logits_index))  # row-wise: normalizing only the sampled rows is the same
-        logits = _linear(h, self.lm_head_weight, self.lm_head_bias, kernel)
+        logits = _linear(h, self.lm_head_weight, self.lm_head_bias, kernel, self.lm_head_packed, packed_from_rows)
         if self.final_logit_softcapping is not None:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits.float()

@@ -89,6 +89,16 @@ def compute_model_fingerprint(model: torch.nn.Module, kv_dtype: torch.dtype) -> 
     return digest.hexdigest()
 
 
+def _linear_path(compact: CompactCausalLM | None) -> str:
+    """How the runner's linear layers run, for the start-up log."""
+    if compact is None or not compact.linear_kernel:
+        return "ATen"
+    if compact.packed_from_rows:
+        return (f"the small-row C++ kernel below {compact.packed_from_rows} rows, then oneDNN's GEMM on weights packed "
+                "at start-up")
+    return "the small-row C++ kernel for a few rows, then ATen"
+
+
 BACKENDS = ("compiled", "eager", "transformers")
 ENFORCE_EAGER_ENV = "PREFIXSERVE_ENFORCE_EAGER"
 """Set to 1 to run every runner of the process without compilation (e.g. a quick test run)."""
@@ -171,8 +181,7 @@ class ModelRunner:
         logger.info("model runner: %s forward ready in %.1f s, decode attention by %s, linear layers by %s",
                     self.backend, self.startup_seconds, "the C++ kernel" if self.decode_kernel else
                     ("ATen's flash kernel" if self.device.type == "cpu" else "SDPA"),
-                    "the small-row C++ kernel for a few rows, then ATen" if compact is not None and
-                    compact.linear_kernel else "ATen")
+                    _linear_path(compact))
 
     @property
     def num_compiles(self) -> int:

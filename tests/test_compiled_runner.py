@@ -184,3 +184,37 @@ def test_qwen3_and_gemma3_logits_and_greedy_tokens_match_transformers(make_confi
         expected_tokens = reference.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
                                              pad_token_id=0)[0, len(prompt):].tolist()
     assert generated == expected_tokens
+
+
+@pytest.mark.parametrize(("setting", "backend"), [("1", "eager"), ("1", "compiled"), ("0", "eager")])
+def test_packed_linear_weights_keep_transformers_logits_and_greedy_tokens(llama, monkeypatch, setting, backend):
+    """``PREFIXSERVE_PACKED_LINEAR=1`` forces the packed oneDNN weights (the default on AVX-512 CPUs), ``0`` turns them
+    off; either way a prompt (rows >= ``PACKED_FROM_ROWS``: packed) and lone decodes (the small-row kernel) give
+    transformers' float32 logits and greedy tokens."""
+    from replica import cpu_kernels
+    from replica.llama import PACKED_FROM_ROWS
+
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels not built")
+    monkeypatch.setenv("PREFIXSERVE_PACKED_LINEAR", setting)
+    run = runner(llama.served, backend=backend)
+    compact = run._compiled.forward.module if backend == "compiled" else run._compact
+    layer = compact.layers[0]
+    packs = (layer.qkv_packed, layer.o_packed, layer.gate_up_packed, layer.down_packed, compact.lm_head_packed)
+    if setting == "1":
+        assert compact.packed_from_rows == PACKED_FROM_ROWS and all(p is not None and p.is_mkldnn for p in packs)
+    else:
+        assert compact.packed_from_rows == 0 and all(p is None for p in packs)
+    prompt = random_prompt(200, seed=61)
+    seq = Seq(prompt, [2, 5])
+    logits = run.run([seq.chunk()])
+    reference = llama.reference
+    with torch.inference_mode():
+        torch.testing.assert_close(logits[0], reference(torch.tensor([prompt])).logits[0, -1], rtol=0, atol=2e-4)
+        generated = []
+        for _ in range(6):
+            generated.append(int(logits[0].argmax()))
+            logits = run.run([seq.decode(generated[-1])])
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+    assert generated == expected

@@ -87,3 +87,37 @@ def test_compact_model_uses_the_kernel_for_float32_and_bfloat16(tiny_llama_dir):
     for dtype, expected in ((torch.float32, True), (torch.bfloat16, True), (torch.float16, False)):
         model = CompactCausalLM(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=dtype).eval())
         assert model.linear_kernel is expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_weight_runs_onednn_from_its_row_count_and_the_kernel_below(dtype, with_bias):
+    """With a packed weight, inputs of ``packed_from_rows`` rows or more are oneDNN's packed GEMM (bit for bit the op
+    inductor's frozen graphs call) and smaller ones the kernel's, both the float64 product up to rounding."""
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randn(96, 64, generator=generator).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype) if with_bias else None
+    packed = cpu_kernels.pack_linear_weight(weight)
+    assert packed.is_mkldnn
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
+    for rows in (1, 2, 3, 5, 40):
+        x = torch.randn(rows, 64, generator=generator).to(dtype)
+        out = cpu_kernels.linear(x, weight, bias, True, packed, 3)
+        expected = (torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "") if rows >= 3
+                    else cpu_kernels.linear(x, weight, bias))
+        assert out.dtype == dtype and torch.equal(out, expected), rows
+        torch.testing.assert_close(out.double(), _reference(x, weight, bias), **tolerance)
+    strided = torch.randn(64, 7, generator=generator).to(dtype).t()  # a non-contiguous input is copied first
+    torch.testing.assert_close(cpu_kernels.linear(strided, weight, bias, True, packed, 3).double(),
+                               _reference(strided, weight, bias), **tolerance)
+
+
+def test_packed_rows_differ_from_the_kernel_so_the_switch_is_real():
+    """From ``packed_from_rows`` up the packed GEMM answers, not the kernel: their sums are ordered differently."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 512, generator=generator)
+    weight = torch.randn(2048, 512, generator=generator)
+    packed = cpu_kernels.pack_linear_weight(weight)
+    assert not torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 3), cpu_kernels.linear(x, weight))
+    assert torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 5), cpu_kernels.linear(x, weight))
+

@@ -13,6 +13,7 @@
 // next block may name addresses past the last weight row; a prefetch never faults.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -170,7 +171,30 @@ void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::
   at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) { small_rows<T>(xp, wp, bp, yp, M, K, N, begin, end); });
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool use_kernel) {
+// oneDNN's GEMM on a weight packed once by mkldnn::_reorder_linear_weight (an opaque mkldnn tensor): the path of
+// inductor's frozen graphs, reached here with the weight as an ordinary graph input. Called through the dispatcher,
+// boxed, since ATen declares the op only in its registration.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x.contiguous());
+  stack.emplace_back(packed);
+  stack.emplace_back(bias.has_value() && bias->defined() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// x [M, K] . weight^T: with a packed weight, oneDNN's packed GEMM from packed_from_rows rows up; below that (or with
+// none) the kernel where it covers the input, else ATen.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool use_kernel,
+                  const c10::optional<at::Tensor>& packed, int64_t packed_from_rows) {
+  if (packed.has_value() && packed->defined() && x.dim() == 2 && x.size(0) >= packed_from_rows)
+    return packed_linear(x, *packed, bias);
   if (!use_kernel || !covered(x, weight, bias)) return at::linear(x, weight, bias);
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
   if (x.scalar_type() == at::kFloat)
@@ -183,7 +207,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefixserve_cpu, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias, bool use_kernel=True) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, bool use_kernel=True, Tensor? packed=None, "
+        "int packed_from_rows=0) -> Tensor");
 }
 
+// MkldnnCPU too: a packed weight argument puts that key in the call's dispatch key set
 TORCH_LIBRARY_IMPL(prefixserve_cpu, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(prefixserve_cpu, MkldnnCPU, m) { m.impl("linear", &linear); }
