@@ -60,7 +60,8 @@ def main() -> None:
     engine = build_engine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
                                        enforce_eager=args.enforce_eager, num_threads=args.threads,
                                        num_prefill_threads=args.prefill_threads))
-    wall = args.wall or (args.prefill_threads is not None and args.prefill_threads != args.threads)
+    prefill_split = args.prefill_threads is not None and args.prefill_threads != args.threads
+    wall = args.wall or prefill_split
     rng = random.Random(0)
     prefixes = [[rng.randrange(100, 8000) for _ in range(1536)] for _ in range(4)]
     counter = iter(range(10**9))
@@ -125,7 +126,7 @@ def main() -> None:
     threads = engine._step_threads
     amx = kernel and cpu_kernels.has_amx() and args.dtype == "bfloat16"
     first_name = ("in place, C++ decode" if kernel else "in place") + (", AMX prefill" if amx else "")
-    if args.prefill_threads is not None and args.prefill_threads != args.threads:
+    if prefill_split:
         first_name += f", prefill on {args.prefill_threads} threads"
     if packed:
         first_name += f", packed linear from {packed} rows"
@@ -136,7 +137,7 @@ def main() -> None:
         paths["generic"] = (False, False, linear_kernel, threads, False, packed)
     if args.compare_small_linear and linear_kernel:
         paths["library linear"] = (True, kernel, None, threads, amx, packed)
-    if args.compare_prefill_threads and wall:
+    if args.compare_prefill_threads and prefill_split:
         paths[f"prefill on {args.threads} thread(s)"] = (True, kernel, linear_kernel, (args.threads, args.threads), amx,
                                                          packed)
     if args.compare_flash_prefill and amx:

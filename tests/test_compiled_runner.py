@@ -173,15 +173,22 @@ def test_qwen3_and_gemma3_logits_and_greedy_tokens_match_transformers(make_confi
     prompt = random_prompt(230, seed=60)
     seq = Seq(prompt, [3, 7])
     run.run([seq.chunk(100, sample=False)])
+    assert_matches_transformers(run, seq, reference, num_tokens=5)
+
+
+def assert_matches_transformers(run: ModelRunner, seq: Seq, reference, num_tokens: int) -> None:
+    """The rest of ``seq``'s prompt, then ``num_tokens`` lone greedy decodes through ``run``: the prompt's last logits
+    are ``reference``'s (float32, to 2e-4) and the tokens are its ``generate``'s."""
+    prompt = list(seq.tokens)
     logits = run.run([seq.chunk()])
     with torch.inference_mode():
         expected = reference(torch.tensor([prompt])).logits[0, -1]
         torch.testing.assert_close(logits[0], expected, rtol=0, atol=2e-4)
         generated = []
-        for _ in range(5):
+        for _ in range(num_tokens):
             generated.append(int(logits[0].argmax()))
             logits = run.run([seq.decode(generated[-1])])
-        expected_tokens = reference.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
+        expected_tokens = reference.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
                                              pad_token_id=0)[0, len(prompt):].tolist()
     assert generated == expected_tokens
 
@@ -205,16 +212,4 @@ def test_packed_linear_weights_keep_transformers_logits_and_greedy_tokens(llama,
         assert compact.packed_from_rows == PACKED_FROM_ROWS and all(p is not None and p.is_mkldnn for p in packs)
     else:
         assert compact.packed_from_rows == 0 and all(p is None for p in packs)
-    prompt = random_prompt(200, seed=61)
-    seq = Seq(prompt, [2, 5])
-    logits = run.run([seq.chunk()])
-    reference = llama.reference
-    with torch.inference_mode():
-        torch.testing.assert_close(logits[0], reference(torch.tensor([prompt])).logits[0, -1], rtol=0, atol=2e-4)
-        generated = []
-        for _ in range(6):
-            generated.append(int(logits[0].argmax()))
-            logits = run.run([seq.decode(generated[-1])])
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                                      pad_token_id=0)[0, len(prompt):].tolist()
-    assert generated == expected
+    assert_matches_transformers(run, Seq(random_prompt(200, seed=61), [2, 5]), llama.reference, num_tokens=6)

@@ -120,4 +120,3 @@ def test_packed_rows_differ_from_the_kernel_so_the_switch_is_real():
     packed = cpu_kernels.pack_linear_weight(weight)
     assert not torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 3), cpu_kernels.linear(x, weight))
     assert torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 5), cpu_kernels.linear(x, weight))
-
