@@ -138,6 +138,35 @@ def test_decode_kernel_long_runs_across_blocks_and_many_rows(monkeypatch):
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_bfloat16_decode_kernel_matches_float64_attention(head_dim):
+    """bfloat16 decode rows (on AVX-512: keys scored 16 at a time, by vdpbf16ps pairs where the CPU has AVX512-BF16;
+    head size 80 leaves half a pair): a group of rows sharing a 200-key run plus runs of their own (the next run's
+    first block prefetched), against float64 attention on the same bfloat16 values, and against the plain loops."""
+    gen = torch.Generator().manual_seed(3)
+    num_kv_heads, group, slots = 2, 2, 2000
+    k_cache = (torch.randn(slots, num_kv_heads, head_dim, generator=gen) * 2).to(torch.bfloat16)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    query = torch.randn(3, num_kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
+    contexts = {0: [(100, 200), (900, 75)], 1: [(100, 200), (1500, 3)], 2: [(1200, 130)]}
+    segments = [(100, 200, 0, 2), (900, 75, 2, 3), (1500, 3, 3, 4), (1200, 130, 4, 5)]
+    rows = [0, 1, 0, 1, 2, 0, 1, 2]
+    components = [(0, 3, 5, 7), (3, 4, 7, 8)]
+    plan = tuple(torch.tensor(values, dtype=torch.long) for values in (segments, rows, components))
+    out, plain = torch.zeros_like(query), torch.zeros_like(query)
+    scale = head_dim ** -0.5
+    cpu_kernels.decode_attention(query, k_cache, v_cache, *plan, out, scale)
+    cpu_kernels.decode_attention(query, k_cache, v_cache, *plan, plain, scale, vector_code=False)
+    torch.testing.assert_close(out.float(), plain.float(), rtol=0.008, atol=0.008)
+    for position, runs in contexts.items():
+        index = torch.cat([torch.arange(start, start + length) for start, length in runs])
+        k = k_cache[index].double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = v_cache[index].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        probs = torch.softmax(query[position].double()[:, None] @ k.transpose(1, 2) * scale, dim=-1)
+        torch.testing.assert_close(out[position].double(), (probs @ v)[:, 0], rtol=0.008, atol=0.004)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")
 def test_decode_kernel_refuses_a_plan_outside_the_pool():
     query, cache = torch.randn(2, 2, 8), torch.randn(50, 1, 8)
     out = torch.zeros_like(query)
@@ -300,23 +329,17 @@ def test_amx_prefill_kernel_rescales_when_later_keys_dominate(head_dim):
 @pytest.mark.skipif(not VECTOR_CPU, reason="needs a CPU with AVX2 and FMA")
 @pytest.mark.parametrize("threads", [1, 8])
 def test_bfloat16_prefill_without_amx_is_the_float32_kernel_rounded_once(threads):
-    """bfloat16 on a CPU without AMX tiles (an AVX512-BF16 EPYC, say) runs the float32 kernel on its inputs widened
-    as they are read: its output is exactly the float32 kernel's on the same (bfloat16-valued) inputs, rounded to
-    bfloat16 once (round to nearest even, as torch), over uneven runs, causal, GQA, one and eight threads (items
-    packed for 8 + 1 row blocks and for 2). The dispatcher sends bfloat16 there when there are no tiles."""
+    """bfloat16 on a CPU without AMX tiles or AVX512-BF16 (or ``bf16_dot=False``) runs the float32 kernel on its
+    inputs widened as they are read: its output is exactly the float32 kernel's on the same (bfloat16-valued) inputs,
+    rounded to bfloat16 once (round to nearest even, as torch), over uneven runs, causal, GQA, one and eight threads
+    (items packed for 8 + 1 row blocks and for 2)."""
     assert cpu_kernels.has_vector_prefill(), cpu_kernels._state
-    gen = torch.Generator().manual_seed(5)
-    num_kv_heads, group, head_dim, tokens, slots = 2, 3, 64, 45, 400
-    k_cache = (torch.randn(slots, num_kv_heads, head_dim, generator=gen) * 3).to(torch.bfloat16)
-    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    query = torch.randn(tokens, num_kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
-    runs = torch.tensor([[300, 70], [7, 80], [200, 45]])
-    scale = head_dim ** -0.5
+    query, k_cache, v_cache, runs, scale = bfloat16_prefill_case(64)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         out = torch.zeros_like(query)
-        torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache, v_cache, runs, scale, out)
+        torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache, v_cache, runs, scale, out, bf16_dot=False)
         wide = torch.zeros(query.shape, dtype=torch.float32)
         torch.ops.prefixserve_cpu.prefill_attention_f32(query.float(), k_cache.float(), v_cache.float(), runs, scale,
                                                         wide)
@@ -326,9 +349,56 @@ def test_bfloat16_prefill_without_amx_is_the_float32_kernel_rounded_once(threads
     assert out.abs().sum() > 0
     with pytest.raises(RuntimeError, match="all of one dtype"):
         torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache.float(), v_cache, runs, scale, out)
-    if not cpu_kernels.has_amx():  # what the paged path calls for bfloat16 here
+    if not cpu_kernels.has_amx() and not cpu_kernels.has_bf16_dot():  # what the paged path calls for bfloat16 here
         routed = torch.zeros_like(query)
         cpu_kernels.prefill_attention(query, k_cache, v_cache, runs, scale, routed)
         assert torch.equal(routed, out)
         from replica.paged_attention import _prefill_kernel_for
         assert _prefill_kernel_for(query, k_cache, v_cache)
+
+
+def bfloat16_prefill_case(head_dim: int, group: int = 3, tokens: int = 45):
+    """A bfloat16 prompt chunk of ``tokens`` after 150 cached keys in two uneven runs (2 kv heads, ``group`` query
+    heads each; large scores, so the running maximum moves)."""
+    gen = torch.Generator().manual_seed(5)
+    num_kv_heads, slots = 2, 400
+    k_cache = (torch.randn(slots, num_kv_heads, head_dim, generator=gen) * 3).to(torch.bfloat16)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    query = torch.randn(tokens, num_kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
+    runs = torch.tensor([[300, 70], [7, 80], [200, tokens]])
+    return query, k_cache, v_cache, runs, head_dim ** -0.5
+
+
+@pytest.mark.skipif(not (VECTOR_CPU and cpu_kernels.load() and cpu_kernels.has_bf16_dot()),
+                    reason="needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("threads", [1, 8])
+@pytest.mark.parametrize("head_dim,group,tokens", [(64, 3, 45), (34, 4, 33), (80, 1, 17), (128, 2, 130)])
+def test_bfloat16_prefill_on_pair_dot_products_matches_float64_attention(threads, head_dim, group, tokens):
+    """With AVX512-BF16 (no AMX) bfloat16 chunks run on vdpbf16ps: Q K^T of bfloat16 pairs (exact products, float32
+    sums) and P V with P rounded to bfloat16. Its output is float64 attention on the same inputs up to bfloat16's
+    rounding of P and of the output (causal, GQA, uneven runs, an odd count of keys in a block, head sizes that are not
+    multiples of 16 or 32), no further from it than the widened float32 kernel's output but for that rounding, and
+    not equal to it (so the pair path really runs); the dispatcher sends bfloat16 here."""
+    query, k_cache, v_cache, runs, scale = bfloat16_prefill_case(head_dim, group, tokens)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, wide, routed = torch.zeros_like(query), torch.zeros_like(query), torch.zeros_like(query)
+        torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache, v_cache, runs, scale, out)
+        torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache, v_cache, runs, scale, wide, bf16_dot=False)
+        if not cpu_kernels.has_amx():
+            cpu_kernels.prefill_attention(query, k_cache, v_cache, runs, scale, routed)
+            assert torch.equal(routed, out)
+    finally:
+        torch.set_num_threads(before)
+    index = torch.cat([torch.arange(start, start + length) for start, length in runs.tolist()])
+    keys = k_cache[index].double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    values = v_cache[index].double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = query.double().transpose(0, 1) @ keys.transpose(1, 2) * scale
+    cached = len(index) - tokens
+    visible = torch.arange(len(index))[None] <= cached + torch.arange(tokens)[:, None]
+    reference = (torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ values).transpose(0, 1)
+    torch.testing.assert_close(out.double(), reference, rtol=0.01, atol=0.01)
+    assert (out.double() - reference).abs().max() <= (wide.double() - reference).abs().max() + 0.008
+    assert not torch.equal(out, wide)
+    assert (out.float() - wide.float()).abs().max() <= 2.0 ** -6  # values ~1: P's rounding, then the output's

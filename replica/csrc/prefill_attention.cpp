@@ -1,9 +1,10 @@
 // Prefill attention in float32 on AVX2 + FMA vectors (any x86-64 CPU of the last decade; the AMX kernel in
 // amx_attention.cpp covers bfloat16 where the CPU has AMX tiles): one prompt chunk's query tokens against their whole
 // context, the cached part and the chunk's own tokens (causal), wherever its pages lie in the pool. See
-// replica/cpu_kernels.py (``prefill_attention``). bfloat16 on a CPU without AMX (e.g. an AVX512-BF16 EPYC) comes here
-// too: the query and each block of keys and values are widened to float32 as they are packed, the arithmetic is the
-// float32 kernel's, and the output is rounded to bfloat16 once.
+// replica/cpu_kernels.py (``prefill_attention``). bfloat16 on a CPU without AMX comes here too: with AVX512-BF16 (e.g. a
+// Zen 4 EPYC) to the vdpbf16ps kernel further down (``bf16dot``); otherwise the query and each block of keys and values
+// are widened to float32 as they are packed, the arithmetic is the float32 kernel's, and the output is rounded to
+// bfloat16 once.
 //
 // Before it, float32 chunks were attended run by run by ATen's flash kernel, one call per run of consecutive pool
 // slots, and the parts merged by their log-sum-exp in Python: on a 2-core AVX2 EPYC that path spent ~9 ms per layer on
@@ -343,6 +344,243 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
 
 #endif
 
+#if defined(PREFIXSERVE_VEC_PREFILL) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PREFIXSERVE_BF16_DOT 1
+// bfloat16 on AVX512-BF16 (a Zen 4 EPYC, say; no AMX tiles): both products by vdpbf16ps, which multiplies pairs of
+// bfloat16 values exactly and adds them into float32, 16 rows to a 512-bit vector, so the keys are never widened and
+// each instruction does twice an FMA's work.
+//
+//   S^T = K Q^T     Q^T packed once per row block as bfloat16 pairs (head dims 2p, 2p+1 of each of the 16 rows); each
+//                   key's pair broadcast straight from the pool, 8 keys at a time; scores scaled by scale * log2(e)
+//   softmax         as the float32 kernel, 16 rows per vector; P^T rounded to bfloat16 and interleaved by key pairs
+//                   (the AMX kernel's rounding: the sums stay float32)
+//   O^T += V^T P^T  values repacked once per block of 64 keys as pairs (key 2j, 2j+1 of each head dim); each pair
+//                   broadcast, 8 head dims at a time
+//
+// A head size must be even. Same items, same blocks, same causal limits as the float32 kernel above.
+namespace bf16dot {
+
+constexpr int64_t kPairs = kKeys / 2;
+
+inline __m512 exp2_16(__m512 t) {  // 2^t, degree 6 as exp2_8; t below -126 gives exactly 0
+  const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+
+inline __m512bh pair_of(const uint16_t* at) {  // the 32 bits at ``at`` (two bfloat16) in every lane
+  uint32_t bits;
+  std::memcpy(&bits, at, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+}
+
+struct Rows16 {
+  uint32_t* qp;  // [dim / 2, 16] bfloat16 pairs, rows past the chunk zero
+  float* ot;     // [dim, 16]
+  alignas(64) float limit[kRows];
+  int64_t rows, first, min_limit;
+  float max_limit;
+  __m512 m, l;
+};
+
+void start_rows(const Chunk& c, int64_t h, int64_t first, uint32_t* qp, float* ot, Rows16& s) {
+  const int64_t dim = c.head_dim;
+  s.qp = qp;
+  s.ot = ot;
+  s.first = first;
+  s.rows = std::min(kRows, c.num_rows - first);
+  std::fill(qp, qp + dim / 2 * kRows, 0u);
+  std::fill(ot, ot + dim * kRows, 0.0f);
+  s.max_limit = 0.0f;
+  const uint16_t* query = static_cast<const uint16_t*>(c.query);
+  for (int64_t i = 0; i < kRows; ++i) {
+    const int64_t token = (first + std::min(i, s.rows - 1)) / c.group;
+    s.limit[i] = static_cast<float>(c.cached + token + 1);
+    s.max_limit = std::max(s.max_limit, s.limit[i]);
+    if (i >= s.rows) continue;
+    const uint16_t* q = query + (token * c.num_heads + h * c.group + (first + i) % c.group) * dim;
+    for (int64_t p = 0; p < dim / 2; ++p) std::memcpy(qp + p * kRows + i, q + 2 * p, sizeof(uint32_t));
+  }
+  s.min_limit = static_cast<int64_t>(s.limit[0]);
+  s.m = _mm512_set1_ps(kNoScore);
+  s.l = _mm512_setzero_ps();
+}
+
+// S^T for N (<= 8) consecutive keys at ``key`` (pool rows ``stride`` apart), scaled by ``factor``
+template <int N>
+inline void scores(const uint16_t* key, int64_t stride, const uint32_t* qp, int64_t dim, __m512 factor, float* st) {
+  __m512 acc[N];
+  for (int n = 0; n < N; ++n) acc[n] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < dim / 2; ++p) {
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(qp + p * kRows);
+    for (int n = 0; n < N; ++n) acc[n] = _mm512_dpbf16_ps(acc[n], q, pair_of(key + n * stride + 2 * p));
+  }
+  for (int n = 0; n < N; ++n) _mm512_store_ps(st + n * kRows, _mm512_mul_ps(acc[n], factor));
+}
+
+// O^T[d .. d+N) += V^T P^T over ``pairs`` key pairs (``vp``: [pairs, dim] value pairs, ``pp``: [pairs, 16] P pairs)
+template <int N>
+inline void values(const uint32_t* vp, int64_t dim, const uint32_t* pp, int64_t pairs, float* ot) {
+  __m512 acc[N];
+  for (int n = 0; n < N; ++n) acc[n] = _mm512_load_ps(ot + n * kRows);
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m512bh prob = (__m512bh)_mm512_load_si512(pp + j * kRows);
+    const uint32_t* v = vp + j * dim;
+    for (int n = 0; n < N; ++n)
+      acc[n] = _mm512_dpbf16_ps(acc[n], prob, (__m512bh)_mm512_set1_epi32(static_cast<int>(v[n])));
+  }
+  for (int n = 0; n < N; ++n) _mm512_store_ps(ot + n * kRows, acc[n]);
+}
+
+void scores_any(int n, const uint16_t* key, int64_t stride, const uint32_t* qp, int64_t dim, __m512 f, float* st) {
+  switch (n) {
+    case 8: scores<8>(key, stride, qp, dim, f, st); break;
+    case 7: scores<7>(key, stride, qp, dim, f, st); break;
+    case 6: scores<6>(key, stride, qp, dim, f, st); break;
+    case 5: scores<5>(key, stride, qp, dim, f, st); break;
+    case 4: scores<4>(key, stride, qp, dim, f, st); break;
+    case 3: scores<3>(key, stride, qp, dim, f, st); break;
+    case 2: scores<2>(key, stride, qp, dim, f, st); break;
+    default: scores<1>(key, stride, qp, dim, f, st); break;
+  }
+}
+
+void values_any(int n, const uint32_t* vp, int64_t dim, const uint32_t* pp, int64_t pairs, float* ot) {
+  switch (n) {
+    case 8: values<8>(vp, dim, pp, pairs, ot); break;
+    case 6: values<6>(vp, dim, pp, pairs, ot); break;
+    case 4: values<4>(vp, dim, pp, pairs, ot); break;
+    default: values<2>(vp, dim, pp, pairs, ot); break;  // head sizes are even
+  }
+}
+
+// ``count`` keys at ``key`` (pool rows ``stride`` apart) and their values as pairs ``vp``, the context's
+// ``position``-th onwards, into one row block's state (``st``: scratch for S^T, ``pp``: for P^T pairs)
+void attend_block(const Chunk& c, Rows16& s, const uint16_t* key, int64_t stride, const uint32_t* vp, int64_t count,
+                  int64_t position, float* st, uint32_t* pp) {
+  const int64_t dim = c.head_dim;
+  const __m512 factor = _mm512_set1_ps(c.scale * kLog2e);
+  for (int64_t j = 0; j < count; j += 8)
+    scores_any(static_cast<int>(std::min<int64_t>(8, count - j)), key + j * stride, stride, s.qp, dim, factor,
+               st + j * kRows);
+  const __m512 limit = _mm512_load_ps(s.limit);
+  const bool masked = position + count > s.min_limit;
+  __m512 top = _mm512_set1_ps(kNoScore);
+  for (int64_t j = 0; j < count; ++j) {
+    __m512 row = _mm512_load_ps(st + j * kRows);
+    if (masked) {
+      const __mmask16 hidden = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(position + j)), limit, _CMP_GE_OQ);
+      row = _mm512_mask_mov_ps(row, hidden, _mm512_set1_ps(kNoScore));
+      _mm512_store_ps(st + j * kRows, row);
+    }
+    top = _mm512_max_ps(top, row);
+  }
+  const __m512 next = _mm512_max_ps(s.m, top);
+  const __m512 rescale = exp2_16(_mm512_sub_ps(s.m, next));
+  s.m = next;
+  // P^T: key pairs (2j, 2j+1) interleaved per row, the odd key of an odd count zero
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; j += 2) {
+    const __m512 p0 = exp2_16(_mm512_sub_ps(_mm512_load_ps(st + j * kRows), next));
+    const __m512 p1 = j + 1 < count ? exp2_16(_mm512_sub_ps(_mm512_load_ps(st + (j + 1) * kRows), next))
+                                    : _mm512_setzero_ps();
+    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // [p0 of the 16 rows, p1 of the 16 rows]
+    _mm512_store_si512(pp + j / 2 * kRows, _mm512_permutexvar_epi16(interleave, both));
+  }
+  s.l = _mm512_fmadd_ps(s.l, rescale, sum);
+  if (position > 0 && _mm512_cmp_ps_mask(rescale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+    for (int64_t d = 0; d < dim; ++d)
+      _mm512_store_ps(s.ot + d * kRows, _mm512_mul_ps(_mm512_load_ps(s.ot + d * kRows), rescale));
+  const int64_t pairs = (count + 1) / 2;
+  for (int64_t d = 0; d < dim; d += 8)
+    values_any(static_cast<int>(std::min<int64_t>(8, dim - d)), vp + d, dim, pp, pairs, s.ot + d * kRows);
+}
+
+void finish_rows(const Chunk& c, int64_t h, const Rows16& s) {
+  const int64_t dim = c.head_dim;
+  alignas(64) float inverse[kRows];
+  _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), s.l));
+  for (int64_t i = 0; i < s.rows; ++i) {
+    const int64_t token = (s.first + i) / c.group;
+    uint16_t* o = static_cast<uint16_t*>(c.out) + (token * c.num_heads + h * c.group + (s.first + i) % c.group) * dim;
+    for (int64_t d = 0; d < dim; ++d) o[d] = f32_to_bf16(s.ot[d * kRows + i] * inverse[i]);
+  }
+}
+
+// One item, as ``run_rows``: kv head ``h``, row blocks ``first_block`` .. + ``blocks``; each block of values is
+// repacked as pairs once for all of them, the keys are read in place
+void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
+  const int64_t dim = c.head_dim;
+  const int64_t q_words = dim / 2 * kRows, o_floats = dim * kRows;
+  thread_local std::vector<uint32_t> scratch;  // 32-bit words: Q pairs, O^T, S^T, P pairs, value pairs
+  const size_t need = static_cast<size_t>(blocks * (q_words + o_floats) + kKeys * kRows + kPairs * kRows +
+                                          kPairs * dim + 16);
+  if (scratch.size() < need) scratch.resize(need);
+  uint32_t* base = scratch.data();
+  base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(uint32_t)) % 16) % 16;  // 64-byte aligned
+  float* st = reinterpret_cast<float*>(base + blocks * (q_words + o_floats));
+  uint32_t* pp = base + blocks * (q_words + o_floats) + kKeys * kRows;
+  uint32_t* vp = pp + kPairs * kRows;
+  Rows16 rows[kGroup];
+  float max_limit = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint32_t* at = base + b * (q_words + o_floats);
+    start_rows(c, h, (first_block + b) * kRows, at, reinterpret_cast<float*>(at + q_words), rows[b]);
+    max_limit = std::max(max_limit, rows[b].max_limit);
+  }
+  const uint16_t* k16 = static_cast<const uint16_t*>(c.k);
+  const uint16_t* v16 = static_cast<const uint16_t*>(c.v);
+  int64_t position = 0;
+  for (int64_t r = 0; r < c.num_runs && position < max_limit; ++r) {
+    const int64_t slot0 = c.runs[2 * r], length = c.runs[2 * r + 1];
+    for (int64_t start = 0; start < length && position < max_limit; start += kKeys) {
+      const int64_t count = std::min(kKeys, length - start);
+      const int64_t at = (slot0 + start) * c.slot_stride + h * dim;
+      for (int64_t j = 0; j < count; j += 2) {  // value pairs: (key j, key j + 1) of each head dim
+        const uint16_t* v0 = v16 + at + j * c.slot_stride;
+        const uint16_t* v1 = j + 1 < count ? v0 + c.slot_stride : nullptr;
+        uint32_t* to = vp + j / 2 * dim;
+        int64_t d = 0;
+        for (; d + 16 <= dim; d += 16) {
+          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)));
+          const __m512i hi = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)))
+                                : _mm512_setzero_si512();
+          _mm512_storeu_si512(to + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+        for (; d < dim; ++d) to[d] = v0[d] | (v1 ? static_cast<uint32_t>(v1[d]) << 16 : 0u);
+      }
+      for (int64_t b = 0; b < blocks; ++b)
+        if (position < rows[b].max_limit)
+          attend_block(c, rows[b], k16 + at, c.slot_stride, vp, count, position, st, pp);
+      position += count;
+    }
+  }
+  for (int64_t b = 0; b < blocks; ++b) finish_rows(c, h, rows[b]);
+}
+
+}  // namespace bf16dot
+#endif
+
+bool has_bf16_dot() {
+#ifdef PREFIXSERVE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool has_vector_prefill() {
 #ifdef PREFIXSERVE_VEC_PREFILL
   return true;
@@ -355,7 +593,7 @@ bool has_vector_prefill() {
 // all float32 or all bfloat16 (computed in float32: CPUs without AMX tiles); runs [R, 2] int64: (first slot, length) of
 // the context's runs in order, the chunk's own tokens being the last ``tokens`` keys. dim <= 256.
 void prefill_attention_f32(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& runs, double scale, at::Tensor& out) {
+                           const at::Tensor& runs, double scale, at::Tensor& out, bool bf16_dot) {
   TORCH_CHECK(has_vector_prefill(), "prefill_attention_f32: built without AVX2 and FMA");
 #ifdef PREFIXSERVE_VEC_PREFILL
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 3 && out.sizes() == query.sizes() &&
@@ -379,6 +617,7 @@ void prefill_attention_f32(const at::Tensor& query, const at::Tensor& k_cache, c
   }
   TORCH_CHECK(tokens > 0 && length >= tokens, "prefill_attention_f32: the runs must end with the chunk's own tokens");
   const int64_t group = num_heads / num_kv_heads;
+  const bool dot = bf16 && bf16_dot && has_bf16_dot() && head_dim % 2 == 0;
   const Chunk chunk{query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), run, runs.size(0),
                     num_heads, group, tokens * group, head_dim, num_kv_heads * head_dim, length - tokens,
                     static_cast<float>(scale), bf16};
@@ -390,6 +629,12 @@ void prefill_attention_f32(const at::Tensor& query, const at::Tensor& k_cache, c
   at::parallel_for(0, num_kv_heads * groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t first = (item % groups) * per_item;
+#ifdef PREFIXSERVE_BF16_DOT
+      if (dot) {
+        bf16dot::run_rows(chunk, item / groups, first, std::min(per_item, row_blocks - first));
+        continue;
+      }
+#endif
       run_rows(chunk, item / groups, first, std::min(per_item, row_blocks - first));
     }
   });
@@ -400,8 +645,9 @@ void prefill_attention_f32(const at::Tensor& query, const at::Tensor& k_cache, c
 
 TORCH_LIBRARY_FRAGMENT(prefixserve_cpu, m) {
   m.def("has_vector_prefill() -> bool", &has_vector_prefill);
+  m.def("has_bf16_dot() -> bool", &has_bf16_dot);
   m.def("prefill_attention_f32(Tensor query, Tensor k_cache, Tensor v_cache, Tensor runs, float scale, "
-        "Tensor(a!) out) -> ()");
+        "Tensor(a!) out, bool bf16_dot=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(prefixserve_cpu, CPU, m) { m.impl("prefill_attention_f32", &prefill_attention_f32); }
