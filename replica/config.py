@@ -17,6 +17,12 @@ PREFILL_THREADS_MIN_TOKENS = 64
 """Steps of at least this many tokens run on ``EngineConfig.num_prefill_threads`` (CPU). A 256-token chunk over a
 1536-token cached prefix took 94-126 ms on one thread and 48-69 ms on two (tiny Llama, bf16, AMX Xeon), while decode
 steps on a second thread slowed serving: the HTTP proxy needs that core between tokens (BENCHMARKS.md section 0)."""
+PREFILL_THREADS_MIN_KEYS = 4096
+"""Steps whose rows attend at least this many keys in all (context plus new tokens, summed over the step's requests)
+run on ``num_prefill_threads`` too, however few their tokens: a decode batch over long contexts (4 requests of ~1800
+tokens) is bound by reading its KV, and on 2 threads took 0.6x the time; vLLM's prefix_repetition client measured
+0.9-1.15x the request throughput on a 2-core Zen 4 box (BENCHMARKS.md section 0k), where short contexts kept one
+thread (a streamed token on two was 1.3x slower: the HTTP proxy's core)."""
 DEVICES = ("cpu", "gpu")
 DTYPES = ("auto", "float32", "bfloat16")
 KV_EVENT_PUBLISHERS = ("null", "zmq")
@@ -136,7 +142,8 @@ class EngineConfig:
     """torch intra-op threads for this replica (the CPUs it owns)."""
     num_prefill_threads: int | None = None
     """CPU: torch threads for steps of at least ``PREFILL_THREADS_MIN_TOKENS`` tokens (prefill chunks), which are
-    compute-bound and scale with cores; decode steps keep ``num_threads``. None: ``num_threads``."""
+    compute-bound and scale with cores, or attending at least ``PREFILL_THREADS_MIN_KEYS`` keys in all; other decode
+    steps keep ``num_threads``. None: ``num_threads``."""
     enforce_eager: bool = False
     """Run the model eagerly: no torch.compile, no CUDA graphs (debugging, or when compilation is unavailable)."""
     cache_dir: str | None = None

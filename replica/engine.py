@@ -27,7 +27,7 @@ from common.page_keys import PageKey, compute_page_keys, hash_page
 from common.types import (CachedTokens, EngineRequest, EngineStats, PinPrefix, PrefixReport, ProactiveCopyStats,
                           RequestLatencyStats,
                           RequestOutput)
-from replica.config import PREFILL_THREADS_MIN_TOKENS, EngineConfig
+from replica.config import PREFILL_THREADS_MIN_KEYS, PREFILL_THREADS_MIN_TOKENS, EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
 from replica.kv_manager import KVCacheManager
 from replica.model_runner import ChunkInput, ModelRunner
@@ -281,7 +281,8 @@ class LLMEngine:
         self.kv.exports.set_computing(self.scheduler.in_flight_keys())  # a peer's export may wait for these
         if not plan.chunks:
             return []
-        self._set_step_threads(plan.num_tokens)
+        self._set_step_threads(plan.num_tokens, sum(chunk.seq.num_computed_tokens + chunk.num_new_tokens
+                                                    for chunk in plan.chunks))
         self._import_pages(plan.imports)
         self._note_scheduled(plan.admitted)
         inputs = []
@@ -323,12 +324,13 @@ class LLMEngine:
             outputs.append(self._advance(seq))
         return [output for output in outputs if output is not None]
 
-    def _set_step_threads(self, num_tokens: int) -> None:
-        """CPU: run this step on the prefill thread count when it is long enough, else on the decode one. Called on
-        the thread that steps (torch's thread count is per calling thread); a change costs ~0.3 ms."""
+    def _set_step_threads(self, num_tokens: int, num_keys: int) -> None:
+        """CPU: run this step on the prefill thread count when it is long enough (``num_tokens`` new tokens) or attends
+        enough keys (``num_keys``, summed over its rows), else on the decode one. Called on the thread that steps
+        (torch's thread count is per calling thread); a change costs ~0.3 ms."""
         if self.device.type != "cpu" or self._step_threads[0] == self._step_threads[1]:
             return
-        wanted = self._step_threads[num_tokens >= PREFILL_THREADS_MIN_TOKENS]
+        wanted = self._step_threads[num_tokens >= PREFILL_THREADS_MIN_TOKENS or num_keys >= PREFILL_THREADS_MIN_KEYS]
         if wanted != self._threads_now:
             torch.set_num_threads(wanted)
             self._threads_now = wanted

@@ -271,10 +271,15 @@ def test_outputs_queued_for_a_slow_consumer_are_merged():
     assert untouched.new_token_ids == [4] and left == 1
 
 
-def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_replica_s(tiny):
+def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_replica_s(tiny, monkeypatch):
     """CPU: a step of PREFILL_THREADS_MIN_TOKENS or more runs on ``num_prefill_threads``, a shorter one on
-    ``num_threads`` (switched on the stepping thread, only when it changes); greedy output is unchanged."""
-    from replica.config import PREFILL_THREADS_MIN_TOKENS
+    ``num_threads`` (switched on the stepping thread, only when it changes), unless its rows attend
+    PREFILL_THREADS_MIN_KEYS keys or more (here lowered to 46: a 44-token prompt's second decode step attends 46);
+    greedy output is unchanged."""
+    import replica.engine as engine_module
+    from replica.config import PREFILL_THREADS_MIN_KEYS, PREFILL_THREADS_MIN_TOKENS
+
+    assert PREFILL_THREADS_MIN_KEYS > 2 * PREFILL_THREADS_MIN_TOKENS + 40  # the first prompts stay below it
 
     engine = tiny.engine(num_threads=1, num_prefill_threads=2)
     seen = []
@@ -291,10 +296,14 @@ def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_repl
                    "short": random_prompt(PREFILL_THREADS_MIN_TOKENS - 20, seed=61)}
         for request_id, prompt in prompts.items():
             assert run_to_completion(engine, {request_id: prompt}, 4)[0][request_id] == tiny.generate(prompt, 4)
+        monkeypatch.setattr(engine_module, "PREFILL_THREADS_MIN_KEYS", PREFILL_THREADS_MIN_TOKENS - 18)
+        prompt = random_prompt(PREFILL_THREADS_MIN_TOKENS - 20, seed=62)
+        assert run_to_completion(engine, {"keys": prompt}, 4)[0]["keys"] == tiny.generate(prompt, 4)
     finally:
         torch.set_num_threads(before)
     assert seen == [(PREFILL_THREADS_MIN_TOKENS + 40, 2), (1, 1), (1, 1), (1, 1),
-                    (PREFILL_THREADS_MIN_TOKENS - 20, 1), (1, 1), (1, 1), (1, 1)]
+                    (PREFILL_THREADS_MIN_TOKENS - 20, 1), (1, 1), (1, 1), (1, 1),
+                    (PREFILL_THREADS_MIN_TOKENS - 20, 1), (1, 1), (1, 2), (1, 2)]
     with pytest.raises(ValueError, match="--num-prefill-threads"):
         EngineConfig(num_prefill_threads=0)
 
