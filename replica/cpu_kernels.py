@@ -18,9 +18,10 @@ once to the output dtype. float32: up to 16 rows, where ATen's MKL GEMM packs th
 measured 0.4-0.7x ATen's time for 3-16 rows of the 512 x 8 tiny Llama and 0.7-0.9x for 1-2. bfloat16: up to 8 rows,
 0.5-0.8x oneDNN's AMX GEMM at 1-4 rows; the unpacked ``F.linear`` the unfrozen graph would call instead wins from ~12
 rows (``benchmarks/linear_rows.py``). Larger inputs and other dtypes go to ``at::linear`` inside the op, or, on CPUs
-with AVX-512 (``packed_gemm_pays``), every input of 3 rows or more goes to oneDNN's GEMM on a copy of the weight
+with AVX-512 (``packed_gemm_pays``), every input of 4 rows or more goes to oneDNN's GEMM on a copy of the weight
 packed once into its blocked layout (``pack_linear_weight``): on the Zen 4 box that measured 1.3-2x faster than the
-kernel and MKL from 4 rows up in both dtypes, and level with the kernel at 1-2 rows, which keep the kernel.
+tiled kernel and MKL from 4 rows up in both dtypes. 1-3 rows keep the kernel, whose AVX-512 path for them reads the
+weight rows in order (0.5-0.9x oneDNN's time there).
 
 The library is compiled once per machine type (the build directory's name carries a digest of the source, the
 compiler flags and the CPU's flags, since ``-march=native`` code must not run on another CPU) and loaded with

@@ -37,9 +37,10 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Gemma3ForCausalLM": "gemma3",
 }
-PACKED_FROM_ROWS = 3
+PACKED_FROM_ROWS = 4
 """Where linear layers hold packed oneDNN weights, inputs of this many rows or more use them, smaller ones the
-small-row kernel (measured level at 1-2 rows, 1.3-2x slower than oneDNN from 4: BENCHMARKS.md section 0j)."""
+small-row kernel (its streaming path for 1-3 rows on AVX-512 measured 0.5-0.9x oneDNN's time there, level or slower
+at 4: BENCHMARKS.md section 0k)."""
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 """Rope types whose inverse frequencies are fixed at construction (``dynamic`` and ``longrope`` change them with the
 sequence length, which a packed batch of sequences of different lengths cannot reproduce)."""

@@ -1,7 +1,8 @@
 """The small-row linear kernel (replica/csrc/small_linear.cpp) against a float64 reference: every tile shape (1-4 rows
-per tile with AVX-512, 1-3 with AVX2; 4 weight rows per block and the single-row tail), the row limits (16 float32,
-8 bfloat16), bias, and the inputs it hands to ATen unchanged (more rows, K not a multiple of its vector of 16 or 8
-floats, non-contiguous input, float16)."""
+per tile with AVX-512, 1-3 with AVX2; 4 weight rows per block and the single-row tail), AVX-512's streaming path for
+1-3 rows (16 weight rows per reduction, a masked tail, several tasks), the row limits (16 float32, 8 bfloat16), bias,
+and the inputs it hands to ATen unchanged (more rows, K not a multiple of its vector of 16 or 8 floats, non-contiguous
+input, float16)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16])
 @pytest.mark.parametrize("out_features", [4, 7, 33, 258])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("in_features", [96, 40])  # 40: a multiple of AVX2's 8 floats, not of AVX-512's 16
+# 40: a multiple of AVX2's 8 floats, not of AVX-512's 16; 128: AVX-512's streaming path for 1-3 rows (K % 64 == 0)
+@pytest.mark.parametrize("in_features", [96, 40, 128])
 def test_kernel_matches_float64(rows, out_features, with_bias, in_features):
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=generator)
