@@ -1,7 +1,9 @@
 """A C++ prefill attention kernel alone, one layer's call, against ATen's flash kernel on the same inputs, and
 optionally against other versions of the kernel's source, all in one process with the calls alternating (this box is
-noisy: compare within a run). ``--dtype bfloat16`` (default): the AMX kernel (``replica/csrc/amx_attention.cpp``);
-``--dtype float32``: the AVX2 kernel (``replica/csrc/prefill_attention.cpp``).
+noisy: compare within a run). ``--dtype bfloat16`` (default): the AMX kernel (``replica/csrc/amx_attention.cpp``), or
+on a CPU without AMX the kernel of ``replica/csrc/prefill_attention.cpp``: with AVX512-BF16 its vdpbf16ps path, beside
+its widened-to-float32 path (column "widened", ``bf16_dot=False``); ``--dtype float32``: the AVX2 kernel
+(``replica/csrc/prefill_attention.cpp``).
 
 One call attends T query tokens (heads x head dim, grouped-query: kv heads) to a cached context of C keys plus their
 own T tokens (causal), the keys in one run of pool slots. Reported: the best of ``--reps`` wall times per call, in
@@ -12,6 +14,8 @@ microseconds, and GFLOP/s of the two products (4 x heads x T x keys seen x head 
     git show HEAD~2:replica/csrc/amx_attention.cpp > /tmp/old_amx.cpp
     PYTHONPATH=. .venv/bin/python benchmarks/prefill_kernel.py --source old=/tmp/old_amx.cpp
     PYTHONPATH=. .venv/bin/python benchmarks/prefill_kernel.py --dtype float32 --threads 2 --tokens 16,64,256
+    # bfloat16 without AMX (an AVX512-BF16 EPYC): pair dot products against the widened float32 arithmetic
+    PYTHONPATH=. .venv/bin/python benchmarks/prefill_kernel.py --dtype bfloat16 --threads 2 --context 1536 --tokens 64,256
     # as inside an engine step (scattered pages, caches flushed before each call), against the previous version:
     git show HEAD~1:replica/csrc/prefill_attention.cpp > /tmp/old_f32.cpp
     PYTHONPATH=. .venv/bin/python benchmarks/prefill_kernel.py --dtype float32 --cold --source before=/tmp/old_f32.cpp
@@ -31,26 +35,32 @@ import torch
 from replica import cpu_kernels
 
 
-def build_version(name: str, source: Path, dtype: torch.dtype) -> object:
-    """``source`` (a version of amx_attention.cpp or prefill_attention.cpp) built and loaded with its ops under
-    ``ab_<name>_<digest>``."""
+def build_renamed(prefix: str, name: str, source: Path):
+    """``source`` (a version of one of replica/csrc's kernels) built and loaded with its ops under
+    ``<prefix>_<name>_<digest>`` instead of ``prefixserve_cpu``; its headers come from replica/csrc."""
     text = source.read_text()
-    namespace = f"ab_{name}_{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+    namespace = f"{prefix}_{name}_{hashlib.sha256(text.encode()).hexdigest()[:10]}"
     path = Path(tempfile.gettempdir()) / f"prefixserve_{namespace}.cpp"
     path.write_text(text.replace("prefixserve_cpu", namespace))
     from torch.utils.cpp_extension import load as build
 
     build(name=namespace, sources=[str(path)], extra_cflags=cpu_kernels.CFLAGS, extra_ldflags=["-fopenmp"],
-          is_python_module=False)
-    ops = getattr(torch.ops, namespace)
-    if not (ops.has_amx() if dtype == torch.bfloat16 else ops.has_vector_prefill()):
+          extra_include_paths=[str(cpu_kernels.SOURCES[0].parent)], is_python_module=False)
+    return getattr(torch.ops, namespace)
+
+
+def build_version(name: str, source: Path, dtype: torch.dtype) -> object:
+    """``source`` (a version of amx_attention.cpp or prefill_attention.cpp) built and loaded with its ops under
+    ``ab_<name>_<digest>``."""
+    ops = build_renamed("ab", name, source)
+    if not (ops.has_amx() if dtype == torch.bfloat16 and cpu_kernels.has_amx() else ops.has_vector_prefill()):
         raise SystemExit(f"{source}: built without the instructions it needs (or the CPU has none)")
     return ops
 
 
 def kernel_call(ops, dtype: torch.dtype):
-    """The op of ``ops`` for ``dtype`` (the AMX kernel's or the float32 kernel's)."""
-    return ops.prefill_attention if dtype == torch.bfloat16 else ops.prefill_attention_f32
+    """The op of ``ops`` for ``dtype`` (the AMX kernel's, or the vector kernel's: float32, and bfloat16 off AMX)."""
+    return ops.prefill_attention if dtype == torch.bfloat16 and cpu_kernels.has_amx() else ops.prefill_attention_f32
 
 
 def flash(query, keys, values, context, scale, out):
@@ -91,7 +101,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    ready = cpu_kernels.load() and (cpu_kernels.has_amx() if dtype == torch.bfloat16 else cpu_kernels.has_vector_prefill())
+    ready = cpu_kernels.load() and (cpu_kernels.has_amx() or cpu_kernels.has_vector_prefill())
+    widened = dtype == torch.bfloat16 and not cpu_kernels.has_amx() and cpu_kernels.has_bf16_dot()
     if not ready:
         raise SystemExit(f"the {args.dtype} prefill kernel is not available here: {cpu_kernels._state}")
     kernels = {"this": torch.ops.prefixserve_cpu}
@@ -106,7 +117,7 @@ def main(argv=None) -> int:
     page_order = torch.randperm(slots // 128, generator=gen).tolist() if args.cold else None
     flush = torch.empty(32 << 20) if args.cold else None
     scale = args.head_dim ** -0.5
-    names = list(kernels) + ([] if args.no_flash else ["aten flash"])
+    names = list(kernels) + (["widened"] if widened else []) + ([] if args.no_flash else ["aten flash"])
     print(f"{args.dtype}, threads {args.threads}, {args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, context "
           f"{args.context}; " + (f"caches flushed, scattered pages: median of {args.reps} calls" if args.cold else
                                  f"best of {args.reps} calls") + ", us (GFLOP/s)")
@@ -123,6 +134,9 @@ def main(argv=None) -> int:
         calls = {name: (lambda op=kernel_call(ops, dtype), out=outs[name]: op(query, k_cache, v_cache, runs, scale,
                                                                               out))
                  for name, ops in kernels.items()}
+        if widened:
+            calls["widened"] = lambda: torch.ops.prefixserve_cpu.prefill_attention_f32(
+                query, k_cache, v_cache, runs, scale, outs["widened"], bf16_dot=False)
         if not args.no_flash:
             group = args.heads // args.kv_heads
             order = torch.cat([torch.arange(first, first + length) for first, length in runs.tolist()])

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("decode_attention.cpp", "small_linear.cpp", "prefill_attention.cpp"))
+HEADERS = (Path(__file__).parent / "csrc" / "reduce16.h",)
+"""Included by ``SOURCES``: part of the build's digest, so that a changed header rebuilds the library."""
 AMX_SOURCES = (Path(__file__).parent / "csrc" / "amx_attention.cpp",)
 """Built as a library of its own after ``SOURCES``: a compiler that cannot build its AMX intrinsics costs only the
 AMX prefill path, not the decode and linear kernels."""
@@ -65,7 +67,8 @@ def _cpu_flags() -> str:
 
 def _build_name(sources: tuple[Path, ...], prefix: str) -> str:
     digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in sources), " ".join(CFLAGS).encode(), _cpu_flags().encode(),
+    for part in (*(source.read_bytes() for source in (*sources, *HEADERS)), " ".join(CFLAGS).encode(),
+                 _cpu_flags().encode(),
                  torch.__version__.encode()):
         digest.update(part)
     return f"{prefix}_{digest.hexdigest()[:16]}"

@@ -20,9 +20,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "reduce16.h"
 
 namespace {
 
@@ -184,25 +182,10 @@ inline vfloat load16(const c10::Half* p) {
   return load16(tmp);
 }
 
-// Keys are scored 16 at a time: each of 16 accumulators holds one key's lane-wise products with the query vector,
-// and ``reduce16`` folds them into one vector of the 16 keys' scores (4 rounds of shuffle + add, in place of a
-// horizontal sum per key). Accumulator j holds key kKeyOf[j], the order in which the rounds leave the sums, so lane j
-// of the result is key j.
-constexpr int kKeyOf[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-
-inline __m512 reduce16(const __m512* v) {
-  __m512 s1[8], s2[4], s3[2];
-  for (int i = 0; i < 8; ++i)
-    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                          _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0x88),
-                          _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0x44),
-                          _mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
-}
+// Keys are scored 16 at a time: accumulator j holds key kKeyOf[j]'s lane-wise products with the query vector and
+// ``reduce16`` (reduce16.h) folds the 16 into one vector of their scores, lane j key j.
+using prefixserve::kKeyOf;
+using prefixserve::reduce16;
 
 // One query vector as the score loop wants it: float32 lanes, or, for bfloat16 on a CPU with AVX512-BF16, the
 // bfloat16 values themselves, dotted with a key's bfloat16 pairs by vdpbf16ps (products exact, sums in float32), so

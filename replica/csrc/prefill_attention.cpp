@@ -177,12 +177,32 @@ void values_any(int n, const float* value, int64_t stride, const float* pt, int6
 
 // The running state of up to 16 query rows of one kv head: Q^T (pre-scaled), O^T (unnormalized), the causal limits,
 // running maxima and sums (log2 domain)
-struct Rows {
-  float* qt;  // [dim, 16], rows past the chunk zero
-  float* ot;  // [dim, 16]
-  alignas(32) float limit[kRows];  // a row sees keys below its limit
+// Which 16 query rows a row block holds and how far each sees (the part both kernels' row states share)
+struct RowBlock {
+  alignas(64) float limit[kRows];  // a row sees keys below its limit
   int64_t rows, first, min_limit;
   float max_limit;
+
+  void begin(const Chunk& c, int64_t first_row) {
+    first = first_row;
+    rows = std::min(kRows, c.num_rows - first);
+    max_limit = 0.0f;
+    for (int64_t i = 0; i < kRows; ++i) {  // rows past the chunk repeat the last one's limit
+      limit[i] = static_cast<float>(c.cached + (first + std::min(i, rows - 1)) / c.group + 1);
+      max_limit = std::max(max_limit, limit[i]);
+    }
+    min_limit = static_cast<int64_t>(limit[0]);
+  }
+
+  // where row i's query (and output) starts in [tokens, heads, dim], for kv head h
+  int64_t at(const Chunk& c, int64_t h, int64_t i) const {
+    return ((first + i) / c.group * c.num_heads + h * c.group + (first + i) % c.group) * c.head_dim;
+  }
+};
+
+struct Rows : RowBlock {
+  float* qt;  // [dim, 16], rows past the chunk zero
+  float* ot;  // [dim, 16]
   __m256 m0, m1, l0, l1;
 };
 
@@ -190,23 +210,16 @@ void start_rows(const Chunk& c, int64_t h, int64_t first, float* qt, float* ot, 
   const int64_t dim = c.head_dim;
   s.qt = qt;
   s.ot = ot;
-  s.first = first;
-  s.rows = std::min(kRows, c.num_rows - first);
+  s.begin(c, first);
   std::fill(qt, qt + dim * kRows, 0.0f);
   std::fill(ot, ot + dim * kRows, 0.0f);
   const float factor = c.scale * kLog2e;
-  s.max_limit = 0.0f;
-  for (int64_t i = 0; i < kRows; ++i) {
-    const int64_t token = (first + std::min(i, s.rows - 1)) / c.group;
-    s.limit[i] = static_cast<float>(c.cached + token + 1);
-    s.max_limit = std::max(s.max_limit, s.limit[i]);
-    if (i >= s.rows) continue;
-    const int64_t at = (token * c.num_heads + h * c.group + (first + i) % c.group) * dim;
+  for (int64_t i = 0; i < s.rows; ++i) {
+    const int64_t at = s.at(c, h, i);
     for (int64_t d = 0; d < dim; ++d)
       qt[d * kRows + i] = (c.bf16 ? bf16_to_f32(static_cast<const uint16_t*>(c.query)[at + d])
                                   : static_cast<const float*>(c.query)[at + d]) * factor;
   }
-  s.min_limit = static_cast<int64_t>(s.limit[0]);
   s.m0 = s.m1 = _mm256_set1_ps(kNoScore);
   s.l0 = s.l1 = _mm256_setzero_ps();
 }
@@ -269,8 +282,7 @@ void finish_rows(const Chunk& c, int64_t h, const Rows& s) {
   _mm256_store_ps(inverse, _mm256_div_ps(_mm256_set1_ps(1.0f), s.l0));
   _mm256_store_ps(inverse + 8, _mm256_div_ps(_mm256_set1_ps(1.0f), s.l1));
   for (int64_t i = 0; i < s.rows; ++i) {
-    const int64_t token = (s.first + i) / c.group;
-    const int64_t at = (token * c.num_heads + h * c.group + (s.first + i) % c.group) * dim;
+    const int64_t at = s.at(c, h, i);
     if (c.bf16) {
       uint16_t* o = static_cast<uint16_t*>(c.out) + at;
       for (int64_t d = 0; d < dim; ++d) o[d] = f32_to_bf16(s.ot[d * kRows + i] * inverse[i]);
@@ -383,12 +395,9 @@ inline __m512bh pair_of(const uint16_t* at) {  // the 32 bits at ``at`` (two bfl
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
 }
 
-struct Rows16 {
+struct Rows16 : RowBlock {
   uint32_t* qp;  // [dim / 2, 16] bfloat16 pairs, rows past the chunk zero
   float* ot;     // [dim, 16]
-  alignas(64) float limit[kRows];
-  int64_t rows, first, min_limit;
-  float max_limit;
   __m512 m, l;
 };
 
@@ -396,21 +405,13 @@ void start_rows(const Chunk& c, int64_t h, int64_t first, uint32_t* qp, float* o
   const int64_t dim = c.head_dim;
   s.qp = qp;
   s.ot = ot;
-  s.first = first;
-  s.rows = std::min(kRows, c.num_rows - first);
+  s.begin(c, first);
   std::fill(qp, qp + dim / 2 * kRows, 0u);
   std::fill(ot, ot + dim * kRows, 0.0f);
-  s.max_limit = 0.0f;
-  const uint16_t* query = static_cast<const uint16_t*>(c.query);
-  for (int64_t i = 0; i < kRows; ++i) {
-    const int64_t token = (first + std::min(i, s.rows - 1)) / c.group;
-    s.limit[i] = static_cast<float>(c.cached + token + 1);
-    s.max_limit = std::max(s.max_limit, s.limit[i]);
-    if (i >= s.rows) continue;
-    const uint16_t* q = query + (token * c.num_heads + h * c.group + (first + i) % c.group) * dim;
+  for (int64_t i = 0; i < s.rows; ++i) {
+    const uint16_t* q = static_cast<const uint16_t*>(c.query) + s.at(c, h, i);
     for (int64_t p = 0; p < dim / 2; ++p) std::memcpy(qp + p * kRows + i, q + 2 * p, sizeof(uint32_t));
   }
-  s.min_limit = static_cast<int64_t>(s.limit[0]);
   s.m = _mm512_set1_ps(kNoScore);
   s.l = _mm512_setzero_ps();
 }
@@ -513,8 +514,7 @@ void finish_rows(const Chunk& c, int64_t h, const Rows16& s) {
   alignas(64) float inverse[kRows];
   _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), s.l));
   for (int64_t i = 0; i < s.rows; ++i) {
-    const int64_t token = (s.first + i) / c.group;
-    uint16_t* o = static_cast<uint16_t*>(c.out) + (token * c.num_heads + h * c.group + (s.first + i) % c.group) * dim;
+    uint16_t* o = static_cast<uint16_t*>(c.out) + s.at(c, h, i);
     for (int64_t d = 0; d < dim; ++d) o[d] = f32_to_bf16(s.ot[d * kRows + i] * inverse[i]);
   }
 }

@@ -21,9 +21,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "reduce16.h"
 
 namespace {
 
@@ -145,22 +143,8 @@ void small_rows(const float* x, const W* w, const float* bias, W* y, int64_t M, 
 // At 4 rows oneDNN's packed GEMM was level or faster (replica/llama.py sends 4+ rows there).
 constexpr int kStreamRows = 3;
 
-// accumulator j holds weight row kKeyOf[j] of the 16: the order reduce16's rounds leave the sums in (an involution)
-constexpr int kKeyOf[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-
-inline __m512 reduce16(const __m512* v) {
-  __m512 s1[8], s2[4], s3[2];
-  for (int i = 0; i < 8; ++i)
-    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                          _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0x88),
-                          _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0x44),
-                          _mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
-}
+using prefixserve::kKeyOf;
+using prefixserve::reduce16;
 
 // one weight row against the M input rows: lane-wise partial sums (two chains each, summed)
 template <int M>
