@@ -111,7 +111,9 @@ class CompiledEntry:
     signature: tuple
     weights: list[torch.Tensor]
     """The source model's parameters the graphs were frozen with (compared with a new model's by value)."""
-    warmed_up: bool = False
+    warmed_up: set[int] = field(default_factory=set)
+    """The torch thread counts a warm-up step has run on: Dynamo guards the graph on the global thread count, so a
+    step on a count no warm-up step ran on would compile again (in the middle of serving, seconds)."""
     failed: bool = False
     """Compilation raised: runners of this model run it eagerly."""
     lock: threading.Lock = field(default_factory=threading.Lock)

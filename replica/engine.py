@@ -100,8 +100,10 @@ class LLMEngine:
                 "raise --kv-cache-memory (at least two pages are needed)"
             )
         share_pool = config.enable_peer_copy and config.share_kv_pool and enable_prefix_caching  # peers copy from it
+        step_threads = (config.num_threads, config.prefill_threads) if self.device.type == "cpu" else ()
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size, device=self.device,
-                                  enforce_eager=config.enforce_eager, shared_pool=share_pool)
+                                  enforce_eager=config.enforce_eager, shared_pool=share_pool,
+                                  step_threads=step_threads)
         self.model_fingerprint = self.runner.fingerprint
         self.vocab_size = model.config.get_text_config().vocab_size
         self.max_model_len = self._resolve_max_model_len(model.config, num_pages)

@@ -131,13 +131,16 @@ class ModelRunner:
         backend: str | None = None,
         compile_options: dict | None = None,
         shared_pool: bool = False,
+        step_threads: tuple[int, ...] = (),
     ) -> None:
         """``enforce_eager`` (or the environment variable ``PREFIXSERVE_ENFORCE_EAGER=1``) turns compilation off.
         ``backend`` forces one of ``BACKENDS`` (benchmarks, tests; it overrides ``enforce_eager``); by default the
         compact model is compiled on CPU for the dtypes in ``COMPILED_DTYPES`` and run eagerly otherwise, and models
         it does not cover run on transformers. ``compile_options`` replaces the dtype's
         ``replica.compile.INDUCTOR_OPTIONS``. ``shared_pool``: on the CPU, place the page pool in shared memory so
-        that peers on this node copy pages straight out of it (falls back to private memory where impossible)."""
+        that peers on this node copy pages straight out of it (falls back to private memory where impossible).
+        ``step_threads``: the torch thread counts steps will run on (CPU: an engine with ``num_prefill_threads``
+        switches between two); the compiled forward is warmed up on each, default the current count."""
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         enforce_eager = enforce_eager or os.environ.get(ENFORCE_EAGER_ENV, "") not in ("", "0")
@@ -173,7 +176,7 @@ class ModelRunner:
             model.set_attn_implementation(register_paged_attention())
         elif backend == "compiled":
             self._compiled = cached_compiled_forward(model, lambda: CompactCausalLM(model), compile_options)
-            self._warm_up()
+            self._warm_up(step_threads)
         else:
             self._compact = CompactCausalLM(model)
         self.startup_seconds = time.perf_counter() - start
@@ -188,27 +191,36 @@ class ModelRunner:
         """Graphs compiled so far by this runner's compiled forward (shared with runners of the same model)."""
         return self._compiled.forward.num_compiles if self._compiled is not None else 0
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, step_threads: tuple[int, ...] = ()) -> None:
         """Compile the graphs every later step uses (module docstring of replica.compile) with throwaway steps on
-        pages 0 and 1 (then cleared); a no-op when another runner of this model already did."""
+        pages 0 and 1 (then cleared), one per thread count in ``step_threads`` (default: the current one) that no
+        runner of this model has warmed up on yet. Dynamo guards a graph on torch's thread count: a step on a count
+        without its warm-up compiled again, 4-8 s into the first request of a replica whose decode and prefill steps
+        use different counts."""
         entry = self._compiled
+        counts = sorted(set(step_threads) or {torch.get_num_threads()})
         with entry.lock:
-            if entry.warmed_up:
-                return
             if entry.failed:
                 self._fall_back_to_eager()
                 return
+            missing = [count for count in counts if count not in entry.warmed_up]
+            if not missing:
+                return
+            before = torch.get_num_threads()
             try:
                 other_page = 1 if self.kv_cache.shape[2] > 1 else 0
                 with entry.forward.compiling():
-                    self.run([ChunkInput([0], 0, [0], sample=True), ChunkInput([0], 0, [other_page], sample=True)])
+                    for count in missing:
+                        torch.set_num_threads(count)
+                        self.run([ChunkInput([0], 0, [0], sample=True),
+                                  ChunkInput([0], 0, [other_page], sample=True)])
+                        entry.warmed_up.add(count)
             except Exception:  # no C++ compiler, an unsupported op...: serve eagerly rather than not at all
                 logger.exception("compiling the forward pass failed; running the compact model eagerly")
                 entry.failed = True
                 self._fall_back_to_eager()
-            else:
-                entry.warmed_up = True
             finally:
+                torch.set_num_threads(before)
                 self.kv_cache.zero_()
 
     def _fall_back_to_eager(self) -> None:

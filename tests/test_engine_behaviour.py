@@ -275,13 +275,16 @@ def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_repl
     """CPU: a step of PREFILL_THREADS_MIN_TOKENS or more runs on ``num_prefill_threads``, a shorter one on
     ``num_threads`` (switched on the stepping thread, only when it changes), unless its rows attend
     PREFILL_THREADS_MIN_KEYS keys or more (here lowered to 46: a 44-token prompt's second decode step attends 46);
-    greedy output is unchanged."""
+    greedy output is unchanged, and no step compiles the graph again (Dynamo guards it on the thread count: the
+    runner warmed it up on both counts when it was built)."""
     import replica.engine as engine_module
     from replica.config import PREFILL_THREADS_MIN_KEYS, PREFILL_THREADS_MIN_TOKENS
 
     assert PREFILL_THREADS_MIN_KEYS > 2 * PREFILL_THREADS_MIN_TOKENS + 40  # the first prompts stay below it
 
     engine = tiny.engine(num_threads=1, num_prefill_threads=2)
+    assert engine.runner.backend == "compiled" and {1, 2} <= engine.runner._compiled.warmed_up
+    compiles = engine.runner.num_compiles  # warmed up on both counts at start-up: no step below compiles
     seen = []
     run = engine.runner.run
 
@@ -304,6 +307,7 @@ def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_repl
     assert seen == [(PREFILL_THREADS_MIN_TOKENS + 40, 2), (1, 1), (1, 1), (1, 1),
                     (PREFILL_THREADS_MIN_TOKENS - 20, 1), (1, 1), (1, 1), (1, 1),
                     (PREFILL_THREADS_MIN_TOKENS - 20, 1), (1, 1), (1, 2), (1, 2)]
+    assert engine.runner.num_compiles == compiles
     with pytest.raises(ValueError, match="--num-prefill-threads"):
         EngineConfig(num_prefill_threads=0)
 
