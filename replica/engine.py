@@ -33,7 +33,7 @@ from replica.kv_manager import KVCacheManager
 from replica.model_runner import ChunkInput, ModelRunner
 from replica.page_record import PageRecord
 from replica.sampling import sample_tokens
-from replica.scheduler import PageImport, Scheduler, num_reusable_pages
+from replica.scheduler import PageImport, ScheduledChunk, Scheduler, num_reusable_pages
 from replica.sequence import Sequence
 from replica.shared_pool import SharedPoolBundle
 from replica.tiers.base import RetentionUpdate
@@ -283,8 +283,7 @@ class LLMEngine:
         self.kv.exports.set_computing(self.scheduler.in_flight_keys())  # a peer's export may wait for these
         if not plan.chunks:
             return []
-        self._set_step_threads(plan.num_tokens, sum(chunk.seq.num_computed_tokens + chunk.num_new_tokens
-                                                    for chunk in plan.chunks))
+        self._set_step_threads(plan.num_tokens, plan.chunks)
         self._import_pages(plan.imports)
         self._note_scheduled(plan.admitted)
         inputs = []
@@ -326,13 +325,15 @@ class LLMEngine:
             outputs.append(self._advance(seq))
         return [output for output in outputs if output is not None]
 
-    def _set_step_threads(self, num_tokens: int, num_keys: int) -> None:
-        """CPU: run this step on the prefill thread count when it is long enough (``num_tokens`` new tokens) or attends
-        enough keys (``num_keys``, summed over its rows), else on the decode one. Called on the thread that steps
-        (torch's thread count is per calling thread); a change costs ~0.3 ms."""
+    def _set_step_threads(self, num_tokens: int, chunks: list[ScheduledChunk]) -> None:
+        """CPU: run this step on the prefill thread count when it is long enough (``num_tokens`` new tokens) or its
+        ``chunks`` attend enough keys (context plus new tokens, summed), else on the decode one. Called on the thread
+        that steps (torch's thread count is per calling thread); a change costs ~0.3 ms."""
         if self.device.type != "cpu" or self._step_threads[0] == self._step_threads[1]:
             return
-        wanted = self._step_threads[num_tokens >= PREFILL_THREADS_MIN_TOKENS or num_keys >= PREFILL_THREADS_MIN_KEYS]
+        long_step = num_tokens >= PREFILL_THREADS_MIN_TOKENS or sum(
+            chunk.seq.num_computed_tokens + chunk.num_new_tokens for chunk in chunks) >= PREFILL_THREADS_MIN_KEYS
+        wanted = self._step_threads[long_step]
         if wanted != self._threads_now:
             torch.set_num_threads(wanted)
             self._threads_now = wanted

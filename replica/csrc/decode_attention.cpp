@@ -156,7 +156,8 @@ void run_item(const T* query, const T* k_cache, const T* v_cache, const int64_t*
 // value row is converted to float once and added into up to `kTile` query vectors' accumulators held in registers;
 // the next block of keys and values is prefetched while one is attended. Against session 18's version of this code
 // (a key widened and dotted with each query vector, a horizontal sum per score, no prefetch; benchmarks/
-// decode_kernel.py) on a Zen 4 EPYC: bfloat16 0.73-0.85x the time, float32 0.9-1.0x.
+// decode_kernel.py, BENCHMARKS.md section 0k) on a Zen 4 EPYC: bfloat16 0.63-0.93x the time (1.06x for 4 rows of
+// their own 1792 keys on 2 threads), float32 0.76-1.05x.
 typedef float vfloat __attribute__((vector_size(64)));
 typedef uint16_t vhalf __attribute__((vector_size(32)));
 typedef uint32_t vbits __attribute__((vector_size(64)));

@@ -53,20 +53,19 @@ constexpr int64_t kMaxDim = 256;
 constexpr float kNoScore = -1.0e30f;   // finite "minus infinity" (-ffast-math)
 constexpr float kLog2e = 1.44269504088896340736f;
 
-// 2^t for 8 floats: 2^n * 2^f with n = round(t), |f| <= 1/2, 2^f by its Taylor series to degree 6 (relative error
-// ~1.2e-7, float32's own rounding is 6e-8); t below -126 (a masked or negligible score) gives exactly 0
+// 2^f for |f| <= 1/2 by its Taylor series to degree 6, highest power first (Horner): ln(2)^k / k!, k = 6 .. 0
+constexpr float kExp2Taylor[7] = {1.5403530393381606e-4f, 1.3333558146428443e-3f, 9.6181291076284772e-3f,
+                                  5.5504108664821580e-2f, 2.4022650695910071e-1f, 6.9314718055994531e-1f, 1.0f};
+
+// 2^t for 8 floats: 2^n * 2^f with n = round(t), |f| <= 1/2, 2^f by kExp2Taylor (relative error ~1.2e-7, float32's
+// own rounding is 6e-8); t below -126 (a masked or negligible score) gives exactly 0
 inline __m256 exp2_8(__m256 t) {
   const __m256 keep = _mm256_cmp_ps(t, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
   t = _mm256_max_ps(t, _mm256_set1_ps(-126.0f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);                 // ln(2)^6 / 720
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));  // ln(2)^5 / 120
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));  // ln(2)^4 / 24
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));  // ln(2)^3 / 6
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));  // ln(2)^2 / 2
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));  // ln(2)
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Taylor[0]);
+  for (int k = 1; k < 7; ++k) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Taylor[k]));
   const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), keep);
 }
@@ -175,8 +174,6 @@ void values_any(int n, const float* value, int64_t stride, const float* pt, int6
   }
 }
 
-// The running state of up to 16 query rows of one kv head: Q^T (pre-scaled), O^T (unnormalized), the causal limits,
-// running maxima and sums (log2 domain)
 // Which 16 query rows a row block holds and how far each sees (the part both kernels' row states share)
 struct RowBlock {
   alignas(64) float limit[kRows];  // a row sees keys below its limit
@@ -200,6 +197,8 @@ struct RowBlock {
   }
 };
 
+// The running state of up to 16 query rows of one kv head: Q^T (pre-scaled), O^T (unnormalized), the causal limits,
+// running maxima and sums (log2 domain)
 struct Rows : RowBlock {
   float* qt;  // [dim, 16], rows past the chunk zero
   float* ot;  // [dim, 16]
@@ -374,18 +373,13 @@ namespace bf16dot {
 
 constexpr int64_t kPairs = kKeys / 2;
 
-inline __m512 exp2_16(__m512 t) {  // 2^t, degree 6 as exp2_8; t below -126 gives exactly 0
+inline __m512 exp2_16(__m512 t) {  // 2^t as exp2_8, 16 floats; t below -126 gives exactly 0
   const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
+  for (int k = 1; k < 7; ++k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[k]));
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
 

@@ -250,7 +250,6 @@ template <typename T>
 void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   thread_local std::vector<float> x_buffer, bias_buffer;
-  const float* xp = as_float(x.data_ptr<T>(), M * K, x_buffer);
   const float* bp = (bias.has_value() && bias->defined()) ? as_float(bias->data_ptr<T>(), N, bias_buffer) : nullptr;
   const T* wp = weight.data_ptr<T>();
   T* yp = y.data_ptr<T>();  // sums rounded to T once (bfloat16: to nearest even, as oneDNN rounds its float32 sums)
@@ -269,6 +268,7 @@ void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::
     }
   }
 #endif
+  const float* xp = as_float(x.data_ptr<T>(), M * K, x_buffer);  // the tiles read float32 inputs
   // whole tiles of weight rows per task; a task of at least 256 rows amortises the thread hand-off
   at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) { small_rows<T>(xp, wp, bp, yp, M, K, N, begin, end); });
 }
