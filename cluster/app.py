@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 REPLICA_DEPLOYMENT_NAME = "PrefixServeReplica"
 INGRESS_DEPLOYMENT_NAME = "OpenAIIngress"
+INGRESS_NUM_REPLICAS = 1
 INGRESS_MAX_ONGOING_REQUESTS = 4096
 REPLICA_HEALTH_CHECK_PERIOD_S = 10.0
 SHUTDOWN_MARGIN_S = 10.0
@@ -66,9 +67,11 @@ def replica_admission(config: ServeConfig) -> dict[str, int]:
     (the engine runs max_num_seqs, the rest wait in its scheduler); when every replica is that full, up to
     ``max_queued_requests * data_parallel_degree`` more wait in the ingress's handle for a free one; beyond that
     Serve raises BackPressureError, which the ingress answers with 429 and Retry-After. So a replica that dies does not
-    push an unbounded queue onto the survivors: the excess is shed."""
+    push an unbounded queue onto the survivors: the excess is shed. With output channels on, one slot more: the
+    ingress's channel to the replica is an ongoing call to Serve (cluster/output_channels.py)."""
     return {
-        "max_ongoing_requests": config.max_num_seqs + config.max_queued_requests,
+        "max_ongoing_requests": config.max_num_seqs + config.max_queued_requests + INGRESS_NUM_REPLICAS * bool(
+            config.output_channels),
         "max_queued_requests": max(1, config.max_queued_requests * config.data_parallel_degree),
     }
 
@@ -94,7 +97,7 @@ def build_app(config: ServeConfig, router_config: Any = None) -> Application:
     ingress = serve.deployment(
         OpenAIIngress,
         name=INGRESS_DEPLOYMENT_NAME,
-        num_replicas=1,
+        num_replicas=INGRESS_NUM_REPLICAS,
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
         graceful_shutdown_timeout_s=config.shutdown_timeout_s + SHUTDOWN_MARGIN_S,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": dict(SERVE_LATENCY_ENV)}},

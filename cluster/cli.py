@@ -171,6 +171,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=default("direct_ingress"),
                         help="with a Ray started here, the ingress replica serves --port itself, with no Serve HTTP "
                              "proxy hop in front (on by default)")
+    server.add_argument("--output-channels", action=argparse.BooleanOptionalAction, default=default("output_channels"),
+                        help="a replica sends the ingress one message per engine step with the outputs of all its "
+                             "requests, instead of one per request per step (on by default)")
     server.add_argument("--api-key", default=os.environ.get("PREFIXSERVE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/*, /metrics and the admin routes "
                              "(default: $PREFIXSERVE_API_KEY, else none)")

@@ -113,6 +113,10 @@ class ServeConfig:
     without Serve's HTTP proxy process in front of it (the proxy moves to a free port). One process hop less for every
     request and every streamed message (BENCHMARKS.md: 4-stream TPOT 40-52 -> 26-30 ms on 2 cores). On a cluster
     joined with ``--ray-address`` it is the cluster's setting (``RAY_SERVE_ENABLE_DIRECT_INGRESS`` at ``ray start``)."""
+    output_channels: bool = True
+    """Streamed outputs after a request's first come to the ingress on one output channel per replica, one message
+    per engine step for all the requests there, instead of one message per request per step (cluster/
+    output_channels.py). Off: every output on its request's own stream."""
     api_key: str | None = None
     """When set, /v1/* and /reset_prefix_cache require ``Authorization: Bearer <api_key>``."""
     redis_url: str | None = None

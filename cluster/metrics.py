@@ -47,6 +47,10 @@ Names (all prefixed ``prefixserve_``)::
     retried_requests_total                 counter    sent again to another replica after theirs was lost
                                                       before the first token
     drained_requests_total{outcome}        counter    in flight at SIGTERM: completed | aborted (past the timeout)
+    streamed_outputs_total{path}           counter    outputs the ingress received from the replicas: on the request's
+                                                      own stream (request) or on an output channel (channel)
+    output_channel_messages_total          counter    output-channel messages (one per engine step and replica, for
+                                                      all of this ingress's requests there)
     hot_prefix_copies_total{outcome}       counter    hot-prefix replication (the ingress's planner): copies
                                                       planned | started | done | cancelled | failed
     hot_prefix_copy_pages_total{stage}     counter    pages of those copies: started (budget) | copied (reported)
@@ -295,6 +299,11 @@ class IngressMetrics:
         self.retried = Counter(PREFIX + "retried_requests",
                                "requests sent again to another replica after theirs was lost before the first token",
                                registry=self.registry)
+        self.streamed_outputs = Counter(PREFIX + "streamed_outputs", "outputs received from the replicas, by path",
+                                        ["path"], registry=self.registry)
+        self.channel_messages = Counter(PREFIX + "output_channel_messages",
+                                        "output-channel messages received (one per engine step and replica)",
+                                        registry=self.registry)
         self.drained = Counter(PREFIX + "drained_requests", "requests in flight at shutdown, by outcome",
                                ["outcome"], registry=self.registry)
         self.replica_stats = ReplicaStatsCollector()

@@ -21,7 +21,8 @@ A generation request, here, each step bounded before the next does work:
     and picks the replica; Serve refuses beyond max_queued_requests (429 with Retry-After)
     -> await the first output (so a refused request is still a 400 and the replica's id goes in the
     ``x-prefixserve-replica`` header); if that replica dies first, the request is sent once more (another replica)
-    -> stream or collect the rest, within request_timeout_s.
+    -> stream or collect the rest, within request_timeout_s: after the first output, on the replica's output channel
+    (one message per engine step for all this ingress's requests there; cluster/output_channels.py) once it is open.
 
 A stream that cannot finish (its replica died, the deadline passed, the server is shutting down) ends with one SSE
 error event and ``data: [DONE]``. ``drain()`` (SIGTERM in the CLI) turns new requests away with 503, waits up to
@@ -58,6 +59,7 @@ from cluster import admin_api
 from cluster.config import ServeConfig
 from cluster.hot_prefix import HotPrefixCopier
 from cluster.metrics import IngressMetrics
+from cluster.output_channels import OutputChannels
 from cluster.protocol import (
     CHARS_PER_TOKEN_BOUND,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -235,6 +237,7 @@ class OpenAIIngress:
         self._metrics_at = -float("inf")
         self._metrics_lock = asyncio.Lock()
         self.hot_prefix = self._hot_prefix_copier(replicas, config)
+        self.output_channels = OutputChannels(replicas, self.metrics) if config.output_channels else None
 
     @staticmethod
     def _hot_prefix_copier(replicas: Any, config: ServeConfig) -> "HotPrefixCopier | None":
@@ -342,6 +345,8 @@ class OpenAIIngress:
             self._cut(request_id, "shutdown")
         if to_cut:
             await self._wait_idle(DRAIN_FLUSH_S)
+        if self.output_channels is not None:
+            self.output_channels.close()  # nothing bound is left: the replicas stop waiting on them
         num_cut = len(to_cut)
         num_completed = max(0, num_at_start - num_cut)
         self.metrics.drained.labels("completed").inc(num_completed)
@@ -414,7 +419,12 @@ class OpenAIIngress:
                         started: float, deadline: float) -> Response:
         """One attempt on one replica: ReplicaLost when it died before producing anything the client saw."""
         key = engine_request.request_id
+        channels = self.output_channels
+        if channels is not None:
+            engine_request = dataclasses.replace(engine_request, output_channel=channels.channel_id)
         stream = self.replicas.options(stream=True).generate.remote(engine_request)
+        if channels is not None:
+            stream = channels.stream(key, stream)
         self._request_to_stream[key] = stream
         timer = asyncio.get_running_loop().call_at(deadline, self._cut, key, "deadline")
         handed_to_stream = False

@@ -123,6 +123,20 @@ class EngineRequest:
     """Pin the request to this replica (operators, tests); the router still names the best holder in peer_hint."""
     retention: Retention | None = None
     """Keep the prompt's prefix cached with this priority and TTL (None: plain LRU, today's behaviour)."""
+    output_channel: str | None = None
+    """The caller's output channel (``OutputChannelRequest.channel_id``): when the replica serving this request has
+    that channel open, the outputs after the first go there, batched with the other requests' outputs of each step,
+    instead of one message per output on this request's own stream. None: every output on the request's stream."""
+
+
+@dataclass(frozen=True)
+class OutputChannelRequest:
+    """Open an output channel from one replica to its caller: a stream of ``list[RequestOutput]``, one message per
+    engine step (or fewer, when the caller reads slower) carrying the outputs of every request that named
+    ``channel_id`` in ``EngineRequest.output_channel``. Routed to ``target_replica`` only."""
+
+    channel_id: str
+    target_replica: str
 
 
 @dataclass(frozen=True)
@@ -162,6 +176,9 @@ class RequestOutput:
     replica_id: str = ""
     cache_write_tokens: int = 0
     """Prompt tokens this request computed and wrote into the prefix cache (full pages new to the cache)."""
+    via_channel: bool = False
+    """Set on a request's first output only: its later outputs come on the caller's output channel (the request's
+    own stream then ends without another output)."""
 
 
 @dataclass(frozen=True)

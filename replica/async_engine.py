@@ -2,8 +2,15 @@
 
 The engine runs on its own thread (torch releases the GIL in kernels, so the asyncio loop stays responsive). Callers
 never touch the engine directly: requests, aborts and commands go through a thread-safe inbox drained at the start of
-every step, and outputs come back to each caller's asyncio queue with ``call_soon_threadsafe``. Nothing here blocks
-the event loop.
+every step, and a step's outputs come back in one ``call_soon_threadsafe`` per event loop, which hands each to its
+request's asyncio queue or, for a request bound to an output channel, to the channel's batch of that step. Nothing
+here blocks the event loop.
+
+Output channels: under Ray Serve every message on a request's stream costs the replica ~0.5 ms of CPU (most of it
+holding the GIL the engine thread also needs) and the caller ~1 ms, per request and per step, so with several
+streams a step's messages took longer than the step. A caller that opens a channel (``open_channel``) gets one message
+per step with the outputs of all its requests bound to it; a request is bound at its first output (which still goes
+on its own stream, for the time to first token), if it named the channel and the channel is open.
 """
 
 from __future__ import annotations
@@ -31,6 +38,56 @@ from replica.shared_pool import SharedPoolBundle
 
 logger = logging.getLogger(__name__)
 
+
+class OutputChannelClosed(RuntimeError):
+    """The output channel a request's outputs went to was closed before the request finished."""
+
+
+@dataclasses.dataclass(eq=False)
+class OutputChannel:
+    """One caller's channel on this replica (event-loop state): the outputs waiting to be sent, in step order."""
+
+    channel_id: str
+    pending: list = dataclasses.field(default_factory=list)
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    sinks: set = dataclasses.field(default_factory=set)
+    """The ``RequestSink``s bound to this channel (their requests have not finished)."""
+    closed: bool = False
+
+    def put(self, outputs: list[RequestOutput]) -> None:
+        self.pending.extend(outputs)
+        self.ready.set()
+
+    async def next_batch(self, idle_s: float) -> list[RequestOutput] | None:
+        """Every output waiting, in order, as one list, once there is one; None when nothing came for ``idle_s`` and
+        no request is bound."""
+        while not self.pending:
+            self.ready.clear()
+            try:
+                await asyncio.wait_for(self.ready.wait(), idle_s)
+            except asyncio.TimeoutError:
+                if not self.sinks and not self.pending:
+                    return None
+        batch, self.pending = self.pending, []
+        return batch
+
+
+class _ChannelDone:
+    """Queued on a bound request's own queue when its last output went to the channel."""
+
+
+CHANNEL_DONE = _ChannelDone()
+
+
+@dataclasses.dataclass(eq=False)
+class RequestSink:
+    """Where one request's outputs go (event-loop state): its queue, or ``channel`` once bound to one."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    channel: OutputChannel | None = None
+
+
 EXPORT_THREADS = 4
 """Threads that copy pages out for peers (an export is a memory copy, or a bounded wait for pages being computed):
 their own pool, so a burst of exports waiting on a prefix in progress cannot starve this replica's tier loads."""
@@ -50,7 +107,9 @@ class AsyncEngine:
         self._calls: set[concurrent.futures.Future] = set()
         """Futures of ``_call``s not yet run; failed when the engine thread ends (nothing would run them)."""
         self._closed = False
-        self._request_to_sink: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._request_to_sink: dict[str, RequestSink] = {}
+        self._channels: dict[str, OutputChannel] = {}
+        """Open output channels by id (event-loop state: opened, closed and read on the callers' loop)."""
         self._kv_events: deque[KVEvent] = deque()
         self._fetches = FetchRegistry()
         self.export_wait_s = EXPORT_WAIT_S
@@ -90,7 +149,7 @@ class AsyncEngine:
         request_id = request.request_id
         if request_id in self._request_to_sink:  # the running request keeps its output channel
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        sink = (loop, queue)
+        sink = RequestSink(loop, queue)
         self._request_to_sink[request_id] = sink
         participant = object()  # this call's share in fetches (request ids need not be unique while fetching)
         fetches: list[SharedFetch] = []
@@ -112,18 +171,57 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item is CHANNEL_DONE:  # the last output went to the channel
+                    finished = True
+                    return
                 item = coalesce_pending(item, queue)
                 run_deferred(fetches)  # the first token is out: the fetches' tier writes may take the CPU now
+                if not item.finished and sink.channel is None:
+                    # no await since the queue was drained: every later output of this step onwards is dispatched
+                    # after this line, so it goes to the channel, behind this one
+                    item = self._bind(sink, request.output_channel, item)
                 yield item
                 if item.finished:
                     finished = True
                     return
         finally:
             run_deferred(fetches)
+            if sink.channel is not None:
+                sink.channel.sinks.discard(sink)
             if self._request_to_sink.get(request_id) is sink:
                 del self._request_to_sink[request_id]
             if not finished and not rejected:
                 self._submit(lambda: self._abandon(request_id, participant))
+
+    def _bind(self, sink: RequestSink, channel_id: str | None, first: RequestOutput) -> RequestOutput:
+        """Event loop: bind the request to its caller's open channel, if any; ``first`` marked when bound."""
+        channel = self._channels.get(channel_id) if channel_id else None
+        if channel is None or channel.closed:
+            return first
+        sink.channel = channel
+        channel.sinks.add(sink)
+        return dataclasses.replace(first, via_channel=True)
+
+    def open_channel(self, channel_id: str) -> OutputChannel:
+        """Event loop: open (or reopen, replacing the previous one) the output channel ``channel_id``; read its
+        ``next_batch`` and call ``close_channel`` when done."""
+        previous = self._channels.get(channel_id)
+        if previous is not None:
+            self.close_channel(previous)
+        channel = OutputChannel(channel_id)
+        self._channels[channel_id] = channel
+        return channel
+
+    def close_channel(self, channel: OutputChannel) -> None:
+        """Event loop: close ``channel``; the requests still bound to it fail (``OutputChannelClosed``): their caller
+        stopped reading it."""
+        channel.closed = True
+        if self._channels.get(channel.channel_id) is channel:
+            del self._channels[channel.channel_id]
+        for sink in list(channel.sinks):
+            sink.channel = None
+            sink.queue.put_nowait(OutputChannelClosed(f"output channel {channel.channel_id} closed"))
+        channel.sinks.clear()
 
     def _admit(self, request: EngineRequest, participant: object,
                loop: asyncio.AbstractEventLoop) -> tuple[AdmissionPlan, FetchPlan] | None:
@@ -469,16 +567,28 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._kv_events.extend(self.engine.kv.drain_events())
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._deliver_step(outputs)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread: hand a step's outputs over, in one call per event loop (one wake-up, not one per request)."""
+        loop_to_items: dict[asyncio.AbstractEventLoop, list[tuple[RequestSink, RequestOutput]]] = {}
+        for output in outputs:
+            sink = self._request_to_sink.get(output.request_id)
+            if sink is not None:
+                loop_to_items.setdefault(sink.loop, []).append((sink, output))
+        for loop, items in loop_to_items.items():
+            try:
+                loop.call_soon_threadsafe(dispatch, items)
+            except RuntimeError:
+                pass  # the caller's loop is closed; nobody is listening
 
     def _deliver(self, request_id: str, item) -> None:
+        """Engine thread: hand one output or exception to its request."""
         sink = self._request_to_sink.get(request_id)
         if sink is None:
             return
-        loop, queue = sink
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            sink.loop.call_soon_threadsafe(dispatch, [(sink, item)])
         except RuntimeError:
             pass  # the caller's loop is closed; nobody is listening
 
@@ -490,13 +600,29 @@ class AsyncEngine:
             self._deliver(request_id, exc)
 
 
+def dispatch(items: list[tuple[RequestSink, RequestOutput | BaseException]]) -> None:
+    """Event loop: each output to its request's queue, or to its channel's batch of this step (one ``put`` per
+    channel); exceptions always to the request's own stream, which its caller watches."""
+    channel_to_batch: dict[OutputChannel, list[RequestOutput]] = {}
+    for sink, item in items:
+        channel = sink.channel
+        if channel is None or isinstance(item, BaseException):
+            sink.queue.put_nowait(item)
+            continue
+        channel_to_batch.setdefault(channel, []).append(item)
+        if item.finished:
+            sink.queue.put_nowait(CHANNEL_DONE)
+    for channel, batch in channel_to_batch.items():
+        channel.put(batch)
+
+
 def coalesce_pending(item: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
     """Merge outputs that queued up while the consumer was busy into one (tokens and text concatenated, the latest
     counters and finish state). A slow consumer (a loaded HTTP path) then gets one message per wake-up instead of
     one per engine step; a fast one sees no difference. An exception stays queued and is raised next."""
     while not item.finished and not queue.empty():
         following = queue._queue[0]  # peek: asyncio.Queue has no public peek
-        if isinstance(following, BaseException):
+        if not isinstance(following, RequestOutput):
             break
         queue.get_nowait()
         item = dataclasses.replace(

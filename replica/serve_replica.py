@@ -4,6 +4,8 @@ A plain class; cluster/app.py wraps it with ``serve.deployment`` (num_replicas =
 prefix-aware request router). The ingress calls it through a ``DeploymentHandle``:
 
     handle.options(stream=True).generate.remote(EngineRequest)   -> stream of RequestOutput
+    handle.options(stream=True).output_channel.remote(OutputChannelRequest)
+                                                                  -> stream of list[RequestOutput] (one per step)
     handle.info.remote()                                          -> ReplicaInfo
     handle.broadcast("reset_prefix_cache")                        -> one bool per replica
     handle.broadcast("stats")                                     -> one EngineStats per replica (for /metrics)
@@ -33,8 +35,8 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from common.types import (EngineRequest, EngineStats, KVSourceStats, PinPrefix, PrefetchRequest, PrefetchResult,
-                          PrefixReport, ReplicaInfo, RequestOutput, TierReport)
+from common.types import (EngineRequest, EngineStats, KVSourceStats, OutputChannelRequest, PinPrefix, PrefetchRequest,
+                          PrefetchResult, PrefixReport, ReplicaInfo, RequestOutput, TierReport)
 from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
 from replica.cost_meter import ReplicaCostMeter, retained_groups
@@ -45,6 +47,10 @@ from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient, bu
 from replica.shared_pool import SharedPoolBundle, node_id
 
 logger = logging.getLogger(__name__)
+
+OUTPUT_CHANNEL_IDLE_S = 2.0
+"""An output channel with no request bound to it and nothing to send for this long ends (its caller opens it again
+when it next needs it): an open channel is an ongoing call, which Serve waits for before it stops a replica."""
 
 
 def tokenizer_files(tokenizer) -> dict[str, bytes]:
@@ -133,6 +139,21 @@ class ServeReplica:
         """
         async for output in self.engine.generate(request):
             yield output
+
+    async def output_channel(self, request: OutputChannelRequest) -> AsyncIterator[list[RequestOutput]]:
+        """The caller's output channel on this replica (call with ``handle.options(stream=True)``): one list of outputs
+        per message, those of every request that named ``request.channel_id`` and was bound to it at its first output
+        (``AsyncEngine``). The first message is empty: the channel is open. It ends when idle for
+        ``OUTPUT_CHANNEL_IDLE_S``, when cancelled, or at once when addressed to another replica (the target left)."""
+        if request.target_replica != self.replica_id:
+            return
+        channel = self.engine.open_channel(request.channel_id)
+        try:
+            yield []
+            while (batch := await channel.next_batch(OUTPUT_CHANNEL_IDLE_S)) is not None:
+                yield batch
+        finally:
+            self.engine.close_channel(channel)
 
     async def export_pages(self, request: PeerExportRequest) -> PageBundle | CudaIpcBundle | SharedPoolBundle:
         """Peer copy, holder side: the leading pages of ``request.keys`` this replica holds, as where they lie in this

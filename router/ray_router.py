@@ -43,7 +43,8 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from common.page_keys import PageKey
-from router import decision_metrics
+from common.types import OutputChannelRequest
+from router import decision_metrics, long_calls
 from router.index import PrefixIndex
 from router import replication
 from router.policy import PartialKey, PolicyConfig, PrefixAwarePolicy, RoutingDecision, token_partial_key
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_STATS_PERIOD_S = 0.5
 DEFAULT_STATS_TIMEOUT_S = 5.0
+
 
 
 class PrefixAwareRequestRouter(RequestRouter):
@@ -100,6 +102,8 @@ class PrefixAwareRequestRouter(RequestRouter):
                 self._observe_hot_prefix(pending_request, page_keys_of(pending_request),
                                          [self._load_of(r) for r in candidate_replicas])
             if target in replica_id_to_replica:
+                if is_output_channel(pending_request):  # no page keys, no hint: just there
+                    return [[replica_id_to_replica[target]]]
                 self._hint_best_holder(pending_request, target)
                 return [[replica_id_to_replica[target]]]
             return [list(candidate_replicas)]
@@ -185,10 +189,13 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._replica_id_to_load[replica_id] = dataclasses.replace(report.to_load(), replica_id=replica_id)
 
     def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
-        """Reported load, raised to Serve's own queue-length cache entry when that is fresher and higher."""
+        """Reported load, raised to Serve's own queue-length cache entry when that is fresher and higher (less the
+        calls of this process that Serve counts as ongoing requests but are no load: router/long_calls.py)."""
         replica_id = replica_id_of(replica)
         reported = self._replica_id_to_load.get(replica_id) or ReplicaLoad(replica_id)
         num_queued = self.replica_queue_len_cache.get(replica.replica_id)
+        if num_queued is not None and long_calls.OPEN[replica_id]:
+            num_queued -= long_calls.OPEN[replica_id]
         if num_queued is not None and num_queued > reported.num_requests:
             return dataclasses.replace(reported, num_requests=num_queued)
         return reported
@@ -282,6 +289,12 @@ def target_replica_of(pending_request: Optional[PendingRequest]) -> str | None:
         if target:
             return target
     return None
+
+
+def is_output_channel(pending_request: PendingRequest) -> bool:
+    """An ``OutputChannelRequest`` (a caller's long-lived output channel, replica/serve_replica.py)."""
+    return any(isinstance(arg, OutputChannelRequest)
+               for arg in list(pending_request.args) + list(pending_request.kwargs.values()))
 
 
 def page_keys_of(pending_request: Optional[PendingRequest]) -> Sequence[PageKey]:

@@ -305,6 +305,36 @@ def test_reset_prefix_cache_reaches_every_replica(client, http):
     assert cached_of(complete(client, prompt)[0].usage)[0] == 0
 
 
+def test_streamed_outputs_after_the_first_come_on_output_channels(client, http):
+    """Once the ingress has an output channel open to a replica (its first request there opens it), the outputs of
+    the requests sent there after the first come on the channel, several requests' outputs per message; streamed text
+    still equals the non-streamed text of the same greedy request."""
+    prompts = [code_prompt(f"channel-{index}") for index in range(4)]
+    expected = [complete(client, prompt, max_tokens=16, extra_body={"ignore_eos": True})[0].choices[0].text
+                for prompt in prompts]
+    time.sleep(1.1)  # past the ingress's metrics cache
+    before = metric_values(http.get("/metrics").text, "prefixserve_streamed_outputs_total")
+    messages_before = metric_sum(http.get("/metrics").text, "prefixserve_output_channel_messages_total")
+
+    def streamed(prompt):
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(streamed, prompts))
+    assert texts == expected
+    time.sleep(1.1)
+    text = http.get("/metrics").text
+    after = metric_values(text, "prefixserve_streamed_outputs_total")
+    on_channel = after['{path="channel"}'] - before.get('{path="channel"}', 0)
+    on_requests = after['{path="request"}'] - before.get('{path="request"}', 0)
+    messages = metric_sum(text, "prefixserve_output_channel_messages_total") - messages_before
+    assert on_requests >= 4  # each request's first output, on its own stream
+    assert on_channel >= 4 * 15 - 15  # the other 15 tokens of each (one request may have opened its channel)
+    assert 0 < messages < on_channel
+
+
 def test_health(base_url):
     assert httpx.get(f"{base_url}/health").status_code == 200
 

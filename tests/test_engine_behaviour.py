@@ -322,3 +322,61 @@ def test_the_graph_is_compiled_on_every_cpu_when_steps_switch_thread_counts(monk
     assert compile_threads(EngineConfig(num_threads=3)) == 3
     assert compile_threads(EngineConfig(num_threads=3, num_prefill_threads=3)) == 3
     assert compile_threads(EngineConfig(devices="gpu", num_threads=3, num_prefill_threads=4)) == 3
+
+
+def test_requests_bound_to_an_output_channel_stream_their_outputs_as_one_message_per_step(tiny):
+    """A request that names an open output channel gets its first output on its own stream (marked ``via_channel``),
+    then every later output on the channel, batched per step with the other bound requests' outputs; its own stream
+    then ends without another output. The tokens equal an unbound request's (greedy). A request naming no channel, or
+    a closed one, keeps its own stream. Closing the channel fails the requests still bound to it."""
+    from replica.async_engine import OutputChannelClosed
+
+    engine = tiny.engine()
+    async_engine = AsyncEngine(engine)
+    prompts = {f"r{i}": random_prompt(40 + 10 * i, seed=50 + i) for i in range(3)}
+
+    async def own_stream(request_id, prompt, max_tokens, channel_id=None):
+        request = EngineRequest(request_id, prompt, greedy(max_tokens), output_channel=channel_id)
+        return [out async for out in async_engine.generate(request)]
+
+    async def main():
+        unbound = {rid: await own_stream(rid + "-alone", prompt, 6) for rid, prompt in prompts.items()}
+        channel = async_engine.open_channel("ingress-1")
+        received = []
+
+        async def read_channel():
+            while (batch := await channel.next_batch(idle_s=0.5)) is not None:
+                received.append(batch)
+
+        reader = asyncio.ensure_future(read_channel())
+        bound = await asyncio.gather(*[own_stream(rid, prompt, 6, "ingress-1") for rid, prompt in prompts.items()])
+        elsewhere = await own_stream("other", prompts["r0"], 3, "another-ingress")  # no such channel here
+        await reader  # ends once idle with nothing bound
+        # a bound request whose channel closes mid-way fails on its own stream
+        channel = async_engine.open_channel("ingress-1")
+        gen = async_engine.generate(EngineRequest("cut", prompts["r1"], greedy(40), output_channel="ingress-1"))
+        first = await gen.__anext__()
+        async_engine.close_channel(channel)
+        with pytest.raises(OutputChannelClosed):
+            await gen.__anext__()
+        await async_engine.check_integrity()
+        return unbound, bound, elsewhere, received, first
+
+    try:
+        unbound, bound, elsewhere, received, first = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert first.via_channel
+    on_channel = [out for batch in received for out in batch]
+    for rid, own in zip(prompts, bound):
+        assert len(own) == 1 and own[0].via_channel and not own[0].finished  # the first output only
+        rest = [out for out in on_channel if out.request_id == rid]
+        tokens = own[0].new_token_ids + [t for out in rest for t in out.new_token_ids]
+        assert tokens == [t for out in unbound[rid] for t in out.new_token_ids] == tiny.generate(prompts[rid], 6)
+        assert rest[-1].finished and not any(out.finished for out in rest[:-1])
+        assert "".join(out.new_text for out in own + rest) == "".join(out.new_text for out in unbound[rid])
+    # one message per step for all three requests, not one per request per step
+    assert len(received) < len(on_channel) and max(len(batch) for batch in received) >= 2
+    assert not any(out.via_channel for out in elsewhere) and elsewhere[-1].finished
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_pages_in_use == 0

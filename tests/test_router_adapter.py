@@ -318,3 +318,33 @@ def test_a_chat_s_next_turn_goes_where_its_own_turn_finished_through_the_adapter
             await asyncio.sleep(0)
 
     run(scenario)
+
+
+def test_an_open_output_channel_is_not_load_on_its_replica():
+    """Serve's queue length counts an open output channel as an ongoing request on its replica (and tells the router
+    it completed as soon as it was sent); the router takes the process's open channels back out, so a replica holding
+    a prefix and a channel still gets the prefix's requests, and counts a queued request again once it closed."""
+    from common.types import OutputChannelRequest
+    from router import long_calls
+
+    async def scenario():
+        router = make_router()
+        a, b = StandInReplica("a"), StandInReplica("b")
+        a.store(PROMPT)
+        for replica in (a, b):
+            replica.publish()
+        router.update_replicas([a, b])
+        channel = PendingRequest(args=[OutputChannelRequest("ingress-1", target_replica="a")], kwargs={},
+                                 metadata=RequestMetadata(request_id="ch", internal_request_id="internal-ch"))
+        assert ids(await router.choose_replicas([a, b], channel)) == [["a"]]
+        long_calls.opened("a")  # cluster/output_channels.py opened it
+        router.replica_queue_len_cache.update(a.replica_id, 1)  # Serve sent it: one ongoing request
+        try:
+            assert router._load_of(a).num_requests == 0
+            request = pending(EngineRequest("r1", [], page_keys=PROMPT), "internal-1")
+            assert ids(await router.choose_replicas([a, b], request))[0] == ["a"]
+        finally:
+            long_calls.closed("a")
+        assert router._load_of(a).num_requests == 1
+
+    run(scenario)
