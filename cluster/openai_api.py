@@ -237,7 +237,8 @@ class OpenAIIngress:
         self._metrics_at = -float("inf")
         self._metrics_lock = asyncio.Lock()
         self.hot_prefix = self._hot_prefix_copier(replicas, config)
-        self.output_channels = OutputChannels(replicas, self.metrics) if config.output_channels else None
+        self.output_channels = (OutputChannels(replicas, self.metrics, lambda: self._num_inflight)
+                                if config.output_channels else None)
 
     @staticmethod
     def _hot_prefix_copier(replicas: Any, config: ServeConfig) -> "HotPrefixCopier | None":

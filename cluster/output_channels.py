@@ -5,9 +5,11 @@ ingress's, per request and per engine step. With a channel open to a replica, th
 carrying the outputs of all its requests there; each request's own stream then carries only its first output (the
 time to first token stays one hop) and its end, or an error.
 
-- ``OutputChannels`` (one per ingress): opens a channel to a replica the first time a request's first output comes
-  from it (requests sent from then on use it), reads it, and hands each output to its request's queue. A channel ends
-  when its replica closes it (idle, or gone) and is opened again on demand.
+- ``OutputChannels`` (one per ingress): opens a channel to a replica when a request's first output comes from it while
+  the ingress has ``MIN_CONCURRENT`` or more requests in flight (requests sent from then on use it), reads it, and hands
+  each output to its request's queue. A channel ends when its replica closes it (idle, or gone) and is opened again
+  on demand. One request at a time keeps to its own stream: measured (BENCHMARKS.md 0l), a short request and a single
+  stream were slower with a channel open, and there is nothing to batch.
 - ``ChanneledStream`` wraps one request's stream with the interface the ingress already reads (``__anext__``,
   ``cancel``): outputs come from the stream until one says ``via_channel``, then from the request's queue, while the
   stream is still watched for its end or an error (a lost replica, a cancellation) and raises it as before.
@@ -19,12 +21,15 @@ import asyncio
 import logging
 import uuid
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from common.types import OutputChannelRequest, RequestOutput
 from router import long_calls
 
 logger = logging.getLogger(__name__)
+
+MIN_CONCURRENT = 2
+"""Requests in flight at the ingress from which a first output opens a channel to its replica."""
 
 END_WAIT_S = 30.0
 """After a bound request's stream ended: how long its last output may take to arrive on the channel (it was sent
@@ -51,9 +56,12 @@ class _StreamEnded:
 class OutputChannels:
     """The ingress's output channels, one per replica, all under one ``channel_id``."""
 
-    def __init__(self, replicas: Any, metrics: Any = None) -> None:
-        """``metrics``: an ``IngressMetrics`` (its ``streamed_outputs`` and ``channel_messages`` counters), or None."""
+    def __init__(self, replicas: Any, metrics: Any = None, num_inflight: Callable[[], int] = lambda: MIN_CONCURRENT
+                 ) -> None:
+        """``metrics``: an ``IngressMetrics`` (its ``streamed_outputs`` and ``channel_messages`` counters), or None;
+        ``num_inflight``: the ingress's requests in flight now."""
         self.replicas = replicas
+        self._num_inflight = num_inflight
         self.channel_id = uuid.uuid4().hex
         self._queues: weakref.WeakValueDictionary[str, asyncio.Queue] = weakref.WeakValueDictionary()
         self._replica_to_task: dict[str, asyncio.Task] = {}
@@ -68,9 +76,11 @@ class OutputChannels:
         return ChanneledStream(self, request_id, stream, queue)
 
     def note_request_path(self, output: RequestOutput) -> None:
-        """An output came on its request's own stream: count it, and open a channel to its replica if none is."""
+        """An output came on its request's own stream: count it, and open a channel to its replica if none is and
+        requests run side by side."""
         self._on_request_path()
-        self.ensure_open(output.replica_id)
+        if self._num_inflight() >= MIN_CONCURRENT:
+            self.ensure_open(output.replica_id)
 
     def is_open(self, replica_id: str) -> bool:
         return replica_id in self._replica_to_task

@@ -48,7 +48,7 @@ from replica.shared_pool import SharedPoolBundle, node_id
 
 logger = logging.getLogger(__name__)
 
-OUTPUT_CHANNEL_IDLE_S = 2.0
+OUTPUT_CHANNEL_IDLE_S = 0.5
 """An output channel with no request bound to it and nothing to send for this long ends (its caller opens it again
 when it next needs it): an open channel is an ongoing call, which Serve waits for before it stops a replica."""
 

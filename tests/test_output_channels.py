@@ -148,3 +148,24 @@ def test_a_last_output_that_never_comes_fails_the_request_after_the_wait(monkeyp
             await wrapped.__anext__()
 
     asyncio.run(scenario())
+
+
+def test_one_request_at_a_time_opens_no_channel():
+    """A first output that comes while fewer than MIN_CONCURRENT requests are in flight opens no channel (nothing to
+    batch, and a single stream measured slower with one open); with more in flight it does."""
+    async def scenario():
+        replicas = FakeReplicas()
+        inflight = [1]
+        channels = OutputChannels(replicas, num_inflight=lambda: inflight[0])
+        for index, count in enumerate((1, 1, 2)):
+            inflight[0] = count
+            stream = FakeStream()
+            stream.items.put_nowait(out(f"r{index}", 1, finished=True))
+            await channels.stream(f"r{index}", stream).__anext__()
+            await asyncio.sleep(0)
+            yield [r.target_replica for r in replicas.requests]
+
+    async def collect():
+        return [opened async for opened in scenario()]
+
+    assert asyncio.run(collect()) == [[], [], ["A"]]
