@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from cluster.output_channels import streaming
 from cluster.protocol import (
     APIError,
     ChatMessage,
@@ -180,7 +181,7 @@ async def _warm(ingress: Any, token_ids: list[int], keys: list[bytes], salt: str
     request = EngineRequest(request_id=uuid.uuid4().hex, prompt_token_ids=token_ids,
                             sampling=SamplingParams(max_tokens=1, temperature=0.0), cache_salt=salt,
                             page_keys=keys, retention=retention)
-    stream = ingress.replicas.options(stream=True).generate.remote(request)
+    stream = streaming(ingress.replicas, ingress.config.replica_transport).generate.remote(request)
     try:
         async for output in stream:
             if output.finished:

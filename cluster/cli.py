@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import NoReturn, Sequence
 
-from cluster.config import DTYPES, LOG_LEVELS, ServeConfig, parse_memory_size, redact_url
+from cluster.config import DTYPES, LOG_LEVELS, REPLICA_TRANSPORTS, ServeConfig, parse_memory_size, redact_url
 from replica.config import field_default
 
 APP_NAME = "prefixserve"
@@ -174,6 +174,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument("--output-channels", action=argparse.BooleanOptionalAction, default=default("output_channels"),
                         help="a replica sends the ingress one message per engine step with the outputs of all its "
                              "requests, instead of one per request per step (on by default)")
+    server.add_argument("--replica-transport", choices=REPLICA_TRANSPORTS, default=default("replica_transport"),
+                        help="how the ingress's streaming calls reach the replicas: Ray Serve's gRPC transport between "
+                             "deployments (default) or Ray actor calls")
     server.add_argument("--api-key", default=os.environ.get("PREFIXSERVE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/*, /metrics and the admin routes "
                              "(default: $PREFIXSERVE_API_KEY, else none)")

@@ -17,8 +17,8 @@ A generation request, here, each step bounded before the next does work:
     max_request_body_bytes (413) -> parse JSON (depth <= 32, valid Unicode; 400) -> validate fields and ranges (400)
     -> prompt length in characters (400, before tokenizing) -> tokenize and compute page keys on the one tokenizer
     thread, at most max_pending_tokenizations waiting (429) -> prompt length in tokens (400)
-    -> ``replicas.options(stream=True).generate.remote(request)``: the prefix-aware router reads ``request.page_keys``
-    and picks the replica; Serve refuses beyond max_queued_requests (429 with Retry-After)
+    -> ``replicas.options(stream=True).generate.remote(request)`` (over Serve's gRPC transport unless
+    ``--replica-transport ray``): the prefix-aware router reads ``request.page_keys`` and picks the replica; Serve refuses beyond max_queued_requests (429 with Retry-After)
     -> await the first output (so a refused request is still a 400 and the replica's id goes in the
     ``x-prefixserve-replica`` header); if that replica dies first, the request is sent once more (another replica)
     -> stream or collect the rest, within request_timeout_s: after the first output, on the replica's output channel
@@ -59,7 +59,7 @@ from cluster import admin_api
 from cluster.config import ServeConfig
 from cluster.hot_prefix import HotPrefixCopier
 from cluster.metrics import IngressMetrics
-from cluster.output_channels import OutputChannels
+from cluster.output_channels import OutputChannels, streaming
 from cluster.protocol import (
     CHARS_PER_TOKEN_BOUND,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -237,7 +237,8 @@ class OpenAIIngress:
         self._metrics_at = -float("inf")
         self._metrics_lock = asyncio.Lock()
         self.hot_prefix = self._hot_prefix_copier(replicas, config)
-        self.output_channels = (OutputChannels(replicas, self.metrics, lambda: self._num_inflight)
+        self.output_channels = (OutputChannels(replicas, self.metrics, lambda: self._num_inflight,
+                                               transport=config.replica_transport)
                                 if config.output_channels else None)
 
     @staticmethod
@@ -423,7 +424,7 @@ class OpenAIIngress:
         channels = self.output_channels
         if channels is not None:
             engine_request = dataclasses.replace(engine_request, output_channel=channels.channel_id)
-        stream = self.replicas.options(stream=True).generate.remote(engine_request)
+        stream = streaming(self.replicas, self.config.replica_transport).generate.remote(engine_request)
         if channels is not None:
             stream = channels.stream(key, stream)
         self._request_to_stream[key] = stream

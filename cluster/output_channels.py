@@ -53,14 +53,21 @@ class _StreamEnded:
         self.error = error
 
 
+def streaming(replicas: Any, transport: str) -> Any:
+    """``replicas`` (a DeploymentHandle) for streaming calls over ``transport`` (``ServeConfig.replica_transport``):
+    "grpc" is Serve's gRPC transport between deployments, "ray" Ray actor calls. Same router either way."""
+    return replicas.options(stream=True, _by_reference=transport == "ray")
+
+
 class OutputChannels:
     """The ingress's output channels, one per replica, all under one ``channel_id``."""
 
-    def __init__(self, replicas: Any, metrics: Any = None, num_inflight: Callable[[], int] = lambda: MIN_CONCURRENT
-                 ) -> None:
+    def __init__(self, replicas: Any, metrics: Any = None, num_inflight: Callable[[], int] = lambda: MIN_CONCURRENT,
+                 transport: str = "grpc") -> None:
         """``metrics``: an ``IngressMetrics`` (its ``streamed_outputs`` and ``channel_messages`` counters), or None;
-        ``num_inflight``: the ingress's requests in flight now."""
+        ``num_inflight``: the ingress's requests in flight now; ``transport``: see ``streaming``."""
         self.replicas = replicas
+        self.transport = transport
         self._num_inflight = num_inflight
         self.channel_id = uuid.uuid4().hex
         self._queues: weakref.WeakValueDictionary[str, asyncio.Queue] = weakref.WeakValueDictionary()
@@ -106,7 +113,7 @@ class OutputChannels:
             long_calls.closed(replica_id)
 
     async def _read_channel(self, replica_id: str) -> None:
-        stream = self.replicas.options(stream=True).output_channel.remote(
+        stream = streaming(self.replicas, self.transport).output_channel.remote(
             OutputChannelRequest(self.channel_id, target_replica=replica_id))
         try:
             async for batch in stream:

@@ -30,6 +30,7 @@ def test_defaults():
     assert config.page_size == 128
     assert config.kv_cache_memory == 1 << 30
     assert (config.host, config.port, config.api_key, config.redis_url) == ("127.0.0.1", 8000, None, None)
+    assert config.replica_transport == "grpc"
 
 
 def test_every_flag_reaches_the_config(tmp_path):
@@ -39,14 +40,14 @@ def test_every_flag_reaches_the_config(tmp_path):
         "--max-num-batched-tokens", "512", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k",
         "--redis-url", "redis://h:6379/0", "--disk-cache-dir", str(tmp_path / "kv"), "--ray-address", "auto",
         "--log-level", "debug", "--served-model-name", "m", "--num-cpus-per-replica", "2",
-        "--no-enable-dp-cross-replica-prefix-copy",
+        "--no-enable-dp-cross-replica-prefix-copy", "--replica-transport", "ray",
     )
     assert config == ServeConfig(
         model=str(tmp_path), devices="cpu", data_parallel_degree=3, page_size=256, kv_cache_memory=2 * 1024**3,
         dtype="bfloat16", max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=512, host="0.0.0.0", port=9000,
         api_key="k", redis_url="redis://h:6379/0", disk_cache_dir=str(tmp_path / "kv"), ray_address="auto",
         log_level="debug", served_model_name="m", num_cpus_per_replica=2.0,
-        enable_dp_cross_replica_prefix_copy=False,
+        enable_dp_cross_replica_prefix_copy=False, replica_transport="ray",
     )
 
 
@@ -75,6 +76,11 @@ def test_disk_tier_defaults_on_with_caching_and_off_without(monkeypatch, tmp_pat
         ServeConfig(devices="cpu", start_redis=True, redis_url="redis://h:1/0")
     with pytest.raises(ValueError, match="--enable-disk-cache"):
         ServeConfig(devices="cpu", enable_prefix_caching=False, enable_disk_cache=True)
+
+
+def test_an_unknown_replica_transport_in_a_serve_config_is_refused():
+    with pytest.raises(ValueError, match="--replica-transport must be one of grpc, ray"):
+        ServeConfig.from_mapping({"devices": "cpu", "replica_transport": "zmq"})
 
 
 def test_caching_off_turns_copy_off_by_default():
@@ -121,7 +127,7 @@ def test_invalid_combinations_are_one_line_and_status_2(flags, message, capsys):
 
 @pytest.mark.parametrize(
     "flags",
-    [["--kv-cache-memory", "lots"], ["--dtype", "float16"], ["--devices", "tpu"], ["--port", "x"], ["--bogus"]],
+    [["--kv-cache-memory", "lots"], ["--dtype", "float16"], ["--replica-transport", "zmq"], ["--devices", "tpu"], ["--port", "x"], ["--bogus"]],
 )
 def test_bad_flag_values_exit_2_with_one_line(flags, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -345,7 +345,9 @@ def test_health(base_url):
 def test_caching_off_reports_zero_cached_tokens(ray_session, serve_http_port, tiny_llama_dir):
     from ray import serve
 
-    deploy(make_config(tiny_llama_dir, data_parallel_degree=1, enable_prefix_caching=False), "e2e-nocache")
+    # this app also runs the other replica transport: Ray actor calls instead of Serve's gRPC (the default)
+    deploy(make_config(tiny_llama_dir, data_parallel_degree=1, enable_prefix_caching=False, replica_transport="ray"),
+           "e2e-nocache")
     try:
         nocache = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_http_port}/e2e-nocache/v1", api_key=API_KEY,
                                 max_retries=0, timeout=60)
@@ -354,5 +356,7 @@ def test_caching_off_reports_zero_cached_tokens(ray_session, serve_http_port, ti
             completion, _ = complete(nocache, prompt)
             cached, by_source = cached_of(completion.usage)
             assert cached == 0 and set(by_source.values()) == {0}
+        chunks = nocache.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == completion.choices[0].text
     finally:
         serve.delete("e2e-nocache")

@@ -40,9 +40,11 @@ class FakeReplicas:
     def __init__(self):
         self.channels: dict[str, FakeStream] = {}
         self.requests: list[OutputChannelRequest] = []
+        self.by_reference: list[bool] = []
 
-    def options(self, stream):
+    def options(self, stream, _by_reference):
         assert stream is True
+        self.by_reference.append(_by_reference)
         return self
 
     @property
@@ -78,6 +80,7 @@ def test_a_bound_request_reads_its_outputs_from_the_channel_in_order_even_after_
         await asyncio.sleep(0)
         assert [r.target_replica for r in replicas.requests] == ["A"] and channels.is_open("A")
         assert replicas.requests[0].channel_id == channels.channel_id
+        assert replicas.by_reference == [False]  # Serve's gRPC transport by default
         # two bound requests: first outputs on their streams, the rest in shared channel messages
         streams = {rid: FakeStream() for rid in ("x", "y")}
         wrapped = {rid: channels.stream(rid, stream) for rid, stream in streams.items()}
@@ -169,3 +172,19 @@ def test_one_request_at_a_time_opens_no_channel():
         return [opened async for opened in scenario()]
 
     assert asyncio.run(collect()) == [[], [], ["A"]]
+
+
+def test_channels_open_over_the_transport_they_are_given():
+    async def scenario(transport):
+        replicas = FakeReplicas()
+        channels = OutputChannels(replicas, transport=transport)
+        plain = FakeStream()
+        wrapped = channels.stream("p", plain)
+        plain.items.put_nowait(out("p", 1))
+        await wrapped.__anext__()
+        await asyncio.sleep(0)
+        channels.close()
+        return replicas.by_reference
+
+    assert asyncio.run(scenario("ray")) == [True]
+    assert asyncio.run(scenario("grpc")) == [False]
