@@ -12,6 +12,10 @@
 #   benchmarks/vs_vllm.sh vllm-client  # vLLM's own `vllm bench serve` (prefix_repetition) against each server in turn,
 #                                      # plus benchmarks/serving_overhead.py (short-request fixed cost, TPOT at batch 1);
 #                                      # VC_CACHING=off: both servers without prefix caching (cold TTFT)
+#   AB_A="--replica-transport ray" AB_B="" benchmarks/vs_vllm.sh ab
+#                                      # prefixserve alone, two flag sets alternating (AB_ROUNDS pairs, 2), one server
+#                                      # start each: serving_overhead.py, short_request_split.py, stream_cpu.py; raw
+#                                      # lines in results/ab/$DTYPE${AB_TAG}.txt (A/B runs on this noisy box)
 #
 # Knobs (environment): DTYPE (float32; or bfloat16: both servers use it for weights and KV), NUM_REQUESTS (40),
 # CONCURRENCY (4), PREFIX_LEN (1792), SUFFIX_LEN (256), OUTPUT_LEN (32),
@@ -248,6 +252,36 @@ run_vllm_client() {
   done
 }
 
+# ab: prefixserve with PREFIXSERVE_ARGS + AB_A, then + AB_B, AB_ROUNDS times; one JSON line per measurement.
+run_ab() {
+  local out="$RESULTS/ab/$DTYPE${AB_TAG:-}.txt" round side args base="${PREFIXSERVE_ARGS:-}"
+  mkdir -p "$RESULTS/ab"
+  printf '# %s: AB_A="%s" AB_B="%s" PREFIXSERVE_ARGS="%s", %s\n' "$(date -u +%FT%TZ)" "${AB_A:-}" "${AB_B:-}" "$base" \
+    "$(lscpu | sed -n 's/^Model name: *//p')" >>"$out"
+  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for side in A B; do
+      [[ $side == A ]] && args="${AB_A:-}" || args="${AB_B:-}"
+      PREFIXSERVE_ARGS="$base $args" start_prefixserve on
+      log "ab round $round side $side ($args)"
+      { printf '{"round": %d, "side": "%s", "args": "%s"}\n' "$round" "$side" "$args"
+        "$PROJECT_PY" "$HERE/serving_overhead.py" --base-url "http://127.0.0.1:$PORT" --model tiny-llama --repeats 40
+        "$PROJECT_PY" "$HERE/short_request_split.py" --base-url "http://127.0.0.1:$PORT" --model tiny-llama
+        "$PROJECT_PY" "$HERE/stream_cpu.py" --base-url "http://127.0.0.1:$PORT" --model tiny-llama --streams 4 \
+          --output-len 256 --rounds 2 | "$PROJECT_PY" -c "$STREAM_CPU_SUMMARY"
+      } >>"$out"
+      stop_server
+    done
+  done
+  log "wrote $out"
+}
+
+STREAM_CPU_SUMMARY='
+import json, sys
+d = json.load(sys.stdin)
+per_output = {p["command"].split(":")[-1]: p["cpu_ms_per_output"] for p in d["processes"]
+              if p["command"].startswith("ray::ServeReplica")}
+print(json.dumps({"stream_cpu_tpot_ms": d["median_tpot_ms"], "cpu_ms_per_output": per_output}))'
+
 check_vllm() {
   setup_vllm_venv
   make_model
@@ -279,12 +313,13 @@ main() {
     prefixserve) make_model; run_server prefixserve on; run_server prefixserve off ;;
     report) report ;;
     vllm-client) setup_vllm_venv; make_model; run_vllm_client ;;
+    ab) make_model; run_ab ;;
     all)
       setup_vllm_venv; make_model
       run_server prefixserve on; run_server prefixserve off
       run_server vllm on; run_server vllm off
       report ;;
-    *) echo "usage: $0 [all|setup|model|check-vllm|vllm|prefixserve|report|vllm-client]" >&2; exit 2 ;;
+    *) echo "usage: $0 [all|setup|model|check-vllm|vllm|prefixserve|report|vllm-client|ab]" >&2; exit 2 ;;
   esac
 }
 
