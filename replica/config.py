@@ -17,12 +17,14 @@ PREFILL_THREADS_MIN_TOKENS = 64
 """Steps of at least this many tokens run on ``EngineConfig.num_prefill_threads`` (CPU). A 256-token chunk over a
 1536-token cached prefix took 94-126 ms on one thread and 48-69 ms on two (tiny Llama, bf16, AMX Xeon), while decode
 steps on a second thread slowed serving: the HTTP proxy needs that core between tokens (BENCHMARKS.md section 0)."""
-PREFILL_THREADS_MIN_KEYS = 4096
+PREFILL_THREADS_MIN_KEYS = 65536
 """Steps whose rows attend at least this many keys in all (context plus new tokens, summed over the step's requests)
-run on ``num_prefill_threads`` too, however few their tokens: a decode batch over long contexts (4 requests of ~1800
-tokens) is bound by reading its KV, and on 2 threads took 0.6x the time; vLLM's prefix_repetition client measured
-0.9-1.15x the request throughput on a 2-core Zen 4 box (BENCHMARKS.md section 0k), where short contexts kept one
-thread (a streamed token on two was 1.3x slower: the HTTP proxy's core)."""
+run on ``num_prefill_threads`` too, however few their tokens. Session 19 set it at 4096 (a decode batch of 4 rows of
+~1800 keys is bound by reading its KV, and took 0.6x the time on two threads in process). With the serving path
+lighter (session 21: Serve's gRPC transport, output channels), a second thread for those steps cost more than it gave
+on a 2-core Zen 4 box: vLLM's prefix_repetition client measured higher request throughput and lower median TPOT in
+4 of 4 bf16 pairs with such steps on one thread (BENCHMARKS.md section 0m), fp32 level or better. Steps of 16 or more
+long contexts (64k keys) still take the prefill thread count; that size was not measured here."""
 DEVICES = ("cpu", "gpu")
 DTYPES = ("auto", "float32", "bfloat16")
 KV_EVENT_PUBLISHERS = ("null", "zmq")
