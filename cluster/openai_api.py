@@ -18,7 +18,8 @@ A generation request, here, each step bounded before the next does work:
     -> prompt length in characters (400, before tokenizing) -> tokenize and compute page keys on the one tokenizer
     thread, at most max_pending_tokenizations waiting (429) -> prompt length in tokens (400)
     -> ``replicas.options(stream=True).generate.remote(request)`` (over Serve's gRPC transport unless
-    ``--replica-transport ray``): the prefix-aware router reads ``request.page_keys`` and picks the replica; Serve refuses beyond max_queued_requests (429 with Retry-After)
+    ``--replica-transport ray``): the prefix-aware router reads ``request.page_keys`` and picks the replica; Serve
+    refuses beyond max_queued_requests (429 with Retry-After)
     -> await the first output (so a refused request is still a 400 and the replica's id goes in the
     ``x-prefixserve-replica`` header); if that replica dies first, the request is sent once more (another replica)
     -> stream or collect the rest, within request_timeout_s: after the first output, on the replica's output channel

@@ -127,7 +127,8 @@ def test_invalid_combinations_are_one_line_and_status_2(flags, message, capsys):
 
 @pytest.mark.parametrize(
     "flags",
-    [["--kv-cache-memory", "lots"], ["--dtype", "float16"], ["--replica-transport", "zmq"], ["--devices", "tpu"], ["--port", "x"], ["--bogus"]],
+    [["--kv-cache-memory", "lots"], ["--dtype", "float16"], ["--replica-transport", "zmq"], ["--devices", "tpu"],
+     ["--port", "x"], ["--bogus"]],
 )
 def test_bad_flag_values_exit_2_with_one_line(flags, capsys):
     with pytest.raises(SystemExit) as exit_info:
