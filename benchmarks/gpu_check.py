@@ -1,7 +1,8 @@
 """GPU checks of the replica engine (run on a CUDA machine; no Ray needed):
 
 1. Greedy tokens of the paged engine on CUDA equal transformers' generate on the same weights (float32) for Llama,
-   Qwen2 and Mistral tiny models: cold, exact repeat, shared prefix + new suffix, a mixed batch, preemption.
+   Qwen2 and Mistral tiny models: cold, exact repeat, shared prefix + new suffix, a mixed batch, preemption; with
+   decode steps as CUDA graphs (the default) and with ``enforce_eager``.
 2. Device-to-device peer copy between two engines on one GPU: pages exported on the device and written into the
    other engine's pool are bit-identical, and the reader's output equals the reference; time of the copy vs recompute.
 3. GPU TTFT of a 2048-token prefix + 64-token suffix (bf16, hidden 512 x 8 layers): cold, warm, suffix alone.
@@ -95,9 +96,12 @@ def run(engine, prompts: dict, n: int):
     return tokens, cached
 
 
-def check_equivalence(arch: str) -> None:
+def check_equivalence(arch: str, enforce_eager: bool = False) -> None:
+    """Default: decode steps replay CUDA graphs (replica/cuda_graphs.py); ``enforce_eager``: none."""
     served, reference = models(tiny_config(arch))
-    engine = LLMEngine(EngineConfig(devices="gpu", num_pages=64, max_num_batched_tokens=300), served, device=DEVICE)
+    mode = "eager" if enforce_eager else "graphs"
+    engine = LLMEngine(EngineConfig(devices="gpu", num_pages=64, max_num_batched_tokens=300,
+                                    enforce_eager=enforce_eager), served, device=DEVICE)
     prefix = prompt(300, 1)
     cases = {"cold": prefix + prompt(20, 2)}
     tokens, _ = run(engine, cases, 6)
@@ -106,14 +110,18 @@ def check_equivalence(arch: str) -> None:
     tokens2, cached = run(engine, cases2, 6)
     tokens.update(tokens2)
     ok = all(tokens[rid] == generate(reference, p, 6) for rid, p in {**cases, **cases2}.items())
-    check(f"greedy equality on CUDA float32 ({arch})", ok and cached["repeat"].local == 256,
-          f"cached repeat={cached['repeat'].local}")
-    small = LLMEngine(EngineConfig(devices="gpu", num_pages=8, max_model_len=1024), served, device=DEVICE)
+    graphs = engine.runner.decode_graphs
+    replays = graphs.replays if graphs is not None else 0
+    graphs_ok = (graphs is None) if enforce_eager or DEVICE != "cuda" else (graphs.captured and replays > 0)
+    check(f"greedy equality on CUDA float32 ({arch}, {mode})", ok and cached["repeat"].local == 256 and graphs_ok,
+          f"cached repeat={cached['repeat'].local} graph replays={replays}")
+    small = LLMEngine(EngineConfig(devices="gpu", num_pages=8, max_model_len=1024, enforce_eager=enforce_eager),
+                      served, device=DEVICE)
     prompts = {f"p{i}": prompt(250 + i, 10 + i) for i in range(6)}
     tokens, _ = run(small, prompts, 12)
     ok = all(tokens[rid] == generate(reference, p, 12) for rid, p in prompts.items())
     stats = small.stats()
-    check(f"preemption + eviction on CUDA ({arch})", ok and stats.num_preemptions > 0,
+    check(f"preemption + eviction on CUDA ({arch}, {mode})", ok and stats.num_preemptions > 0,
           f"preemptions={stats.num_preemptions} evictions={stats.num_evictions}")
 
 
@@ -198,8 +206,8 @@ def timing_table() -> None:
         sync()
         start = time.perf_counter()
         pages = engine.export_pages(keys, to_cpu=False)
-        for offset, (_, _, kv) in enumerate(pages):
-            engine.runner.write_page(200 + offset, kv)
+        for offset, record in enumerate(pages):
+            engine.runner.write_page(200 + offset, record.kv)
         sync()
         copy_s.append(time.perf_counter() - start)
     med = statistics.median
@@ -357,6 +365,7 @@ def main() -> int:
     if only in (None, "engine"):
         for arch in ("llama", "qwen2", "mistral"):
             check_equivalence(arch)
+            check_equivalence(arch, enforce_eager=True)
         check_device_peer_copy()
         timing_table()
     if only in (None, "ray"):

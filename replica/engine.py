@@ -101,12 +101,13 @@ class LLMEngine:
             )
         share_pool = config.enable_peer_copy and config.share_kv_pool and enable_prefix_caching  # peers copy from it
         step_threads = (config.num_threads, config.prefill_threads) if self.device.type == "cpu" else ()
+        self.max_model_len = self._resolve_max_model_len(model.config, num_pages)
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size, device=self.device,
                                   enforce_eager=config.enforce_eager, shared_pool=share_pool,
-                                  step_threads=step_threads)
+                                  step_threads=step_threads, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len)
         self.model_fingerprint = self.runner.fingerprint
         self.vocab_size = model.config.get_text_config().vocab_size
-        self.max_model_len = self._resolve_max_model_len(model.config, num_pages)
         self.kv = KVCacheManager(num_pages, config.page_size, enable_prefix_caching=enable_prefix_caching,
                                  max_retained_pages=int(num_pages * config.kv_cache_retention_budget), clock=clock)
         if self.runner.shared_pool is not None:

@@ -9,7 +9,8 @@ One step's batch packs every scheduled chunk into a single row ``[1, T]``::
     slot_mapping | pageA[0]*ps+40.. | ... |          (where each new token's K/V is written)
     logits rows  |        ^A   |   ^B   |   ^C   |   (only rows that sample a token, via logits_to_keep)
 
-The same code runs on CUDA tensors with ``device="cuda"`` (compact model in eager mode; compilation is CPU only).
+The same code runs on CUDA tensors with ``device="cuda"``: the compact model in eager mode (compilation is CPU only),
+its decode steps replayed as CUDA graphs captured at start-up (``replica.cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from replica import cpu_kernels
 from replica.attention_op import forward_context
 from replica.compile import CompiledEntry, cached_compiled_forward
+from replica.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from replica.llama import CompactCausalLM, unsupported_reason
 from replica.page_pool import allocate_kv_tensor, bytes_per_page, kv_tensor_shape
 from replica.shared_pool import allocate_shared_pool
@@ -99,6 +101,15 @@ def _linear_path(compact: CompactCausalLM | None) -> str:
     return "the small-row C++ kernel for a few rows, then ATen"
 
 
+def _graphs_note(graphs: DecodeGraphs | None) -> str:
+    if graphs is None:
+        return ""
+    if not graphs.captured:
+        return "; decode steps on static buffers (not captured)"
+    return (f"; decode steps of 1-{graphs.max_batch} rows as CUDA graphs (captured in {graphs.capture_seconds:.1f} s, "
+            f"attention by {'Triton' if graphs.use_triton else 'ATen'})")
+
+
 BACKENDS = ("compiled", "eager", "transformers")
 ENFORCE_EAGER_ENV = "PREFIXSERVE_ENFORCE_EAGER"
 """Set to 1 to run every runner of the process without compilation (e.g. a quick test run)."""
@@ -115,7 +126,9 @@ class ModelRunner:
       attention as the opaque op ``prefixserve::paged_attention``. Compiled at construction (``startup_seconds``),
       shared in the process by every runner of a model with the same weights. CPU only, dtypes in
       ``COMPILED_DTYPES``; one graph serves every step (no recompilation after start-up).
-    - ``"eager"``: the same compact model without compilation (``enforce_eager=True``, other devices or dtypes).
+    - ``"eager"``: the same compact model without compilation (``enforce_eager=True``, other devices or dtypes). On
+      CUDA its decode steps of up to ``MAX_GRAPH_BATCH`` (and ``max_num_seqs``) rows replay CUDA graphs captured at
+      construction (``decode_graphs``), unless ``enforce_eager``.
     - ``"transformers"``: transformers' own modeling code with ``paged_attention`` registered as its attention
       function, for architectures the compact model does not cover (``fallback_reason`` says why).
     """
@@ -132,6 +145,9 @@ class ModelRunner:
         compile_options: dict | None = None,
         shared_pool: bool = False,
         step_threads: tuple[int, ...] = (),
+        max_num_seqs: int = MAX_GRAPH_BATCH,
+        max_model_len: int | None = None,
+        graph_decode: bool | None = None,
     ) -> None:
         """``enforce_eager`` (or the environment variable ``PREFIXSERVE_ENFORCE_EAGER=1``) turns compilation off.
         ``backend`` forces one of ``BACKENDS`` (benchmarks, tests; it overrides ``enforce_eager``); by default the
@@ -140,7 +156,10 @@ class ModelRunner:
         ``replica.compile.INDUCTOR_OPTIONS``. ``shared_pool``: on the CPU, place the page pool in shared memory so
         that peers on this node copy pages straight out of it (falls back to private memory where impossible).
         ``step_threads``: the torch thread counts steps will run on (CPU: an engine with ``num_prefill_threads``
-        switches between two); the compiled forward is warmed up on each, default the current count."""
+        switches between two); the compiled forward is warmed up on each, default the current count.
+        ``max_num_seqs`` / ``max_model_len``: the engine's limits, which size the CUDA graphs' batches and block table.
+        ``graph_decode``: None captures decode graphs where they apply (CUDA, compact eager model, not
+        ``enforce_eager``); False never; True also runs their static-buffer path uncaptured off CUDA (tests)."""
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         enforce_eager = enforce_eager or os.environ.get(ENFORCE_EAGER_ENV, "") not in ("", "0")
@@ -172,6 +191,8 @@ class ModelRunner:
         self.backend = backend
         self._compiled: CompiledEntry | None = None
         self._compact: CompactCausalLM | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        """Decode steps as CUDA graphs (``replica.cuda_graphs``); None where they don't apply."""
         if backend == "transformers":
             model.set_attn_implementation(register_paged_attention())
         elif backend == "compiled":
@@ -179,12 +200,20 @@ class ModelRunner:
             self._warm_up(step_threads)
         else:
             self._compact = CompactCausalLM(model)
+        if graph_decode is None:
+            graph_decode = self.device.type == "cuda" and not enforce_eager
+        if graph_decode and self._compact is not None:
+            max_tokens = max_model_len or num_pages * page_size
+            self.decode_graphs = DecodeGraphs(
+                self._compact, forward_context, self.kv_cache, page_size=page_size,
+                max_batch=max(1, min(max_num_seqs, MAX_GRAPH_BATCH)),
+                max_pages_per_seq=min(num_pages, -(-max_tokens // page_size)))
         self.startup_seconds = time.perf_counter() - start
         compact = self._compiled.forward.module if self._compiled is not None else self._compact
-        logger.info("model runner: %s forward ready in %.1f s, decode attention by %s, linear layers by %s",
+        logger.info("model runner: %s forward ready in %.1f s, decode attention by %s, linear layers by %s%s",
                     self.backend, self.startup_seconds, "the C++ kernel" if self.decode_kernel else
                     ("ATen's flash kernel" if self.device.type == "cpu" else "SDPA"),
-                    _linear_path(compact))
+                    _linear_path(compact), _graphs_note(self.decode_graphs))
 
     @property
     def num_compiles(self) -> int:
@@ -253,6 +282,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: Seq[ChunkInput]) -> torch.Tensor:
         """Compute the chunks' KV into their pages; returns float32 logits [num sampling chunks, vocab] in order."""
+        graphs = self.decode_graphs
+        if graphs is not None and all(len(chunk.token_ids) == 1 and chunk.sample for chunk in chunks):
+            rows = [(chunk.token_ids[0], chunk.start_pos + 1, chunk.page_ids) for chunk in chunks]
+            if graphs.covers(rows):
+                return graphs.run(rows)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

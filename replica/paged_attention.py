@@ -247,6 +247,8 @@ def attend(
     """One layer's attention for the packed batch, token-major: query [T, H, D], key/value [T, KVH, D] (RoPE
     applied, K/V not repeated for GQA) -> a new tensor [T, H, D]. Writes key/value into the pool at
     ``meta.slot_mapping`` first."""
+    if not isinstance(meta, PagedAttentionMetadata):  # a graphed decode step (replica.cuda_graphs)
+        return meta.attend(layer_idx, query, key, value, scaling, sliding_window)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     layer_cache = meta.kv_cache[layer_idx]
