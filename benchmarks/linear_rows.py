@@ -40,9 +40,11 @@ def main() -> None:
     weights = [torch.randn(n, k).to(dtype) for _ in range(args.layers) for k, n in SHAPES]
     weights.append(torch.randn(8192, 512).to(dtype))
     mkl = dtype == torch.float32  # MKL's packed GEMM (inductor's frozen float32 graphs) exists for float32 only
+    pairs = dtype == torch.bfloat16 and cpu_kernels.has_pair_linear()  # the pair-layout kernel (AVX512-BF16)
+    pair_weights = [cpu_kernels.pack_pairs(w) for w in weights] if pairs else []
     print(f"| rows ({args.dtype}) | small-row kernel ms | oneDNN packed ms | F.linear ms | kernel / best other |"
-          + (" MKL packed ms |" if mkl else ""))
-    print("|---|---|---|---|---|" + ("---|" if mkl else ""))
+          + (" MKL packed ms |" if mkl else "") + (" pair kernel ms | pair / best other |" if pairs else ""))
+    print("|---|---|---|---|---|" + ("---|" if mkl else "") + ("---|---|" if pairs else ""))
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k).to(dtype) for k in (512, 1024)}
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
@@ -59,6 +61,13 @@ def main() -> None:
         if mkl:
             paths["mkl"] = lambda: [torch.ops.mkl._mkl_linear(inputs[w.shape[1]], m, w, None, rows)
                                     for w, m in zip(weights, mkl_packed)]
+        if pairs and rows <= 8:
+            paths["pairs"] = lambda: [cpu_kernels.linear(inputs[w.shape[1]], w, pairs=p, pairs_below_rows=9)
+                                      for w, p in zip(weights, pair_weights)]
+            for w, p in zip(weights[:5], pair_weights):
+                x = inputs[w.shape[1]]
+                torch.testing.assert_close(cpu_kernels.linear(x, w, pairs=p, pairs_below_rows=9).float(),
+                                           F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
         best = {name: float("inf") for name in paths}
         for fn in paths.values():
             fn()
@@ -69,8 +78,13 @@ def main() -> None:
                     fn()
                 best[name] = min(best[name], (time.perf_counter() - started) / 5 * 1000)
         other = min(best["onednn"], best["aten"])
+        pair_cells = ""
+        if "pairs" in best:
+            pair_cells = f" {best['pairs']:.2f} | {best['pairs'] / min(other, best['kernel']):.2f}x |"
+        elif pairs:
+            pair_cells = " - | - |"
         print(f"| {rows} | {best['kernel']:.2f} | {best['onednn']:.2f} | {best['aten']:.2f} | "
-              f"{best['kernel'] / other:.2f}x |" + (f" {best['mkl']:.2f} |" if mkl else ""))
+              f"{best['kernel'] / other:.2f}x |" + (f" {best['mkl']:.2f} |" if mkl else "") + pair_cells)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def _signature(model: nn.Module, options: dict) -> tuple:
     params = tuple((name, tuple(p.shape), p.dtype, str(p.device)) for name, p in model.named_parameters())
     return (
         type(model).__name__, json.dumps(config, sort_keys=True, default=str), params, torch.get_num_threads(),
-        tuple(sorted(options.items())), cpu_kernels.packed_gemm_pays(),
+        tuple(sorted(options.items())), cpu_kernels.packed_gemm_pays(), cpu_kernels.pair_linear_pays(),
     )
 
 

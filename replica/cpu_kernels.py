@@ -161,17 +161,32 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool = True,
-                  packed: torch.Tensor | None = None, packed_from_rows: int = 0) -> torch.Tensor:
+                  packed: torch.Tensor | None = None, packed_from_rows: int = 0, pairs: torch.Tensor | None = None,
+                  pairs_below_rows: int = 0) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernel: bool = True,
-           packed: torch.Tensor | None = None, packed_from_rows: int = 0) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a 2-D ``x``. With ``packed`` (``pack_linear_weight(weight)``), inputs of at
-    least ``packed_from_rows`` rows run oneDNN's GEMM on it. Otherwise float32 inputs of at most 16 rows (bfloat16: 8)
-    are computed by the kernel in ``csrc/small_linear.cpp`` (``use_kernel=False``: ``at::linear``, for tests), and
-    everything else by ATen."""
-    return torch.ops.prefixserve_cpu.linear(x, weight, bias, use_kernel, packed, packed_from_rows)
+           packed: torch.Tensor | None = None, packed_from_rows: int = 0, pairs: torch.Tensor | None = None,
+           pairs_below_rows: int = 0) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 2-D ``x``. With ``pairs`` (``pack_pairs(weight)``), bfloat16 inputs of
+    fewer than ``pairs_below_rows`` rows (at most 8) run the pair-layout kernel. Else, with ``packed``
+    (``pack_linear_weight(weight)``), inputs of at least ``packed_from_rows`` rows run oneDNN's GEMM on it. Otherwise
+    float32 inputs of at most 16 rows (bfloat16: 8) are computed by the small-row kernel in ``csrc/small_linear.cpp``
+    (``use_kernel=False``: ``at::linear``, for tests), and everything else by ATen."""
+    return torch.ops.prefixserve_cpu.linear(x, weight, bias, use_kernel, packed, packed_from_rows, pairs,
+                                            pairs_below_rows)
+
+
+def has_pair_linear() -> bool:
+    """Whether ``pack_pairs`` and the pair-layout bfloat16 kernel exist: the kernels are built with AVX512-BF16."""
+    return available() and bool(torch.ops.prefixserve_cpu.has_pair_linear())
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 ``weight`` [out, in] reordered once into the pair layout of ``csrc/small_linear.cpp``: blocks of 32
+    output columns, each holding two consecutive inputs side by side, [ceil(out / 32), in / 2, 32, 2]."""
+    return torch.ops.prefixserve_cpu.pack_pairs(weight.detach())
 
 
 PACK_ROWS_HINT = 64
@@ -183,6 +198,17 @@ rows up."""
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] reordered once into oneDNN's blocked layout (an opaque mkldnn tensor) for ``linear``."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def pair_linear_pays() -> bool:
+    """Whether bfloat16 linear layers should also keep their weights in pair layout (``pack_pairs``) for inputs of a
+    few rows: wherever the kernels are built with AVX512-BF16 (``has_pair_linear``), where the pair kernel measured
+    0.68-0.93x the best other path's time at 1-8 rows (``benchmarks/linear_rows.py``, BENCHMARKS.md section 0n). It
+    costs a copy of the weights. ``PREFIXSERVE_PAIR_LINEAR=0`` / ``1`` overrides (1 still needs the build)."""
+    forced = os.environ.get("PREFIXSERVE_PAIR_LINEAR", "")
+    if forced == "0":
+        return False
+    return has_pair_linear()
 
 
 def packed_gemm_pays() -> bool:

@@ -41,6 +41,11 @@ PACKED_FROM_ROWS = 4
 """Where linear layers hold packed oneDNN weights, inputs of this many rows or more use them, smaller ones the
 small-row kernel (its streaming path for 1-3 rows on AVX-512 measured 0.5-0.9x oneDNN's time there, level or slower
 at 4: BENCHMARKS.md section 0k)."""
+PAIRS_BELOW_ROWS = 9
+"""Where bfloat16 linear layers also hold their weights in pair layout (``cpu_kernels.pack_pairs``: CPUs with
+AVX512-BF16), inputs of fewer rows than this run the pair kernel, before the packed oneDNN weights or the small-row
+kernel are considered: 0.68-0.93x the best other path's time at 1-8 rows on the Zen 4 box, slower from ~12
+(``benchmarks/linear_rows.py``, BENCHMARKS.md section 0n)."""
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 """Rope types whose inverse frequencies are fixed at construction (``dynamic`` and ``longrope`` change them with the
 sequence length, which a packed batch of sequences of different lengths cannot reproduce)."""
@@ -145,15 +150,23 @@ def _packed(weight: torch.Tensor, pack: bool) -> torch.Tensor | None:
     return cpu_kernels.pack_linear_weight(weight) if pack else None
 
 
+def _pairs(weight: torch.Tensor, pairs: bool) -> torch.Tensor | None:
+    """``weight`` in the pair kernel's layout (``cpu_kernels.pack_pairs``) when ``pairs``, else None."""
+    return cpu_kernels.pack_pairs(weight) if pairs else None
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool,
-            packed: torch.Tensor | None = None, packed_from_rows: int = 0) -> torch.Tensor:
+            packed: torch.Tensor | None = None, packed_from_rows: int = 0, pairs: torch.Tensor | None = None,
+            pairs_below_rows: int = 0) -> torch.Tensor:
     if kernel:
-        return torch.ops.prefixserve_cpu.linear(x, weight, bias, True, packed, packed_from_rows)
+        return torch.ops.prefixserve_cpu.linear(x, weight, bias, True, packed, packed_from_rows, pairs,
+                                                pairs_below_rows)
     return F.linear(x, weight, bias)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, source: nn.Module, layer_idx: int, config, gemma: bool, rope_index: int, pack: bool) -> None:
+    def __init__(self, source: nn.Module, layer_idx: int, config, gemma: bool, rope_index: int, pack: bool,
+                 pairs: bool = False) -> None:
         super().__init__()
         attn, mlp = source.self_attn, source.mlp
         self.layer_idx = layer_idx
@@ -170,10 +183,12 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(source.input_layernorm, gemma)
         self.qkv_weight, self.qkv_bias = _cat_linear(attn.q_proj, attn.k_proj, attn.v_proj)
         self.qkv_packed = _packed(self.qkv_weight, pack)
+        self.qkv_pairs = _pairs(self.qkv_weight, pairs)
         self.q_norm = RMSNorm(attn.q_norm, gemma) if getattr(attn, "q_norm", None) is not None else None
         self.k_norm = RMSNorm(attn.k_norm, gemma) if getattr(attn, "k_norm", None) is not None else None
         self.o_weight, self.o_bias = _frozen(attn.o_proj.weight), _frozen(attn.o_proj.bias)
         self.o_packed = _packed(self.o_weight, pack)
+        self.o_pairs = _pairs(self.o_weight, pairs)
         self.post_attention_norm = RMSNorm(source.post_attention_layernorm, gemma)
         self.sandwich = gemma
         if gemma:  # post_attention_norm normalizes the attention output; these wrap the MLP
@@ -181,18 +196,21 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_norm = RMSNorm(source.post_feedforward_layernorm, gemma)
         self.gate_up_weight, self.gate_up_bias = _cat_linear(mlp.gate_proj, mlp.up_proj)
         self.gate_up_packed = _packed(self.gate_up_weight, pack)
+        self.gate_up_pairs = _pairs(self.gate_up_weight, pairs)
         self.intermediate = mlp.gate_proj.out_features
         self.down_weight, self.down_bias = _frozen(mlp.down_proj.weight), _frozen(mlp.down_proj.bias)
         self.down_packed = _packed(self.down_weight, pack)
+        self.down_pairs = _pairs(self.down_weight, pairs)
         self.act_fn = mlp.act_fn
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool, packed_from_rows: int
-                ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool, packed_from_rows: int,
+                pairs_below_rows: int = 0) -> torch.Tensor:
         num_tokens = h.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         residual = h
         x = self.input_norm(h)
-        qkv = _linear(x, self.qkv_weight, self.qkv_bias, kernel, self.qkv_packed, packed_from_rows)
+        qkv = _linear(x, self.qkv_weight, self.qkv_bias, kernel, self.qkv_packed, packed_from_rows, self.qkv_pairs,
+                      pairs_below_rows)
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -204,14 +222,15 @@ class DecoderLayer(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         attn = torch.ops.prefixserve.paged_attention(q, k, v, self.layer_idx, self.scaling, self.sliding_window)
         out = _linear(attn.view(num_tokens, q_size), self.o_weight, self.o_bias, kernel, self.o_packed,
-                      packed_from_rows)
+                      packed_from_rows, self.o_pairs, pairs_below_rows)
         if self.sandwich:
             h = residual + self.post_attention_norm(out)
             x = self.pre_feedforward_norm(h)
         else:
             h = residual + out
             x = self.post_attention_norm(h)
-        gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, kernel, self.gate_up_packed, packed_from_rows)
+        gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, kernel, self.gate_up_packed, packed_from_rows,
+                          self.gate_up_pairs, pairs_below_rows)
         mlp_out = _linear(
             self.act_fn(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :],
             self.down_weight,
@@ -219,6 +238,8 @@ class DecoderLayer(nn.Module):
             kernel,
             self.down_packed,
             packed_from_rows,
+            self.down_pairs,
+            pairs_below_rows,
         )
         if self.sandwich:
             mlp_out = self.post_feedforward_norm(mlp_out)
@@ -242,6 +263,9 @@ class CompactCausalLM(nn.Module):
         """``linear_kernel``; the benchmarks switch it (a compiled forward then compiles a graph per setting)."""
         pack = self.linear_kernel and cpu_kernels.packed_gemm_pays()
         self.packed_from_rows = PACKED_FROM_ROWS if pack else 0
+        pairs = self.linear_kernel and self.embed_weight.dtype == torch.bfloat16 and cpu_kernels.pair_linear_pays()
+        self.pairs_below_rows = PAIRS_BELOW_ROWS if pairs else 0
+        """Inputs of fewer rows run the pair kernel on weights in pair layout (a graph constant; 0: none)."""
         """Inputs of this many rows or more run on the packed weights (``cpu_kernels.linear``; a graph constant)."""
         embed_scale = getattr(inner.embed_tokens, "embed_scale", None)
         if embed_scale is not None:
@@ -264,7 +288,7 @@ class CompactCausalLM(nn.Module):
             self.register_buffer(f"inv_freq_{index}", inv_freq.detach().float().clone(), persistent=False)
         self.rope_scalings = [float(scaling) for _, scaling in ropes]
         self.layers = nn.ModuleList(
-            DecoderLayer(layer, layer_idx, config, gemma, rope_of_layer[layer_idx], pack)
+            DecoderLayer(layer, layer_idx, config, gemma, rope_of_layer[layer_idx], pack, pairs)
             for layer_idx, layer in enumerate(inner.layers)
         )
         self.norm = RMSNorm(inner.norm, gemma)
@@ -272,11 +296,12 @@ class CompactCausalLM(nn.Module):
         self.lm_head_weight = _frozen(lm_head.weight)  # the embedding itself when the source ties them
         self.lm_head_bias = _frozen(getattr(lm_head, "bias", None))
         self.lm_head_packed = _packed(self.lm_head_weight, pack)
+        self.lm_head_pairs = _pairs(self.lm_head_weight, pairs)
         softcap = getattr(config, "final_logit_softcapping", None)
         self.final_logit_softcapping = float(softcap) if softcap else None
 
     def forward(self, ids_pos: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
-        kernel, packed_from_rows = self.linear_kernel, self.packed_from_rows
+        kernel, packed_from_rows, pairs_below_rows = self.linear_kernel, self.packed_from_rows, self.pairs_below_rows
         h = F.embedding(ids_pos[0], self.embed_weight)
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -290,9 +315,10 @@ class CompactCausalLM(nn.Module):
             rope.append((cos, sin))
         for layer in self.layers:
             cos, sin = rope[layer.rope_index]
-            h = layer(h, cos, sin, kernel, packed_from_rows)
+            h = layer(h, cos, sin, kernel, packed_from_rows, pairs_below_rows)
         h = self.norm(h.index_select(0, logits_index))  # row-wise: normalizing only the sampled rows is the same
-        logits = _linear(h, self.lm_head_weight, self.lm_head_bias, kernel, self.lm_head_packed, packed_from_rows)
+        logits = _linear(h, self.lm_head_weight, self.lm_head_bias, kernel, self.lm_head_packed, packed_from_rows,
+                         self.lm_head_pairs, pairs_below_rows)
         if self.final_logit_softcapping is not None:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits.float()

@@ -122,3 +122,69 @@ def test_packed_rows_differ_from_the_kernel_so_the_switch_is_real():
     packed = cpu_kernels.pack_linear_weight(weight)
     assert not torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 3), cpu_kernels.linear(x, weight))
     assert torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 5), cpu_kernels.linear(x, weight))
+
+
+needs_pairs = pytest.mark.skipif(not cpu_kernels.has_pair_linear(), reason="kernels not built with AVX512-BF16")
+
+
+@needs_pairs
+def test_pair_layout_puts_two_inputs_of_one_output_side_by_side_in_blocks_of_32_outputs():
+    weight = torch.arange(37 * 6, dtype=torch.float32).view(37, 6).bfloat16()  # exact in bfloat16 (< 256)
+    pairs = cpu_kernels.pack_pairs(weight)
+    assert pairs.shape == (2, 3, 32, 2) and pairs.dtype == torch.bfloat16
+    for n in range(37):
+        for k in range(6):
+            assert pairs[n // 32, k // 2, n % 32, k % 2] == weight[n, k]
+    assert not pairs[1, :, 5:].any()  # columns past the last output are zeros
+
+
+@needs_pairs
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("out_features", [7, 32, 70, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_pair_kernel_matches_float64_up_to_one_rounding(rows, out_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 100 + out_features)
+    x = torch.randn(rows, 96, generator=generator).bfloat16()
+    weight = torch.randn(out_features, 96, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
+    out = cpu_kernels.linear(x, weight, bias, pairs=cpu_kernels.pack_pairs(weight), pairs_below_rows=9)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    reference = _reference(x, weight, bias)
+    torch.testing.assert_close(out.double(), reference, rtol=2**-8, atol=1e-3)
+    assert (out.double() == reference.bfloat16().double()).float().mean() > 0.9
+
+
+@needs_pairs
+def test_pair_kernel_answers_below_its_row_count_only():
+    """Below ``pairs_below_rows`` the pair kernel answers, from there the packed GEMM (or the small-row kernel) as
+    before; a float32 input never takes it. (Its bfloat16 sums are bit for bit oneDNN's, so the pairs given here hold
+    twice the weight, an exact scaling, to show which path answered.)"""
+    generator = torch.Generator().manual_seed(8)
+    weight = torch.randn(300, 128, generator=generator).bfloat16()
+    doubled_pairs, packed = cpu_kernels.pack_pairs(weight * 2), cpu_kernels.pack_linear_weight(weight)
+    for rows in (1, 3, 4, 8, 9, 12):
+        x = torch.randn(rows, 128, generator=generator).bfloat16()
+        plain = cpu_kernels.linear(x, weight, None, True, packed, 4)
+        switched = cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, 9)
+        assert torch.equal(switched, plain * 2 if rows < 9 else plain), rows
+        assert torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, rows), plain)
+    x32 = torch.randn(3, 128, generator=generator)
+    assert torch.equal(cpu_kernels.linear(x32, weight.float(), None, True, None, 0, doubled_pairs, 9),
+                       cpu_kernels.linear(x32, weight.float()))
+
+
+@needs_pairs
+def test_compact_bfloat16_model_holds_pairs_unless_switched_off(tiny_llama_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from replica.llama import PAIRS_BELOW_ROWS, CompactCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    model = CompactCausalLM(source)
+    assert model.pairs_below_rows == PAIRS_BELOW_ROWS and model.layers[0].qkv_pairs is not None
+    assert model.lm_head_pairs is not None
+    monkeypatch.setenv("PREFIXSERVE_PAIR_LINEAR", "0")
+    off = CompactCausalLM(source)
+    assert off.pairs_below_rows == 0 and off.layers[0].qkv_pairs is None
+    float32 = CompactCausalLM(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval())
+    assert float32.pairs_below_rows == 0

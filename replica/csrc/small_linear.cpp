@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "reduce16.h"
@@ -216,6 +217,118 @@ constexpr bool kStreams = std::is_same_v<T, float>
     ;
 #endif
 
+#if defined(__AVX512BF16__)
+// bfloat16 weights in pair layout, for 1..kMaxPairRows input rows (decode batches, short prompts) on AVX512-BF16.
+// pack_pairs reorders w [N, K] once into blocks of kPairCols output columns, each block contiguous:
+//
+//   pairs[block][k / 2][column][k % 2]      (zero past the last column)
+//
+// so that one 64-byte load holds 16 columns' weights for two consecutive k, and vdpbf16ps multiplies them by one
+// input row's two values broadcast to every lane: each lane keeps the running sum of one output, with no horizontal
+// reduction at the end, and every weight is read from memory once, in order, for all the rows together; the M x 2
+// sums stay in registers. On the Zen 4 box, one thread (benchmarks/linear_rows.py, the tiny Llama's layers): 2.35-3.57
+// ms for 1-8 rows, where the streaming kernel above took 2.35-3.26 ms for 1-3 rows and oneDNN's packed GEMM 4.7-5.0
+// ms for 4-8. From ~8 rows a step is bound by the multiply-adds, not by memory, and oneDNN wins from 12.
+constexpr int64_t kPairCols = 32;
+constexpr int64_t kMaxPairRows = 8;
+
+at::Tensor pack_pairs(const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.size(1) % 2 == 0,
+              "pack_pairs takes a 2-D bfloat16 weight with an even number of columns");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), Kp = w.size(1) / 2, blocks = (N + kPairCols - 1) / kPairCols;
+  at::Tensor out = at::zeros({blocks, Kp, kPairCols, 2}, w.options());
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr<c10::BFloat16>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t c = 0; c < kPairCols && b * kPairCols + c < N; ++c) {
+        const uint32_t* row = src + (b * kPairCols + c) * Kp;
+        for (int64_t kp = 0; kp < Kp; ++kp) dst[(b * Kp + kp) * kPairCols + c] = row[kp];
+      }
+  });
+  return out;
+}
+
+// M input rows against the NV = 2 16-column vectors of one block, stored to y[:, n0 .. n0 + 32)
+template <int M, int NV = 2>
+inline void pair_block(const uint32_t* x, int64_t Kp, const c10::BFloat16* block, const float* bias,
+                       c10::BFloat16* y, int64_t N, int64_t n0) {
+  __m512 acc[M][NV];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  const c10::BFloat16* w = block;
+  for (int64_t kp = 0; kp < Kp; ++kp) {
+    __m512bh wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + kp * 2 * kPairCols + v * 32);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * Kp + kp]));
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb, wv[v]);
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c = n0 + v * 16;
+    if (c >= N) break;
+    const int64_t count = std::min<int64_t>(16, N - c);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m)  // rounded to nearest even, as c10's conversion
+      _mm256_mask_storeu_epi16(y + m * N + c, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b)));
+  }
+}
+
+template <int M>
+void pair_rows(const uint32_t* x, int64_t Kp, const c10::BFloat16* pairs, const float* bias, c10::BFloat16* y,
+               int64_t N, int64_t begin, int64_t end) {
+  for (int64_t b = begin; b < end; ++b)
+    pair_block<M>(x, Kp, pairs + b * Kp * 2 * kPairCols, bias, y, N, b * kPairCols);
+}
+
+template <int... Ms>
+void pair_dispatch(std::integer_sequence<int, Ms...>, int64_t M, const uint32_t* x, int64_t Kp,
+                   const c10::BFloat16* pairs, const float* bias, c10::BFloat16* y, int64_t N, int64_t begin,
+                   int64_t end) {
+  ((M == Ms + 1 ? pair_rows<Ms + 1>(x, Kp, pairs, bias, y, N, begin, end) : void()), ...);
+}
+
+bool pair_covered(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& weight) {
+  return x.scalar_type() == at::kBFloat16 && pairs.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+         x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxPairRows && pairs.dim() == 4 &&
+         pairs.is_contiguous() && x.size(1) == 2 * pairs.size(1) && pairs.size(2) == kPairCols &&
+         pairs.size(0) == (weight.size(0) + kPairCols - 1) / kPairCols;
+}
+
+at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), Kp = pairs.size(1), N = weight.size(0);
+  thread_local std::vector<float> bias_buffer;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    const at::Tensor b = bias->contiguous();
+    bias_buffer.resize(N);
+    for (int64_t i = 0; i < N; ++i) bias_buffer[i] = static_cast<float>(b.data_ptr<c10::BFloat16>()[i]);
+    bp = bias_buffer.data();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
+  const c10::BFloat16* wp = pairs.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  // blocks of 32 columns, 8 per task at least (K = 512: 256 KiB of weights) to amortise the thread hand-off
+  at::parallel_for(0, pairs.size(0), 8, [&](int64_t begin, int64_t end) {
+    pair_dispatch(std::make_integer_sequence<int, kMaxPairRows>{}, M, xp, Kp, wp, bp, yp, N, begin, end);
+  });
+  return y;
+}
+#endif
+
+bool has_pair_linear() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Rows the kernel takes per dtype: above them the library's GEMM is faster (benchmarks/linear_rows.py): MKL's
 // packing pays for itself from ~16 float32 rows, oneDNN's AMX GEMM (on weights it has not packed) from ~12 bfloat16
 // rows.
@@ -294,7 +407,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 // x [M, K] . weight^T: with a packed weight, oneDNN's packed GEMM from packed_from_rows rows up; below that (or with
 // none) the kernel where it covers the input, else ATen.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool use_kernel,
-                  const c10::optional<at::Tensor>& packed, int64_t packed_from_rows) {
+                  const c10::optional<at::Tensor>& packed, int64_t packed_from_rows,
+                  const c10::optional<at::Tensor>& pairs, int64_t pairs_below_rows) {
+#if defined(__AVX512BF16__)
+  if (pairs.has_value() && pairs->defined() && x.dim() == 2 && x.size(0) < pairs_below_rows &&
+      pair_covered(x, *pairs, weight) &&
+      (!bias.has_value() || !bias->defined() || bias->scalar_type() == at::kBFloat16))
+    return pair_linear(x, *pairs, weight, bias);
+#endif
   if (packed.has_value() && packed->defined() && x.dim() == 2 && x.size(0) >= packed_from_rows)
     return packed_linear(x, *packed, bias);
   if (!use_kernel || !covered(x, weight, bias)) return at::linear(x, weight, bias);
@@ -310,7 +430,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 
 TORCH_LIBRARY_FRAGMENT(prefixserve_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, bool use_kernel=True, Tensor? packed=None, "
-        "int packed_from_rows=0) -> Tensor");
+        "int packed_from_rows=0, Tensor? pairs=None, int pairs_below_rows=0) -> Tensor");
+  m.def("has_pair_linear() -> bool", &has_pair_linear);
+#if defined(__AVX512BF16__)
+  m.def("pack_pairs(Tensor weight) -> Tensor", &pack_pairs);
+#endif
 }
 
 // MkldnnCPU too: a packed weight argument puts that key in the call's dispatch key set
