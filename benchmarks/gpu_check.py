@@ -33,6 +33,7 @@ from replica.engine import LLMEngine
 from replica.kv_sources import PrefixFetcher, page_format_of
 from common.types import EngineRequest
 from common.types import SamplingParams
+from benchmarks.gpu_decode import timed_request
 
 
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")  # "cpu" for a dry run of the script itself
@@ -186,13 +187,7 @@ def timing_table() -> None:
                                     max_model_len=4096), model, device=DEVICE)
 
     def ttft(p, rid):
-        sync()
-        start = time.perf_counter()
-        engine.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
-        while engine.has_work():
-            engine.step()
-        sync()
-        return time.perf_counter() - start
+        return timed_request(engine, p, rid, sync)
 
     for i in range(3):
         ttft(prompt(2112, 900 + i, 8192), f"warmup{i}")

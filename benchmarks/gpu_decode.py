@@ -125,15 +125,21 @@ def decode_steps(engine: LLMEngine, timer: TimedRunner, batch: int, context: int
     return med(step_times[8:]), med(forward)
 
 
+def timed_request(engine: LLMEngine, tokens: list[int], request_id: str, synchronize=sync) -> float:
+    """Seconds from submitting a 1-token request to its answer (its TTFT), the engine otherwise idle."""
+    synchronize()
+    start = time.perf_counter()
+    engine.add_request(EngineRequest(request_id, tokens,
+                                     SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    synchronize()
+    return time.perf_counter() - start
+
+
 def ttfts(engine: LLMEngine, vocab: int, tag: str, repeats: int = 5):
     def ttft(tokens, rid):
-        sync()
-        start = time.perf_counter()
-        engine.add_request(EngineRequest(rid, tokens, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
-        while engine.has_work():
-            engine.step()
-        sync()
-        return time.perf_counter() - start
+        return timed_request(engine, tokens, rid)
 
     for i in range(2):
         ttft(prompt(2112, 900 + i, vocab), f"{tag}-warmup{i}")
