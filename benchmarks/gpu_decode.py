@@ -99,8 +99,9 @@ def build(name: str, mode: str) -> tuple[LLMEngine, int]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**MODELS[name])).to(DEVICE, torch.bfloat16).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    config = EngineConfig(devices="gpu" if DEVICE == "cuda" else "cpu", dtype="bfloat16", num_pages=1200, max_num_seqs=32,
-                          max_num_batched_tokens=4096, max_model_len=4096, enforce_eager=mode == "eager")
+    config = EngineConfig(devices="gpu" if DEVICE == "cuda" else "cpu", dtype="bfloat16", num_pages=1200,
+                          max_num_seqs=32, max_num_batched_tokens=4096, max_model_len=4096,
+                          enforce_eager=mode == "eager")
     return LLMEngine(config, model, device=DEVICE), weight_bytes
 
 

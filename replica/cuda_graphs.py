@@ -1,9 +1,10 @@
 """CUDA graphs of decode steps: one graph per decode batch size, captured at start-up, replayed by the model runner.
 
-A decode step of the compact model on a GPU launches a few hundred small kernels (about 20 per layer); eagerly, their
-launches cost more than their work for models of this size (BENCHMARKS.md section 3: ~10 ms per step on an H200 for a
-512 x 8 model). A graph replays them all with one launch. A graph fixes its tensors' addresses and shapes, so every
-input of a decode step lives in one static device buffer, filled before each replay by one host-to-device copy::
+A decode step of the compact model on a GPU launches about 37 small kernels per layer; eagerly, launching them and
+the Python around them cost far more than their work for models of this size (BENCHMARKS.md section 3a, on an H200:
+50-76 ms per eager decode step, 0.9-8.6 ms replayed). A graph replays them all with one launch. A graph fixes its
+tensors' addresses and shapes, so every input of a decode step lives in one static device buffer, filled before each
+replay by one host-to-device copy::
 
     flat (int64) | ids [B_max] | positions [B_max] | slots [B_max] | context lens [B_max] | block table [B_max, W] |
 
@@ -12,20 +13,21 @@ and the graph of batch size ``B`` reads the first ``B`` entries of each part. At
 says; nothing in it depends on the host at replay. Steps the graphs do not cover run as before: prompt chunks, mixed
 steps, batches above ``max_batch``, and rows whose pages exceed the table's width ``W``.
 
-The attention kernel (Triton, split over the context so that a lone sequence still spreads over the GPU) is written
-here; where Triton is missing the same function runs on ATen over the whole table width (correct, slower). Both run
-on the CPU too, where the tests compare them with the runner's ordinary path (``capture=False`` runs the static
-buffers without graphs).
+The attention kernel (Triton, split over the context so that a lone sequence still spreads over the GPU) is in
+``replica.triton_decode``; where Triton is missing, the same function runs on ATen over the whole table width
+(correct, slower). Both run on the CPU too (Triton under its interpreter), where the tests compare them with a float64
+reference and the static path with the runner's ordinary path (``capture=False`` runs the static buffers without
+graphs).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,15 +36,12 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_BATCH = 64
 """Decode batches up to this size are captured (one graph each, every size: no padding rows to mask)."""
 
-try:  # optional: the GPU image carries Triton; the CPU-only install does not need it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
 
 
 def triton_available() -> bool:
-    return triton is not None
+    """Whether Triton is installed. It is imported only when a graph's attention first runs on it (a GPU), so CPU
+    replicas never load it."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     ``context_lens`` [B] (int64) on the device. Row ``b`` attends to positions ``[max(0, len - window), len)`` of its
     context (``window`` 0: all). Returns [B, H, D] in the query's dtype. Static shapes, no host synchronisation."""
     if use_triton:
-        return _triton_decode(query, k_cache, v_cache, block_table, context_lens, page_size, scale, window)
+        from replica.triton_decode import paged_decode
+
+        return paged_decode(query, k_cache, v_cache, block_table, context_lens, page_size, scale, window)
     return _aten_decode(query, k_cache, v_cache, block_table, context_lens, page_size, scale, window)
 
 
@@ -101,116 +102,6 @@ def _aten_decode(query, k_cache, v_cache, block_table, context_lens, page_size, 
     return out.view(num_rows, num_heads, head_dim)
 
 
-BLOCK_N = 32
-"""Keys per iteration of the Triton kernel."""
-
-
-def _num_splits(num_rows: int, num_kv_heads: int) -> int:
-    """Context splits per (row, kv head): enough programs to spread a small batch over the GPU's multiprocessors. A
-    power of two, so that the graphs of all batch sizes compile the kernel for at most six values of ``SPLITS`` (a
-    constant of the kernel: each value is a Triton compile at start-up)."""
-    wanted = max(1, min(32, 256 // (num_rows * num_kv_heads)))
-    return 1 << (wanted.bit_length() - 1)
-
-
-def _triton_decode(query, k_cache, v_cache, block_table, context_lens, page_size, scale, window):
-    num_rows, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    group_p = triton.next_power_of_2(group)
-    head_p = triton.next_power_of_2(head_dim)
-    splits = _num_splits(num_rows, num_kv_heads)
-    query = query.contiguous()
-    part_max = torch.empty(num_rows, num_kv_heads, splits, group_p, dtype=torch.float32, device=query.device)
-    part_sum = torch.empty_like(part_max)
-    part_acc = torch.empty(num_rows, num_kv_heads, splits, group_p, head_p, dtype=torch.float32, device=query.device)
-    _decode_split_kernel[(num_rows, num_kv_heads, splits)](
-        query, k_cache, v_cache, block_table, context_lens, part_max, part_sum, part_acc, scale,
-        block_table.stride(0), page_size, num_kv_heads, group, group_p, head_dim, head_p, splits, BLOCK_N, window,
-    )
-    out = torch.empty_like(query)
-    _decode_combine_kernel[(num_rows, num_kv_heads)](
-        part_max, part_sum, part_acc, out, num_kv_heads, group, group_p, head_dim, head_p, splits,
-    )
-    return out
-
-
-if triton is not None:
-
-    @triton.jit
-    def _decode_split_kernel(Q, K, V, BlockTable, ContextLens, PartMax, PartSum, PartAcc, scale, stride_bt,
-                             PAGE: tl.constexpr, KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                             HEAD: tl.constexpr, HEAD_P: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                             WINDOW: tl.constexpr):
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        ctx = tl.load(ContextLens + row)
-        if WINDOW > 0:
-            first = tl.maximum(ctx - WINDOW, 0)
-        else:
-            first = ctx * 0
-        # this split's keys: an equal share of [first, ctx), rounded up to whole blocks
-        per_split = tl.cdiv(tl.cdiv(ctx - first, SPLITS), BLOCK) * BLOCK
-        lo = first + split * per_split
-        hi = tl.minimum(lo + per_split, ctx)
-        g = tl.arange(0, GROUP_P)
-        d = tl.arange(0, HEAD_P)
-        g_ok = g < GROUP
-        d_ok = d < HEAD
-        heads = kv_head * GROUP + g
-        q = tl.load(Q + (row * KVH * GROUP + heads)[:, None] * HEAD + d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        m = tl.full([GROUP_P], float("-inf"), tl.float32)
-        s_sum = tl.zeros([GROUP_P], tl.float32)
-        acc = tl.zeros([GROUP_P, HEAD_P], tl.float32)
-        for start in range(lo, hi, BLOCK):
-            n = start + tl.arange(0, BLOCK)
-            n_ok = n < hi
-            page = tl.load(BlockTable + row * stride_bt + n // PAGE, mask=n_ok, other=0)
-            slot = page * PAGE + n % PAGE
-            offsets = (slot * KVH + kv_head)[:, None] * HEAD + d[None, :]
-            kv_ok = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + offsets, mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK, HEAD_P]
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, BLOCK]
-            scores = tl.where(n_ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            v = tl.load(V + offsets, mask=kv_ok, other=0.0).to(tl.float32)
-            s_sum = s_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
-        base = (row * KVH + kv_head) * SPLITS + split
-        tl.store(PartMax + base * GROUP_P + g, m)
-        tl.store(PartSum + base * GROUP_P + g, s_sum)
-        tl.store(PartAcc + (base * GROUP_P + g)[:, None] * HEAD_P + d[None, :], acc)
-
-    @triton.jit
-    def _decode_combine_kernel(PartMax, PartSum, PartAcc, Out, KVH: tl.constexpr, GROUP: tl.constexpr,
-                               GROUP_P: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
-                               SPLITS: tl.constexpr):
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        g = tl.arange(0, GROUP_P)
-        d = tl.arange(0, HEAD_P)
-        base = (row * KVH + kv_head) * SPLITS
-        m = tl.full([GROUP_P], float("-inf"), tl.float32)
-        for split in range(SPLITS):
-            m = tl.maximum(m, tl.load(PartMax + (base + split) * GROUP_P + g))
-        total = tl.zeros([GROUP_P], tl.float32)
-        acc = tl.zeros([GROUP_P, HEAD_P], tl.float32)
-        for split in range(SPLITS):
-            part_m = tl.load(PartMax + (base + split) * GROUP_P + g)
-            weight = tl.where(part_m == float("-inf"), 0.0, tl.exp(part_m - m))  # an empty split weighs nothing
-            total += tl.load(PartSum + (base + split) * GROUP_P + g) * weight
-            acc += tl.load(PartAcc + ((base + split) * GROUP_P + g)[:, None] * HEAD_P + d[None, :]) * weight[:, None]
-        out = acc / total[:, None]
-        heads = kv_head * GROUP + g
-        tl.store(Out + (row * KVH * GROUP + heads)[:, None] * HEAD + d[None, :], out.to(Out.dtype.element_ty),
-                 mask=(g < GROUP)[:, None] & (d < HEAD)[None, :])
-
-
 class DecodeGraphs:
     """Static decode buffers of one model runner and, on CUDA, a captured graph per batch size ``1..max_batch``.
 
@@ -228,7 +119,7 @@ class DecodeGraphs:
         self.width = max_pages_per_seq
         self.device = kv_cache.device
         if use_triton is None:
-            use_triton = triton is not None and self.device.type == "cuda"
+            use_triton = self.device.type == "cuda" and triton_available()
         self.use_triton = use_triton
         mb, width = max_batch, self.width
         size = 4 * mb + mb * width

@@ -95,9 +95,9 @@ def _linear_path(compact: CompactCausalLM | None) -> str:
     """How the runner's linear layers run, for the start-up log."""
     if compact is None or not compact.linear_kernel:
         return "ATen"
-    if compact.pairs_below_rows and compact.packed_from_rows:
-        return (f"the bfloat16 pair kernel below {compact.pairs_below_rows} rows, then oneDNN's GEMM on weights packed "
-                "at start-up")
+    if compact.pairs_below_rows:
+        rest = "oneDNN's GEMM on weights packed at start-up" if compact.packed_from_rows else "ATen"
+        return f"the bfloat16 pair kernel below {compact.pairs_below_rows} rows, then {rest}"
     if compact.packed_from_rows:
         return (f"the small-row C++ kernel below {compact.packed_from_rows} rows, then oneDNN's GEMM on weights packed "
                 "at start-up")

@@ -226,8 +226,8 @@ constexpr bool kStreams = std::is_same_v<T, float>
 // so that one 64-byte load holds 16 columns' weights for two consecutive k, and vdpbf16ps multiplies them by one
 // input row's two values broadcast to every lane: each lane keeps the running sum of one output, with no horizontal
 // reduction at the end, and every weight is read from memory once, in order, for all the rows together; the M x 2
-// sums stay in registers. On the Zen 4 box, one thread (benchmarks/linear_rows.py, the tiny Llama's layers; BENCHMARKS.md
-// 0n): 2.07-2.83 ms for 1-8 rows, where the streaming kernel above took 2.62-3.25 ms for 1-3 rows and oneDNN's packed
+// sums stay in registers. On the Zen 4 box, one thread (benchmarks/linear_rows.py, the tiny Llama's layers;
+// BENCHMARKS.md 0n): 2.07-2.83 ms for 1-8 rows, where the streaming kernel above took 2.62-3.25 ms for 1-3 rows and oneDNN's packed
 // GEMM 3.31-4.38 ms for 4-8. From ~8 rows the multiply-adds, not memory, bound it, and oneDNN is faster from 12.
 constexpr int64_t kPairCols = 32;
 constexpr int64_t kMaxPairRows = 8;
