@@ -39,8 +39,9 @@ MAX_GRAPH_BATCH = 64
 
 
 def triton_available() -> bool:
-    """Whether Triton is installed. It is imported only when a graph's attention first runs on it (a GPU), so CPU
-    replicas never load it."""
+    """Whether Triton is installed. This module imports it (``replica.triton_decode``) only when a graph's attention
+    first runs on it (a GPU), so it imports and runs without Triton; where Triton is installed, torch's inductor loads
+    it in any process that compiles."""
     return importlib.util.find_spec("triton") is not None
 
 
