@@ -61,12 +61,12 @@ def main() -> None:
         if mkl:
             paths["mkl"] = lambda: [torch.ops.mkl._mkl_linear(inputs[w.shape[1]], m, w, None, rows)
                                     for w, m in zip(weights, mkl_packed)]
-        if pairs and rows <= 8:
-            paths["pairs"] = lambda: [cpu_kernels.linear(inputs[w.shape[1]], w, pairs=p, pairs_below_rows=9)
+        if pairs and rows <= 16:
+            paths["pairs"] = lambda: [cpu_kernels.linear(inputs[w.shape[1]], w, pairs=p, pairs_below_rows=17)
                                       for w, p in zip(weights, pair_weights)]
             for w, p in zip(weights[:5], pair_weights):
                 x = inputs[w.shape[1]]
-                torch.testing.assert_close(cpu_kernels.linear(x, w, pairs=p, pairs_below_rows=9).float(),
+                torch.testing.assert_close(cpu_kernels.linear(x, w, pairs=p, pairs_below_rows=17).float(),
                                            F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
         best = {name: float("inf") for name in paths}
         for fn in paths.values():

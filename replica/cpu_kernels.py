@@ -170,7 +170,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: torch.Tensor | None = None, packed_from_rows: int = 0, pairs: torch.Tensor | None = None,
            pairs_below_rows: int = 0) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D ``x``. With ``pairs`` (``pack_pairs(weight)``), bfloat16 inputs of
-    fewer than ``pairs_below_rows`` rows (at most 8) run the pair-layout kernel. Else, with ``packed``
+    fewer than ``pairs_below_rows`` rows (at most 16) run the pair-layout kernel. Else, with ``packed``
     (``pack_linear_weight(weight)``), inputs of at least ``packed_from_rows`` rows run oneDNN's GEMM on it. Otherwise
     float32 inputs of at most 16 rows (bfloat16: 8) are computed by the small-row kernel in ``csrc/small_linear.cpp``
     (``use_kernel=False``: ``at::linear``, for tests), and everything else by ATen."""
@@ -203,7 +203,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 def pair_linear_pays() -> bool:
     """Whether bfloat16 linear layers should also keep their weights in pair layout (``pack_pairs``) for inputs of a
     few rows: wherever the kernels are built with AVX512-BF16 (``has_pair_linear``), where the pair kernel measured
-    0.65-0.82x the best other path's time at 1-8 rows (``benchmarks/linear_rows.py``, BENCHMARKS.md section 0n). It
+    0.65-0.85x the best other path's time at 1-16 rows (``benchmarks/linear_rows.py``, BENCHMARKS.md section 0n). It
     costs a copy of the weights. ``PREFIXSERVE_PAIR_LINEAR=0`` / ``1`` overrides (1 still needs the build)."""
     forced = os.environ.get("PREFIXSERVE_PAIR_LINEAR", "")
     if forced == "0":

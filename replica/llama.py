@@ -41,10 +41,10 @@ PACKED_FROM_ROWS = 4
 """Where linear layers hold packed oneDNN weights, inputs of this many rows or more use them, smaller ones the
 small-row kernel (its streaming path for 1-3 rows on AVX-512 measured 0.5-0.9x oneDNN's time there, level or slower
 at 4: BENCHMARKS.md section 0k)."""
-PAIRS_BELOW_ROWS = 9
+PAIRS_BELOW_ROWS = 17
 """Where bfloat16 linear layers also hold their weights in pair layout (``cpu_kernels.pack_pairs``: CPUs with
 AVX512-BF16), inputs of fewer rows than this run the pair kernel, before the packed oneDNN weights or the small-row
-kernel are considered: 0.65-0.82x the best other path's time at 1-8 rows on the Zen 4 box, slower from ~12
+kernel are considered: 0.65-0.82x the best other path's time at 1-8 rows on the Zen 4 box, 0.78-0.85x at 9-16
 (``benchmarks/linear_rows.py``, BENCHMARKS.md section 0n)."""
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 """Rope types whose inverse frequencies are fixed at construction (``dynamic`` and ``longrope`` change them with the

@@ -139,7 +139,7 @@ def test_pair_layout_puts_two_inputs_of_one_output_side_by_side_in_blocks_of_32_
 
 
 @needs_pairs
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16])  # 9-16: 8 rows, then the rest
 @pytest.mark.parametrize("out_features", [7, 32, 70, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_pair_kernel_matches_float64_up_to_one_rounding(rows, out_features, with_bias):
@@ -147,7 +147,7 @@ def test_pair_kernel_matches_float64_up_to_one_rounding(rows, out_features, with
     x = torch.randn(rows, 96, generator=generator).bfloat16()
     weight = torch.randn(out_features, 96, generator=generator).bfloat16()
     bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
-    out = cpu_kernels.linear(x, weight, bias, pairs=cpu_kernels.pack_pairs(weight), pairs_below_rows=9)
+    out = cpu_kernels.linear(x, weight, bias, pairs=cpu_kernels.pack_pairs(weight), pairs_below_rows=17)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     reference = _reference(x, weight, bias)
     torch.testing.assert_close(out.double(), reference, rtol=2**-8, atol=1e-3)
@@ -162,14 +162,14 @@ def test_pair_kernel_answers_below_its_row_count_only():
     generator = torch.Generator().manual_seed(8)
     weight = torch.randn(300, 128, generator=generator).bfloat16()
     doubled_pairs, packed = cpu_kernels.pack_pairs(weight * 2), cpu_kernels.pack_linear_weight(weight)
-    for rows in (1, 3, 4, 8, 9, 12):
+    for rows in (1, 3, 4, 8, 9, 12, 16, 17):
         x = torch.randn(rows, 128, generator=generator).bfloat16()
         plain = cpu_kernels.linear(x, weight, None, True, packed, 4)
-        switched = cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, 9)
-        assert torch.equal(switched, plain * 2 if rows < 9 else plain), rows
+        switched = cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, 17)
+        assert torch.equal(switched, plain * 2 if rows < 17 else plain), rows
         assert torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, rows), plain)
     x32 = torch.randn(3, 128, generator=generator)
-    assert torch.equal(cpu_kernels.linear(x32, weight.float(), None, True, None, 0, doubled_pairs, 9),
+    assert torch.equal(cpu_kernels.linear(x32, weight.float(), None, True, None, 0, doubled_pairs, 17),
                        cpu_kernels.linear(x32, weight.float()))
 
 

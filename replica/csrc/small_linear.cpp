@@ -227,10 +227,11 @@ constexpr bool kStreams = std::is_same_v<T, float>
 // input row's two values broadcast to every lane: each lane keeps the running sum of one output, with no horizontal
 // reduction at the end, and every weight is read from memory once, in order, for all the rows together; the M x 2
 // sums stay in registers. On the Zen 4 box, one thread (benchmarks/linear_rows.py, the tiny Llama's layers;
-// BENCHMARKS.md 0n): 2.07-2.83 ms for 1-8 rows, where the streaming kernel above took 2.62-3.25 ms for 1-3 rows and oneDNN's packed
-// GEMM 3.31-4.38 ms for 4-8. From ~8 rows the multiply-adds, not memory, bound it, and oneDNN is faster from 12.
+// BENCHMARKS.md 0n): 2.07-2.83 ms for 1-8 rows, where the streaming kernel above took 2.62-3.25 ms for 1-3 rows and
+// oneDNN's packed GEMM 3.31-4.38 ms for 4-8. From ~8 rows the multiply-adds, not memory, bound it: 9-16 rows run as 8
+// rows and the rest, the block read again from cache (0.78-0.85x oneDNN's time there).
 constexpr int64_t kPairCols = 32;
-constexpr int64_t kMaxPairRows = 8;
+constexpr int64_t kMaxPairRows = 16;
 
 at::Tensor pack_pairs(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.size(1) % 2 == 0,
@@ -280,8 +281,15 @@ inline void pair_block(const uint32_t* x, int64_t Kp, const c10::BFloat16* block
 template <int M>
 void pair_rows(const uint32_t* x, int64_t Kp, const c10::BFloat16* pairs, const float* bias, c10::BFloat16* y,
                int64_t N, int64_t begin, int64_t end) {
-  for (int64_t b = begin; b < end; ++b)
-    pair_block<M>(x, Kp, pairs + b * Kp * 2 * kPairCols, bias, y, N, b * kPairCols);
+  for (int64_t b = begin; b < end; ++b) {
+    const c10::BFloat16* block = pairs + b * Kp * 2 * kPairCols;
+    if constexpr (M <= 8) {
+      pair_block<M>(x, Kp, block, bias, y, N, b * kPairCols);
+    } else {  // rows 8.. read the block again, from cache
+      pair_block<8>(x, Kp, block, bias, y, N, b * kPairCols);
+      pair_block<M - 8>(x + 8 * Kp, Kp, block, bias, y + 8 * N, N, b * kPairCols);
+    }
+  }
 }
 
 template <int... Ms>
