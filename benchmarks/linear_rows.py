@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from replica import cpu_kernels
+from replica.llama import PAIRS_BELOW_ROWS
 
 SHAPES = [(512, 1024), (512, 512), (512, 2048), (1024, 512)]  # (in, out) per layer
 
@@ -49,9 +50,15 @@ def main() -> None:
         inputs = {k: torch.randn(rows, k).to(dtype) for k in (512, 1024)}
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
         mkl_packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights] if mkl else []
-        for w in weights[:5]:  # the kernel's numbers are the GEMM's up to rounding
+        with_pairs = pairs and rows < PAIRS_BELOW_ROWS
+        for index, w in enumerate(weights[:5]):  # the kernels' numbers are the GEMM's up to rounding
             x = inputs[w.shape[1]]
-            torch.testing.assert_close(cpu_kernels.linear(x, w).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+            expected = F.linear(x, w).float()
+            torch.testing.assert_close(cpu_kernels.linear(x, w).float(), expected, rtol=2e-2, atol=2e-2)
+            if with_pairs:
+                torch.testing.assert_close(cpu_kernels.linear(x, w, pairs=pair_weights[index],
+                                                              pairs_below_rows=PAIRS_BELOW_ROWS).float(),
+                                           expected, rtol=2e-2, atol=2e-2)
         paths = {
             "kernel": lambda: [cpu_kernels.linear(inputs[w.shape[1]], w) for w in weights],
             "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
@@ -61,13 +68,10 @@ def main() -> None:
         if mkl:
             paths["mkl"] = lambda: [torch.ops.mkl._mkl_linear(inputs[w.shape[1]], m, w, None, rows)
                                     for w, m in zip(weights, mkl_packed)]
-        if pairs and rows <= 16:
-            paths["pairs"] = lambda: [cpu_kernels.linear(inputs[w.shape[1]], w, pairs=p, pairs_below_rows=17)
+        if with_pairs:
+            paths["pairs"] = lambda: [cpu_kernels.linear(inputs[w.shape[1]], w, pairs=p,
+                                                         pairs_below_rows=PAIRS_BELOW_ROWS)
                                       for w, p in zip(weights, pair_weights)]
-            for w, p in zip(weights[:5], pair_weights):
-                x = inputs[w.shape[1]]
-                torch.testing.assert_close(cpu_kernels.linear(x, w, pairs=p, pairs_below_rows=17).float(),
-                                           F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
         best = {name: float("inf") for name in paths}
         for fn in paths.values():
             fn()

@@ -204,11 +204,8 @@ def pair_linear_pays() -> bool:
     """Whether bfloat16 linear layers should also keep their weights in pair layout (``pack_pairs``) for inputs of a
     few rows: wherever the kernels are built with AVX512-BF16 (``has_pair_linear``), where the pair kernel measured
     0.65-0.85x the best other path's time at 1-16 rows (``benchmarks/linear_rows.py``, BENCHMARKS.md section 0n). It
-    costs a copy of the weights. ``PREFIXSERVE_PAIR_LINEAR=0`` / ``1`` overrides (1 still needs the build)."""
-    forced = os.environ.get("PREFIXSERVE_PAIR_LINEAR", "")
-    if forced == "0":
-        return False
-    return has_pair_linear()
+    costs a copy of the weights. ``PREFIXSERVE_PAIR_LINEAR=0`` turns it off."""
+    return os.environ.get("PREFIXSERVE_PAIR_LINEAR", "") != "0" and has_pair_linear()
 
 
 def packed_gemm_pays() -> bool:

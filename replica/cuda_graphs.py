@@ -31,11 +31,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from replica.paged_attention import store_kv
+
 logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 64
 """Decode batches up to this size are captured (one graph each, every size: no padding rows to mask)."""
-
 
 
 def triton_available() -> bool:
@@ -62,13 +63,8 @@ class GraphDecodeMetadata:
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None, window: int | None) -> torch.Tensor:
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        layer_cache = self.kv_cache[layer_idx]
-        k_cache = layer_cache[0].view(-1, num_kv_heads, head_dim)
-        v_cache = layer_cache[1].view(-1, num_kv_heads, head_dim)
-        k_cache.index_copy_(0, self.slot_mapping, key)
-        v_cache.index_copy_(0, self.slot_mapping, value)
-        scale = scaling if scaling is not None else head_dim**-0.5
+        k_cache, v_cache = store_kv(self.kv_cache, layer_idx, self.slot_mapping, key, value)
+        scale = scaling if scaling is not None else key.shape[2] ** -0.5
         return paged_decode_attention(query, k_cache, v_cache, self.block_table, self.context_lens, self.page_size,
                                       scale, window or 0, use_triton=self.use_triton)
 

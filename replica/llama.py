@@ -263,10 +263,10 @@ class CompactCausalLM(nn.Module):
         """``linear_kernel``; the benchmarks switch it (a compiled forward then compiles a graph per setting)."""
         pack = self.linear_kernel and cpu_kernels.packed_gemm_pays()
         self.packed_from_rows = PACKED_FROM_ROWS if pack else 0
+        """Inputs of this many rows or more run on the packed weights (``cpu_kernels.linear``; a graph constant)."""
         pairs = self.linear_kernel and self.embed_weight.dtype == torch.bfloat16 and cpu_kernels.pair_linear_pays()
         self.pairs_below_rows = PAIRS_BELOW_ROWS if pairs else 0
         """Inputs of fewer rows run the pair kernel on weights in pair layout (a graph constant; 0: none)."""
-        """Inputs of this many rows or more run on the packed weights (``cpu_kernels.linear``; a graph constant)."""
         embed_scale = getattr(inner.embed_tokens, "embed_scale", None)
         if embed_scale is not None:
             self.register_buffer("embed_scale", embed_scale.detach().to(self.embed_weight.dtype), persistent=False)

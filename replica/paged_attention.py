@@ -235,6 +235,18 @@ def paged_attention(
     return output[None], None
 
 
+def store_kv(kv_cache: torch.Tensor, layer_idx: int, slot_mapping: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one layer's new keys and values ([N, KVH, D]) into the pool at ``slot_mapping`` [N]; returns that layer's
+    pool as K and V views ``[slots, KVH, D]``."""
+    layer_cache = kv_cache[layer_idx]
+    k_cache = layer_cache[0].view(-1, key.shape[1], key.shape[2])
+    v_cache = layer_cache[1].view(-1, key.shape[1], key.shape[2])
+    k_cache.index_copy_(0, slot_mapping, key)
+    v_cache.index_copy_(0, slot_mapping, value)
+    return k_cache, v_cache
+
+
 def attend(
     meta: PagedAttentionMetadata,
     layer_idx: int,
@@ -251,12 +263,10 @@ def attend(
         return meta.attend(layer_idx, query, key, value, scaling, sliding_window)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    layer_cache = meta.kv_cache[layer_idx]
-    k_cache = layer_cache[0].view(-1, num_kv_heads, head_dim)
-    v_cache = layer_cache[1].view(-1, num_kv_heads, head_dim)
     num_real = num_tokens - meta.num_padding
-    k_cache.index_copy_(0, meta.slot_mapping, key[:num_real] if meta.num_padding else key)
-    v_cache.index_copy_(0, meta.slot_mapping, value[:num_real] if meta.num_padding else value)
+    k_cache, v_cache = store_kv(meta.kv_cache, layer_idx, meta.slot_mapping,
+                                key[:num_real] if meta.num_padding else key,
+                                value[:num_real] if meta.num_padding else value)
 
     if query.device.type == "cpu" and _CPU_SEGMENTS:
         return _attend_segments(meta, query, key, value, k_cache, v_cache, scaling, sliding_window)

@@ -217,6 +217,15 @@ constexpr bool kStreams = std::is_same_v<T, float>
     ;
 #endif
 
+// float32 copies of a bfloat16 input and bias (M x K and N values), in a buffer each thread keeps
+inline const float* as_float(const float* p, int64_t, std::vector<float>&) { return p; }
+
+inline const float* as_float(const c10::BFloat16* p, int64_t n, std::vector<float>& buffer) {
+  buffer.resize(n);
+  for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(p[i]);
+  return buffer.data();
+}
+
 #if defined(__AVX512BF16__)
 // bfloat16 weights in pair layout, for 1..kMaxPairRows input rows (decode batches, short prompts) on AVX512-BF16.
 // pack_pairs reorders w [N, K] once into blocks of kPairCols output columns, each block contiguous:
@@ -251,10 +260,11 @@ at::Tensor pack_pairs(const at::Tensor& weight) {
   return out;
 }
 
-// M input rows against the NV = 2 16-column vectors of one block, stored to y[:, n0 .. n0 + 32)
-template <int M, int NV = 2>
+// M input rows against the NV 16-column vectors of one block, stored to y[:, n0 .. n0 + kPairCols)
+template <int M>
 inline void pair_block(const uint32_t* x, int64_t Kp, const c10::BFloat16* block, const float* bias,
                        c10::BFloat16* y, int64_t N, int64_t n0) {
+  constexpr int NV = kPairCols / 16;
   __m512 acc[M][NV];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -299,24 +309,22 @@ void pair_dispatch(std::integer_sequence<int, Ms...>, int64_t M, const uint32_t*
   ((M == Ms + 1 ? pair_rows<Ms + 1>(x, Kp, pairs, bias, y, N, begin, end) : void()), ...);
 }
 
-bool pair_covered(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& weight) {
+bool pair_covered(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& weight,
+                  const c10::optional<at::Tensor>& bias) {
   return x.scalar_type() == at::kBFloat16 && pairs.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
          x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxPairRows && pairs.dim() == 4 &&
          pairs.is_contiguous() && x.size(1) == 2 * pairs.size(1) && pairs.size(2) == kPairCols &&
-         pairs.size(0) == (weight.size(0) + kPairCols - 1) / kPairCols;
+         pairs.size(0) == (weight.size(0) + kPairCols - 1) / kPairCols &&
+         (!bias.has_value() || !bias->defined() || bias->scalar_type() == at::kBFloat16);
 }
 
 at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), Kp = pairs.size(1), N = weight.size(0);
   thread_local std::vector<float> bias_buffer;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    const at::Tensor b = bias->contiguous();
-    bias_buffer.resize(N);
-    for (int64_t i = 0; i < N; ++i) bias_buffer[i] = static_cast<float>(b.data_ptr<c10::BFloat16>()[i]);
-    bp = bias_buffer.data();
-  }
+  const float* bp = (bias.has_value() && bias->defined())
+                        ? as_float(bias->contiguous().data_ptr<c10::BFloat16>(), N, bias_buffer)
+                        : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
   const c10::BFloat16* wp = pairs.data_ptr<c10::BFloat16>();
@@ -356,15 +364,6 @@ bool covered(const at::Tensor& x, const at::Tensor& weight, const c10::optional<
       (bias->scalar_type() != x.scalar_type() || !bias->is_contiguous() || bias->numel() != weight.size(0)))
     return false;
   return true;
-}
-
-// float32 copies of a bfloat16 input and bias (M x K and N values), in a buffer each thread keeps
-inline const float* as_float(const float* p, int64_t, std::vector<float>&) { return p; }
-
-inline const float* as_float(const c10::BFloat16* p, int64_t n, std::vector<float>& buffer) {
-  buffer.resize(n);
-  for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(p[i]);
-  return buffer.data();
 }
 
 template <typename T>
@@ -418,9 +417,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                   const c10::optional<at::Tensor>& packed, int64_t packed_from_rows,
                   const c10::optional<at::Tensor>& pairs, int64_t pairs_below_rows) {
 #if defined(__AVX512BF16__)
-  if (pairs.has_value() && pairs->defined() && x.dim() == 2 && x.size(0) < pairs_below_rows &&
-      pair_covered(x, *pairs, weight) &&
-      (!bias.has_value() || !bias->defined() || bias->scalar_type() == at::kBFloat16))
+  if (pairs.has_value() && pairs->defined() && pair_covered(x, *pairs, weight, bias) &&
+      x.size(0) < pairs_below_rows)
     return pair_linear(x, *pairs, weight, bias);
 #endif
   if (packed.has_value() && packed->defined() && x.dim() == 2 && x.size(0) >= packed_from_rows)
