@@ -6,10 +6,10 @@ the Python around them cost far more than their work for models of this size (BE
 tensors' addresses and shapes, so every input of a decode step lives in one static device buffer, filled before each
 replay by one host-to-device copy::
 
-    flat (int64) | ids [B_max] | positions [B_max] | slots [B_max] | context lens [B_max] | block table [B_max, W] |
+    flat (int64) | ids [B_max] | positions [B_max] | slots [B_max] | context lens [B_max] | page table [B_max, W] |
 
 and the graph of batch size ``B`` reads the first ``B`` entries of each part. Attention inside the graph is
-``paged_decode_attention``: each row attends over its own pages through the block table, to the length the buffer
+``paged_decode_attention``: each row attends over its own pages through the page table, to the length the buffer
 says; nothing in it depends on the host at replay. Steps the graphs do not cover run as before: prompt chunks, mixed
 steps, batches above ``max_batch``, and rows whose pages exceed the table's width ``W``.
 
@@ -54,7 +54,7 @@ class GraphDecodeMetadata:
     kv_cache: torch.Tensor
     slot_mapping: torch.Tensor
     """[B] pool slot of each row's new token."""
-    block_table: torch.Tensor
+    page_table: torch.Tensor
     """[B, W] int64: each row's pages in order (entries past its context are never read)."""
     context_lens: torch.Tensor
     """[B] int64: each row's context length, its new token included."""
@@ -65,28 +65,28 @@ class GraphDecodeMetadata:
                scaling: float | None, window: int | None) -> torch.Tensor:
         k_cache, v_cache = store_kv(self.kv_cache, layer_idx, self.slot_mapping, key, value)
         scale = scaling if scaling is not None else key.shape[2] ** -0.5
-        return paged_decode_attention(query, k_cache, v_cache, self.block_table, self.context_lens, self.page_size,
+        return paged_decode_attention(query, k_cache, v_cache, self.page_table, self.context_lens, self.page_size,
                                       scale, window or 0, use_triton=self.use_triton)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
+                           page_table: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
                            window: int, *, use_triton: bool) -> torch.Tensor:
-    """One query row per sequence: query [B, H, D]; k_cache / v_cache [slots, KVH, D]; ``block_table`` [B, W] and
+    """One query row per sequence: query [B, H, D]; k_cache / v_cache [slots, KVH, D]; ``page_table`` [B, W] and
     ``context_lens`` [B] (int64) on the device. Row ``b`` attends to positions ``[max(0, len - window), len)`` of its
     context (``window`` 0: all). Returns [B, H, D] in the query's dtype. Static shapes, no host synchronisation."""
     if use_triton:
         from replica.triton_decode import paged_decode
 
-        return paged_decode(query, k_cache, v_cache, block_table, context_lens, page_size, scale, window)
-    return _aten_decode(query, k_cache, v_cache, block_table, context_lens, page_size, scale, window)
+        return paged_decode(query, k_cache, v_cache, page_table, context_lens, page_size, scale, window)
+    return _aten_decode(query, k_cache, v_cache, page_table, context_lens, page_size, scale, window)
 
 
-def _aten_decode(query, k_cache, v_cache, block_table, context_lens, page_size, scale, window):
+def _aten_decode(query, k_cache, v_cache, page_table, context_lens, page_size, scale, window):
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
-    width = block_table.shape[1] * page_size
-    slots = (block_table[:, :, None] * page_size + torch.arange(page_size, device=query.device)).reshape(num_rows, -1)
+    width = page_table.shape[1] * page_size
+    slots = (page_table[:, :, None] * page_size + torch.arange(page_size, device=query.device)).reshape(num_rows, -1)
     k = k_cache.index_select(0, slots.reshape(-1)).view(num_rows, width, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, slots.reshape(-1)).view(num_rows, width, num_kv_heads, head_dim).transpose(1, 2)
     pos = torch.arange(width, device=query.device)[None, :]
@@ -129,7 +129,7 @@ class DecodeGraphs:
         self.ids_pos = self.flat[: 2 * mb].view(2, mb)
         self.slots = self.flat[2 * mb : 3 * mb]
         self.context_lens = self.flat[3 * mb : 4 * mb]
-        self.block_table = self.flat[4 * mb :].view(mb, width)
+        self.page_table = self.flat[4 * mb :].view(mb, width)
         self.logits_index = torch.arange(mb, dtype=torch.int64, device=self.device)
         self.context_lens.fill_(1)
         self.captured = capture and self.device.type == "cuda"
@@ -142,7 +142,7 @@ class DecodeGraphs:
             self._capture_all()
 
     def metadata(self, batch: int) -> GraphDecodeMetadata:
-        return GraphDecodeMetadata(self.kv_cache, self.slots[:batch], self.block_table[:batch],
+        return GraphDecodeMetadata(self.kv_cache, self.slots[:batch], self.page_table[:batch],
                                    self.context_lens[:batch], self.page_size, self.use_triton)
 
     def _run_static(self, batch: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The Triton kernels of ``replica.cuda_graphs``: paged decode attention for CUDA graphs, split over the context
-(flash-decoding), one query row per sequence, its keys and values read through the block table. Imported only where
+(flash-decoding), one query row per sequence, its keys and values read through the page table. Imported only where
 a graph's attention runs on Triton (a GPU), or by the tests under Triton's interpreter (``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 32
+KEY_TILE = 32
 """Keys per iteration of the Triton kernel."""
 
 
@@ -20,7 +20,7 @@ def _num_splits(num_rows: int, num_kv_heads: int) -> int:
     return 1 << (wanted.bit_length() - 1)
 
 
-def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                  context_lens: torch.Tensor, page_size: int, scale: float, window: int) -> torch.Tensor:
     """``replica.cuda_graphs.paged_decode_attention`` on Triton: one program per (row, kv head, split) computes the
     split's partial softmax (max, sum, weighted values), and a second kernel combines the splits."""
@@ -35,8 +35,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_sum = torch.empty_like(part_max)
     part_acc = torch.empty(num_rows, num_kv_heads, splits, group_p, head_p, dtype=torch.float32, device=query.device)
     _decode_split_kernel[(num_rows, num_kv_heads, splits)](
-        query, k_cache, v_cache, block_table, context_lens, part_max, part_sum, part_acc, scale,
-        block_table.stride(0), page_size, num_kv_heads, group, group_p, head_dim, head_p, splits, BLOCK_N, window,
+        query, k_cache, v_cache, page_table, context_lens, part_max, part_sum, part_acc, scale,
+        page_table.stride(0), page_size, num_kv_heads, group, group_p, head_dim, head_p, splits, KEY_TILE, window,
     )
     out = torch.empty_like(query)
     _decode_combine_kernel[(num_rows, num_kv_heads)](
@@ -47,9 +47,9 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, BlockTable, ContextLens, PartMax, PartSum, PartAcc, scale, stride_bt,
+def _decode_split_kernel(Q, K, V, PageTable, ContextLens, PartMax, PartSum, PartAcc, scale, stride_pt,
                          PAGE: tl.constexpr, KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                         HEAD: tl.constexpr, HEAD_P: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                         HEAD: tl.constexpr, HEAD_P: tl.constexpr, SPLITS: tl.constexpr, TILE: tl.constexpr,
                          WINDOW: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,8 +59,8 @@ def _decode_split_kernel(Q, K, V, BlockTable, ContextLens, PartMax, PartSum, Par
         first = tl.maximum(ctx - WINDOW, 0)
     else:
         first = ctx * 0
-    # this split's keys: an equal share of [first, ctx), rounded up to whole blocks
-    per_split = tl.cdiv(tl.cdiv(ctx - first, SPLITS), BLOCK) * BLOCK
+    # this split's keys: an equal share of [first, ctx), rounded up to whole tiles
+    per_split = tl.cdiv(tl.cdiv(ctx - first, SPLITS), TILE) * TILE
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, ctx)
     g = tl.arange(0, GROUP_P)
@@ -73,15 +73,15 @@ def _decode_split_kernel(Q, K, V, BlockTable, ContextLens, PartMax, PartSum, Par
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     s_sum = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, HEAD_P], tl.float32)
-    for start in range(lo, hi, BLOCK):
-        n = start + tl.arange(0, BLOCK)
+    for start in range(lo, hi, TILE):
+        n = start + tl.arange(0, TILE)
         n_ok = n < hi
-        page = tl.load(BlockTable + row * stride_bt + n // PAGE, mask=n_ok, other=0)
+        page = tl.load(PageTable + row * stride_pt + n // PAGE, mask=n_ok, other=0)
         slot = page * PAGE + n % PAGE
         offsets = (slot * KVH + kv_head)[:, None] * HEAD + d[None, :]
         kv_ok = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + offsets, mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK, HEAD_P]
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, BLOCK]
+        k = tl.load(K + offsets, mask=kv_ok, other=0.0).to(tl.float32)  # [TILE, HEAD_P]
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, TILE]
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)

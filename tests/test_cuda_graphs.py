@@ -1,6 +1,6 @@
 """Decode steps on static buffers (replica/cuda_graphs.py): the path CUDA graphs replay.
 
-On the CPU the runner runs that path uncaptured (``graph_decode=True``): the static buffers, the block table and the
+On the CPU the runner runs that path uncaptured (``graph_decode=True``): the static buffers, the page table and the
 attention read through it must give the same logits and the same pool contents as the ordinary eager path, for Llama,
 Qwen2 (one kv head) and Mistral (a sliding window shorter than the contexts), over a workload of every step kind. The
 Triton kernel is compared with the ATen path where Triton is installed (its interpreter runs it on the CPU), and on a
