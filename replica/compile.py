@@ -53,8 +53,19 @@ frozen graph keeps a second, packed copy of every weight hot beside the one the 
 MKL's small-M path beat oneDNN's packed weights at batch 1-2."""
 DEFAULT_OPTIONS = {"freezing": False}
 MAX_TOKENS = 1 << 20
-"""Upper bound of the dynamic token dimension (dynamo needs one)."""
+"""Upper bound of the dynamic token dimension (dynamo needs one; ``max_tokens`` lowers it on a GPU)."""
 _code_copies = iter(range(1 << 62))
+
+
+def max_tokens(module: nn.Module) -> int:
+    """The dynamic token dimension's upper bound for ``module``: ``MAX_TOKENS``, lowered on a GPU so that the widest
+    ``[tokens, features]`` tensor of a step (the logits, ``[tokens, vocab]``) has fewer than 2**31 elements. Inductor's
+    CUDA kernels index in 32 bits and guard on it; a range past it fails to compile (SmolLM2's vocabulary allows
+    43,690 tokens a step). A larger step would compile again, correctly, with 64-bit indexing."""
+    if not next(module.parameters()).is_cuda:
+        return MAX_TOKENS
+    widest = max(p.shape[0] for p in module.parameters() if p.dim() == 2)
+    return min(MAX_TOKENS, (2**31 - 1) // widest)
 
 
 def _fresh_method(module: nn.Module) -> Callable:
@@ -72,6 +83,7 @@ class CompiledForward:
         self.module = module
         self.options = dict(options)
         self.num_compiles = 0
+        self.max_tokens = max_tokens(module)
         self._compiled = torch.compile(_fresh_method(module), backend=self._backend, fullgraph=True, dynamic=False)
 
     def _backend(self, graph_module: torch.fx.GraphModule, example_inputs):
@@ -99,8 +111,8 @@ class CompiledForward:
         num_rows = logits_index.shape[0]
         if num_rows == 1:
             logits_index = logits_index.repeat(2)
-        torch._dynamo.mark_dynamic(ids_pos, 1, min=2, max=MAX_TOKENS)
-        torch._dynamo.mark_dynamic(logits_index, 0, min=2, max=MAX_TOKENS)
+        torch._dynamo.mark_dynamic(ids_pos, 1, min=2, max=self.max_tokens)
+        torch._dynamo.mark_dynamic(logits_index, 0, min=2, max=self.max_tokens)
         logits = self._compiled(ids_pos, logits_index)
         return logits[:1] if num_rows == 1 else logits
 

@@ -1,14 +1,17 @@
 """CUDA graphs of decode steps: one graph per decode batch size, captured at start-up, replayed by the model runner.
 
-A decode step of the compact model on a GPU launches about 37 small kernels per layer; eagerly, launching them and
-the Python around them cost far more than their work for models of this size (BENCHMARKS.md section 3a, on an H200:
-50-76 ms per eager decode step, 0.9-8.6 ms replayed). A graph replays them all with one launch. A graph fixes its
+A decode step of the compact model on a GPU launches 14-20 small kernels per layer (compiled / eager); eagerly,
+launching them and the Python around them cost far more than their work for models of this size (BENCHMARKS.md
+section 3b, on an H200: 6.5-17.7 ms per eager batch-1 decode step, 0.7-1.6 ms replayed). A graph replays them all with one launch. A graph fixes its
 tensors' addresses and shapes, so every input of a decode step lives in one static device buffer, filled before each
 replay by one host-to-device copy::
 
-    flat (int64) | ids [B_max] | positions [B_max] | slots [B_max] | context lens [B_max] | page table [B_max, W] |
+    flat (int64) | ids, positions [2 * B_max] | slots [B_max] | context lens [B_max] | page table [B_max, W] |
 
-and the graph of batch size ``B`` reads the first ``B`` entries of each part. Attention inside the graph is
+and the graph of batch size ``B`` reads the first ``B`` entries of each part; its ids and positions are the
+contiguous ``[2, B]`` at the start of the first part (ids, then positions: the layout depends on ``B``, so that the
+forward's input is a whole tensor, as a compiled forward expects). A compiled forward takes two rows or more
+(``replica.compile``): its batch-1 graph runs two copies of the row, which write the same K/V into the same slot. Attention inside the graph is
 ``paged_decode_attention``: each row attends over its own pages through the page table, to the length the buffer
 says; nothing in it depends on the host at replay. Steps the graphs do not cover run as before: prompt chunks, mixed
 steps, batches above ``max_batch``, and rows whose pages exceed the table's width ``W``.
@@ -102,36 +105,40 @@ def _aten_decode(query, k_cache, v_cache, page_table, context_lens, page_size, s
 class DecodeGraphs:
     """Static decode buffers of one model runner and, on CUDA, a captured graph per batch size ``1..max_batch``.
 
-    ``forward(ids_pos, logits_index)`` is the model's (the compact model, eager); ``forward_context`` is
-    ``replica.attention_op.forward_context``. ``capture=False`` keeps the buffers and the static-shape forward but
-    runs it eagerly each step (the CPU tests run the whole path that way)."""
+    ``forward(ids_pos, logits_index)`` is the model's (the compact model, eager or compiled: ``min_rows`` 2, the
+    fewest rows it takes); ``forward_context`` is ``replica.attention_op.forward_context``. ``capture=False`` keeps
+    the buffers and the static-shape forward but runs it without graphs each step (the CPU tests run the whole path
+    that way)."""
 
     def __init__(self, forward, forward_context, kv_cache: torch.Tensor, *, page_size: int, max_batch: int,
-                 max_pages_per_seq: int, capture: bool = True, use_triton: bool | None = None) -> None:
+                 max_pages_per_seq: int, capture: bool = True, use_triton: bool | None = None,
+                 min_rows: int = 1) -> None:
         self.forward = forward
         self.forward_context = forward_context
         self.kv_cache = kv_cache
         self.page_size = page_size
         self.max_batch = max_batch
+        self.min_rows = min_rows
         self.width = max_pages_per_seq
         self.device = kv_cache.device
         if use_triton is None:
             use_triton = self.device.type == "cuda" and triton_available()
         self.use_triton = use_triton
-        mb, width = max_batch, self.width
+        mb, width = max(max_batch, min_rows), self.width
+        self.rows_capacity = mb
         size = 4 * mb + mb * width
-        self.flat = torch.zeros(size, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():  # as the runner's own step inputs: a compiled forward guards on it
+            self.flat = torch.zeros(size, dtype=torch.int64, device=self.device)
+            self.logits_index = torch.arange(mb, dtype=torch.int64, device=self.device)
+            self.flat[3 * mb : 4 * mb].fill_(1)  # context lengths
         pin = self.device.type == "cuda"
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self._staging_np = self.staging.numpy()
         self._copied = torch.cuda.Event() if pin else None
         """Recorded after each copy out of ``staging``: the next step waits for it before writing ``staging``."""
-        self.ids_pos = self.flat[: 2 * mb].view(2, mb)
         self.slots = self.flat[2 * mb : 3 * mb]
         self.context_lens = self.flat[3 * mb : 4 * mb]
         self.page_table = self.flat[4 * mb :].view(mb, width)
-        self.logits_index = torch.arange(mb, dtype=torch.int64, device=self.device)
-        self.context_lens.fill_(1)
         self.captured = capture and self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -146,8 +153,11 @@ class DecodeGraphs:
                                    self.context_lens[:batch], self.page_size, self.use_triton)
 
     def _run_static(self, batch: int) -> torch.Tensor:
-        with self.forward_context(self.metadata(batch)):
-            return self.forward(self.ids_pos[:, :batch], self.logits_index[:batch])
+        """Logits of the first ``batch`` rows; the forward runs ``max(batch, min_rows)``."""
+        rows = max(batch, self.min_rows)
+        with self.forward_context(self.metadata(rows)):
+            logits = self.forward(self.flat[: 2 * rows].view(2, rows), self.logits_index[:rows])
+        return logits[:batch]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -181,7 +191,8 @@ class DecodeGraphs:
     def run(self, rows: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
         """Logits [B, vocab] (float32, a new tensor) of one decode step: each row is (token id, context length with
         the new token, page ids); its new token's position is ``context length - 1``."""
-        batch, mb, ps, width = len(rows), self.max_batch, self.page_size, self.width
+        batch, mb, ps, width = len(rows), self.rows_capacity, self.page_size, self.width
+        rows = list(rows) + [rows[-1]] * (self.min_rows - batch)
         host = self._staging_np
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has read the staging buffer (normally long done)
@@ -189,7 +200,7 @@ class DecodeGraphs:
             position = ctx_len - 1
             num_pages = -(-ctx_len // ps)
             host[index] = token
-            host[mb + index] = position
+            host[len(rows) + index] = position
             host[2 * mb + index] = page_ids[position // ps] * ps + position % ps
             host[3 * mb + index] = ctx_len
             table = 4 * mb + index * width

@@ -119,8 +119,13 @@ class RMSNorm(nn.Module):
         self.weight = _frozen(source.weight)
         self.eps = float(getattr(source, "variance_epsilon", None) or getattr(source, "eps"))
         self.gemma = gemma
+        self.fused = self.weight.is_cuda and not gemma
+        """CUDA: ATen's fused RMSNorm, one kernel where the formula below launches eight (float32: the same formula;
+        bfloat16: rounded once, at the end, where transformers rounds before the weight)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -202,6 +207,8 @@ class DecoderLayer(nn.Module):
         self.down_packed = _packed(self.down_weight, pack)
         self.down_pairs = _pairs(self.down_weight, pairs)
         self.act_fn = mlp.act_fn
+        self.joint_rope = self.qkv_weight.is_cuda and self.q_norm is None and self.k_norm is None
+        """CUDA: rotate queries and keys as one tensor (half the kernels, the same values)."""
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: bool, packed_from_rows: int,
                 pairs_below_rows: int = 0) -> torch.Tensor:
@@ -211,15 +218,20 @@ class DecoderLayer(nn.Module):
         x = self.input_norm(h)
         qkv = _linear(x, self.qkv_weight, self.qkv_bias, kernel, self.qkv_packed, packed_from_rows, self.qkv_pairs,
                       pairs_below_rows)
-        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if self.joint_rope:
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         attn = torch.ops.prefixserve.paged_attention(q, k, v, self.layer_idx, self.scaling, self.sliding_window)
         out = _linear(attn.view(num_tokens, q_size), self.o_weight, self.o_bias, kernel, self.o_packed,
                       packed_from_rows, self.o_pairs, pairs_below_rows)

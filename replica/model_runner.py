@@ -9,8 +9,9 @@ One step's batch packs every scheduled chunk into a single row ``[1, T]``::
     slot_mapping | pageA[0]*ps+40.. | ... |          (where each new token's K/V is written)
     logits rows  |        ^A   |   ^B   |   ^C   |   (only rows that sample a token, via logits_to_keep)
 
-The same code runs on CUDA tensors with ``device="cuda"``: the compact model in eager mode (compilation is CPU only),
-its decode steps replayed as CUDA graphs captured at start-up (``replica.cuda_graphs``).
+The same code runs on CUDA tensors with ``device="cuda"``: the compact model compiled with inductor as on the CPU
+(``PREFIXSERVE_CUDA_COMPILE=0``: eager), its decode steps replayed as CUDA graphs captured at start-up
+(``replica.cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from replica import cpu_kernels
 from replica.attention_op import forward_context
@@ -117,7 +121,20 @@ BACKENDS = ("compiled", "eager", "transformers")
 ENFORCE_EAGER_ENV = "PREFIXSERVE_ENFORCE_EAGER"
 """Set to 1 to run every runner of the process without compilation (e.g. a quick test run)."""
 COMPILED_DTYPES = (torch.bfloat16, torch.float32)
-"""Dtypes whose forward is compiled by default on CPU (see benchmarks/forward_step.py for the measurements)."""
+"""Dtypes whose forward is compiled by default (see benchmarks/forward_step.py and gpu_decode.py for the
+measurements)."""
+CUDA_COMPILE_ENV = "PREFIXSERVE_CUDA_COMPILE"
+"""Set to 0 to run the compact model eagerly on a GPU (its decode steps still replay CUDA graphs)."""
+CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""The SDPA kernels an eager step may use on a GPU. cuDNN's is left out: it builds an execution plan for every new
+shape, and a decode step's context grows by one every step, so each step paid for a new plan (BENCHMARKS.md section
+3b). ``PREFIXSERVE_CUDNN_ATTENTION=1`` lets SDPA choose it again."""
+CUDNN_ATTENTION_ENV = "PREFIXSERVE_CUDNN_ATTENTION"
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "")
+    return default if value == "" else value != "0"
 
 
 class ModelRunner:
@@ -128,10 +145,12 @@ class ModelRunner:
     - ``"compiled"``: the compact Llama-family model (``replica.llama``) compiled with inductor (``replica.compile``),
       attention as the opaque op ``prefixserve::paged_attention``. Compiled at construction (``startup_seconds``),
       shared in the process by every runner of a model with the same weights. CPU only, dtypes in
-      ``COMPILED_DTYPES``; one graph serves every step (no recompilation after start-up).
-    - ``"eager"``: the same compact model without compilation (``enforce_eager=True``, other devices or dtypes). On
-      CUDA its decode steps of up to ``MAX_GRAPH_BATCH`` (and ``max_num_seqs``) rows replay CUDA graphs captured at
-      construction (``decode_graphs``), unless ``enforce_eager``.
+      ``COMPILED_DTYPES``, on the CPU and on CUDA (unless ``PREFIXSERVE_CUDA_COMPILE=0``); one graph serves every step
+      (no recompilation after start-up).
+    - ``"eager"``: the same compact model without compilation (``enforce_eager=True``, other dtypes).
+
+    On CUDA, decode steps of up to ``MAX_GRAPH_BATCH`` (and ``max_num_seqs``) rows replay CUDA graphs of the compiled
+    or eager compact model, captured at construction (``decode_graphs``), unless ``enforce_eager``.
     - ``"transformers"``: transformers' own modeling code with ``paged_attention`` registered as its attention
       function, for architectures the compact model does not cover (``fallback_reason`` says why).
     """
@@ -187,7 +206,8 @@ class ModelRunner:
         if backend is None:
             if self.fallback_reason is not None:
                 backend = "transformers"
-            elif not enforce_eager and self.device.type == "cpu" and self.dtype in COMPILED_DTYPES:
+            elif (not enforce_eager and self.dtype in COMPILED_DTYPES
+                  and (self.device.type == "cpu" or _env_flag(CUDA_COMPILE_ENV, True))):
                 backend = "compiled"
             else:
                 backend = "eager"
@@ -205,12 +225,13 @@ class ModelRunner:
             self._compact = CompactCausalLM(model)
         if graph_decode is None:
             graph_decode = self.device.type == "cuda" and not enforce_eager
-        if graph_decode and self._compact is not None:
+        if graph_decode and self.backend != "transformers":
             max_tokens = max_model_len or num_pages * page_size
+            compiled = self._compiled is not None  # its graph takes two rows or more (replica.compile)
             self.decode_graphs = DecodeGraphs(
-                self._compact, forward_context, self.kv_cache, page_size=page_size,
-                max_batch=max(1, min(max_num_seqs, MAX_GRAPH_BATCH)),
-                max_pages_per_seq=min(num_pages, -(-max_tokens // page_size)))
+                self._compiled.forward if compiled else self._compact, forward_context, self.kv_cache,
+                page_size=page_size, max_batch=max(1, min(max_num_seqs, MAX_GRAPH_BATCH)),
+                max_pages_per_seq=min(num_pages, -(-max_tokens // page_size)), min_rows=2 if compiled else 1)
         self.startup_seconds = time.perf_counter() - start
         compact = self._compiled.forward.module if self._compiled is not None else self._compact
         logger.info("model runner: %s forward ready in %.1f s, decode attention by %s, linear layers by %s%s",
@@ -325,6 +346,19 @@ class ModelRunner:
             num_padding=num_padding,
         )
         logits_index = torch.tensor(sample_rows or [offset - 1], dtype=torch.long, device=self.device)
+        with self._sdpa_backends():
+            logits = self._forward(metadata, input_ids, positions, logits_index)
+        if not sample_rows:
+            return logits.new_empty(0, logits.shape[-1])
+        return logits
+
+    def _sdpa_backends(self) -> contextlib.AbstractContextManager:
+        if self.device.type != "cuda" or _env_flag(CUDNN_ATTENTION_ENV, False):
+            return contextlib.nullcontext()
+        return sdpa_kernel(list(CUDA_SDPA_BACKENDS))
+
+    def _forward(self, metadata: PagedAttentionMetadata, input_ids: list[int], positions: list[int],
+                 logits_index: torch.Tensor) -> torch.Tensor:
         if self.backend == "transformers":
             out = self.model(
                 input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
@@ -333,15 +367,11 @@ class ModelRunner:
                 logits_to_keep=logits_index,
                 paged_metadata=metadata,
             )
-            logits = out.logits[0].float()
-        else:
-            ids_pos = torch.tensor([input_ids, positions], dtype=torch.long, device=self.device)
-            forward = self._compiled.forward if self.backend == "compiled" else self._compact
-            with forward_context(metadata):
-                logits = forward(ids_pos, logits_index)
-        if not sample_rows:
-            return logits.new_empty(0, logits.shape[-1])
-        return logits
+            return out.logits[0].float()
+        ids_pos = torch.tensor([input_ids, positions], dtype=torch.long, device=self.device)
+        forward = self._compiled.forward if self.backend == "compiled" else self._compact
+        with forward_context(metadata):
+            return forward(ids_pos, logits_index)
 
     def _prefill_slice(self, offset: int, num_new: int, ctx_len: int, page_ids: Seq[int]) -> PrefillSlice:
         if self.device.type == "cpu":  # attended in place (paged_attention._attend_segments): by the AMX kernel over

@@ -23,22 +23,26 @@ def _num_splits(num_rows: int, num_kv_heads: int) -> int:
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                  context_lens: torch.Tensor, page_size: int, scale: float, window: int) -> torch.Tensor:
     """``replica.cuda_graphs.paged_decode_attention`` on Triton: one program per (row, kv head, split) computes the
-    split's partial softmax (max, sum, weighted values), and a second kernel combines the splits."""
+    split's partial softmax (max, sum, weighted values), and a second kernel combines the splits. The query may be a
+    strided view (rows and heads of any stride, the head dimension contiguous): the compact model's rotated q and k
+    share one tensor on a GPU."""
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     head_p = triton.next_power_of_2(head_dim)
     splits = _num_splits(num_rows, num_kv_heads)
-    query = query.contiguous()
+    if query.stride(2) != 1:
+        query = query.contiguous()
     part_max = torch.empty(num_rows, num_kv_heads, splits, group_p, dtype=torch.float32, device=query.device)
     part_sum = torch.empty_like(part_max)
     part_acc = torch.empty(num_rows, num_kv_heads, splits, group_p, head_p, dtype=torch.float32, device=query.device)
     _decode_split_kernel[(num_rows, num_kv_heads, splits)](
         query, k_cache, v_cache, page_table, context_lens, part_max, part_sum, part_acc, scale,
-        page_table.stride(0), page_size, num_kv_heads, group, group_p, head_dim, head_p, splits, KEY_TILE, window,
+        query.stride(0), query.stride(1), page_table.stride(0), page_size, num_kv_heads, group, group_p, head_dim,
+        head_p, splits, KEY_TILE, window,
     )
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _decode_combine_kernel[(num_rows, num_kv_heads)](
         part_max, part_sum, part_acc, out, num_kv_heads, group, group_p, head_dim, head_p, splits,
     )
@@ -47,7 +51,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, PageTable, ContextLens, PartMax, PartSum, PartAcc, scale, stride_pt,
+def _decode_split_kernel(Q, K, V, PageTable, ContextLens, PartMax, PartSum, PartAcc, scale, stride_qr, stride_qh,
+                         stride_pt,
                          PAGE: tl.constexpr, KVH: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                          HEAD: tl.constexpr, HEAD_P: tl.constexpr, SPLITS: tl.constexpr, TILE: tl.constexpr,
                          WINDOW: tl.constexpr):
@@ -68,7 +73,7 @@ def _decode_split_kernel(Q, K, V, PageTable, ContextLens, PartMax, PartSum, Part
     g_ok = g < GROUP
     d_ok = d < HEAD
     heads = kv_head * GROUP + g
-    q = tl.load(Q + (row * KVH * GROUP + heads)[:, None] * HEAD + d[None, :],
+    q = tl.load(Q + row * stride_qr + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     s_sum = tl.zeros([GROUP_P], tl.float32)

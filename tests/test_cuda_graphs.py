@@ -19,6 +19,7 @@ from engine_utils import TinyModel, random_prompt, run_to_completion
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
 from replica import cuda_graphs
+from replica.llama import RMSNorm
 from replica.model_runner import ChunkInput, ModelRunner
 from test_compiled_runner import PS, Seq, mixed_workload
 
@@ -44,6 +45,43 @@ def test_static_decode_path_matches_the_eager_path(tiny):
         decode_steps += all(len(chunk.token_ids) == 1 for chunk in chunks)
     assert decode_steps == 6 and graphs.replays == decode_steps  # every decode-only step (and the 1-token prompt)
     torch.testing.assert_close(static.kv_cache, eager.kv_cache, rtol=0, atol=1e-6)
+
+
+def test_static_decode_path_of_a_compiled_forward_never_recompiles_and_matches_eager():
+    """A compiled forward takes two rows or more: the batch-1 graph runs its row twice (the same K/V into the same
+    slot). The graphs' inputs are whole tensors, so the one graph compiled at start-up serves every step."""
+    llama = TinyModel("llama", seed=3)  # the weights of test_compiled_runner's module: its compiled forward is reused
+    static = ModelRunner(llama.served, num_pages=32, page_size=PS, device=CPU, backend="compiled", graph_decode=True,
+                         max_num_seqs=8, max_model_len=1024)
+    eager = ModelRunner(llama.served, num_pages=32, page_size=PS, device=CPU, backend="eager")
+    graphs = static.decode_graphs
+    assert graphs is not None and graphs.min_rows == 2 and static.num_compiles == 1
+    decode_steps = 0
+    for chunks in mixed_workload():
+        torch.testing.assert_close(static.run(chunks), eager.run(chunks), rtol=0, atol=1e-4)
+        decode_steps += all(len(chunk.token_ids) == 1 for chunk in chunks)
+    assert decode_steps == 6 and graphs.replays == decode_steps
+    assert static.num_compiles == 1
+    torch.testing.assert_close(static.kv_cache, eager.kv_cache, rtol=0, atol=1e-5)
+
+
+def test_the_gpu_fusions_keep_the_values(tiny):
+    """On a GPU the compact model normalizes with ATen's fused RMSNorm and rotates q and k as one tensor
+    (``RMSNorm.fused``, ``DecoderLayer.joint_rope``); switched on here on the CPU, the logits stay those of the
+    formulas they replace (float32)."""
+    plain = ModelRunner(tiny.served, num_pages=32, page_size=PS, device=CPU, backend="eager")
+    fused = ModelRunner(tiny.served, num_pages=32, page_size=PS, device=CPU, backend="eager")
+    compact = fused._compact
+    norms = [module for module in compact.modules() if isinstance(module, RMSNorm) and not module.gemma]
+    assert norms and not any(norm.fused for norm in norms)
+    for norm in norms:
+        norm.fused = True
+    for layer in compact.layers:
+        layer.joint_rope = layer.q_norm is None
+    assert any(layer.joint_rope for layer in compact.layers)
+    for chunks in mixed_workload():
+        torch.testing.assert_close(fused.run(chunks), plain.run(chunks), rtol=0, atol=1e-5)
+    torch.testing.assert_close(fused.kv_cache, plain.kv_cache, rtol=0, atol=1e-6)
 
 
 def test_steps_the_buffers_do_not_cover_run_the_ordinary_path(tiny):
@@ -136,7 +174,11 @@ def test_triton_kernel_under_the_interpreter():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_engine_on_cuda_replays_decode_graphs_with_reference_tokens():
+@pytest.mark.parametrize("compile_env", ["", "0"])
+def test_engine_on_cuda_replays_decode_graphs_with_reference_tokens(compile_env, monkeypatch):
+    """The default (the compiled forward's graphs: one compile serves every step) and ``PREFIXSERVE_CUDA_COMPILE=0``
+    (the eager forward's graphs)."""
+    monkeypatch.setenv("PREFIXSERVE_CUDA_COMPILE", compile_env)
     tiny = TinyModel("mistral", seed=9)
     tiny.served.to("cuda")
     tiny.reference.to("cuda")
@@ -145,6 +187,7 @@ def test_engine_on_cuda_replays_decode_graphs_with_reference_tokens():
                        device="cuda")
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.captured and len(graphs.graphs) == 8
+    assert engine.runner.backend == ("eager" if compile_env == "0" else "compiled")
     prompts = {str(n): random_prompt(n, seed=70 + n) for n in (5, 140, 260, 300)}
     tokens, _ = run_to_completion(engine, prompts, 12)
     for request_id, prompt in prompts.items():
@@ -153,3 +196,4 @@ def test_engine_on_cuda_replays_decode_graphs_with_reference_tokens():
                                           pad_token_id=0)
         assert tokens[request_id] == ref[0, len(prompt):].tolist()
     assert graphs.replays > 0
+    assert engine.runner.num_compiles == (0 if compile_env == "0" else 1)
