@@ -40,6 +40,7 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from replica import cpu_kernels
 
@@ -311,7 +312,8 @@ def _attend_prefill_masked(
     window: int | None,
 ) -> torch.Tensor:
     """Prefill slice ``index`` attended with SDPA over its whole context and a bottom-right causal (and window) mask;
-    returns ``[q_len, H, D]``."""
+    returns ``[q_len, H, D]``. On a GPU the bottom-right causal mask without a window is ``causal_lower_right``,
+    which SDPA runs on flash attention (bfloat16 / float16) without building the mask; float32 materializes it."""
     part = meta.prefills[index]
     q = query[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
     if part.kv_start is not None:
@@ -324,7 +326,11 @@ def _attend_prefill_masked(
         slots = part.kv_slots if part.kv_slots is not None else _run_slots(part.context_runs, part, meta.slot_mapping)
         k = k_cache.index_select(0, slots).transpose(0, 1)[None]
         v = v_cache.index_select(0, slots).transpose(0, 1)[None]
-    mask = meta.prefill_mask(index, window)
+    if query.is_cuda and window is None and part.ctx_len > part.q_len:
+        # a chunk after cached context: causal aligned bottom-right, which flash attention takes without a mask
+        mask = causal_lower_right(part.q_len, part.ctx_len)
+    else:
+        mask = meta.prefill_mask(index, window)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
     )

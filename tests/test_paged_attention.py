@@ -402,3 +402,31 @@ def test_bfloat16_prefill_on_pair_dot_products_matches_float64_attention(threads
     assert (out.double() - reference).abs().max() <= (wide.double() - reference).abs().max() + 0.008
     assert not torch.equal(out, wide)
     assert (out.float() - wide.float()).abs().max() <= 2.0 ** -6  # values ~1: P's rounding, then the output's
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_after_cached_context_matches_float64_attention(device, dtype):
+    """The device-generic path of a prompt chunk after cached context (GQA, scattered pages). On a GPU it passes
+    ``causal_lower_right`` to SDPA instead of a boolean mask (flash attention in bfloat16, keys and values not
+    repeated for the groups); on the CPU, the mask."""
+    g = torch.Generator().manual_seed(3)
+    page, q_len, ctx_len, heads, kv_heads, dim = 16, 40, 150, 9, 3, 64
+    pages = torch.randperm(16, generator=g)[: -(-ctx_len // page)]
+    slots = (pages[:, None] * page + torch.arange(page)).reshape(-1)[:ctx_len]
+    kv_cache = torch.randn(1, 2, 16, page, kv_heads, dim, generator=g).to(device, dtype)
+    query = torch.randn(q_len, heads, dim, generator=g).to(device, dtype)
+    key = torch.randn(q_len, kv_heads, dim, generator=g).to(device, dtype)
+    value = torch.randn(q_len, kv_heads, dim, generator=g).to(device, dtype)
+    new_slots = slots[ctx_len - q_len :].to(device)
+    meta = PagedAttentionMetadata(kv_cache=kv_cache, slot_mapping=new_slots, decode=None,
+                                  prefills=[PrefillSlice(0, q_len, ctx_len, slots.to(device))])
+    k_cache, v_cache = pa.store_kv(kv_cache, 0, new_slots, key, value)
+    got = pa._attend_prefill_masked(meta, 0, query, key, value, k_cache, v_cache, 0.125, None)
+    k = k_cache.cpu().double()[slots].repeat_interleave(heads // kv_heads, dim=1)  # [ctx, H, D]
+    v = v_cache.cpu().double()[slots].repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.cpu().double(), k) * 0.125
+    visible = torch.arange(ctx_len)[None, :] <= torch.arange(ctx_len - q_len, ctx_len)[:, None]
+    expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(got.cpu().double(), expected, rtol=0, atol=1e-5 if dtype == torch.float32 else 3e-2)
