@@ -250,8 +250,8 @@ class RayReplica:
     async def export_pages(self, request):
         return await self.replica.export_pages(request)
 
-    def release_pages(self, request):
-        return self.replica.release_pages(request)
+    async def release_pages(self, request):
+        return await self.replica.release_pages(request)
 
     async def read_pages(self, keys):
         return [(key, tokens, kv) for key, tokens, kv in await self.replica.engine.export_pages(keys)]

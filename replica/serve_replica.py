@@ -26,6 +26,7 @@ method is async or O(1) and never blocks the replica's event loop (engine work r
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import logging
@@ -168,18 +169,19 @@ class ServeReplica:
                 return shared
         if self.ipc_exporter is not None and self.ipc_exporter.can_serve(request.ipc_target):
             pages = await self.engine.export_pages(list(request.keys), to_cpu=False)
-            if pages:
-                return self.ipc_exporter.export(pages)
+            if pages:  # the export waits for the device (a synchronize): on a worker thread, off the event loop
+                return await asyncio.to_thread(self.ipc_exporter.export, pages)
             return bundle_pages([])
         bundle = bundle_pages(await self.engine.export_pages(list(request.keys), contiguous=True))
         stream = self.engine.stream_location  # the receiver asks there next time, without the object store
         return dataclasses.replace(bundle, stream=stream) if stream is not None else bundle
 
-    def release_pages(self, request: PeerRelease) -> bool:
-        """Peer copy, holder side: the receiver of a CUDA IPC bundle is done with it (False: unknown lease)."""
+    async def release_pages(self, request: PeerRelease) -> bool:
+        """Peer copy, holder side: the receiver of a CUDA IPC bundle is done with it (False: unknown lease). The
+        release collects the driver's IPC references (``torch.cuda.ipc_collect``) on a worker thread."""
         if self.ipc_exporter is None or request.target_replica != self.replica_id:
             return False
-        return self.ipc_exporter.release(request.lease_id)
+        return await asyncio.to_thread(self.ipc_exporter.release, request.lease_id)
 
     async def prefetch_prefix(self, request: PrefetchRequest) -> PrefetchResult:
         """Hot-prefix replication, target side: copy the prefix's pages from the peer ``request.peer_hint`` into this

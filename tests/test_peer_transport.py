@@ -71,7 +71,7 @@ def holder_main(conn, model_dir: str, devices: str) -> None:
     operations = {
         "generate": lambda tokens: loop.run_until_complete(ask(replica, tokens, "holder-request")),
         "export_pages": lambda request: loop.run_until_complete(replica.export_pages(request)),
-        "release_pages": replica.release_pages,
+        "release_pages": lambda request: loop.run_until_complete(replica.release_pages(request)),
         "read_pages": lambda keys: [(page.key, page.token_ids, page.kv) for page in
                                     loop.run_until_complete(replica.engine.export_pages(keys))],
         "num_leases": lambda _: None if replica.ipc_exporter is None else replica.ipc_exporter.num_leases,
@@ -260,3 +260,44 @@ def test_a_contiguous_export_is_the_bundle_itself_and_round_trips_bit_exact(dtyp
     got = unbundle_pages(bundle)
     assert [page.key for page in got] == [page.key for page in pages]
     assert all(torch.equal(page.kv.view(torch.uint8), want.kv.view(torch.uint8)) for page, want in zip(got, pages))
+
+
+def test_a_cuda_ipc_export_and_release_wait_for_the_device_off_the_event_loop():
+    """The holder's CUDA IPC export synchronizes with the device and its release collects IPC references: both run
+    on a worker thread, so the replica's event loop (its other requests' streams) does not wait for the GPU."""
+    from types import SimpleNamespace
+
+    from replica.cuda_ipc import PeerRelease
+    from replica.serve_replica import ServeReplica
+
+    threads: dict[str, int] = {}
+    page = PageRecord(b"k" * 32, (1, 2, 3), torch.zeros(2, 2, 4, 1, 2))
+
+    class Exporter:
+        def can_serve(self, target):
+            return True
+
+        def export(self, pages):
+            threads["export"] = threading.get_ident()
+            return ("bundle", len(pages))
+
+        def release(self, lease_id):
+            threads["release"] = threading.get_ident()
+            return lease_id == "lease-1"
+
+    async def export_pages(keys, to_cpu=True):
+        assert not to_cpu  # device pages
+        return [page]
+
+    replica = SimpleNamespace(replica_id="holder", ipc_exporter=Exporter(),
+                              engine=SimpleNamespace(export_pages=export_pages))
+    request = PeerExportRequest("holder", [page.key], ipc_target=IpcTarget("host", ("GPU-0",)))
+
+    async def scenario():
+        threads["loop"] = threading.get_ident()
+        bundle = await ServeReplica.export_pages(replica, request)
+        released = await ServeReplica.release_pages(replica, PeerRelease("holder", "lease-1"))
+        return bundle, released
+
+    assert asyncio.run(scenario()) == (("bundle", 1), True)
+    assert threads["export"] != threads["loop"] and threads["release"] != threads["loop"]
