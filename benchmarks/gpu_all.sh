@@ -13,7 +13,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
+    python3 -c "import torch, transformers as tf, triton as t; print(torch.__version__, tf.__version__, t.__version__)"
     nproc
 } > "$OUT/machine.txt" 2>&1
 part() {  # part NAME SECONDS COMMAND...: run with a limit, record its time and exit status
@@ -24,7 +24,8 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, record its time and 
     echo "$name: rc=$? in $((SECONDS - start)) s" | tee -a "$OUT/parts.txt"
 }
 part pytest_cuda_graphs 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py
-part gpu_decode_smollm2 180 python3 benchmarks/gpu_decode.py --models smollm2-135m --modes compiled,graphs,eager --profile
+part gpu_decode_smollm2 180 python3 benchmarks/gpu_decode.py --models smollm2-135m --modes compiled,graphs,eager \
+    --profile
 part gpu_decode_tiny 140 python3 benchmarks/gpu_decode.py --models tiny-llama-512x8 \
     --modes compiled,graphs,eager,eager-cudnn --profile
 part gpu_check 140 env GPU_CHECK_ONLY=engine python3 benchmarks/gpu_check.py

@@ -2,19 +2,20 @@
 
 A decode step of the compact model on a GPU launches 14-20 small kernels per layer (compiled / eager); eagerly,
 launching them and the Python around them cost far more than their work for models of this size (BENCHMARKS.md
-section 3b, on an H200: 6.5-17.7 ms per eager batch-1 decode step, 0.7-1.6 ms replayed). A graph replays them all with one launch. A graph fixes its
-tensors' addresses and shapes, so every input of a decode step lives in one static device buffer, filled before each
-replay by one host-to-device copy::
+section 3b, on an H200: 6.5-17.7 ms per eager batch-1 decode step, 0.7-1.6 ms replayed). A graph replays them all
+with one launch. A graph fixes its tensors' addresses and shapes, so every input of a decode step lives in one static
+device buffer, filled before each replay by one host-to-device copy::
 
     flat (int64) | ids, positions [2 * B_max] | slots [B_max] | context lens [B_max] | page table [B_max, W] |
 
 and the graph of batch size ``B`` reads the first ``B`` entries of each part; its ids and positions are the
 contiguous ``[2, B]`` at the start of the first part (ids, then positions: the layout depends on ``B``, so that the
 forward's input is a whole tensor, as a compiled forward expects). A compiled forward takes two rows or more
-(``replica.compile``): its batch-1 graph runs two copies of the row, which write the same K/V into the same slot. Attention inside the graph is
-``paged_decode_attention``: each row attends over its own pages through the page table, to the length the buffer
-says; nothing in it depends on the host at replay. Steps the graphs do not cover run as before: prompt chunks, mixed
-steps, batches above ``max_batch``, and rows whose pages exceed the table's width ``W``.
+(``replica.compile``): its batch-1 graph runs two copies of the row, which write the same K/V into the same slot.
+Attention inside the graph is ``paged_decode_attention``: each row attends over its own pages through the page
+table, to the length the buffer says; nothing in it depends on the host at replay. Steps the graphs do not cover run
+as before: prompt chunks, mixed steps, batches above ``max_batch``, and rows whose pages exceed the table's width
+``W``.
 
 The attention kernel (Triton, split over the context so that a lone sequence still spreads over the GPU) is in
 ``replica.triton_decode``; where Triton is missing, the same function runs on ATen over the whole table width

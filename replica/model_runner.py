@@ -16,6 +16,7 @@ The same code runs on CUDA tensors with ``device="cuda"``: the compact model com
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,8 +24,6 @@ import os
 import time
 from dataclasses import dataclass
 from typing import Sequence as Seq
-
-import contextlib
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -144,15 +143,15 @@ class ModelRunner:
 
     - ``"compiled"``: the compact Llama-family model (``replica.llama``) compiled with inductor (``replica.compile``),
       attention as the opaque op ``prefixserve::paged_attention``. Compiled at construction (``startup_seconds``),
-      shared in the process by every runner of a model with the same weights. CPU only, dtypes in
-      ``COMPILED_DTYPES``, on the CPU and on CUDA (unless ``PREFIXSERVE_CUDA_COMPILE=0``); one graph serves every step
-      (no recompilation after start-up).
+      shared in the process by every runner of a model with the same weights. Dtypes in ``COMPILED_DTYPES``, on the
+      CPU and on CUDA (unless ``PREFIXSERVE_CUDA_COMPILE=0``); one graph serves every step (no recompilation after
+      start-up).
     - ``"eager"``: the same compact model without compilation (``enforce_eager=True``, other dtypes).
+    - ``"transformers"``: transformers' own modeling code with ``paged_attention`` registered as its attention
+      function, for architectures the compact model does not cover (``fallback_reason`` says why).
 
     On CUDA, decode steps of up to ``MAX_GRAPH_BATCH`` (and ``max_num_seqs``) rows replay CUDA graphs of the compiled
     or eager compact model, captured at construction (``decode_graphs``), unless ``enforce_eager``.
-    - ``"transformers"``: transformers' own modeling code with ``paged_attention`` registered as its attention
-      function, for architectures the compact model does not cover (``fallback_reason`` says why).
     """
 
     def __init__(

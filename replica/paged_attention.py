@@ -313,7 +313,8 @@ def _attend_prefill_masked(
 ) -> torch.Tensor:
     """Prefill slice ``index`` attended with SDPA over its whole context and a bottom-right causal (and window) mask;
     returns ``[q_len, H, D]``. On a GPU the bottom-right causal mask without a window is ``causal_lower_right``,
-    which SDPA runs on flash attention (bfloat16 / float16) without building the mask; float32 materializes it."""
+    which SDPA runs on flash attention (bfloat16 / float16) without building the mask; where neither flash nor the
+    memory-efficient kernel can take it (float32 with GQA), SDPA builds the mask itself."""
     part = meta.prefills[index]
     q = query[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
     if part.kv_start is not None:
