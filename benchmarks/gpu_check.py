@@ -31,6 +31,7 @@ from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
 from replica.kv_sources import PrefixFetcher, page_format_of
+from replica.model_runner import CUDA_COMPILE_ENV, env_flag
 from common.types import EngineRequest
 from common.types import SamplingParams
 from benchmarks.gpu_decode import timed_request
@@ -101,7 +102,7 @@ def check_equivalence(arch: str, enforce_eager: bool = False) -> None:
     """Default: the compiled forward, its decode steps replayed as CUDA graphs (replica/cuda_graphs.py; with
     ``PREFIXSERVE_CUDA_COMPILE=0`` the eager forward's); ``enforce_eager``: neither."""
     served, reference = models(tiny_config(arch))
-    compiled = os.environ.get("PREFIXSERVE_CUDA_COMPILE", "1") != "0"
+    compiled = env_flag(CUDA_COMPILE_ENV, True)  # the runner's own rule
     mode = "eager" if enforce_eager else ("compiled" if compiled else "graphs")
     engine = LLMEngine(EngineConfig(devices="gpu", num_pages=64, max_num_batched_tokens=300,
                                     enforce_eager=enforce_eager), served, device=DEVICE)
@@ -364,9 +365,9 @@ def main() -> int:
     if only in (None, "engine"):
         for arch in ("llama", "qwen2", "mistral"):
             check_equivalence(arch)
-            os.environ["PREFIXSERVE_CUDA_COMPILE"] = "0"
+            os.environ[CUDA_COMPILE_ENV] = "0"
             check_equivalence(arch)
-            del os.environ["PREFIXSERVE_CUDA_COMPILE"]
+            del os.environ[CUDA_COMPILE_ENV]
             check_equivalence(arch, enforce_eager=True)
         check_device_peer_copy()
         timing_table()

@@ -131,7 +131,8 @@ shape, and a decode step's context grows by one every step, so each step paid fo
 CUDNN_ATTENTION_ENV = "PREFIXSERVE_CUDNN_ATTENTION"
 
 
-def _env_flag(name: str, default: bool) -> bool:
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off environment switch: unset or empty gives ``default``, ``0`` off, anything else on."""
     value = os.environ.get(name, "")
     return default if value == "" else value != "0"
 
@@ -183,11 +184,14 @@ class ModelRunner:
         ``enforce_eager``); False never; True also runs their static-buffer path uncaptured off CUDA (tests)."""
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        enforce_eager = enforce_eager or os.environ.get(ENFORCE_EAGER_ENV, "") not in ("", "0")
+        enforce_eager = enforce_eager or env_flag(ENFORCE_EAGER_ENV, False)
         start = time.perf_counter()
         self.model = model
         self.device = torch.device(device)
         self.page_size = page_size
+        self.sdpa_backends = (list(CUDA_SDPA_BACKENDS) if self.device.type == "cuda"
+                              and not env_flag(CUDNN_ATTENTION_ENV, False) else None)
+        """The SDPA kernels each step may use (``CUDA_SDPA_BACKENDS``); None: SDPA's own choice."""
         self.dtype = next(model.parameters()).dtype
         self.geometry = kv_geometry(model.config)
         layout = dict(num_layers=self.geometry.num_layers, num_pages=num_pages, page_size=page_size,
@@ -206,7 +210,7 @@ class ModelRunner:
             if self.fallback_reason is not None:
                 backend = "transformers"
             elif (not enforce_eager and self.dtype in COMPILED_DTYPES
-                  and (self.device.type == "cpu" or _env_flag(CUDA_COMPILE_ENV, True))):
+                  and (self.device.type == "cpu" or env_flag(CUDA_COMPILE_ENV, True))):
                 backend = "compiled"
             else:
                 backend = "eager"
@@ -345,16 +349,12 @@ class ModelRunner:
             num_padding=num_padding,
         )
         logits_index = torch.tensor(sample_rows or [offset - 1], dtype=torch.long, device=self.device)
-        with self._sdpa_backends():
+        backends = self.sdpa_backends
+        with sdpa_kernel(backends) if backends is not None else contextlib.nullcontext():
             logits = self._forward(metadata, input_ids, positions, logits_index)
         if not sample_rows:
             return logits.new_empty(0, logits.shape[-1])
         return logits
-
-    def _sdpa_backends(self) -> contextlib.AbstractContextManager:
-        if self.device.type != "cuda" or _env_flag(CUDNN_ATTENTION_ENV, False):
-            return contextlib.nullcontext()
-        return sdpa_kernel(list(CUDA_SDPA_BACKENDS))
 
     def _forward(self, metadata: PagedAttentionMetadata, input_ids: list[int], positions: list[int],
                  logits_index: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from replica import cpu_kernels
 
@@ -197,11 +197,16 @@ class PagedAttentionMetadata:
     _step_cache: dict = field(default_factory=dict)
     """Built once per step and shared by every layer: prefill masks (device-generic path), segment plans (CPU)."""
 
-    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
-        """Bool mask [q_len, ctx_len] (True = visible) for prefill slice ``index``; None means plain causal."""
+    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | CausalBias | None:
+        """Bool mask [q_len, ctx_len] (True = visible) for prefill slice ``index``; None means plain causal. On a GPU
+        a chunk after cached context without a window gets ``causal_lower_right`` (causal aligned bottom-right), which
+        SDPA runs on flash attention (bfloat16 / float16) without building the mask; where neither flash nor the
+        memory-efficient kernel can take it (float32 with GQA), SDPA builds the mask itself."""
         part = self.prefills[index]
         if part.ctx_len == part.q_len and window is None:
             return None
+        if window is None and self.slot_mapping.is_cuda:
+            return causal_lower_right(part.q_len, part.ctx_len)
         cache_key = ("prefill", index, window)
         if cache_key not in self._step_cache:
             device = self.slot_mapping.device
@@ -311,10 +316,8 @@ def _attend_prefill_masked(
     scaling: float | None,
     window: int | None,
 ) -> torch.Tensor:
-    """Prefill slice ``index`` attended with SDPA over its whole context and a bottom-right causal (and window) mask;
-    returns ``[q_len, H, D]``. On a GPU the bottom-right causal mask without a window is ``causal_lower_right``,
-    which SDPA runs on flash attention (bfloat16 / float16) without building the mask; where neither flash nor the
-    memory-efficient kernel can take it (float32 with GQA), SDPA builds the mask itself."""
+    """Prefill slice ``index`` attended with SDPA over its whole context and a bottom-right causal (and window) mask
+    (``PagedAttentionMetadata.prefill_mask``); returns ``[q_len, H, D]``."""
     part = meta.prefills[index]
     q = query[part.q_start : part.q_start + part.q_len].transpose(0, 1)[None]
     if part.kv_start is not None:
@@ -327,11 +330,7 @@ def _attend_prefill_masked(
         slots = part.kv_slots if part.kv_slots is not None else _run_slots(part.context_runs, part, meta.slot_mapping)
         k = k_cache.index_select(0, slots).transpose(0, 1)[None]
         v = v_cache.index_select(0, slots).transpose(0, 1)[None]
-    if query.is_cuda and window is None and part.ctx_len > part.q_len:
-        # a chunk after cached context: causal aligned bottom-right, which flash attention takes without a mask
-        mask = causal_lower_right(part.q_len, part.ctx_len)
-    else:
-        mask = meta.prefill_mask(index, window)
+    mask = meta.prefill_mask(index, window)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
     )
