@@ -179,8 +179,8 @@ class ModelRunner:
         that peers on this node copy pages straight out of it (falls back to private memory where impossible).
         ``step_threads``: the torch thread counts steps will run on (CPU: an engine with ``num_prefill_threads``
         switches between two); the compiled forward is warmed up on each, default the current count.
-        ``max_num_seqs`` / ``max_model_len``: the engine's limits, which size the CUDA graphs' batches and block table.
-        ``graph_decode``: None captures decode graphs where they apply (CUDA, compact eager model, not
+        ``max_num_seqs`` / ``max_model_len``: the engine's limits, which size the CUDA graphs' batches and page table.
+        ``graph_decode``: None captures decode graphs where they apply (CUDA, the compact model, compiled or not, not
         ``enforce_eager``); False never; True also runs their static-buffer path uncaptured off CUDA (tests)."""
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
