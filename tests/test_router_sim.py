@@ -11,6 +11,7 @@ from benchmarks.router_sim.__main__ import main
 from benchmarks.router_sim.costs import CostModel
 from benchmarks.router_sim.sim import Simulation, simulate
 from benchmarks.router_sim.workloads import SimRequest, Workload, chain_keys, segment_partial_key
+from router.replication import HotPrefixPlanner, ReplicationConfig
 
 COST = CostModel()
 
@@ -216,3 +217,45 @@ def test_a_shared_host_tier_serves_an_evicted_prefix_and_the_router_hears_of_it(
     Simulation(Workload("test", without, 24), "prefixserve-tier", 1, COST).run()
     assert (without[-1].cached_local, without[-1].cached_tier) == (0, 0)
     assert without[-1].first_token_s - without[-1].arrival_s > again.first_token_s - again.arrival_s
+
+
+def test_hot_prefix_replication_copies_ahead_and_later_requests_hit_the_copy():
+    """``prefixserve-replicate`` runs the real HotPrefixPlanner beside our policy. Peer hints off here, so the only
+    copy is the planner's: a burst on one system prompt makes its holder busy (2 requests: the planner's threshold
+    here), the planner copies the 8 pages to the other replica, and the request the policy then balances away finds
+    them there instead of recomputing them; the router's index hears of the copied pages. With the default
+    threshold (4) the copy is planned for the very request that the policy moves, which starts computing the prefix
+    on the target first: the copy lands on pages being computed there, copies nothing and counts as failed."""
+    def burst() -> list:
+        first = request("first", 0.0, [("sys", 1024), ("q0", 64)])
+        return [first] + [request(f"hot{n}", 2.0 + 0.05 * n, [("sys", 1024), (f"q{n + 1}", 64)], out_len=64)
+                          for n in range(24)]
+
+    no_hints = {**COST.policy_kwargs(), "enable_peer_hint": False}
+    plain = burst()
+    result = Simulation(Workload("test", plain, 256), "prefixserve", 2, COST, policy_kwargs=no_hints).run()
+    moved = plain[5]
+    assert (moved.replica, moved.reason, moved.cached_local) == (1 - plain[0].replica, "balanced_away", 0)
+    assert result.replication == {}
+
+    copied = burst()
+    simulation = Simulation(Workload("test", copied, 256), "prefixserve-replicate", 2, COST, policy_kwargs=no_hints)
+    simulation.planner = HotPrefixPlanner(ReplicationConfig(busy_requests=2), clock=lambda: simulation.now)
+    result = simulation.run()
+    moved = copied[5]
+    assert (moved.replica, moved.reason, moved.cached_local) == (1 - copied[0].replica, "balanced_away", 1024)
+    counts = result.replication
+    assert (counts["started"], counts["done"], counts["failed"], counts["pages_copied"]) == (1, 1, 0, 8)
+    on_target = [r for r in copied if r.replica == moved.replica]
+    assert all(r.cached_local == 1024 for r in on_target)
+    assert (counts["proactive_hit_requests"], counts["proactive_hit_pages"]) == (len(on_target), 8 * len(on_target))
+    target_id = simulation.replicas[moved.replica].replica_id
+    assert simulation.view.index.longest_prefix(moved.page_keys)[target_id] == 8
+    assert result.ttft_p50_s < Simulation(Workload("test", burst(), 256), "prefixserve", 2, COST,
+                                          policy_kwargs=no_hints).run().ttft_p50_s
+
+    raced = burst()
+    result = Simulation(Workload("test", raced, 256), "prefixserve-replicate", 2, COST, policy_kwargs=no_hints).run()
+    counts = result.replication
+    assert (counts["started"], counts["done"], counts["failed"], counts["pages_copied"]) == (1, 0, 1, 0)
+    assert raced[5].cached_local == 0

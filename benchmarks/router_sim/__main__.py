@@ -43,7 +43,8 @@ def compare(args: argparse.Namespace) -> int:
                 rows.append({**result.row(), "seed": seed})
                 print(f"{workload:12s} dp={dp:<3d} {router:22s} seed {seed} hit {result.hit_rate:.3f} (ideal "
                       f"{result.ideal_hit_rate:.3f}) ttft p50 {result.ttft_p50_s:6.2f} p99 {result.ttft_p99_s:6.2f} s "
-                      f"busiest/mean {result.busiest_over_mean:.2f}  [{result.wall_s:.1f} s]", file=sys.stderr,
+                      f"busiest/mean {result.busiest_over_mean:.2f}  [{result.wall_s:.1f} s]"
+                      f"{f' replication {result.replication}' if result.replication else ''}", file=sys.stderr,
                       flush=True)
     report = render(rows, args, cost, time.perf_counter() - began)
     if args.out:
@@ -88,6 +89,8 @@ def render(rows: list, args: argparse.Namespace, cost: CostModel, wall_s: float)
         for row in group:
             beats_hit, beats_p99 = _beats(row, ours) if row is not ours else (False, False)
             reasons = ", ".join(f"{k} {v}" for k, v in row["reasons"].items())
+            if row.get("replication"):
+                reasons += "; replication: " + ", ".join(f"{k} {v}" for k, v in row["replication"].items())
             lines.append(
                 f"| {row['router']} | {row['hit_rate']:.3f}{'*' if beats_hit else ''} | {row['local_hit_rate']:.3f} | "
                 f"{row['ideal_hit_rate']:.3f} | {row['ttft_p50_s']:.2f} | {row['ttft_p99_s']:.2f}"

@@ -80,6 +80,12 @@ class SimReplica:
         self.tier_ms_per_page: float | None = None
         """The same for its host-tier fetches (a shared tier: ``cluster.tier``)."""
         self.num_tier_pages = 0
+        self.pending_import_ms = 0.0
+        """Engine-thread time of proactive copies that landed while it stepped: added to its next step."""
+        self.proactive_keys: set = set()
+        """Pages a proactive copy put here (hot-prefix replication), while cached."""
+        self.num_proactive_hit_pages = 0
+        self.num_proactive_hit_requests = 0
 
     # ---- what the router may read ----------------------------------------------------------------------------------
     @property
@@ -113,7 +119,8 @@ class SimReplica:
     # ---- one engine step -------------------------------------------------------------------------------------------
     def start_step(self, now: float, copy_enabled: bool, cluster) -> float:
         """Admit what fits, schedule one step; returns its duration in seconds (0.0: nothing to do)."""
-        import_ms = self._admit(now, copy_enabled, cluster)
+        import_ms = self._admit(now, copy_enabled, cluster) + self.pending_import_ms
+        self.pending_import_ms = 0.0
         if not self.running:
             return 0.0
         cost = self.cost
@@ -272,6 +279,10 @@ class SimReplica:
             self.num_private += need_new
             run = _Running(request, held, need_new, request.prompt_len - local * page_size, local * page_size, local)
             request.cached_local = local * page_size
+            if self.proactive_keys:
+                num_proactive = sum(1 for key in keys[:local] if key in self.proactive_keys)
+                self.num_proactive_hit_pages += num_proactive
+                self.num_proactive_hit_requests += num_proactive > 0
             import_ms += local * page_size * cost.cached_token_us * 1e-3
             if copied:
                 import_ms += self._reuse(run, copied, cost.peer_copy_page_ms)
@@ -290,6 +301,38 @@ class SimReplica:
         while skipped:
             self.waiting.appendleft(skipped.pop())
         return import_ms
+
+    def import_prefix(self, keys) -> int:
+        """A proactive copy landed: cache the pages of ``keys`` after the leading ones held here, unreferenced (most
+        recently used), evicting LRU pages for room, stopping at a page a running request here is computing (the real
+        engine plans the copy against its own computation). Returns how many pages were added."""
+        num_local = self.leading_cached(keys, 0, len(keys))
+        wanted = []
+        for key in keys[num_local:]:
+            if key in self.computing or key in self.key_to_refs:
+                break
+            wanted.append(key)
+        if not wanted:
+            return 0
+        held = list(keys[:num_local])
+        self._pin(held)  # the prefix's own leading pages are not evicted to make room for its rest
+        if self.num_free < len(wanted):
+            self._evict(len(wanted) - self.num_free)
+        self._unpin(held)
+        wanted = wanted[: max(0, self.num_free)]
+        if not wanted:
+            return 0
+        for key in wanted:
+            self.key_to_refs[key] = 0
+            self.lru[key] = None
+        self.proactive_keys.update(wanted)
+        self.seq += 1
+        self.pending_events.append(PagesStored(self.seq, tuple(wanted)))
+        if self.tier is not None:
+            self.tier.store(wanted)
+        if self.stepping:
+            self.pending_import_ms += len(wanted) * self.cost.peer_copy_page_ms
+        return len(wanted)
 
     def _reuse(self, run: _Running, count: int, page_ms: float, to_tier: bool = True) -> float:
         """The next ``count`` prompt pages of ``run`` imported (copied or fetched) instead of computed; their cost."""
@@ -350,6 +393,7 @@ class SimReplica:
             num_wanted -= 1
         if removed:
             self.num_evicted += len(removed)
+            self.proactive_keys.difference_update(removed)
             self.seq += 1
             self.pending_events.append(PagesRemoved(self.seq, tuple(removed)))
 

@@ -38,6 +38,7 @@ from benchmarks.router_sim.costs import CostModel
 from benchmarks.router_sim.workloads import segment_partial_key
 from router.index import PrefixIndex
 from router.policy import PolicyConfig, PrefixAwarePolicy
+from router.replication import ReplicationConfig
 from common.events import PagesStored
 
 
@@ -248,6 +249,13 @@ def make_router(name: str, view, cost: CostModel, seed: int = 0, policy_kwargs: 
     config = dict(cost.policy_kwargs() if policy_kwargs is None else policy_kwargs)
     if name == "prefixserve":
         return Ours(view, seed, **config)
+    if name == "prefixserve-replicate":
+        # ours with hot-prefix replication on (router/replication.py, ReplicationConfig's defaults: the ingress's
+        # --enable-hot-prefix-replication); the simulation runs the planner (sim.py)
+        router = Ours(view, seed, **config)
+        router.name = name
+        router.replication = ReplicationConfig()
+        return router
     if name == "prefixserve-affinity":
         router = Ours(view, seed, **{**config, "enable_cost_model": False})
         router.name = name

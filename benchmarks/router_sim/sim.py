@@ -5,6 +5,15 @@ For a router that reads measured costs (``prefixserve-measured``) the loads also
 (a fit of its own simulated steps and its copy time per page, as replica/cost_meter.py measures them) and the index
 hears each replica's evictions and LRU queue (``note_residency``), as the Ray adapter does.
 
+A router named ``*-replicate`` (routers.py) runs hot-prefix replication beside our policy: the real
+``router.replication.HotPrefixPlanner`` sees every request before it is routed (its page keys, which replicas hold
+how many of them per the router's index, the policy's loads) and is ticked at each routing-stats period and whenever
+it planned a copy, as the ingress's copier does (cluster/hot_prefix.py). A started copy reads the pages the source
+holds then and lands on the target ``peer_copy_page_ms`` a page later (``SimReplica.import_prefix``: no compute, LRU
+pages evicted for room, nothing past a page the target is computing itself; the import's cost is added to the
+target's next step when it is busy, as the real import runs on the engine thread between steps). A cancelled copy
+never lands. The result counts the copies and the prompt pages later requests reused from copied pages.
+
 With ``host_tier_pages`` the replicas share a host tier of that many pages (``SharedTier``: LRU, written with every
 page a replica computes or copies, read after a replica's own and copied pages at ``host_tier_page_ms`` a page), and
 its stored / removed events reach our router's ``tier_index`` at each sync, as the replicas' ``tiers`` entries do.
@@ -28,8 +37,9 @@ from benchmarks.router_sim.workloads import Workload
 from common.events import MEDIUM_HOST, PagesRemoved, PagesStored
 from common.routing_stats import ReplicaLoad, tier_holder_id
 from router.index import PrefixIndex
+from router.replication import HotPrefixPlanner, StartCopy
 
-_ARRIVAL, _STEP_END, _SYNC, _WAKE = 0, 1, 2, 3
+_ARRIVAL, _STEP_END, _SYNC, _WAKE, _COPY_DONE = 0, 1, 2, 3, 4
 
 
 class SharedTier:
@@ -119,6 +129,9 @@ class RunResult:
     num_events: int
     reasons: dict = field(default_factory=dict)
     wall_s: float = 0.0
+    replication: dict = field(default_factory=dict)
+    """With hot-prefix replication: copies started / done / cancelled / failed, pages copied, and the prompt pages
+    requests reused from copied pages (``proactive_hit_pages``) and how many requests did."""
 
     def row(self) -> dict:
         return dict(self.__dict__)
@@ -165,6 +178,10 @@ class Simulation:
         self.holder_to_waiters: dict = {}
         """Replica number -> replicas with a request waiting for pages it is computing (``wait_for_holder``)."""
         self.wakes: set = set()
+        replication = getattr(self.router, "replication", None)
+        self.planner = HotPrefixPlanner(replication, clock=lambda: self.now) if replication is not None else None
+        self.copies: dict = {}
+        """Copy id -> (target replica, the keys it will hold) of each proactive copy on its way."""
 
     def push(self, at: float, kind: int, payload) -> None:
         self.counter += 1
@@ -199,8 +216,12 @@ class Simulation:
                     self._kick(waiter, at)
             elif kind == _WAKE:
                 self._kick(payload, at)  # a holder wait's bound passed
+            elif kind == _COPY_DONE:
+                self._land_copy(payload, at)
             else:
                 self._sync()
+                if self.planner is not None:
+                    self._tick(at)
                 if self.num_done < total:
                     self.push(at + self.stats_period_s, _SYNC, None)
         for replica in self.replicas:
@@ -239,6 +260,8 @@ class Simulation:
 
     # ---- internals -------------------------------------------------------------------------------------------------
     def _arrive(self, request, now: float) -> None:
+        if self.planner is not None:  # before the decision, as the Ray adapter observes before ``choose``
+            self._observe(request, now)
         began = time.perf_counter()
         number, hint, reason = self.router.route(request, now)
         self.decision_s.append(time.perf_counter() - began)
@@ -251,6 +274,45 @@ class Simulation:
         replica.num_routed += 1
         replica.waiting.append(request)
         self._kick(replica, now)
+
+    # ---- hot-prefix replication (the module docstring) ---------------------------------------------------------------
+    def _observe(self, request, now: float) -> None:
+        keys = request.page_keys[: self.planner.config.max_prefix_pages]
+        if not keys:
+            return
+        policy = self.router.policy
+        matched = self.view.index.longest_prefix(keys, self.view.replica_ids)
+        loads = {load.replica_id: policy.effective_load(load) for load in self.view.loads}
+        # the keys stand in for the token ids: a simulated target copies by key
+        if self.planner.observe(keys, keys, None, matched, loads, now=now):
+            self._tick(now)
+
+    def _tick(self, now: float) -> None:
+        for action in self.planner.tick(now):
+            if not isinstance(action, StartCopy):
+                self.copies.pop(action.copy_id, None)  # cancelled: its pages never land
+                continue
+            target = self.replicas[self.view.number_of[action.target]]
+            source = self.replicas[self.view.number_of[action.source]]
+            keys = list(action.token_ids[: action.num_pages])
+            num_local = target.leading_cached(keys, 0, len(keys))
+            num_copied = source.leading_cached(keys, num_local, len(keys))
+            if num_copied == 0:
+                self.planner.report_failed(action.copy_id, now)
+                continue
+            self.copies[action.copy_id] = (target, keys[: num_local + num_copied])
+            self.push(now + num_copied * self.cost.peer_copy_page_ms / 1000.0, _COPY_DONE, action.copy_id)
+
+    def _land_copy(self, copy_id: str, now: float) -> None:
+        entry = self.copies.pop(copy_id, None)
+        if entry is None:
+            return  # cancelled on the way
+        target, keys = entry
+        num_imported = target.import_prefix(keys)
+        if num_imported or target.leading_cached(keys, 0, len(keys)) == len(keys):
+            self.planner.report_done(copy_id, num_imported, now)
+        else:
+            self.planner.report_failed(copy_id, now)
 
     def _kick(self, replica: SimReplica, now: float) -> None:
         if replica.stepping:
@@ -312,7 +374,17 @@ class Simulation:
             decision_p99_us=percentile(self.decision_s, 99) * 1e6,
             makespan_s=max((r.finished_s for r in requests), default=0.0), num_events=self.num_events,
             reasons=dict(sorted(self.reasons.items())), wall_s=wall_s,
+            replication=self._replication_counts(),
         )
+
+    def _replication_counts(self) -> dict:
+        if self.planner is None:
+            return {}
+        stats = self.planner.snapshot()
+        return {"started": stats.num_started, "done": stats.num_done, "cancelled": stats.num_cancelled,
+                "failed": stats.num_failed, "pages_copied": stats.num_pages_copied,
+                "proactive_hit_pages": sum(replica.num_proactive_hit_pages for replica in self.replicas),
+                "proactive_hit_requests": sum(replica.num_proactive_hit_requests for replica in self.replicas)}
 
 
 def simulate(workload_name: str, router_name: str, dp: int, *, seed: int = 0, scale: float = 1.0,
