@@ -192,9 +192,10 @@ class ServeConfig:
     False: pure affinity with fallback (the replica holding the most leading pages among those not overloaded)."""
     # ---- hot-prefix replication (issue 12; router/replication.py) ---------------------------------------------------
     enable_hot_prefix_replication: bool = False
-    """Copy a prefix whose holders are all busy to a less loaded replica ahead of need. Off by default: on this
-    project's DP=2 CPU measurements (BENCHMARKS.md, hot-prefix replication) it gave no clear gain over the router's
-    reactive spread (busy holder -> peer copy on the request's path)."""
+    """Copy a prefix whose holders are all busy to a less loaded replica ahead of need. Off by default: the router's
+    reactive spread (busy holder -> peer copy on the moved request's path) already replicates it; simulated at DP
+    4-64 the proactive copies changed neither median nor p99 TTFT, and on DP=2 sharing two CPU cores they cut p99 at
+    a median cost (BENCHMARKS.md sections 0o, 0p)."""
     hot_prefix_min_requests: int = field_default(ReplicationConfig, "min_requests")
     """Requests of one prefix within the demand window (5 s) before it counts as hot."""
     hot_prefix_busy_requests: int = field_default(ReplicationConfig, "busy_requests")
