@@ -129,6 +129,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     cache.add_argument("--redis-url", default=None,
                        help="shared host-memory KV tier, e.g. redis://:PASSWORD@127.0.0.1:6379/0, or rediss://... "
                             "for TLS (default: off)")
+    cache.add_argument("--redis-timeout", type=float, default=default("redis_timeout"),
+                       help="seconds a call to the Redis tier may take (connect, read) before Redis counts as "
+                            "unreachable and requests recompute instead (default: 0.5; raise it for a Redis far away)")
     cache.add_argument("--start-redis", action="store_true",
                        help="start a local redis-server for the host tier (loopback only, a generated password, "
                             "bounded, LRU); it is stopped on exit and dies with this process")

@@ -128,6 +128,8 @@ class ServeConfig:
     """When set, /v1/* and /reset_prefix_cache require ``Authorization: Bearer <api_key>``."""
     redis_url: str | None = None
     """Shared host-memory tier (redis://host:port/db); None disables it."""
+    redis_timeout: float = field_default(EngineConfig, "redis_timeout_s")
+    """Seconds each call to the host tier may take (connect, read) before Redis counts as unreachable."""
     enable_disk_cache: bool | None = None
     """Shared disk tier (Arrow IPC files) on or off (None: on exactly when prefix caching is on). It is what shares
     prefixes between replicas on one machine when no Redis is configured."""
@@ -361,6 +363,7 @@ class ServeConfig:
             replica_id=replica_id,
             enable_peer_copy=bool(self.enable_dp_cross_replica_prefix_copy),
             redis_url=self.redis_url,
+            redis_timeout_s=float(self.redis_timeout),
             disk_cache_dir=self.resolved_disk_cache_dir,
             disk_cache_budget_bytes=int(self.disk_cache_budget),
             kv_tier_key_file=self.kv_tier_key_file,

@@ -643,7 +643,8 @@ def build_async_engine(config, peer_client=None) -> AsyncEngine:
     tiers = []
     if engine.enable_prefix_caching:
         tiers = build_tiers(page_format, redis_url=config.redis_url, disk_cache_dir=config.disk_cache_dir,
-                            disk_budget_bytes=config.disk_cache_budget_bytes, key_file=config.kv_tier_key_file)
+                            disk_budget_bytes=config.disk_cache_budget_bytes, key_file=config.kv_tier_key_file,
+                            redis_timeout_s=config.redis_timeout_s)
     fetcher = PrefixFetcher(
         page_format,
         tiers=tiers,

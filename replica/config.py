@@ -161,6 +161,9 @@ class EngineConfig:
     the pool (replica/page_stream.py), instead of through Ray's object store after the first copy."""
     redis_url: str | None = None
     """Shared host tier; None disables it."""
+    redis_timeout_s: float = 0.5
+    """Connect and read timeout of every call to the host tier: a Redis that does not answer within it counts as
+    unreachable (misses are answered and writes dropped while it backs off; see replica/tiers/redis_tier.py)."""
     disk_cache_dir: str | None = None
     """Shared disk tier (Arrow IPC files); None disables it."""
     disk_cache_budget_bytes: int = 8 << 30
@@ -213,6 +216,9 @@ class EngineConfig:
                              f"{self.kv_cache_retention_budget!r}; try 0.5")
         if self.disk_cache_budget_bytes <= 0:
             raise ValueError(f"--disk-cache-budget must be positive, got {self.disk_cache_budget_bytes}; try 8GiB")
+        if (isinstance(self.redis_timeout_s, bool) or not isinstance(self.redis_timeout_s, (int, float))
+                or not 0 < self.redis_timeout_s <= 300):
+            raise ValueError(f"--redis-timeout must be a number of seconds in (0, 300], got {self.redis_timeout_s!r}")
 
 
 def field_default(config_class: type, name: str) -> Any:

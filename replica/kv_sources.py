@@ -294,9 +294,10 @@ def page_format_of(engine) -> PageFormat:
 
 def build_tiers(page_format: PageFormat, *, redis_url: str | None, disk_cache_dir: str | None,
                 disk_budget_bytes: int, tier_key: TierKey | None = None,
-                key_file: str | None = None) -> list[KVTier]:
+                key_file: str | None = None, redis_timeout_s: float = 0.5) -> list[KVTier]:
     """The shared tiers the flags ask for, host (Redis) before disk, sealed under ``tier_key`` (default: the key in
-    ``key_file``, or the machine's default key file, created on first use; see ``replica.tiers.seal``)."""
+    ``key_file``, or the machine's default key file, created on first use; see ``replica.tiers.seal``).
+    ``redis_timeout_s``: the host tier's connect and read timeout (``--redis-timeout``)."""
     tiers: list[KVTier] = []
     if not (redis_url or disk_cache_dir):
         return tiers
@@ -307,7 +308,7 @@ def build_tiers(page_format: PageFormat, *, redis_url: str | None, disk_cache_di
     if redis_url:
         from replica.tiers.redis_tier import RedisTier
 
-        tiers.append(RedisTier(redis_url, page_format, tier_key=tier_key))
+        tiers.append(RedisTier(redis_url, page_format, tier_key=tier_key, socket_timeout_s=redis_timeout_s))
     if disk_cache_dir:
         from replica.tiers.disk_tier import DiskTier
 

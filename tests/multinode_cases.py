@@ -55,8 +55,9 @@ MODEL = "tiny"
 PAGE_SIZE = 128
 TARGET = "x-prefixserve-target-replica"
 REPLICA = "x-prefixserve-replica"
-ROUTING_SETTLE_S = 1.5
-"""Long enough for replicas' KV events to reach the routers (stats period 0.5 s, plus Serve's broadcast)."""
+ROUTING_SETTLE_S = 2.5
+"""Long enough for replicas' KV events to reach the routers (stats period 0.5 s, plus Serve's broadcast: five
+periods, for a loaded CI box)."""
 OBJECT_STORE_BYTES = 80 * 1024**2
 """Per node (Ray's minimum is 75 MiB): a tiny Llama's page is 32 KiB."""
 HEAD_SYSTEM_CONFIG = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
@@ -361,7 +362,7 @@ def test_copy_off_reuses_a_prefix_from_another_node_through_redis(mn, model_dir,
     key_file.write_text(secrets.token_hex(32) + "\n")  # the documented format
     key_file.chmod(0o600)
     ensure_deployed(mn, model_dir, enable_dp_cross_replica_prefix_copy=False, redis_url=redis_server,
-                    kv_tier_key_file=str(key_file))
+                    kv_tier_key_file=str(key_file), redis_timeout=10.0)  # a loaded box's stall is not an outage
     reuse_across_nodes(mn, reference, "mn-host", "host")
     metrics = httpx.get(f"{mn.base_url}/metrics").text
     assert source_sum(metrics, "prefixserve_kv_fetch_pages_total", "peer") == 0

@@ -99,10 +99,16 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tmp_path):
                    threading.Thread(target=stream, args=(base, LONG_CONTEXT - 384, long))]
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + 120
         while "status" not in short or "status" not in long:  # both have their first token
+            assert time.monotonic() < deadline, (short, long)
+            assert all(thread.is_alive() or "status" in result for thread, result in zip(threads, (short, long))), (
+                short, long)  # a stream thread that ended without a status failed: say so instead of waiting
             time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
+        deadline = time.monotonic() + 3  # the drain reaches the ingress (well inside the 4 s --shutdown-timeout)
+        while httpx.get(f"{base}/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
         refused = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         assert refused.headers["retry-after"] == "1"

@@ -214,10 +214,11 @@ def test_beyond_the_queues_requests_get_429_with_retry_after(base_url):
     while time.monotonic() < deadline and sum(1 for r in results.values() if r[0] == 429) < 2:
         time.sleep(0.1)
     time.sleep(0.5)
-    refused = {index: r for index, r in results.items() if r[0] == 429}
     release.set()
     for thread in threads:
         thread.join(120)
+    # counted after every answer is in: a request still being retried by Serve's router may be refused late
+    refused = {index: r for index, r in results.items() if r[0] == 429}
     assert 2 <= len(refused) <= requests - 2, results
     for _, headers, text in refused.values():
         assert headers["retry-after"] == "1"

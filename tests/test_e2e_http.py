@@ -23,8 +23,9 @@ openai = pytest.importorskip("openai")
 API_KEY = "e2e-secret"
 MODEL = "tiny"
 PAGE_SIZE = 128
-ROUTING_SETTLE_S = 1.5
-"""Long enough for replicas' KV events to reach the router (stats period 0.5 s, plus Serve's broadcast)."""
+ROUTING_SETTLE_S = 2.5
+"""Long enough for replicas' KV events to reach the router (stats period 0.5 s, plus Serve's broadcast: five
+periods, for a loaded CI box)."""
 
 
 def make_config(model_dir: str, **overrides):
@@ -32,7 +33,8 @@ def make_config(model_dir: str, **overrides):
 
     settings = dict(model=model_dir, devices="cpu", data_parallel_degree=2, page_size=PAGE_SIZE,
                     kv_cache_memory="32MiB", num_cpus_per_replica=0.5, served_model_name=MODEL, max_model_len=2048,
-                    max_num_batched_tokens=1024, api_key=API_KEY, enable_disk_cache=False, dtype="float32")
+                    max_num_batched_tokens=1024, api_key=API_KEY, enable_disk_cache=False, dtype="float32",
+                    redis_timeout=10.0)  # where a test gives a Redis: a stall of a loaded box is not an outage
     settings.update(overrides)
     return ServeConfig(**settings)
 
@@ -244,7 +246,7 @@ def test_client_going_away_frees_the_replica(client, http):
         if received == 3:
             break
     stream.close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # noticing the disconnect, the abort and the metrics cache on a loaded box
     while time.monotonic() < deadline:
         if metric_sum(http.get("/metrics").text, "prefixserve_num_requests_running") == 0:
             break
@@ -325,12 +327,17 @@ def test_streamed_outputs_after_the_first_come_on_output_channels(client, http):
 
     with ThreadPoolExecutor(4) as pool:
         first_round = list(pool.map(streamed, prompts))  # opens the channels
-        second_round = list(pool.map(streamed, prompts))  # at once: the channels are still open
-    assert first_round == second_round == expected
-    time.sleep(1.1)
-    text = http.get("/metrics").text
-    after = metric_values(text, "prefixserve_streamed_outputs_total")
-    on_channel = after.get('{path="channel"}', 0) - before.get('{path="channel"}', 0)
+        # at once: the channels are still open. Again if a loaded box let the first round run one at a time (no
+        # channel opened) or kept the rounds apart longer than a channel stays open idle
+        for _ in range(4):
+            second_round = list(pool.map(streamed, prompts))
+            assert first_round == second_round == expected
+            time.sleep(1.1)
+            text = http.get("/metrics").text
+            after = metric_values(text, "prefixserve_streamed_outputs_total")
+            on_channel = after.get('{path="channel"}', 0) - before.get('{path="channel"}', 0)
+            if on_channel >= 4 * 15 - 15:
+                break
     on_requests = after['{path="request"}'] - before.get('{path="request"}', 0)
     messages = metric_sum(text, "prefixserve_output_channel_messages_total") - messages_before
     assert on_requests >= 8  # each request's first output, on its own stream

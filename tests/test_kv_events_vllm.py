@@ -257,7 +257,7 @@ def test_subscriber_replays_gaps_and_rebuilds_the_router_index(tiny_llama, tmp_p
         serve({"a": (shared + random_prompt(PAGE + 10, seed=2), None)})
         serve({"b": (shared + random_prompt(PAGE + 10, seed=3), "tenant-1")})
         subscriber = Subscriber(context, pub, replay, b"kv")
-        time.sleep(0.3)  # let the subscription reach the publisher
+        time.sleep(1.0)  # let the subscription reach the publisher (ZMQ drops what is published before it does)
         subscriber.drop_seqs = {3}  # batch 3 is "lost" on the way
         serve({"c": (shared + random_prompt(PAGE + 10, seed=4), None)})   # batch 2: prefix hit, one new page
         wait_for(2)  # the subscriber sees 2 first: replays 0..2
@@ -332,7 +332,7 @@ def tier_events(tmp_path):
     publisher = ZmqKVEventPublisher(config, page_size=128, rank=0)
     context = zmq.Context()
     subscriber = MediumSubscriber(context, pub, replay, b"kv")
-    time.sleep(0.2)
+    time.sleep(1.0)  # let the subscription reach the publisher (ZMQ drops what is published before it does)
     yield publisher, subscriber
     publisher.close()
     subscriber.close()

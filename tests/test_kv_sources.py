@@ -53,7 +53,7 @@ def make_async_engine(tiny, replica_id, *, redis_url=None, disk_dir=None, peer_c
     engine = LLMEngine(EngineConfig(num_pages=32, replica_id=replica_id), copy.deepcopy(tiny.served))
     page_format = page_format_of(engine)
     tiers = build_tiers(page_format, redis_url=redis_url, disk_cache_dir=disk_dir, disk_budget_bytes=1 << 30,
-                        tier_key=TIER_KEY)
+                        tier_key=TIER_KEY, redis_timeout_s=10.0)  # a stalled box is not an outage (a stopped one is)
     fetcher = PrefixFetcher(page_format, tiers=tiers, peer_client=peer_client, own_replica_id=replica_id,
                             write_policy=write_policy)
     return AsyncEngine(engine, fetcher)

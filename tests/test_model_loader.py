@@ -309,10 +309,8 @@ def test_default_model_is_converted_once_and_answers(smollm2_dir):
         "SmolLM2-135M-Instruct",
     ]
     weights_mtime = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
-    started = time.perf_counter()
     assert resolve_model_dir(None, cache_dir=smollm2_dir.parent.parent) == smollm2_dir
-    assert time.perf_counter() - started < 1.0  # cached: no second conversion
-    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == weights_mtime
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == weights_mtime  # cached: not converted again
 
     model, tokenizer, config = load_model(smollm2_dir, dtype=torch.float32, device="cpu")
     assert (config.model_type, config.num_hidden_layers, config.num_key_value_heads) == ("llama", 30, 3)

@@ -1,5 +1,6 @@
 """The shared-tier flags: --kv-tier-key-file reaches every replica's engine config and a bad key file is a one-line
-usage error; a Redis password never shows in the logged settings."""
+usage error; --redis-timeout reaches the Redis tier the replica builds, and a bad one is a usage error; a Redis
+password never shows in the logged settings."""
 
 from __future__ import annotations
 
@@ -35,3 +36,26 @@ def test_redis_password_is_masked_in_the_logged_settings():
     assert "s3cret" not in repr(config.as_dict())
     assert ServeConfig(devices="cpu", redis_url="rediss://cache:6379/0").as_dict()["redis_url"] == \
         "rediss://cache:6379/0"
+
+
+def test_redis_timeout_flag_reaches_the_tier_and_a_bad_one_is_a_usage_error(capsys):
+    from replica.kv_sources import build_tiers
+    from replica.tiers.seal import TierKey
+    from test_tiers import make_format
+
+    args = cli.build_parser().parse_args(["serve", "--devices", "cpu", "--redis-timeout", "2.5"])
+    engine_config = cli.config_from_args(args).engine_config("replica-1")
+    assert engine_config.redis_timeout_s == 2.5
+    assert ServeConfig(devices="cpu").engine_config("r").redis_timeout_s == 0.5
+    # nothing listens there: the tier is built (and backs off) without waiting on it
+    (tier,) = build_tiers(make_format(), redis_url="redis://127.0.0.1:1/0", disk_cache_dir=None, disk_budget_bytes=0,
+                          tier_key=TierKey.generate(), redis_timeout_s=engine_config.redis_timeout_s)
+    try:
+        connection_kwargs = tier._client.connection_pool.connection_kwargs
+        assert connection_kwargs["socket_timeout"] == connection_kwargs["socket_connect_timeout"] == 2.5
+    finally:
+        tier.close()
+    for bad in ("0", "-1", "nan", "301"):
+        status = cli.main(["serve", "--devices", "cpu", "--redis-timeout", bad])
+        err = capsys.readouterr().err
+        assert status == 2 and "--redis-timeout" in err, (bad, err)
