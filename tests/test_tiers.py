@@ -766,6 +766,24 @@ def test_redis_load_reads_its_two_halves_on_two_connections_and_keeps_the_leadin
     assert tier.stats().errors == 0
 
 
+def test_redis_load_in_four_parts_keeps_the_leading_run(make_tier):
+    """``load_connections=4``: 12 pages read as four parts of 3 at once; a gap in the third part ends the answer
+    there, whatever the fourth part brought back."""
+    page_format = make_format()
+    tier = make_tier("redis", page_format, load_connections=4)
+    pages = make_pages(page_format, 12)
+    tier.store(pages[:7] + pages[8:])  # page 7: the third part's second page
+    assert tier.flush(timeout=10)
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:7])
+    tier.store(pages[7:8])
+    assert tier.flush(timeout=10)
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages)
+    assert_bit_identical(tier.load(keys_of(pages[:5]), tokens_of(pages[:5])), pages[:5])  # two parts of 2 and 3
+    assert tier.stats().errors == 0
+    with pytest.raises(ValueError, match="load_connections"):
+        make_tier("redis", page_format, load_connections=0)
+
+
 def test_redis_oversized_value_is_discarded_without_reading_it(make_tier):
     page_format = make_format()
     tier = make_tier("redis", page_format)

@@ -39,10 +39,11 @@ format version too, and the marker is claimed again on the next (re)connection.
 
 Loads: one MGET per 32 MiB of pages; the reply is read off the socket into a reusable buffer a page at a time and each
 page is decrypted from there straight into the tensor handed back (``ReplyReader``), so a loaded byte is copied once by
-the kernel and written once by the decryption. A load of ``PARALLEL_MIN_PAGES`` pages or more is split in two halves
-read at the same time on two connections (the second on the tier's own load thread): one connection's reply stream is
-bound by ``redis-server`` writing it, and one thread decrypts at ~2.3 GB/s; two streams and two decrypting threads move
-~1.5x as much (BENCHMARKS.md, section 0d).
+the kernel and written once by the decryption. A load of ``PARALLEL_MIN_PAGES`` pages or more is split in
+``load_connections`` (2) parts read at the same time on as many connections (all but the first on the tier's own load
+threads): one connection's reply stream is bound by ``redis-server`` writing it, and one thread decrypts at ~2.3 GB/s;
+two streams and two decrypting threads moved ~1.5x as much (BENCHMARKS.md, section 0d); three or four moved no more
+on two cores (section 0p, ``benchmarks/redis_load_parts.py``).
 
 Faults: every call uses short socket timeouts (0.5 s) and no client-side retries. When Redis is unreachable the tier
 logs one warning, counts an error, and answers misses (lookup 0, load [], store drops) without touching the network
@@ -178,7 +179,9 @@ return 0
 LOAD_BATCH_BYTES = 32 << 20
 """At most this many sealed bytes per MGET (bounds the reply a load holds at once)."""
 PARALLEL_MIN_PAGES = 4
-"""A load of at least this many pages reads its second half on a second connection at the same time."""
+"""A load of at least this many pages is read in parts on several connections at the same time."""
+LOAD_CONNECTIONS = 2
+"""Connections (and threads) a load's parts are read on at once."""
 
 
 class RedisTier(QueuedWriteTier):
@@ -209,9 +212,12 @@ class RedisTier(QueuedWriteTier):
         plain_ttl_s: int = PLAIN_TTL_S,
         sweep_interval_s: float = 1.0,
         wall_clock: Callable[[], float] | None = None,
+        load_connections: int = LOAD_CONNECTIONS,
     ) -> None:
         if load_batch_pages < 1:
             raise ValueError(f"load_batch_pages must be at least 1, got {load_batch_pages}")
+        if load_connections < 1:
+            raise ValueError(f"load_connections must be at least 1, got {load_connections}")
         if not isinstance(plain_ttl_s, int) or plain_ttl_s < 1:
             raise ValueError(f"plain_ttl_s must be a whole number of seconds >= 1, got {plain_ttl_s!r}")
         self._plain_ttl_s = plain_ttl_s
@@ -251,7 +257,8 @@ class RedisTier(QueuedWriteTier):
             capacity=queue_size,
             max_batch_pages=write_batch_pages,
         )
-        self._load_helper = ThreadPoolExecutor(1, thread_name_prefix="redis-tier-load")
+        self._load_connections = load_connections
+        self._load_helper = ThreadPoolExecutor(max(1, load_connections - 1), thread_name_prefix="redis-tier-load")
         self._run(lambda client: client.ping(), default=None)  # connect now: format conflicts show at start-up
 
     # ---- KVTier -----------------------------------------------------------------------------------------------
@@ -323,18 +330,26 @@ class RedisTier(QueuedWriteTier):
 
     def _load_halves(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
                      out: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``_load_batch``, the second half on the load thread while this thread reads the first (from
-        ``PARALLEL_MIN_PAGES`` pages); the second half counts only if the first came back whole (a leading run)."""
-        if len(keys) < PARALLEL_MIN_PAGES:
+        """``_load_batch`` in up to ``load_connections`` contiguous parts of at least ``PARALLEL_MIN_PAGES // 2``
+        pages, read at the same time: the first on this thread, the others on the load threads (each on a connection
+        of its own). A part counts only if every part before it came back whole (the answer is a leading run)."""
+        num_parts = min(self._load_connections, len(keys) // max(1, PARALLEL_MIN_PAGES // 2))
+        if len(keys) < PARALLEL_MIN_PAGES or num_parts < 2:
             return self._load_batch(keys, token_ids_per_page, out)
-        half = (len(keys) + 1) // 2
+        bounds = [len(keys) * part // num_parts for part in range(num_parts + 1)]
         try:
-            second = self._load_helper.submit(self._load_batch, keys[half:], token_ids_per_page[half:], out[half:])
+            later = [self._load_helper.submit(self._load_batch, keys[start:stop], token_ids_per_page[start:stop],
+                                              out[start:stop]) for start, stop in zip(bounds[1:-1], bounds[2:])]
         except RuntimeError:  # closed meanwhile
             return self._load_batch(keys, token_ids_per_page, out)
-        first = self._load_batch(keys[:half], token_ids_per_page[:half], out[:half])
-        rest = second.result()
-        return first + rest if len(first) == half else first
+        parts = [self._load_batch(keys[: bounds[1]], token_ids_per_page[: bounds[1]], out[: bounds[1]])]
+        parts.extend(future.result() for future in later)
+        loaded: list[torch.Tensor] = []
+        for part, start, stop in zip(parts, bounds, bounds[1:]):
+            loaded.extend(part)
+            if len(part) < stop - start:
+                break
+        return loaded
 
     def close(self, timeout: float | None = 5.0) -> None:
         if self._closed:
