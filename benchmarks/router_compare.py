@@ -1,4 +1,5 @@
-"""Router comparison: the same DP=2 prefixserve app, once per request router, on one shared-system-prompt workload.
+"""Router comparison: the same prefixserve app (DP=2 unless --data-parallel-degree), once per request router, on one
+shared-system-prompt workload.
 
 Routers (the replica deployment's ``request_router_config``; everything else identical):
 
@@ -236,12 +237,18 @@ def serve_config(args: argparse.Namespace, peer_copy: bool, cost_model: bool = T
     from cluster.config import ServeConfig
 
     return ServeConfig(
-        model=str(model_dir(args)), devices="cpu", dtype=args.dtype, data_parallel_degree=2, page_size=PAGE_SIZE,
+        model=str(model_dir(args)), devices="cpu", dtype=args.dtype, data_parallel_degree=dp_of(args),
+        page_size=PAGE_SIZE,
         kv_cache_memory=args.pages_per_replica * kv_bytes_per_page(args),
         num_cpus_per_replica=args.num_cpus_per_replica, max_model_len=2048, max_num_batched_tokens=2048,
         served_model_name=MODEL_NAME, log_level="warning", enable_disk_cache=False,
         enable_dp_cross_replica_prefix_copy=peer_copy, router_cost_model=cost_model,
     )
+
+
+def dp_of(args: argparse.Namespace) -> int:
+    """Replicas per deployment (``--data-parallel-degree``; hot_prefix.py's arguments have none: 2)."""
+    return getattr(args, "data_parallel_degree", 2)
 
 
 def free_port() -> int:
@@ -262,7 +269,7 @@ def start_ray(args: argparse.Namespace) -> int:
 
     # The replicas reserve --num-cpus-per-replica each; Ray's prefix tree actor needs 1 free to be placed.
     routers = getattr(args, "routers", "").split(",")  # hot_prefix.py runs no router case
-    num_cpus = max(2, math.ceil(2 * args.num_cpus_per_replica + ("ray-prefix" in routers)))
+    num_cpus = max(2, math.ceil(dp_of(args) * args.num_cpus_per_replica + ("ray-prefix" in routers)))
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="warning",
              log_to_driver=args.verbose)
     port = free_port()
@@ -371,8 +378,9 @@ def summarize(case: RouterCase, records: list[Record], duration_s: float, args: 
     rate = cached_tokens / prompt_tokens if prompt_tokens else 0.0
     ideal = ideal_tokens / prompt_tokens if prompt_tokens else 0.0
     replica_counts = Counter(r.replica_id for r in done)
-    per_replica = sorted(replica_counts.values(), reverse=True) + [0] * max(0, 2 - len(replica_counts))
-    mean_load = len(done) / 2 if done else 0.0
+    num_replicas = dp_of(args)
+    per_replica = sorted(replica_counts.values(), reverse=True) + [0] * max(0, num_replicas - len(replica_counts))
+    mean_load = len(done) / num_replicas if done else 0.0
     ttfts = sorted(r.ttft_s * 1000.0 for r in done if r.ttft_s is not None)
     by_source: Counter = Counter()
     for r in done:
@@ -488,7 +496,8 @@ def pooled_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
         row = summarize(ROUTER_CASES[name], records, sum(r["duration_s"] for r in runs), args)
         # per-replica load: the busiest replica of each run against that run's mean, averaged over the runs
         row["busiest_over_mean"] = sum(r["busiest_over_mean"] for r in runs) / len(runs)
-        row["requests_per_replica"] = [sum(r["requests_per_replica"][i] for r in runs) for i in range(2)]
+        row["requests_per_replica"] = [sum(r["requests_per_replica"][i] for r in runs)
+                                       for i in range(dp_of(args))]
         row["replicas_per_prompt"] = sum(r["replicas_per_prompt"] for r in runs) / len(runs)  # ids differ per run
         row["router"] = f"{name} pooled x{len(runs)}"
         ideal_tokens = sum(r["ideal_cached_token_rate"] * r["prompt_tokens"] for r in runs)  # each run starts cold
@@ -510,7 +519,7 @@ def write_results(rows: list[dict], args: argparse.Namespace, command: str, wall
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = (
         f"model: {model_description(args)}, {args.dtype}, {args.num_cpus_per_replica:g} CPU (Ray) and "
-        f"{max(1, int(args.num_cpus_per_replica))} torch thread per replica; DP=2 on one host; page size {PAGE_SIZE}; "
+        f"{max(1, int(args.num_cpus_per_replica))} torch thread per replica; DP={dp_of(args)} on one host; page size {PAGE_SIZE}; "
         f"KV budget {args.pages_per_replica} pages per replica ({args.num_prefixes} prompts x "
         f"{math.ceil(args.prefix_len / PAGE_SIZE)} pages = "
         f"{args.num_prefixes * math.ceil(args.prefix_len / PAGE_SIZE)} pages in all); disk tier off, Redis off; "
@@ -525,7 +534,7 @@ def write_results(rows: list[dict], args: argparse.Namespace, command: str, wall
            if args.repeats > 1 else "")
     )
     text = "\n".join([
-        "# Router comparison (prefixserve, DP=2)",
+        f"# Router comparison (prefixserve, DP={dp_of(args)})",
         "",
         "Command (from the repository root):",
         "",
@@ -599,6 +608,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serve this model folder (default: a generated --hidden-size x --num-layers Llama)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--num-cpus-per-replica", type=float, default=0.5)
+    parser.add_argument("--data-parallel-degree", type=int, default=2, help="replicas (each --num-cpus-per-replica)")
     parser.add_argument("--settle-s", type=float, default=1.0, help="pause between warm-up and measurement")
     parser.add_argument("--out", default=str(RESULTS_DIR / "router_compare.md"))
     parser.add_argument("--smoke", action="store_true", help="a handful of requests, results to a temp folder")

@@ -45,9 +45,10 @@ threads): one connection's reply stream is bound by ``redis-server`` writing it,
 two streams and two decrypting threads moved ~1.5x as much (BENCHMARKS.md, section 0d); three or four moved no more
 on two cores (section 0p, ``benchmarks/redis_load_parts.py``).
 
-Faults: every call uses short socket timeouts (0.5 s) and no client-side retries. When Redis is unreachable the tier
-logs one warning, counts an error, and answers misses (lookup 0, load [], store drops) without touching the network
-until a backoff passes; then one call probes, and on success the tier is back (one more log line).
+Faults: every call uses short socket timeouts (``socket_timeout_s``, 0.5 s; ``--redis-timeout``) and no client-side
+retries. When Redis is unreachable the tier logs one warning, counts an error, and answers misses (lookup 0, load [],
+store drops) without touching the network until a backoff passes; then one call probes, and on success the tier is
+back (one more log line).
 """
 
 from __future__ import annotations
@@ -320,7 +321,7 @@ class RedisTier(QueuedWriteTier):
             for batch_start in range(0, len(keys), self._load_batch_pages):
                 batch_keys = keys[batch_start : batch_start + self._load_batch_pages]
                 batch_tokens = token_ids_per_page[batch_start : batch_start + self._load_batch_pages]
-                batch_loaded = self._load_halves(batch_keys, batch_tokens, pages[batch_start:])
+                batch_loaded = self._load_parts(batch_keys, batch_tokens, pages[batch_start:])
                 loaded.extend(batch_loaded)
                 if len(batch_loaded) < len(batch_keys):
                     break
@@ -328,7 +329,7 @@ class RedisTier(QueuedWriteTier):
             self._record_load(len(loaded), start_time)
         return loaded
 
-    def _load_halves(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
+    def _load_parts(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
                      out: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``_load_batch`` in up to ``load_connections`` contiguous parts of at least ``PARALLEL_MIN_PAGES // 2``
         pages, read at the same time: the first on this thread, the others on the load threads (each on a connection
