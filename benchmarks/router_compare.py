@@ -519,7 +519,8 @@ def write_results(rows: list[dict], args: argparse.Namespace, command: str, wall
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = (
         f"model: {model_description(args)}, {args.dtype}, {args.num_cpus_per_replica:g} CPU (Ray) and "
-        f"{max(1, int(args.num_cpus_per_replica))} torch thread per replica; DP={dp_of(args)} on one host; page size {PAGE_SIZE}; "
+        f"{max(1, int(args.num_cpus_per_replica))} torch thread per replica; DP={dp_of(args)} on one host; "
+        f"page size {PAGE_SIZE}; "
         f"KV budget {args.pages_per_replica} pages per replica ({args.num_prefixes} prompts x "
         f"{math.ceil(args.prefix_len / PAGE_SIZE)} pages = "
         f"{args.num_prefixes * math.ceil(args.prefix_len / PAGE_SIZE)} pages in all); disk tier off, Redis off; "

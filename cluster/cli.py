@@ -413,7 +413,8 @@ def check_redis(config: ServeConfig) -> tuple[ServeConfig, str | None]:
     try:
         import redis as redis_client
 
-        client = redis_client.Redis.from_url(config.redis_url, socket_connect_timeout=3, socket_timeout=3)
+        timeout = max(3.0, config.redis_timeout)  # a slow Redis the replicas were told to wait for is not a down one
+        client = redis_client.Redis.from_url(config.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout)
         try:
             client.ping()
         finally:

@@ -363,7 +363,7 @@ class ServeConfig:
             replica_id=replica_id,
             enable_peer_copy=bool(self.enable_dp_cross_replica_prefix_copy),
             redis_url=self.redis_url,
-            redis_timeout_s=float(self.redis_timeout),
+            redis_timeout_s=self.redis_timeout,
             disk_cache_dir=self.resolved_disk_cache_dir,
             disk_cache_budget_bytes=int(self.disk_cache_budget),
             kv_tier_key_file=self.kv_tier_key_file,

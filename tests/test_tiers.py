@@ -732,7 +732,7 @@ def test_redis_load_with_a_gap_returns_the_leading_pages_and_keeps_its_connectio
 def pool_sockets(tier: RedisTier) -> dict[int, object]:
     """Each connection of the tier's pool (free or in use) and the socket it holds (None when disconnected)."""
     pool = tier._client.connection_pool
-    connections = list(pool._get_free_connections()) + list(pool._get_in_use_connections())
+    connections = list(pool._available_connections) + list(pool._in_use_connections)
     return {id(connection): connection._sock for connection in connections}
 
 
@@ -766,22 +766,28 @@ def test_redis_load_reads_its_two_halves_on_two_connections_and_keeps_the_leadin
     assert tier.stats().errors == 0
 
 
-def test_redis_load_in_four_parts_keeps_the_leading_run(make_tier):
-    """``load_connections=4``: 12 pages read as four parts of 3 at once; a gap in the third part ends the answer
-    there, whatever the fourth part brought back."""
+def test_redis_load_in_four_parts_keeps_the_leading_run(redis_process_factory, open_tiers):
+    """``load_connections=4``: 12 pages read as four MGETs of 3 at once; a gap in the third part ends the answer
+    there, whatever the fourth part brought back. On a redis-server of its own (it counts the MGETs)."""
     page_format = make_format()
-    tier = make_tier("redis", page_format, load_connections=4)
+    tier = RedisTier(redis_process_factory().url, page_format, tier_key=TierKey.generate(), socket_timeout_s=10.0,
+                     load_connections=4)
+    open_tiers.append(tier)
     pages = make_pages(page_format, 12)
     tier.store(pages[:7] + pages[8:])  # page 7: the third part's second page
     assert tier.flush(timeout=10)
+    server = redis.Redis.from_url(tier.url)
+    server.config_resetstat()
     assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:7])
+    assert server.info("commandstats")["cmdstat_mget"]["calls"] == 4
     tier.store(pages[7:8])
     assert tier.flush(timeout=10)
     assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages)
-    assert_bit_identical(tier.load(keys_of(pages[:5]), tokens_of(pages[:5])), pages[:5])  # two parts of 2 and 3
+    assert_bit_identical(tier.load(keys_of(pages[:5]), tokens_of(pages[:5])), pages[:5])  # two parts: 3 and 2
+    assert server.info("commandstats")["cmdstat_mget"]["calls"] == 4 + 4 + 2
     assert tier.stats().errors == 0
     with pytest.raises(ValueError, match="load_connections"):
-        make_tier("redis", page_format, load_connections=0)
+        RedisTier(tier.url, page_format, load_connections=0)
 
 
 def test_redis_oversized_value_is_discarded_without_reading_it(make_tier):

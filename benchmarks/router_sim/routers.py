@@ -251,7 +251,8 @@ def make_router(name: str, view, cost: CostModel, seed: int = 0, policy_kwargs: 
         return Ours(view, seed, **config)
     if name == "prefixserve-replicate":
         # ours with hot-prefix replication on (router/replication.py, ReplicationConfig's defaults: the ingress's
-        # --enable-hot-prefix-replication); the simulation runs the planner (sim.py)
+        # --enable-hot-prefix-replication); the simulation runs the planner (sim.py). Not in ROUTERS (the published
+        # rules and ours as deployed): name it in --routers
         router = Ours(view, seed, **config)
         router.name = name
         router.replication = ReplicationConfig()

@@ -11,8 +11,9 @@ how many of them per the router's index, the policy's loads) and is ticked at ea
 it planned a copy, as the ingress's copier does (cluster/hot_prefix.py). A started copy reads the pages the source
 holds then and lands on the target ``peer_copy_page_ms`` a page later (``SimReplica.import_prefix``: no compute, LRU
 pages evicted for room, nothing past a page the target is computing itself; the import's cost is added to the
-target's next step when it is busy, as the real import runs on the engine thread between steps). A cancelled copy
-never lands. The result counts the copies and the prompt pages later requests reused from copied pages.
+target's next step when it is busy, as the real import runs on the engine thread between steps, and costs nothing on
+an idle one). A cancelled copy never lands. The result counts the copies and the prompt pages later requests reused
+from copied pages.
 
 With ``host_tier_pages`` the replicas share a host tier of that many pages (``SharedTier``: LRU, written with every
 page a replica computes or copies, read after a replica's own and copied pages at ``host_tier_page_ms`` a page), and
@@ -309,6 +310,8 @@ class Simulation:
             return  # cancelled on the way
         target, keys = entry
         num_imported = target.import_prefix(keys)
+        if num_imported and target.stepping:
+            self._kick(target, now)  # a run of decode steps ends at the next step, which pays for the import
         if num_imported or target.leading_cached(keys, 0, len(keys)) == len(keys):
             self.planner.report_done(copy_id, num_imported, now)
         else:

@@ -59,7 +59,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Sequence, TypeVar
 
 import redis
@@ -337,11 +337,14 @@ class RedisTier(QueuedWriteTier):
         num_parts = min(self._load_connections, len(keys) // max(1, PARALLEL_MIN_PAGES // 2))
         if len(keys) < PARALLEL_MIN_PAGES or num_parts < 2:
             return self._load_batch(keys, token_ids_per_page, out)
-        bounds = [len(keys) * part // num_parts for part in range(num_parts + 1)]
+        bounds = [-(-len(keys) * part // num_parts) for part in range(num_parts + 1)]  # the first part the largest
+        later: list[Future] = []
         try:
-            later = [self._load_helper.submit(self._load_batch, keys[start:stop], token_ids_per_page[start:stop],
-                                              out[start:stop]) for start, stop in zip(bounds[1:-1], bounds[2:])]
-        except RuntimeError:  # closed meanwhile
+            for start, stop in zip(bounds[1:-1], bounds[2:]):
+                later.append(self._load_helper.submit(self._load_batch, keys[start:stop],
+                                                      token_ids_per_page[start:stop], out[start:stop]))
+        except RuntimeError:  # closed meanwhile: the parts already started write into ``out`` too; let them end
+            wait(later)
             return self._load_batch(keys, token_ids_per_page, out)
         parts = [self._load_batch(keys[: bounds[1]], token_ids_per_page[: bounds[1]], out[: bounds[1]])]
         parts.extend(future.result() for future in later)
