@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -489,13 +490,16 @@ def prefixserve_process(model_dir: Path, caching: bool, timeout_s: float = 240.0
         "--port", str(port), "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
     ]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the server's output goes to a file: a pipe nobody reads while it runs would block it once full
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"prefixserve serve exited with {process.returncode}:\n{process.stdout.read()}")
+                log.seek(0)
+                raise RuntimeError(f"prefixserve serve exited with {process.returncode}:\n{log.read()[-5000:]}")
             try:
                 if httpx.get(base_url + "/health", timeout=2).status_code == 200 and \
                         httpx.get(base_url + "/v1/models", timeout=5).status_code == 200:
@@ -513,6 +517,7 @@ def prefixserve_process(model_dir: Path, caching: bool, timeout_s: float = 240.0
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        log.close()
 
 
 @pytest.fixture(scope="module")
