@@ -276,16 +276,19 @@ def ensure_deployed(mn: MultiNodeCluster, model_dir: str, **overrides) -> dict:
         assert wait_until(outcome, 480, "the app to run (second try)", explain=lambda: app_state(mn)) == "serving", \
             f"the deploy failed twice: {app_state(mn)}"
 
-    def serves() -> bool:
-        try:
-            return httpx.post(f"{mn.base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
-                              timeout=30).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(serves, 60, "the HTTP proxy to serve the app")
+    wait_until(lambda: serves_completions(mn.base_url), 60, "the HTTP proxy to serve the app")
     mn.deployed_args = args
     return args
+
+
+def serves_completions(base_url: str) -> bool:
+    """Whether the proxy at ``base_url`` answers a one-token completion with 200 (a proxy whose routes still lag a
+    redeploy may answer /health and yet refuse the completion)."""
+    try:
+        return httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                          timeout=30).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def answers(url: str) -> bool:
@@ -377,7 +380,8 @@ def test_serve_yaml_deploys_one_replica_per_worker_node(mn, model_dir, reference
     assert mn.serve_details()["proxy_location"] == "EveryNode"
     prompt = code_prompt("mn-yaml", num_functions=4)
     worker_proxy = f"http://127.0.0.1:{mn.worker_http_port}"
-    wait_until(lambda: answers(f"{worker_proxy}/health"), 60, "a worker node's proxy")
+    wait_until(lambda: answers(f"{worker_proxy}/health") and serves_completions(worker_proxy), 60,
+               "a worker node's proxy")
     for base_url in (mn.base_url, worker_proxy):
         completion, served_by = complete(openai_client(base_url), prompt)
         assert served_by in node_to_replica.values()
