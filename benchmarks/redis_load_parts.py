@@ -18,16 +18,12 @@ import time
 import torch
 
 from benchmarks.kv_sources import private_redis
+from benchmarks.tier_transfer_floor import cpu_seconds
 from common.page_format import PageFormat
 from common.page_keys import compute_page_keys
 from replica.tiers.base import StoredPage
 from replica.tiers.redis_tier import RedisTier
 from replica.tiers.seal import TierKey
-
-
-def server_cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv=None) -> int:
@@ -69,11 +65,11 @@ def main(argv=None) -> int:
         cpu = {name: [] for name in tiers}
         for _ in range(args.rounds):
             for name, tier in tiers.items():
-                cpu_before = server_cpu_s(server.process.pid)
+                cpu_before = cpu_seconds(server.process.pid)
                 start = time.perf_counter()
                 loaded = tier.load(keys, tokens)
                 wall[name].append(time.perf_counter() - start)
-                cpu[name].append(server_cpu_s(server.process.pid) - cpu_before)
+                cpu[name].append(cpu_seconds(server.process.pid) - cpu_before)
                 assert len(loaded) == len(keys)
                 del loaded
         med = statistics.median
