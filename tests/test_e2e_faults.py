@@ -127,34 +127,41 @@ def test_oversized_body_is_413_and_overlong_prompt_400_before_tokenizing(http):
 
 
 def test_huge_upload_in_progress_does_not_hold_up_a_small_request(base_url):
-    """Ordering, not timing: the huge request's body is still arriving when the small one is sent; the small one
-    is answered first, then the huge one is refused (too many characters, never tokenized)."""
+    """Ordering, not timing: the huge request's body is still arriving when the small one is sent, and its last chunk
+    is held back until the small one is answered (or for at most hold_s, if the small one is held up); the small one is
+    answered first, then the huge one is refused (too many characters, never tokenized)."""
     finished: list[str] = []
     statuses: dict[str, httpx.Response] = {}
     lock = threading.Lock()
     body = json.dumps(completion("y" * (MAX_BODY - 4096))).encode()
-    small_sent = threading.Event()
+    chunks = [body[start : start + 64 * 1024] for start in range(0, len(body), 64 * 1024)]
+    huge_arriving = threading.Event()
+    small_answered = threading.Event()
+    hold_s = 60.0  # a small request held up by the upload is answered only after it: the order then says so
 
     def slow_body():
-        for start in range(0, len(body), 64 * 1024):
-            yield body[start : start + 64 * 1024]
-            if start == 0:
-                small_sent.wait(30)
-            time.sleep(0.1)
+        yield chunks[0]
+        # asked for the next chunk: the headers and the first chunk are written, the body is incomplete
+        huge_arriving.set()
+        for chunk in chunks[1:-1]:
+            yield chunk
+            time.sleep(0.02)
+        small_answered.wait(hold_s)
+        yield chunks[-1]
 
     def send(name, **kwargs):
         response = httpx.post(f"{base_url}/v1/completions", headers={**auth(API_KEY), "content-type":
-                              "application/json"}, timeout=120, **kwargs)
+                              "application/json"}, timeout=180, **kwargs)
         with lock:
             finished.append(name)
             statuses[name] = response
 
     huge = threading.Thread(target=send, args=("huge",), kwargs={"content": slow_body()})
     huge.start()
-    time.sleep(0.3)
-    small_sent.set()
+    assert huge_arriving.wait(60), "the huge upload never started"
     send("small", json=completion("def small():", max_tokens=4))
-    huge.join(120)
+    small_answered.set()
+    huge.join(240)
     assert finished == ["small", "huge"]
     assert statuses["small"].status_code == 200
     assert statuses["huge"].status_code == 400 and statuses["huge"].json()["error"]["param"] == "prompt"
