@@ -246,6 +246,10 @@ def test_replica_killed_before_first_token_is_served_elsewhere(ray_session, base
     victim = replica_ids(base_url)[0]
     admin = {**auth(ADMIN_KEY), "x-prefixserve-target-replica": victim}
     retried_before = metric(metrics_text(base_url), "prefixserve_retried_requests_total")
+    names = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
+             if actor["name"].startswith("SERVE_REPLICA::") and actor["name"].endswith(f"#{victim}")]
+    assert len(names) == 1, names
+    victim_actor = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
 
     # 1. a long stream running on the victim (its only running slot)
     running_events: list[str] = []
@@ -275,18 +279,23 @@ def test_replica_killed_before_first_token_is_served_elsewhere(ray_session, base
 
     waiting_thread = threading.Thread(target=run_waiting)
     waiting_thread.start()
-    # It reaches the victim at once (the victim admits 2, runs 1) and waits behind the long stream. Whether it was in
-    # the replica, and not still in the ingress's queue, is proven below by the retry counter: only a request a dead
-    # replica held is sent again. (A /metrics poll for it is too slow on a loaded machine: the long stream is short.)
-    time.sleep(1.0)
+    # It reaches the victim at once (the victim admits 2, runs 1) and waits behind the long stream. The kill comes once
+    # the victim's engine has it waiting: the replica accepted it before handing it to the engine, so the loss is the
+    # ingress's to handle, not a request Serve's router quietly sends elsewhere (a replica that dies before its
+    # acceptance reaches the router). Asked of the victim's actor through Ray: Serve's routing-stats call, which a full
+    # replica still answers (a /metrics scrape waits on it). The retry counter below proves the request was held there:
+    # only a request a dead replica held is sent again.
+    deadline = time.monotonic() + 60
+    while ray.get(victim_actor.record_routing_stats.remote(), timeout=60)["load"]["num_waiting"] < 1:
+        assert "response" not in waiting, "the request got an answer before its replica was killed"
+        assert running_events[-1] != "data: [DONE]", "the long request ended before the waiting one reached its engine"
+        assert time.monotonic() < deadline, "the waiting request never reached the victim's engine"
+        time.sleep(0.01)
     assert "response" not in waiting, "the request got an answer before its replica was killed"
     assert running_events[-1] != "data: [DONE]", "the long request ended before the test could kill its replica"
 
     # 3. kill the victim's actor through Ray
-    names = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
-             if actor["name"].startswith("SERVE_REPLICA::") and actor["name"].endswith(f"#{victim}")]
-    assert len(names) == 1, names
-    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
+    ray.kill(victim_actor, no_restart=True)
     waiting_thread.join(120)
     long_thread.join(120)
 
