@@ -26,24 +26,38 @@ class RedisProcess:
         self.port = port or find_free_port()
         self.extra_args = tuple(extra_args)
         self._process: subprocess.Popen | None = None
+        self._may_change_port = port is None
+        """Until the first start: a port found free here can be taken by another process before redis-server binds
+        it; that start is then tried again on a fresh port (a restart keeps the port the test knows)."""
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> None:
-        self._process = subprocess.Popen(
-            [REDIS_SERVER_BINARY, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", *self.extra_args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout_s
-        while not self._answers_ping():
-            if self._process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.01)
+        for _ in range(4 if self._may_change_port else 1):
+            self._process = subprocess.Popen(
+                [REDIS_SERVER_BINARY, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                 "no", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", *self.extra_args],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            deadline = time.monotonic() + timeout_s
+            # ours answers, not another process on the port: ours is still running once the port answers
+            while not (self._answers_ping() and self._process.poll() is None):
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            else:
+                self._may_change_port = False
+                return
+            exited = self._process.poll() is not None
+            self.stop()
+            if not exited:  # it runs but does not answer: not a port clash
+                break
+            if self._may_change_port:
+                self.port = find_free_port()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
 
     def stop(self) -> None:
         if self._process is None:
