@@ -18,6 +18,17 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+PORT_TAKEN_MARKERS = ("address already in use", "failed to bind to address", "noavailableporterror")
+"""How ``prefixserve serve`` says, as it exits, that its port was taken: its own check before starting Ray, or Serve's
+direct ingress failing to bind it later."""
+
+
+def port_was_taken(output: str) -> bool:
+    """Whether a server's output says it exited because its port was taken (by another process, after the test found
+    it free): the test may start it again on a fresh port."""
+    return any(marker in output.lower() for marker in PORT_TAKEN_MARKERS)
+
+
 class RedisProcess:
     """A private redis-server on 127.0.0.1: no persistence, 256 MB with LRU eviction (``extra_args`` override, e.g.
     ``("--maxmemory", "4mb", "--maxmemory-policy", "volatile-lru")``). Can be stopped and restarted on the same port."""

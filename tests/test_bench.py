@@ -24,6 +24,7 @@ import pytest
 import bench
 from bench import workloads as wl
 from bench.metrics import RequestRecord
+from tests.conftest import port_was_taken
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -482,10 +483,6 @@ class PortTaken(RuntimeError):
     """The server exited at start-up because its port was taken (by another process, after it was found free)."""
 
 
-PORT_TAKEN_MARKERS = ("address already in use", "failed to bind to address", "noavailableporterror")
-"""How ``prefixserve serve`` says its port was taken: its own check before starting Ray, or Serve's direct ingress
-failing to bind it later."""
-
 START_ATTEMPTS = 3
 
 
@@ -527,7 +524,7 @@ def _prefixserve_on_a_free_port(model_dir: Path, caching: bool, timeout_s: float
             if process.poll() is not None:
                 log.seek(0)
                 output = log.read()
-                error = PortTaken if any(marker in output.lower() for marker in PORT_TAKEN_MARKERS) else RuntimeError
+                error = PortTaken if port_was_taken(output) else RuntimeError
                 raise error(f"prefixserve serve exited with {process.returncode}:\n{output[-5000:]}")
             try:
                 if httpx.get(base_url + "/health", timeout=2).status_code == 200 and \
