@@ -164,12 +164,26 @@ def serve_http_port(ray_session) -> int:
     """Ray Serve on the session's Ray, its HTTP proxy on a free 127.0.0.1 port (returned). Apps deployed by tests
     share it and must use their own route prefix; Serve is shut down with the session's Ray."""
     import ray
-    from ray import serve
     from ray.serve.context import _get_global_client
 
-    serve.start(http_options={"host": "127.0.0.1", "port": find_free_port()})
+    start_serve_on_a_free_port()
     # If Serve was already running (another test's serve.run), its proxy keeps its own port: ask the controller.
     return ray.get(_get_global_client()._controller.get_http_config.remote()).port
+
+
+def start_serve_on_a_free_port(attempts: int = 3) -> None:
+    """``serve.start`` with its HTTP proxy on a port found free; if another process took that port before the proxy
+    bound it (serve.start raises "Failed to bind to address"), Serve is shut down and started on a fresh one."""
+    from ray import serve
+
+    for attempt in range(1, attempts + 1):
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": find_free_port()})
+            return
+        except Exception as error:  # noqa: BLE001 - a port clash is tried again, anything else raised
+            if attempt == attempts or not port_was_taken(str(error)):
+                raise
+            serve.shutdown()
 
 
 @pytest.fixture(scope="session")
