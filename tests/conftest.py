@@ -18,6 +18,17 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+PORT_TAKEN_MARKERS = ("address already in use", "failed to bind to address", "noavailableporterror")
+"""How ``prefixserve serve`` says, as it exits, that its port was taken: its own check before starting Ray, or Serve's
+direct ingress failing to bind it later."""
+
+
+def port_was_taken(output: str) -> bool:
+    """Whether a server's output says it exited because its port was taken (by another process, after the test found
+    it free): the test may start it again on a fresh port."""
+    return any(marker in output.lower() for marker in PORT_TAKEN_MARKERS)
+
+
 class RedisProcess:
     """A private redis-server on 127.0.0.1: no persistence, 256 MB with LRU eviction (``extra_args`` override, e.g.
     ``("--maxmemory", "4mb", "--maxmemory-policy", "volatile-lru")``). Can be stopped and restarted on the same port."""
@@ -26,24 +37,38 @@ class RedisProcess:
         self.port = port or find_free_port()
         self.extra_args = tuple(extra_args)
         self._process: subprocess.Popen | None = None
+        self._may_change_port = port is None
+        """Until the first start: a port found free here can be taken by another process before redis-server binds
+        it; that start is then tried again on a fresh port (a restart keeps the port the test knows)."""
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> None:
-        self._process = subprocess.Popen(
-            [REDIS_SERVER_BINARY, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", *self.extra_args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout_s
-        while not self._answers_ping():
-            if self._process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.01)
+        for _ in range(4 if self._may_change_port else 1):
+            self._process = subprocess.Popen(
+                [REDIS_SERVER_BINARY, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                 "no", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", *self.extra_args],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            deadline = time.monotonic() + timeout_s
+            # ours answers, not another process on the port: ours is still running once the port answers
+            while not (self._answers_ping() and self._process.poll() is None):
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            else:
+                self._may_change_port = False
+                return
+            exited = self._process.poll() is not None
+            self.stop()
+            if not exited:  # it runs but does not answer: not a port clash
+                break
+            if self._may_change_port:
+                self.port = find_free_port()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
 
     def stop(self) -> None:
         if self._process is None:
@@ -139,12 +164,26 @@ def serve_http_port(ray_session) -> int:
     """Ray Serve on the session's Ray, its HTTP proxy on a free 127.0.0.1 port (returned). Apps deployed by tests
     share it and must use their own route prefix; Serve is shut down with the session's Ray."""
     import ray
-    from ray import serve
     from ray.serve.context import _get_global_client
 
-    serve.start(http_options={"host": "127.0.0.1", "port": find_free_port()})
+    start_serve_on_a_free_port()
     # If Serve was already running (another test's serve.run), its proxy keeps its own port: ask the controller.
     return ray.get(_get_global_client()._controller.get_http_config.remote()).port
+
+
+def start_serve_on_a_free_port(attempts: int = 3) -> None:
+    """``serve.start`` with its HTTP proxy on a port found free; if another process took that port before the proxy
+    bound it (serve.start raises "Failed to bind to address"), Serve is shut down and started on a fresh one."""
+    from ray import serve
+
+    for attempt in range(1, attempts + 1):
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": find_free_port()})
+            return
+        except Exception as error:  # noqa: BLE001 - a port clash is tried again, anything else raised
+            if attempt == attempts or not port_was_taken(str(error)):
+                raise
+            serve.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ import pytest
 import bench
 from bench import workloads as wl
 from bench.metrics import RequestRecord
+from tests.conftest import port_was_taken
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -478,9 +479,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """The server exited at start-up because its port was taken (by another process, after it was found free)."""
+
+
+START_ATTEMPTS = 3
+
+
 @contextmanager
 def prefixserve_process(model_dir: Path, caching: bool, timeout_s: float = 240.0) -> Iterator[str]:
-    """``prefixserve serve`` (DP=1, CPU, page 128) as a subprocess; yields its base URL once /health answers."""
+    """``prefixserve serve`` (DP=1, CPU, page 128) as a subprocess; yields its base URL once /health answers. The port
+    is found free, then bound by the server seconds later: if another process took it meanwhile, the server exits and
+    is started again on a fresh port."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        serving = False
+        try:
+            with _prefixserve_on_a_free_port(model_dir, caching, timeout_s) as base_url:
+                serving = True
+                yield base_url
+            return
+        except PortTaken:
+            if serving or attempt == START_ATTEMPTS:
+                raise
+
+
+@contextmanager
+def _prefixserve_on_a_free_port(model_dir: Path, caching: bool, timeout_s: float) -> Iterator[str]:
     import httpx
 
     port = free_port()
@@ -499,7 +523,9 @@ def prefixserve_process(model_dir: Path, caching: bool, timeout_s: float = 240.0
         while True:
             if process.poll() is not None:
                 log.seek(0)
-                raise RuntimeError(f"prefixserve serve exited with {process.returncode}:\n{log.read()[-5000:]}")
+                output = log.read()
+                error = PortTaken if port_was_taken(output) else RuntimeError
+                raise error(f"prefixserve serve exited with {process.returncode}:\n{output[-5000:]}")
             try:
                 if httpx.get(base_url + "/health", timeout=2).status_code == 200 and \
                         httpx.get(base_url + "/v1/models", timeout=5).status_code == 200:

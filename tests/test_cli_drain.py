@@ -20,13 +20,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import find_free_port
+from tests.conftest import find_free_port, port_was_taken
 from cluster.reaper import live_descendants, live_start_time
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 300
+START_ATTEMPTS = 3
 LONG_CONTEXT = 16384
 
 
@@ -66,22 +67,34 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tmp_path):
     model_dir = tmp_path / "tiny-llama-16k"
     write_tiny_model(model_dir, arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      vocab_size=1024, max_position_embeddings=LONG_CONTEXT)
-    port = find_free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    log = open(tmp_path / "serve.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--devices", "cpu", "--dtype", "float32",
-         "--enforce-eager", "--port", str(port), "--served-model-name", "tiny", "--no-enable-disk-cache",
-         "--kv-cache-memory", "16MiB", "--shutdown-timeout", "4", "--max-model-len", str(LONG_CONTEXT)],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    for attempt in range(1, START_ATTEMPTS + 1):
+        # the port is found free here and bound by the server seconds later: if another process took it meanwhile,
+        # the server exits saying so, and starts again on a fresh port
+        port = find_free_port()
+        log = open(tmp_path / "serve.log", "w")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--devices", "cpu", "--dtype",
+             "float32", "--enforce-eager", "--port", str(port), "--served-model-name", "tiny", "--no-enable-disk-cache",
+             "--kv-cache-memory", "16MiB", "--shutdown-timeout", "4", "--max-model-len", str(LONG_CONTEXT)],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while "prefixserve: serving" not in (tmp_path / "serve.log").read_text() and process.poll() is None:
+                assert time.monotonic() < deadline, "prefixserve serve did not start"
+                time.sleep(1)
+        except BaseException:
+            process.kill()
+            log.close()
+            raise
+        if process.poll() is None:
+            break
+        log.close()
+        output = (tmp_path / "serve.log").read_text()
+        assert port_was_taken(output) and attempt < START_ATTEMPTS, output[-3000:]
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "prefixserve: serving" not in (tmp_path / "serve.log").read_text():
-            assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "prefixserve serve did not start"
-            time.sleep(1)
         assert httpx.get(f"{base}/health").status_code == 200
         # direct ingress (the default with a Ray started here): --port is the ingress replica's own server, which
         # has no Serve proxy routes; the proxy moved to the port the CLI names

@@ -127,34 +127,41 @@ def test_oversized_body_is_413_and_overlong_prompt_400_before_tokenizing(http):
 
 
 def test_huge_upload_in_progress_does_not_hold_up_a_small_request(base_url):
-    """Ordering, not timing: the huge request's body is still arriving when the small one is sent; the small one
-    is answered first, then the huge one is refused (too many characters, never tokenized)."""
+    """Ordering, not timing: the huge request's body is still arriving when the small one is sent, and its last chunk
+    is held back until the small one is answered (or for at most hold_s, if the small one is held up); the small one is
+    answered first, then the huge one is refused (too many characters, never tokenized)."""
     finished: list[str] = []
     statuses: dict[str, httpx.Response] = {}
     lock = threading.Lock()
     body = json.dumps(completion("y" * (MAX_BODY - 4096))).encode()
-    small_sent = threading.Event()
+    chunks = [body[start : start + 64 * 1024] for start in range(0, len(body), 64 * 1024)]
+    huge_arriving = threading.Event()
+    small_answered = threading.Event()
+    hold_s = 60.0  # a small request held up by the upload is answered only after it: the order then says so
 
     def slow_body():
-        for start in range(0, len(body), 64 * 1024):
-            yield body[start : start + 64 * 1024]
-            if start == 0:
-                small_sent.wait(30)
-            time.sleep(0.1)
+        yield chunks[0]
+        # asked for the next chunk: the headers and the first chunk are written, the body is incomplete
+        huge_arriving.set()
+        for chunk in chunks[1:-1]:
+            yield chunk
+            time.sleep(0.02)
+        small_answered.wait(hold_s)
+        yield chunks[-1]
 
     def send(name, **kwargs):
         response = httpx.post(f"{base_url}/v1/completions", headers={**auth(API_KEY), "content-type":
-                              "application/json"}, timeout=120, **kwargs)
+                              "application/json"}, timeout=180, **kwargs)
         with lock:
             finished.append(name)
             statuses[name] = response
 
     huge = threading.Thread(target=send, args=("huge",), kwargs={"content": slow_body()})
     huge.start()
-    time.sleep(0.3)
-    small_sent.set()
+    assert huge_arriving.wait(60), "the huge upload never started"
     send("small", json=completion("def small():", max_tokens=4))
-    huge.join(120)
+    small_answered.set()
+    huge.join(240)
     assert finished == ["small", "huge"]
     assert statuses["small"].status_code == 200
     assert statuses["huge"].status_code == 400 and statuses["huge"].json()["error"]["param"] == "prompt"
@@ -239,6 +246,10 @@ def test_replica_killed_before_first_token_is_served_elsewhere(ray_session, base
     victim = replica_ids(base_url)[0]
     admin = {**auth(ADMIN_KEY), "x-prefixserve-target-replica": victim}
     retried_before = metric(metrics_text(base_url), "prefixserve_retried_requests_total")
+    names = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
+             if actor["name"].startswith("SERVE_REPLICA::") and actor["name"].endswith(f"#{victim}")]
+    assert len(names) == 1, names
+    victim_actor = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
 
     # 1. a long stream running on the victim (its only running slot)
     running_events: list[str] = []
@@ -268,18 +279,23 @@ def test_replica_killed_before_first_token_is_served_elsewhere(ray_session, base
 
     waiting_thread = threading.Thread(target=run_waiting)
     waiting_thread.start()
-    # It reaches the victim at once (the victim admits 2, runs 1) and waits behind the long stream. Whether it was in
-    # the replica, and not still in the ingress's queue, is proven below by the retry counter: only a request a dead
-    # replica held is sent again. (A /metrics poll for it is too slow on a loaded machine: the long stream is short.)
-    time.sleep(1.0)
+    # It reaches the victim at once (the victim admits 2, runs 1) and waits behind the long stream. The kill comes once
+    # the victim's engine has it waiting: the replica accepted it before handing it to the engine, so the loss is the
+    # ingress's to handle, not a request Serve's router quietly sends elsewhere (a replica that dies before its
+    # acceptance reaches the router). Asked of the victim's actor through Ray: Serve's routing-stats call, which a full
+    # replica still answers (a /metrics scrape waits on it). The retry counter below proves the request was held there:
+    # only a request a dead replica held is sent again.
+    deadline = time.monotonic() + 60
+    while ray.get(victim_actor.record_routing_stats.remote(), timeout=60)["load"]["num_waiting"] < 1:
+        assert "response" not in waiting, "the request got an answer before its replica was killed"
+        assert running_events[-1] != "data: [DONE]", "the long request ended before the waiting one reached its engine"
+        assert time.monotonic() < deadline, "the waiting request never reached the victim's engine"
+        time.sleep(0.01)
     assert "response" not in waiting, "the request got an answer before its replica was killed"
     assert running_events[-1] != "data: [DONE]", "the long request ended before the test could kill its replica"
 
     # 3. kill the victim's actor through Ray
-    names = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
-             if actor["name"].startswith("SERVE_REPLICA::") and actor["name"].endswith(f"#{victim}")]
-    assert len(names) == 1, names
-    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
+    ray.kill(victim_actor, no_restart=True)
     waiting_thread.join(120)
     long_thread.join(120)
 

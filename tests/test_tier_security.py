@@ -472,24 +472,38 @@ def test_redis_url_with_tls_and_a_password_works(tmp_path):
     if REDIS_SERVER_BINARY is None:
         pytest.skip("redis-server is not installed")
     ca, cert, key = write_tls_files(tmp_path)
-    port = find_free_port()
-    server = subprocess.Popen(
-        [REDIS_SERVER_BINARY, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server.stdin.write((
-        f"port 0\ntls-port {port}\nbind 127.0.0.1\ntls-cert-file {cert}\ntls-key-file {key}\n"
-        f"tls-ca-cert-file {ca}\ntls-auth-clients no\nrequirepass tls-test-pw\nsave \"\"\nappendonly no\n"
-    ).encode())
-    server.stdin.close()
-    url = f"rediss://:tls-test-pw@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
-    try:
+
+    def start_tls_redis(port: int) -> subprocess.Popen:
+        server = subprocess.Popen(
+            [REDIS_SERVER_BINARY, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server.stdin.write((
+            f"port 0\ntls-port {port}\nbind 127.0.0.1\ntls-cert-file {cert}\ntls-key-file {key}\n"
+            f"tls-ca-cert-file {ca}\ntls-auth-clients no\nrequirepass tls-test-pw\nsave \"\"\nappendonly no\n"
+        ).encode())
+        server.stdin.close()
+        return server
+
+    # a port found free can be taken by another process before redis-server binds it: redis-server then exits, and
+    # starts again on a fresh port
+    for attempt in range(1, 5):
+        port = find_free_port()
+        server = start_tls_redis(port)
+        url = f"rediss://:tls-test-pw@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
         deadline = time.monotonic() + 10
-        while True:
+        while server.poll() is None:
             try:
                 redis.Redis.from_url(url, socket_timeout=1).ping()
                 break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline and server.poll() is None, "TLS redis-server did not start"
+            except (redis.ConnectionError, redis.TimeoutError):  # not up yet, or another process on the port
+                if time.monotonic() > deadline:
+                    server.terminate()
+                    server.wait(timeout=10)
+                    raise AssertionError("TLS redis-server did not start") from None
                 time.sleep(0.1)
+        if server.poll() is None:
+            break
+        assert attempt < 4, f"TLS redis-server exited with {server.returncode}"
+    try:
         tier = RedisTier(url, make_format(), tier_key=TierKey(SECRET))
         plain = RedisTier(f"redis://:tls-test-pw@127.0.0.1:{port}/0", make_format(), tier_key=TierKey(SECRET))
         try:
