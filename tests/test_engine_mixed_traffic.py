@@ -74,7 +74,8 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
             prompt = list(prefix)  # an exact repeat
         else:
             cut = len(prefix) if rng.random() < 0.6 else rng.randint(0, len(prefix))
-            prompt = (prefix[:cut] + random_prompt(rng.randint(1, 200), seed=seed * 100000 + number))[:MAX_MODEL_LEN - 16]
+            suffix = random_prompt(rng.randint(1, 200), seed=seed * 100000 + number)
+            prompt = (prefix[:cut] + suffix)[:MAX_MODEL_LEN - 16]
         num_out = rng.randint(1, 10)
         replica_id = rng.choice(sorted(ENGINES))
         hint = rng.choice([None, None] + [other for other in sorted(ENGINES) if other != replica_id])
