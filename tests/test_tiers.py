@@ -519,6 +519,26 @@ def test_disk_index_of_an_older_schema_is_migrated_a_newer_refused_a_broken_one_
     assert_bit_identical(recreated.load(keys_of(pages), tokens_of(pages)), pages)
 
 
+def test_disk_index_write_raises_the_block_s_error_after_sqlite_rolled_back_itself(tmp_path):
+    """SQLite ends a transaction itself on some errors (I/O, corruption, a full disk); the error that reaches the
+    caller (and the tier's log) must be that one, not a failed ROLLBACK of a transaction that no longer exists."""
+    from replica.tiers.disk_tier import PageIndex
+
+    index = PageIndex(str(tmp_path / "index.sqlite"))
+    with pytest.raises(ValueError, match="the block's own error"):
+        with index.write() as cursor:
+            cursor.execute("ROLLBACK")  # as SQLite does on SQLITE_IOERR / SQLITE_CORRUPT / SQLITE_FULL
+            raise ValueError("the block's own error")
+    with index.write() as cursor:  # the index is usable afterwards
+        cursor.execute("INSERT INTO pages (id, parent, size, last_used) VALUES ('a', NULL, 1, 1)")
+    with pytest.raises(ValueError):
+        with index.write() as cursor:
+            cursor.execute("INSERT INTO pages (id, parent, size, last_used) VALUES ('b', NULL, 1, 2)")
+            raise ValueError("rolled back")
+    with index.write() as cursor:
+        assert [row[0] for row in cursor.execute("SELECT id FROM pages")] == ["a"]
+
+
 def test_disk_tier_rescans_its_folder_on_start(tmp_path, open_tiers):
     page_format = make_format()
     tier_key = TierKey.generate()

@@ -199,7 +199,8 @@ class PageIndex:
             try:
                 yield cursor
             except BaseException:
-                cursor.execute("ROLLBACK")
+                if self._conn.in_transaction:  # SQLite rolls back itself on some errors (I/O, corruption, full disk)
+                    cursor.execute("ROLLBACK")
                 raise
             cursor.execute("COMMIT")
 
