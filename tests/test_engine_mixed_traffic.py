@@ -1,14 +1,18 @@
 """Seeded mixed traffic over three engines that share a Redis host tier, a disk tier and peer copy, against
 transformers' greedy generate: random prompts on five shared prefixes (cut anywhere, exact repeats, new suffixes),
-random output lengths, random peer hints, bursts of concurrent requests, small pools (eviction, preemption, chunked
-prefill beside decodes), and clients that stop reading after a few tokens. Every finished request must have the
-reference tokens, every engine must pass its integrity check after each burst, and no page may be left in use.
+random output lengths, random peer hints, retention priorities and TTLs, cache salts, bursts of concurrent requests,
+small pools (eviction, preemption, chunked prefill beside decodes), clients that stop reading after a few tokens, and
+now and then a prefix-cache reset or a damaged disk-tier file. Every finished request must have the reference tokens,
+a request with a salt no earlier request used must reuse nothing from anywhere, every engine must pass its integrity
+check after each burst, and no page may be left in use.
 
 The single-feature tests (test_engine_equivalence, test_kv_sources, test_fetch_sharing) check each path alone; this
 one checks them interleaved, where the request order and the thread timing differ from run to run."""
 
 import asyncio
 import copy
+import glob
+import os
 import random
 import time
 
@@ -19,7 +23,7 @@ from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
-from common.types import EngineRequest, SamplingParams
+from common.types import EngineRequest, Retention, SamplingParams
 from replica.tiers.seal import TierKey
 
 NUM_BURSTS = 14
@@ -65,10 +69,10 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
 
     prefixes = [random_prompt(rng.randint(1, 520), seed=seed * 1000 + i) for i in range(5)]
     results: list[tuple[list[int], int, list[int], dict]] = []
-    num_cancelled = 0
+    num_cancelled = num_fresh_salts = num_faults = 0
 
     async def one(number: int) -> None:
-        nonlocal num_cancelled
+        nonlocal num_cancelled, num_fresh_salts
         prefix = rng.choice(prefixes)
         if rng.random() < 0.15:
             prompt = list(prefix)  # an exact repeat
@@ -80,9 +84,14 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
         replica_id = rng.choice(sorted(ENGINES))
         hint = rng.choice([None, None] + [other for other in sorted(ENGINES) if other != replica_id])
         stop_after = rng.randint(0, 3) if rng.random() < 0.15 else None  # the client goes away
+        draw = rng.random()
+        salt = f"fresh-{number}" if draw < 0.1 else "tenant-1" if draw < 0.25 else None
+        retention = Retention(priority=rng.choice([10, 50, 100]), ttl_s=rng.choice([0.5, 60.0]),
+                              num_tokens=min(len(prompt), 256)) if rng.random() < 0.2 else None
         await asyncio.sleep(rng.random() * 0.05)
         request = EngineRequest(f"r{number}", prompt, SamplingParams(max_tokens=num_out, temperature=0.0,
-                                                                     ignore_eos=True), peer_hint=hint)
+                                                                     ignore_eos=True), peer_hint=hint,
+                                cache_salt=salt, retention=retention)
         tokens, last = [], None
         async for out in peers.engines[replica_id].generate(request):
             tokens.extend(out.new_token_ids)
@@ -92,11 +101,30 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
         if stop_after is not None:
             num_cancelled += 1
             return
-        results.append((prompt, num_out, tokens, last.cached_tokens.as_dict()))
+        cached = last.cached_tokens.as_dict()
+        if salt is not None and salt.startswith("fresh-"):
+            num_fresh_salts += 1
+            assert sum(cached.values()) == 0, (salt, cached)  # nobody else's pages, from any source
+        results.append((prompt, num_out, tokens, cached))
+
+    async def fault() -> None:
+        nonlocal num_faults
+        num_faults += 1
+        if rng.random() < 0.5:
+            await peers.engines[rng.choice(sorted(ENGINES))].reset_prefix_cache()
+            return
+        files = sorted(glob.glob(str(tmp_path / "disk" / "**" / "*.arrow"), recursive=True))
+        if files:  # bytes flipped on disk: the tier must discard the file and the page be recomputed
+            with open(rng.choice(files), "r+b") as damaged:
+                damaged.seek(rng.randrange(os.path.getsize(damaged.name)))
+                damaged.write(bytes(rng.randrange(256) for _ in range(16)))
 
     async def scenario() -> None:
         for burst in range(NUM_BURSTS):
-            await asyncio.gather(*(one(burst * 100 + i) for i in range(rng.randint(1, 8))))
+            jobs = [one(burst * 100 + i) for i in range(rng.randint(1, 8))]
+            if rng.random() < 0.25:
+                jobs.append(fault())
+            await asyncio.gather(*jobs)
             for async_engine in peers.engines.values():
                 async_engine.engine.check_integrity()
 
@@ -107,7 +135,7 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
         reused = {source: sum(cached[source] > 0 for _, _, _, cached in results)
                   for source in ("local", "peer", "host", "disk")}
         assert reused["local"] > 0 and reused["host"] + reused["disk"] > 0, reused  # the paths were exercised
-        assert num_cancelled > 0
+        assert num_cancelled > 0 and num_fresh_salts > 0 and num_faults > 0
         # requests a client left are aborted: nothing stays in use once the engines are idle
         deadline = time.monotonic() + 30
         while any(e.stats().num_pages_in_use for e in peers.engines.values()):
