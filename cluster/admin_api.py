@@ -1,4 +1,6 @@
-"""Admin endpoints for retained prefixes (behind the API key), mounted on the ingress by cluster/openai_api.py.
+"""Admin endpoints for retained prefixes, mounted on the ingress by cluster/openai_api.py. They need the admin key
+(``--admin-api-key``; the API key where no admin key is set): a listing shows the start of other clients' prompts,
+and a pin spends the retention budget every client shares.
 
     GET  /admin/prefixes         every retained prefix (admin pins and request retentions), merged over the replicas:
                                  priority, TTL, hits, cached tokens, and where it lives (pages per replica)
@@ -53,7 +55,7 @@ class PrefixSpec(BaseModel):
 
 async def list_prefixes(ingress: Any, http_request: Request) -> Response:
     try:
-        ingress._check_api_key(http_request)
+        ingress._check_admin_key(http_request)
         results = await ingress.replicas.broadcast("prefix_reports").results_async(timeout_s=ADMIN_TIMEOUT_S)
     except APIError as error:
         return JSONResponse(error.body(), status_code=error.status)
@@ -63,7 +65,7 @@ async def list_prefixes(ingress: Any, http_request: Request) -> Response:
 
 async def pin_prefix(ingress: Any, http_request: Request) -> Response:
     try:
-        ingress._check_api_key(http_request)
+        ingress._check_admin_key(http_request)
         spec = parse_request(PrefixSpec, parse_json_body(await http_request.body()))
         info = await ingress._replica_info()
         if not info.enable_prefix_caching:
@@ -91,7 +93,7 @@ async def pin_prefix(ingress: Any, http_request: Request) -> Response:
 
 async def unpin_prefix(ingress: Any, http_request: Request) -> Response:
     try:
-        ingress._check_api_key(http_request)
+        ingress._check_admin_key(http_request)
         spec = parse_request(PrefixSpec, parse_json_body(await http_request.body()))
         prefix_id = spec.prefix_id
         if prefix_id is None:

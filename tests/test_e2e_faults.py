@@ -126,6 +126,75 @@ def test_oversized_body_is_413_and_overlong_prompt_400_before_tokenizing(http):
     assert http.post("/v1/completions", json=completion("def ok():")).status_code == 200
 
 
+ODD_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**63, -2**63, 10**30, 1e308, 0.5, -0.5, 3.0, "", "x", "NaN",
+              "a" * 3000, "\u0000", "\U0001f600" * 10, [], [1], [[1, 2]], [None], {}, {"a": 1}, [""], ["a"] * 300,
+              {"type": "text", "text": "hi"}, [-5, 3], [99_999_999], list(range(3000))]
+"""Values a hostile or buggy client puts where the API expects something else."""
+FUZZED_FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+                 "stream_options", "logprobs", "echo", "prompt", "messages", "model", "user", "presence_penalty",
+                 "logit_bias", "best_of", "ignore_eos", "cache_salt", "retention", "stop_token_ids", "response_format",
+                 "tools", "min_tokens"]
+
+
+def hostile_body(rng, chat: bool) -> dict:
+    """A valid request with one to three fields replaced by odd values, dropped, or an odd message / cache_control."""
+    body = ({"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Say hi"}], "max_tokens": 3, "temperature": 0}
+            if chat else completion("Hello there", max_tokens=3))
+    for _ in range(rng.randint(1, 3)):
+        draw = rng.random()
+        if draw < 0.55:
+            body[rng.choice(FUZZED_FIELDS)] = rng.choice(ODD_VALUES)
+        elif draw < 0.7 and body:
+            body.pop(rng.choice(sorted(body)))
+        elif draw < 0.85 and isinstance(body.get("messages"), list) and body["messages"]:
+            message = rng.choice(body["messages"])
+            if isinstance(message, dict):
+                message[rng.choice(["role", "content", "cache_control", "name"])] = rng.choice(ODD_VALUES + [
+                    [{"type": "text", "text": "x", "cache_control": rng.choice(ODD_VALUES)}],
+                    [{"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}],
+                    {"type": "ephemeral", "ttl": rng.choice(ODD_VALUES)}, "tool", "developer", "assistant"])
+        else:
+            body["retention"] = {key: rng.choice(ODD_VALUES) for key in ("priority", "ttl_s", "num_tokens")}
+    return body
+
+
+def test_random_hostile_requests_get_4xx_never_5xx_and_the_server_keeps_serving(base_url, http):
+    """Seeded: 120 requests with odd values in random fields (types, ranges, sizes, nesting, truncated JSON, a list
+    instead of an object), streamed or not, and the admin routes with odd bodies under every key. Each answer is a
+    success or a 4xx; the admin routes never succeed without the admin key; a valid request is served afterwards."""
+    import random
+
+    rng = random.Random(2026)
+    statuses = []
+    for number in range(120):
+        path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+        body = hostile_body(rng, chat=path.endswith("chat/completions"))
+        text = json.dumps(body)
+        draw = rng.random()
+        content = text[:rng.randint(0, 40)] if draw < 0.05 else f"[{text}]" if draw < 0.1 else text
+        response = http.post(path, content=content, headers={"content-type": "application/json"})
+        statuses.append(response.status_code)
+        assert response.status_code < 500, (number, path, content[:300], response.text[:300])
+        if response.status_code == 200 and body.get("stream") is True:
+            assert "data: [DONE]" in response.text, (number, content[:300], response.text[-300:])
+    assert 200 in statuses and 400 in statuses  # both kinds were reached (not every request bounced off one check)
+    for number in range(40):
+        key = rng.choice([ADMIN_KEY, API_KEY, "wrong"])
+        path = rng.choice(["/admin/prefixes/pin", "/admin/prefixes/unpin", "/reset_prefix_cache"])
+        body = rng.choice([{"prompt": rng.choice(ODD_VALUES), "priority": rng.choice(ODD_VALUES),
+                            "ttl_s": rng.choice(ODD_VALUES)}, {"messages": rng.choice(ODD_VALUES)},
+                           {"prefix_id": rng.choice(ODD_VALUES)}, rng.choice(ODD_VALUES)])
+        response = httpx.post(f"{base_url}{path}", content=json.dumps(body), timeout=60,
+                              headers={**auth(key), "content-type": "application/json"})
+        assert response.status_code < 500, (number, path, body, response.text[:300])
+        if key != ADMIN_KEY:
+            assert response.status_code == 401, (number, path, key, response.text[:300])
+    wait_until_idle(base_url)
+    response = http.post("/v1/completions", json=completion("The capital of France is"))
+    assert response.status_code == 200 and response.json()["choices"][0]["text"]
+
+
 def test_huge_upload_in_progress_does_not_hold_up_a_small_request(base_url):
     """Ordering, not timing: the huge request's body is still arriving when the small one is sent, and its last chunk
     is held back until the small one is answered (or for at most hold_s, if the small one is held up); the small one is
@@ -184,6 +253,19 @@ def test_admin_routes_and_the_pin_header_need_the_admin_key(base_url, http):
     assert httpx.post(f"{base_url}/reset_prefix_cache", headers=auth(API_KEY)).status_code == 401
     assert httpx.post(f"{base_url}/admin/drain", headers=auth(API_KEY)).status_code == 401
     assert httpx.post(f"{base_url}/reset_prefix_cache", headers=auth(ADMIN_KEY)).status_code == 200
+    # the retained-prefix routes: a listing shows the start of other clients' prompts, a pin spends the shared budget
+    for method, path in (("GET", "/admin/prefixes"), ("POST", "/admin/prefixes/pin"),
+                         ("POST", "/admin/prefixes/unpin")):
+        response = httpx.request(method, base_url + path, json={"prompt": "def pinned():"}, headers=auth(API_KEY))
+        assert response.status_code == 401, (path, response.text)
+    pin = httpx.post(f"{base_url}/admin/prefixes/pin", json={"prompt": "x " * 300, "warm": False},
+                     headers=auth(ADMIN_KEY))
+    assert pin.status_code == 200, pin.text
+    listing = httpx.get(f"{base_url}/admin/prefixes", headers=auth(ADMIN_KEY)).json()["data"]
+    assert pin.json()["prefix_id"] in [entry["prefix_id"] for entry in listing]
+    unpin = httpx.post(f"{base_url}/admin/prefixes/unpin", json={"prefix_id": pin.json()["prefix_id"]},
+                       headers=auth(ADMIN_KEY))
+    assert unpin.status_code == 200, unpin.text
     target = replica_ids(base_url)[-1]
     pinned = {"x-prefixserve-target-replica": target}
     response = http.post("/v1/completions", json=completion("def pinned():"), headers=pinned)
