@@ -107,17 +107,19 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
             assert sum(cached.values()) == 0, (salt, cached)  # nobody else's pages, from any source
         results.append((prompt, num_out, tokens, cached))
 
+    fault_rng = random.Random(seed + 1)  # its own draws: the files on disk differ from run to run, the requests do not
+
     async def fault() -> None:
         nonlocal num_faults
         num_faults += 1
-        if rng.random() < 0.5:
-            await peers.engines[rng.choice(sorted(ENGINES))].reset_prefix_cache()
+        if fault_rng.random() < 0.5:
+            await peers.engines[fault_rng.choice(sorted(ENGINES))].reset_prefix_cache()
             return
         files = sorted(glob.glob(str(tmp_path / "disk" / "**" / "*.arrow"), recursive=True))
         if files:  # bytes flipped on disk: the tier must discard the file and the page be recomputed
-            with open(rng.choice(files), "r+b") as damaged:
-                damaged.seek(rng.randrange(os.path.getsize(damaged.name)))
-                damaged.write(bytes(rng.randrange(256) for _ in range(16)))
+            with open(fault_rng.choice(files), "r+b") as damaged:
+                damaged.seek(fault_rng.randrange(os.path.getsize(damaged.name)))
+                damaged.write(bytes(fault_rng.randrange(256) for _ in range(16)))
 
     async def scenario() -> None:
         for burst in range(NUM_BURSTS):
