@@ -186,8 +186,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument("--metrics-api-key", default=os.environ.get("PREFIXSERVE_METRICS_API_KEY"),
                         help="a key that reads /metrics only, for scrapers (default: $PREFIXSERVE_METRICS_API_KEY)")
     server.add_argument("--admin-api-key", default=os.environ.get("PREFIXSERVE_ADMIN_API_KEY"),
-                        help="a separate key for /reset_prefix_cache, /admin/drain and the "
-                             "x-prefixserve-target-replica header (default: $PREFIXSERVE_ADMIN_API_KEY, else --api-key)")
+                        help="a separate key for /reset_prefix_cache, /admin/* and the x-prefixserve-target-replica "
+                             "header (default: $PREFIXSERVE_ADMIN_API_KEY, else --api-key)")
     server.add_argument("--metrics-cache-s", type=float, default=default("metrics_cache_s"),
                         help="render /metrics at most once per this many seconds")
     limits = parser.add_argument_group("limits, admission and shutdown")

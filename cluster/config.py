@@ -125,7 +125,8 @@ class ServeConfig:
     either way; gRPC skips Ray's per-message reporting thread and object plumbing (BENCHMARKS.md 0m: a short request
     took 11.0-12.5 ms against 16.3 over actor calls, on 2 cores)."""
     api_key: str | None = None
-    """When set, /v1/* and /reset_prefix_cache require ``Authorization: Bearer <api_key>``."""
+    """When set, /v1/*, /metrics and (unless ``admin_api_key`` is set) /reset_prefix_cache and /admin/* require
+    ``Authorization: Bearer <api_key>``."""
     redis_url: str | None = None
     """Shared host-memory tier (redis://host:port/db); None disables it."""
     redis_timeout: float = field_default(EngineConfig, "redis_timeout_s")

@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import pytest
+import redis
 
 REDIS_SERVER_BINARY = shutil.which("redis-server")
 
@@ -54,8 +55,8 @@ class RedisProcess:
                 stderr=subprocess.DEVNULL,
             )
             deadline = time.monotonic() + timeout_s
-            # ours answers, not another process on the port: ours is still running once the port answers
-            while not (self._answers_ping() and self._process.poll() is None):
+            # ours answers, not another process on the port: the server that answers has our process id
+            while not self._answers_as(self._process.pid):
                 if self._process.poll() is not None or time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
@@ -81,13 +82,13 @@ class RedisProcess:
             self._process.wait()
         self._process = None
 
-    def _answers_ping(self) -> bool:
+    def _answers_as(self, pid: int) -> bool:
+        """Whether a redis-server answers on the port and reports ``pid`` as its process id."""
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
+            info = redis.Redis(port=self.port, socket_timeout=0.2, socket_connect_timeout=0.2).info("server")
+        except (redis.RedisError, OSError):
             return False
+        return info.get("process_id") == pid
 
 
 def _require_redis_server() -> None:

@@ -4,7 +4,8 @@ random output lengths, random peer hints, retention priorities and TTLs, cache s
 small pools (eviction, preemption, chunked prefill beside decodes), clients that stop reading after a few tokens, and
 now and then a prefix-cache reset or a damaged disk-tier file. Every finished request must have the reference tokens,
 a request with a salt no earlier request used must reuse nothing from anywhere, every engine must pass its integrity
-check after each burst, and no page may be left in use.
+check after each burst, and no page may be left in use. A last request copies a fresh prefix from a peer (peer
+copy in the bursts depends on timing, so it is checked once where it does not).
 
 The single-feature tests (test_engine_equivalence, test_kv_sources, test_fetch_sharing) check each path alone; this
 one checks them interleaved, where the request order and the thread timing differ from run to run."""
@@ -60,7 +61,8 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
                                         max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN),
                            copy.deepcopy(tiny.served))
         page_format = page_format_of(engine)
-        tiers = build_tiers(page_format, redis_url=redis_server[:-1] + str(seed % 16) if use_redis else None,
+        redis_url = f"{redis_server.rsplit('/', 1)[0]}/{seed % 16}"  # a database of its own on the session's server
+        tiers = build_tiers(page_format, redis_url=redis_url if use_redis else None,
                             disk_cache_dir=str(tmp_path / "disk") if use_disk else None, disk_budget_bytes=1 << 30,
                             tier_key=tier_key, redis_timeout_s=10.0)
         fetcher = PrefixFetcher(page_format, tiers=tiers, peer_client=peers, own_replica_id=replica_id,
@@ -117,9 +119,12 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
             return
         files = sorted(glob.glob(str(tmp_path / "disk" / "**" / "*.arrow"), recursive=True))
         if files:  # bytes flipped on disk: the tier must discard the file and the page be recomputed
-            with open(fault_rng.choice(files), "r+b") as damaged:
-                damaged.seek(fault_rng.randrange(os.path.getsize(damaged.name)))
-                damaged.write(bytes(fault_rng.randrange(256) for _ in range(16)))
+            try:
+                with open(fault_rng.choice(files), "r+b") as damaged:
+                    damaged.seek(fault_rng.randrange(max(1, os.fstat(damaged.fileno()).st_size)))
+                    damaged.write(bytes(fault_rng.randrange(256) for _ in range(16)))
+            except FileNotFoundError:
+                pass  # a reader discarded it (damaged in an earlier burst) meanwhile
 
     async def scenario() -> None:
         for burst in range(NUM_BURSTS):
@@ -130,8 +135,26 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
             for async_engine in peers.engines.values():
                 async_engine.engine.check_integrity()
 
+    async def peer_copy() -> tuple[list[int], dict]:
+        """A prefix none of the traffic used, computed on A, then asked of B with A as the peer hint: B holds none of
+        it, and the peer comes before the shared tiers in B's fetch order, so B must copy it from A."""
+        prefix = random_prompt(3 * 128 + 5, seed=seed * 1000 + 99)
+        async for _ in peers.engines["A"].generate(EngineRequest("peer-a", prefix, SamplingParams(
+                max_tokens=1, temperature=0.0, ignore_eos=True))):
+            pass
+        prompt = prefix + random_prompt(20, seed=seed * 1000 + 98)
+        tokens, last = [], None
+        async for out in peers.engines["B"].generate(EngineRequest("peer-b", prompt, SamplingParams(
+                max_tokens=4, temperature=0.0, ignore_eos=True), peer_hint="A")):
+            tokens.extend(out.new_token_ids)
+            last = out
+        results.append((prompt, 4, tokens, last.cached_tokens.as_dict()))
+        return tokens, last.cached_tokens.as_dict()
+
     try:
         asyncio.run(scenario())
+        _, copied = asyncio.run(peer_copy())
+        assert copied["peer"] == 3 * 128, copied
         for prompt, num_out, tokens, cached in results:
             assert tokens == tiny.generate(prompt, num_out), (len(prompt), num_out, cached)
         reused = {source: sum(cached[source] > 0 for _, _, _, cached in results)

@@ -198,11 +198,19 @@ class PageIndex:
                     cursor.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
             try:
                 yield cursor
+                cursor.execute("COMMIT")
             except BaseException:
-                if self._conn.in_transaction:  # SQLite rolls back itself on some errors (I/O, corruption, full disk)
-                    cursor.execute("ROLLBACK")
+                self._roll_back(cursor)
                 raise
-            cursor.execute("COMMIT")
+
+    def _roll_back(self, cursor: sqlite3.Cursor) -> None:
+        """End a failed transaction, so the next ``BEGIN`` can start; the caller raises the error that failed it."""
+        if not self._conn.in_transaction:  # SQLite rolls back itself on some errors (I/O, corruption, full disk)
+            return
+        try:
+            cursor.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            logger.warning("disk KV tier: rolling back the index failed too: %s", exc)
 
     # ---- the removal log (KV events for outside routers: replica/tiers/events.py) -------------------------------------
     CREATE_REMOVAL_LOG = "CREATE TABLE IF NOT EXISTS removed (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL)"
