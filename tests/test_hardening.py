@@ -320,3 +320,33 @@ def test_a_stream_dropped_before_it_started_leaves_the_in_flight_count():
     del gen
     assert (left, cancelled, aborted) == ([1], [], [])
     loop.close()
+
+
+def test_admin_prefix_routes_need_the_admin_key_when_only_an_admin_key_is_set():
+    """With --admin-api-key and no --api-key, /v1 is open but the admin routes are not (they once checked the client
+    key, which is no check at all without --api-key)."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from cluster import admin_api
+    from cluster.openai_api import OpenAIIngress
+
+    # our class, under Serve's ASGI wrapper; the key checks need only its config
+    ingress = object.__new__(OpenAIIngress.__mro__[1])
+    ingress.config = config(admin_api_key="z")
+
+    def request(method: str, headers: dict[str, str]) -> Request:
+        async def receive():
+            return {"type": "http.request", "body": b'{"prompt": "x"}', "more_body": False}
+
+        scope = {"type": "http", "method": method, "path": "/admin/prefixes", "query_string": b"",
+                 "headers": [(name.encode(), value.encode()) for name, value in headers.items()]}
+        return Request(scope, receive)
+
+    for handler, method in ((admin_api.list_prefixes, "GET"), (admin_api.pin_prefix, "POST"),
+                            (admin_api.unpin_prefix, "POST")):
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            response = asyncio.run(handler(ingress, request(method, headers)))
+            assert response.status_code == 401, (handler.__name__, headers, response.body)
+    ingress._check_api_key(request("POST", {}))  # /v1 stays open in this configuration
