@@ -26,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from cluster.http_io import api_error_response, read_body
 from cluster.output_channels import streaming
 from cluster.protocol import (
     APIError,
@@ -58,7 +59,7 @@ async def list_prefixes(ingress: Any, http_request: Request) -> Response:
         ingress._check_admin_key(http_request)
         results = await ingress.replicas.broadcast("prefix_reports").results_async(timeout_s=ADMIN_TIMEOUT_S)
     except APIError as error:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+        return api_error_response(error)
     reports = [report for result in results for report in result]
     return JSONResponse({"object": "list", "data": merge_reports(reports)})
 
@@ -66,7 +67,7 @@ async def list_prefixes(ingress: Any, http_request: Request) -> Response:
 async def pin_prefix(ingress: Any, http_request: Request) -> Response:
     try:
         ingress._check_admin_key(http_request)
-        spec = parse_request(PrefixSpec, parse_json_body(await _bounded_body(ingress, http_request)))
+        spec = await _read_spec(ingress, http_request)
         info = await ingress._replica_info()
         if not info.enable_prefix_caching:
             raise APIError("prefix caching is off on this server; nothing can be pinned", status=409)
@@ -85,7 +86,7 @@ async def pin_prefix(ingress: Any, http_request: Request) -> Response:
             await _warm(ingress, token_ids[: len(keys) * info.page_size], keys, spec.cache_salt, retention, info)
             warmed = True
     except APIError as error:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+        return api_error_response(error)
     return JSONResponse({"prefix_id": keys[-1].hex()[:32], "num_tokens": len(keys) * info.page_size,
                          "num_pages": len(keys), "priority": retention.priority, "ttl_s": retention.ttl_s,
                          "replicas": results, "warmed": warmed})
@@ -94,7 +95,7 @@ async def pin_prefix(ingress: Any, http_request: Request) -> Response:
 async def unpin_prefix(ingress: Any, http_request: Request) -> Response:
     try:
         ingress._check_admin_key(http_request)
-        spec = parse_request(PrefixSpec, parse_json_body(await _bounded_body(ingress, http_request)))
+        spec = await _read_spec(ingress, http_request)
         prefix_id = spec.prefix_id
         if prefix_id is None:
             info = await ingress._replica_info()
@@ -102,18 +103,17 @@ async def unpin_prefix(ingress: Any, http_request: Request) -> Response:
             prefix_id = _page_keys(token_ids, info, spec.cache_salt)[-1].hex()[:32]
         results = await ingress.replicas.broadcast("unpin_prefix", prefix_id).results_async(timeout_s=ADMIN_TIMEOUT_S)
     except APIError as error:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+        return api_error_response(error)
     if not any(results):
-        return JSONResponse(APIError(f"no retained prefix {prefix_id!r}", status=404, type="not_found_error",
-                                     param="prefix_id").body(), status_code=404)
+        return api_error_response(APIError(f"no retained prefix {prefix_id!r}", status=404, type="not_found_error",
+                                           param="prefix_id"))
     return JSONResponse({"prefix_id": prefix_id, "num_replicas": sum(1 for result in results if result)})
 
 
-async def _bounded_body(ingress: Any, http_request: Request) -> bytes:
-    """The body, read no further than ``--max-request-body-bytes`` (413 beyond), as the /v1 routes read theirs."""
-    from cluster.openai_api import read_body  # here: cluster.openai_api imports this module
-
-    return await read_body(http_request, ingress.config.max_request_body_bytes)
+async def _read_spec(ingress: Any, http_request: Request) -> PrefixSpec:
+    """The body of a pin or unpin, read within ``--max-request-body-bytes`` as the /v1 routes read theirs."""
+    body = await read_body(http_request, ingress.config.max_request_body_bytes)
+    return parse_request(PrefixSpec, parse_json_body(body))
 
 
 def merge_reports(reports: list[PrefixReport]) -> list[dict[str, Any]]:

@@ -59,6 +59,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster import admin_api
 from cluster.config import ServeConfig
 from cluster.hot_prefix import HotPrefixCopier
+from cluster.http_io import api_error_response, read_body
 from cluster.metrics import IngressMetrics
 from cluster.output_channels import OutputChannels, streaming
 from cluster.protocol import (
@@ -133,33 +134,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     return JSONResponse(error_body(f"invalid request: {exc.errors()}"), status_code=400)
 
 
-def api_error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
-
-
 class ReplicaLost(Exception):
     """The replica serving a request went away before the request produced its first output."""
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request body, read no further than ``max_bytes`` (APIError 413 beyond: Content-Length is trusted to refuse
-    early, and the bytes actually read are counted too)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(int(declared), max_bytes)
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(size, max_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(size: int, max_bytes: int) -> APIError:
-    return APIError(f"the request body has more than {max_bytes} bytes ({size} seen); send a shorter prompt",
-                    status=413, code="request_too_large")
 
 
 def prompt_chars(request: Any, kind: Kind) -> tuple[int, str]:
