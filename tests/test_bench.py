@@ -24,7 +24,7 @@ import pytest
 import bench
 from bench import workloads as wl
 from bench.metrics import RequestRecord
-from tests.conftest import port_was_taken
+from tests.conftest import find_free_port, port_was_taken
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -473,12 +473,6 @@ def test_cli_reports_an_unreachable_server_without_a_traceback(capsys):
 # Against a real prefixserve server
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class PortTaken(RuntimeError):
     """The server exited at start-up because its port was taken (by another process, after it was found free)."""
 
@@ -507,7 +501,7 @@ def prefixserve_process(model_dir: Path, caching: bool, timeout_s: float = 240.0
 def _prefixserve_on_a_free_port(model_dir: Path, caching: bool, timeout_s: float) -> Iterator[str]:
     import httpx
 
-    port = free_port()
+    port = find_free_port()
     command = [
         sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--devices", "cpu",
         "--data-parallel-degree", "1", "--kv-cache-page-size", "128", "--kv-cache-memory", "64MiB", "--dtype", "float32",

@@ -11,7 +11,6 @@ The single-feature tests (test_engine_equivalence, test_kv_sources, test_fetch_s
 one checks them interleaved, where the request order and the thread timing differ from run to run."""
 
 import asyncio
-import copy
 import glob
 import os
 import random
@@ -20,25 +19,11 @@ import time
 import pytest
 
 from engine_utils import TinyModel, random_prompt
-from replica.async_engine import AsyncEngine
-from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
 from common.types import EngineRequest, Retention, SamplingParams
-from replica.tiers.seal import TierKey
+from test_kv_sources import LocalPeerClient, make_async_engine
 
 NUM_BURSTS = 14
 MAX_MODEL_LEN = 1024
-
-
-class Peers:
-    """Peer copy between the engines of this process (the Serve transports are tested end to end elsewhere)."""
-
-    def __init__(self) -> None:
-        self.engines: dict[str, AsyncEngine] = {}
-
-    async def fetch(self, peer_id, keys):
-        return await self.engines[peer_id].export_pages(list(keys))
 
 
 # (pages, max running requests, token budget of a step, Redis, disk, write policy): one engine too small for two
@@ -54,20 +39,13 @@ ENGINES = {
 def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, seed, redis_server, tmp_path):
     rng = random.Random(seed)
     tiny = TinyModel(arch, seed=seed)
-    tier_key = TierKey.generate()
-    peers = Peers()
+    peers = LocalPeerClient({})
+    redis_url = f"{redis_server.rsplit('/', 1)[0]}/{seed % 16}"  # a database of its own on the session's server
     for replica_id, (num_pages, max_seqs, budget, use_redis, use_disk, write_policy) in ENGINES.items():
-        engine = LLMEngine(EngineConfig(num_pages=num_pages, replica_id=replica_id, max_num_seqs=max_seqs,
-                                        max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN),
-                           copy.deepcopy(tiny.served))
-        page_format = page_format_of(engine)
-        redis_url = f"{redis_server.rsplit('/', 1)[0]}/{seed % 16}"  # a database of its own on the session's server
-        tiers = build_tiers(page_format, redis_url=redis_url if use_redis else None,
-                            disk_cache_dir=str(tmp_path / "disk") if use_disk else None, disk_budget_bytes=1 << 30,
-                            tier_key=tier_key, redis_timeout_s=10.0)
-        fetcher = PrefixFetcher(page_format, tiers=tiers, peer_client=peers, own_replica_id=replica_id,
-                                write_policy=write_policy)
-        peers.engines[replica_id] = AsyncEngine(engine, fetcher)
+        peers.peers[replica_id] = make_async_engine(
+            tiny, replica_id, redis_url=redis_url if use_redis else None,
+            disk_dir=str(tmp_path / "disk") if use_disk else None, peer_client=peers, write_policy=write_policy,
+            num_pages=num_pages, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN)
 
     prefixes = [random_prompt(rng.randint(1, 520), seed=seed * 1000 + i) for i in range(5)]
     results: list[tuple[list[int], int, list[int], dict]] = []
@@ -95,7 +73,7 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
                                                                      ignore_eos=True), peer_hint=hint,
                                 cache_salt=salt, retention=retention)
         tokens, last = [], None
-        async for out in peers.engines[replica_id].generate(request):
+        async for out in peers.peers[replica_id].generate(request):
             tokens.extend(out.new_token_ids)
             last = out
             if stop_after is not None and len(tokens) >= stop_after:
@@ -115,7 +93,7 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
         nonlocal num_faults
         num_faults += 1
         if fault_rng.random() < 0.5:
-            await peers.engines[fault_rng.choice(sorted(ENGINES))].reset_prefix_cache()
+            await peers.peers[fault_rng.choice(sorted(ENGINES))].reset_prefix_cache()
             return
         files = sorted(glob.glob(str(tmp_path / "disk" / "**" / "*.arrow"), recursive=True))
         if files:  # bytes flipped on disk: the tier must discard the file and the page be recomputed
@@ -132,19 +110,19 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
             if rng.random() < 0.25:
                 jobs.append(fault())
             await asyncio.gather(*jobs)
-            for async_engine in peers.engines.values():
+            for async_engine in peers.peers.values():
                 async_engine.engine.check_integrity()
 
     async def peer_copy() -> tuple[list[int], dict]:
         """A prefix none of the traffic used, computed on A, then asked of B with A as the peer hint: B holds none of
         it, and the peer comes before the shared tiers in B's fetch order, so B must copy it from A."""
         prefix = random_prompt(3 * 128 + 5, seed=seed * 1000 + 99)
-        async for _ in peers.engines["A"].generate(EngineRequest("peer-a", prefix, SamplingParams(
+        async for _ in peers.peers["A"].generate(EngineRequest("peer-a", prefix, SamplingParams(
                 max_tokens=1, temperature=0.0, ignore_eos=True))):
             pass
         prompt = prefix + random_prompt(20, seed=seed * 1000 + 98)
         tokens, last = [], None
-        async for out in peers.engines["B"].generate(EngineRequest("peer-b", prompt, SamplingParams(
+        async for out in peers.peers["B"].generate(EngineRequest("peer-b", prompt, SamplingParams(
                 max_tokens=4, temperature=0.0, ignore_eos=True), peer_hint="A")):
             tokens.extend(out.new_token_ids)
             last = out
@@ -163,9 +141,9 @@ def test_interleaved_sources_eviction_and_cancellation_keep_greedy_tokens(arch, 
         assert num_cancelled > 0 and num_fresh_salts > 0 and num_faults > 0
         # requests a client left are aborted: nothing stays in use once the engines are idle
         deadline = time.monotonic() + 30
-        while any(e.stats().num_pages_in_use for e in peers.engines.values()):
-            assert time.monotonic() < deadline, {r: e.stats() for r, e in peers.engines.items()}
+        while any(e.stats().num_pages_in_use for e in peers.peers.values()):
+            assert time.monotonic() < deadline, {r: e.stats() for r, e in peers.peers.items()}
             time.sleep(0.05)
     finally:
-        for async_engine in peers.engines.values():
+        for async_engine in peers.peers.values():
             async_engine.shutdown()

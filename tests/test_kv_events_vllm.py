@@ -31,6 +31,7 @@ from common.routing_stats import parse_routing_stats
 from common.types import EngineRequest
 from replica.event_log import ReplicaEventLog
 from replica.config import KVEventsConfig
+from tests.conftest import find_free_port
 from replica.kv_event_publisher import (
     NullKVEventPublisher,
     ZmqKVEventPublisher,
@@ -80,7 +81,7 @@ def test_the_flag_reaches_every_replicas_engine_config():
 
 def test_a_taken_endpoint_leaves_the_replica_serving_without_events(tmp_path):
     for _ in range(5):  # a port found free can be taken by another process before the publisher binds it: another
-        config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{_free_port()}")
+        config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{find_free_port()}")
         first = build_publisher(config, page_size=PAGE, rank=0)
         if isinstance(first, ZmqKVEventPublisher):
             break
@@ -92,14 +93,6 @@ def test_a_taken_endpoint_leaves_the_replica_serving_without_events(tmp_path):
         assert isinstance(build_publisher(None, page_size=PAGE), NullKVEventPublisher)
     finally:
         first.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_ports_offset_by_rank_like_vllm_data_parallel_ranks():

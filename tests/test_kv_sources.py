@@ -47,10 +47,13 @@ class LocalPeerClient:
 TIER_KEY = TierKey.generate()  # the "cluster key" every engine of this module shares
 
 
-def make_async_engine(tiny, replica_id, *, redis_url=None, disk_dir=None, peer_client=None, write_policy="all"):
-    """An engine with the given sources. ``write_policy="all"`` (every computed page written) keeps the fault tests
-    independent of the write policy, which ``test_only_reused_pages_are_written`` checks."""
-    engine = LLMEngine(EngineConfig(num_pages=32, replica_id=replica_id), copy.deepcopy(tiny.served))
+def make_async_engine(tiny, replica_id, *, redis_url=None, disk_dir=None, peer_client=None, write_policy="all",
+                      **engine_config):
+    """An engine with the given sources (``engine_config``: EngineConfig fields, 32 pages unless given).
+    ``write_policy="all"`` (every computed page written) keeps the fault tests independent of the write policy, which
+    ``test_only_reused_pages_are_written`` checks."""
+    engine = LLMEngine(EngineConfig(**{"num_pages": 32, **engine_config}, replica_id=replica_id),
+                       copy.deepcopy(tiny.served))
     page_format = page_format_of(engine)
     tiers = build_tiers(page_format, redis_url=redis_url, disk_cache_dir=disk_dir, disk_budget_bytes=1 << 30,
                         tier_key=TIER_KEY, redis_timeout_s=10.0)  # a stalled box is not an outage (a stopped one is)
