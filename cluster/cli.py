@@ -108,6 +108,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     cache.add_argument("--kv-cache-retention-budget", type=float, default=default("kv_cache_retention_budget"),
                        help="fraction of each replica's KV pages that retained prefixes (retention priority + TTL, "
                             "admin pins) may hold at once; the rest stays plain LRU (default 0.5)")
+    cache.add_argument("--kv-cache-protected-fraction", type=float, default=default("kv_cache_protected_fraction"),
+                       help="segmented LRU: cached pages that were reused (hit by a later request, or copied or "
+                            "fetched for one) are evicted after pages never reused, up to this fraction of each "
+                            "replica's KV pages; a flood of one-off prompts then cannot push out shared prefixes "
+                            "(default 0.7; 0: plain LRU)")
     cache.add_argument("--enable-dp-cross-replica-prefix-copy", action=argparse.BooleanOptionalAction, default=None,
                        help="copy cached pages from the replica that holds them instead of recomputing "
                             "(default: on with prefix caching)")

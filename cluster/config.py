@@ -107,6 +107,8 @@ class ServeConfig:
     """No torch.compile / CUDA graphs: the model runs eagerly."""
     kv_cache_retention_budget: float = field_default(EngineConfig, "kv_cache_retention_budget")
     """Fraction of each replica's pages that may hold a retention (priority + TTL) at once."""
+    kv_cache_protected_fraction: float = field_default(EngineConfig, "kv_cache_protected_fraction")
+    """Segmented LRU: the share of each replica's pages that reused pages may keep ahead of pages never reused."""
     host: str = "127.0.0.1"
     port: int = 8000
     direct_ingress: bool = True
@@ -369,6 +371,7 @@ class ServeConfig:
             disk_cache_budget_bytes=int(self.disk_cache_budget),
             kv_tier_key_file=self.kv_tier_key_file,
             kv_cache_retention_budget=float(self.kv_cache_retention_budget),
+            kv_cache_protected_fraction=float(self.kv_cache_protected_fraction),
             kv_events_config=self.kv_events_config,
             route_on_tier_contents=bool(self.route_on_tier_contents),
             peer_copy_stream=bool(self.peer_copy_stream),

@@ -173,6 +173,10 @@ class EngineConfig:
     kv_cache_retention_budget: float = 0.5
     """Fraction of the page pool that may hold a retention (priority + TTL) at once, so that retained prefixes can
     never fill the pool: at least the rest is always plain LRU."""
+    kv_cache_protected_fraction: float = 0.7
+    """Segmented LRU (replica/page_pool.py): cached pages that were reused (a later request hit them, or they were
+    copied or fetched for a request) are evicted only after the pages never reused, up to this fraction of the pool;
+    0 is plain LRU."""
     kv_events_config: KVEventsConfig | None = None
     """Publish KV events in vLLM's schema over ZMQ (replica/kv_event_publisher.py); None: off."""
     route_on_tier_contents: bool = False
@@ -214,6 +218,11 @@ class EngineConfig:
                 0.0 <= self.kv_cache_retention_budget <= 1.0):
             raise ValueError(f"--kv-cache-retention-budget must be a fraction in [0, 1], got "
                              f"{self.kv_cache_retention_budget!r}; try 0.5")
+        if (isinstance(self.kv_cache_protected_fraction, bool)
+                or not isinstance(self.kv_cache_protected_fraction, (int, float))
+                or not 0.0 <= self.kv_cache_protected_fraction <= 1.0):
+            raise ValueError(f"--kv-cache-protected-fraction must be a fraction in [0, 1], got "
+                             f"{self.kv_cache_protected_fraction!r}; try 0.7 (0: plain LRU)")
         if self.disk_cache_budget_bytes <= 0:
             raise ValueError(f"--disk-cache-budget must be positive, got {self.disk_cache_budget_bytes}; try 8GiB")
         if (isinstance(self.redis_timeout_s, bool) or not isinstance(self.redis_timeout_s, (int, float))

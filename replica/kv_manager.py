@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -54,13 +55,20 @@ class CommitResult:
 
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
-                 max_retained_pages: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        """``max_retained_pages``: the retention budget (None: the whole pool). ``clock``: seconds (tests pass a
-        fake one)."""
+                 max_retained_pages: int | None = None, protected_fraction: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``max_retained_pages``: the retention budget (None: the whole pool). ``protected_fraction``: the share of
+        the pool that reused pages may hold in the free queue's protected segment (``PagePool``; 0: plain LRU).
+        ``clock``: seconds (tests pass a fake one)."""
         self.page_size = page_size
         self.clock = clock
-        self.pool = PagePool(num_pages, max_retained_pages=max_retained_pages, clock=clock)
+        self.pool = PagePool(num_pages, max_retained_pages=max_retained_pages, protected_fraction=protected_fraction,
+                             clock=clock)
         self.cache = PrefixCache() if enable_prefix_caching else NullPrefixCache()
+        self._ghosts: OrderedDict[PageKey, None] = OrderedDict()
+        """Keys of the pages evicted last (at most one pool's worth): a page computed again under one of them was
+        needed after it was evicted, so it enters the cache protected (a reuse; the ghost list of 2Q / ARC). Without
+        it a prefix whose uses are further apart than one turnover of the probation queue is never protected."""
         self.exports = ExportIndex()
         """The cached pages as other threads may copy them (peer exports off the engine thread; see export_index)."""
         self.num_evictions = 0
@@ -112,15 +120,17 @@ class KVCacheManager:
         return list(self.cache.key_to_page)
 
     # ---- mutations -----------------------------------------------------------------------------------------------
-    def acquire(self, page_ids: Sequence[int]) -> None:
-        """Pin pages found by ``match_prefix`` (one reference each); a hit restarts a retained page's TTL."""
+    def acquire(self, page_ids: Sequence[int], *, reuse: bool = True) -> None:
+        """Pin pages found by ``match_prefix`` (one reference each); a hit restarts a retained page's TTL. ``reuse``
+        False: pinned only to be read (a peer's export, a copy's own leading pages), which does not protect the
+        pages from eviction (``PagePool``'s segmented LRU)."""
         now = self.clock()
         for page_id in page_ids:
             last_use = self._page_to_last_use.get(page_id)
             if last_use is not None:
                 self.metrics.reuse_gap.observe(now - last_use)
                 self._page_to_last_use[page_id] = now
-            self.pool.acquire(page_id)
+            self.pool.acquire(page_id, reuse=reuse)
             self._note_tier_retention(page_id)
 
     def allocate(self, num_pages: int) -> list[int]:
@@ -132,6 +142,7 @@ class KVCacheManager:
             if key is not None:
                 self.exports.withdraw(key)
                 evicted.append(key)
+                self._remember_evicted(key)
                 self._proactive_keys.discard(key)
                 self._key_to_tier_retention.pop(key, None)
                 self._observe_eviction(taken.page_id, "ttl" if taken.expired else "capacity", taken.priority)
@@ -140,6 +151,10 @@ class KVCacheManager:
             self._emit(PagesRemoved, tuple(evicted))
         self.exports.wait_unpinned(page_ids)  # a peer export still copying one of them finishes first
         return page_ids
+
+    def mark_reused(self, page_id: int) -> None:
+        """The page was filled from a peer or a shared tier for a request: protected like a hit (``PagePool``)."""
+        self.pool.mark_reused(page_id)
 
     def release(self, page_ids: Sequence[int]) -> None:
         """Drop one reference on each page, last page first, so that a request's deepest pages are reused before its
@@ -294,8 +309,17 @@ class KVCacheManager:
         if pin is not None:
             self.pool.retain(page_id, *pin)
             self._note_tier_retention(page_id)
+        if key in self._ghosts:  # evicted, then needed again
+            del self._ghosts[key]
+            self.pool.mark_reused(page_id)
         self._emit(PagesStored, (key,), (StoredPageInfo(parent_key, token_ids, salted),))
         return CommitResult(page_id, False, newly_cached=True)
+
+    def _remember_evicted(self, key: PageKey) -> None:
+        ghosts = self._ghosts
+        ghosts[key] = None
+        if len(ghosts) > self.pool.num_pages:
+            ghosts.popitem(last=False)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached page that no request holds. Returns False (and changes nothing) while any page is in
@@ -310,6 +334,7 @@ class KVCacheManager:
         self.cache.clear()
         self.exports.clear()
         self._proactive_keys.clear()
+        self._ghosts.clear()
         self._emit_cleared()
         return True
 

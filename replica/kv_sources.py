@@ -149,19 +149,26 @@ class PrefixFetcher:
         return self._account(stats, pages, started)
 
     async def _fetch_from_tier(self, tier: KVTier, keys, token_ids_per_page) -> list[PageRecord]:
+        """The tier's leading pages of ``keys``; never raises (a timeout or an error is a miss: recompute). One failed
+        attempt counts one error, whether the tier reported it (its counter moved during the load; loads that overlap
+        may see each other's) or the load raised or timed out."""
         stats = self.source_to_stats[tier.source]
         started = time.perf_counter()
         errors_before = tier.stats().errors
-        timed_out = False
+        failed = False
         try:  # no separate ``lookup``: a load stops at the first miss, and one round trip fewer is what matters here
             load = asyncio.get_running_loop().run_in_executor(self._load_executor, tier.load, keys, token_ids_per_page)
             tensors = await asyncio.wait_for(load, self.tier_timeout_s)
         except asyncio.TimeoutError:
-            timed_out = True
+            failed = True
             logger.warning("the %s tier did not answer within %.1f s; recomputing", tier.name, self.tier_timeout_s)
             return []
+        except Exception as exc:  # noqa: BLE001 - a tier failure means "recompute", never a failed request
+            failed = True
+            logger.warning("loading from the %s tier failed (%s: %s); recomputing", tier.name, type(exc).__name__, exc)
+            return []
         finally:
-            stats.errors += tier.stats().errors - errors_before + timed_out
+            stats.errors += int(failed or tier.stats().errors > errors_before)
         pages = [PageRecord(key, tuple(tokens), kv, tier.source)
                  for key, tokens, kv in zip(keys, token_ids_per_page, tensors)]
         return self._account(stats, pages, started)

@@ -76,22 +76,41 @@ def kv_geometry(config) -> KVGeometry:
     return KVGeometry(text_config.num_hidden_layers, num_kv_heads, head_dim)
 
 
+FINGERPRINT_RUN = 1024
+"""Elements per sampled run of a large parameter (``compute_model_fingerprint``)."""
+FINGERPRINT_RUNS = 1024
+"""Runs sampled from a parameter of more than ``FINGERPRINT_RUN * FINGERPRINT_RUNS`` elements."""
+
+
 def compute_model_fingerprint(model: torch.nn.Module, kv_dtype: torch.dtype) -> str:
-    """A stable identity of the weights and KV format: config, parameter names/shapes, the embedding and last
-    parameter bytes, and the KV dtype. Equal on every replica and machine that loads the same checkpoint."""
+    """A stable identity of the weights and KV format: the config, every parameter's name, shape, dtype and bytes,
+    and the KV dtype. Equal on every replica and machine that loads the same checkpoint; different for a fine-tune or
+    a merged adapter even when it leaves the embeddings and the head alone (their KV must never be shared). A
+    parameter of up to ~1M elements is hashed whole; a larger one by 1024 evenly spaced runs of 1024 elements (~1M,
+    a few ms per tensor), which any dense change of the matrix reaches."""
     digest = hashlib.blake2b(digest_size=16)
     config = model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
                      "_attn_implementation_autoset", "attn_implementation"):
         config.pop(volatile, None)
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    params = list(model.named_parameters())
-    for name, param in params:
-        digest.update(f"{name}:{tuple(param.shape)};".encode())
-    for _, param in (params[0], params[-1]):
-        digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+        digest.update(_fingerprint_sample(param.detach()))
     digest.update(str(kv_dtype).encode())
     return digest.hexdigest()
+
+
+def _fingerprint_sample(param: torch.Tensor) -> bytes:
+    """The bytes ``compute_model_fingerprint`` hashes of one parameter (integer offsets: the same on every machine)."""
+    flat = param.reshape(-1)
+    count = flat.numel()
+    if count > FINGERPRINT_RUN * FINGERPRINT_RUNS:
+        last = count - FINGERPRINT_RUN
+        starts = torch.tensor([index * last // (FINGERPRINT_RUNS - 1) for index in range(FINGERPRINT_RUNS)],
+                              device=flat.device)
+        flat = flat[(starts[:, None] + torch.arange(FINGERPRINT_RUN, device=flat.device)).reshape(-1)]
+    return flat.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
 def _linear_path(compact: CompactCausalLM | None) -> str:

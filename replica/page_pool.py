@@ -3,15 +3,24 @@
 Eviction order: the free queue holds every page with reference count 0. ``allocate`` takes pages
 
 1. that hold nothing worth keeping (never filled, or not in the prefix cache), most recently released first;
-2. then cached pages by retention priority, lowest first (0 = plain LRU, what every page has unless a request or an
-   admin pin retains it), and within one priority least recently released first.
+2. then plain cached pages (priority 0) that were never reused, least recently released first (probation);
+3. then plain cached pages that were reused at least once (protected: a later request hit them, they were copied or
+   fetched for a request, or the KV manager saw them computed again after their eviction), least recently released
+   first;
+4. then retained pages by retention priority, lowest first, and within one priority least recently released first.
+
+Steps 2 and 3 are a segmented LRU: a page enters the cache on probation and is protected once it is reused, so a
+flood of prompts seen once (or each request's own question and answer pages) is evicted before the prefixes that
+requests share, instead of pushing them out. At most ``protected_fraction`` of the pool sits in the protected
+queue; past that its least recently released page goes back to the tail of probation (and must be reused again to
+be protected). ``protected_fraction`` 0 is plain LRU.
 
 So a page whose retention has not expired is never evicted while a page of lower priority is free. A retained page
 whose TTL passes without a hit drops to priority 0 at the head of that level (it is the first cached page to go; its
 eviction is counted with reason "ttl"). A prefix-cache hit takes a page out of the middle of the queue in O(1)
 (``acquire``) and restarts its TTL.
 
-    free queue:  head -> [ 7 (no key) | 3 (p0, old) | 5 (p0) | 1 (p0, newest) | 4 (p50) | 2 (p100) ] <- tail
+    free queue:  head -> [ 7 (no key) | 3 (p0, old) | 5 (p0) | 1 (p0, reused) | 4 (p50) | 2 (p100) ] <- tail
                  allocate(2) returns [7, 3]; page 2 goes last
 
 Retention is soft: a retained page is still a free page (it counts in ``num_free``), so pins can never starve a running
@@ -61,17 +70,27 @@ class TakenPage:
 class PagePool:
     """Page ids 0..num_pages-1 with reference counts, retention and a free queue (see the module docstring)."""
 
-    def __init__(self, num_pages: int, *, max_retained_pages: int | None = None,
+    def __init__(self, num_pages: int, *, max_retained_pages: int | None = None, protected_fraction: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if num_pages < 1:
             raise ValueError(f"a page pool needs at least one page, got {num_pages}")
+        if not 0.0 <= protected_fraction <= 1.0:
+            raise ValueError(f"protected_fraction must be within [0, 1], got {protected_fraction!r}")
         self.num_pages = num_pages
+        self.max_protected_pages = int(num_pages * protected_fraction)
         self.max_retained_pages = num_pages if max_retained_pages is None else max_retained_pages
         self.clock = clock
         self.refcounts = [0] * num_pages
         self._unkept: OrderedDict[int, None] = OrderedDict((page_id, None) for page_id in range(num_pages))
         self._levels: dict[int, OrderedDict[int, None]] = {}
-        """Free cached pages by effective priority; each an LRU queue (head = released longest ago)."""
+        """Free cached pages by effective priority; each an LRU queue (head = released longest ago). Level 0 holds the
+        plain pages on probation."""
+        self._protected: OrderedDict[int, None] = OrderedDict()
+        """Free plain cached pages that were reused (between level 0 and the retained levels in eviction order)."""
+        self.reused = [False] * num_pages
+        """The page's cached contents were reused since it was filled (``acquire`` with ``reuse``, ``mark_reused``)."""
+        self.num_protected_demoted = 0
+        """Protected pages sent back to probation because the protected queue was full."""
         self._page_to_retention: dict[int, PageRetention] = {}
         self._expiry_heap: list[tuple[float, int]] = []
         self._page_to_expired_priority: dict[int, int] = {}
@@ -84,7 +103,7 @@ class PagePool:
     @property
     def num_free(self) -> int:
         """Pages with reference count 0 (including cached and retained ones that may still be hit)."""
-        return len(self._unkept) + sum(len(level) for level in self._levels.values())
+        return len(self._unkept) + len(self._protected) + sum(len(level) for level in self._levels.values())
 
     @property
     def num_retained(self) -> int:
@@ -116,8 +135,8 @@ class PagePool:
         """Page ids from head (reused first) to tail (reused last); for tests and debugging."""
         self.expire()
         order = list(self._unkept)
-        for priority in sorted(self._levels):
-            order.extend(self._levels[priority])
+        for queue in self._cached_queues():
+            order.extend(queue)
         return order
 
     # ---- references ----------------------------------------------------------------------------------------------
@@ -132,6 +151,9 @@ class PagePool:
             if self._unkept:
                 page_id, _ = self._unkept.popitem(last=False)
                 taken.append(TakenPage(page_id, 0, False))
+            elif 0 not in self._levels and self._protected:
+                page_id, _ = self._protected.popitem(last=False)
+                taken.append(TakenPage(page_id, 0, False))
             else:
                 priority = min(self._levels)
                 level = self._levels[priority]
@@ -143,15 +165,19 @@ class PagePool:
                 taken.append(TakenPage(page_id, priority if expired_priority is None else expired_priority,
                                        expired_priority is not None))
             self.refcounts[page_id] = 1
+            self.reused[page_id] = False
         self.last_taken = taken
         return [page.page_id for page in taken]
 
-    def acquire(self, page_id: int) -> None:
-        """Add a reference (a prefix hit): a free page leaves the free queue; a retention's TTL restarts."""
+    def acquire(self, page_id: int, *, reuse: bool = True) -> None:
+        """Add a reference (a prefix hit): a free page leaves the free queue; a retention's TTL restarts. ``reuse``
+        (a request reuses the contents; not a peer's export reading them): the page is protected when released."""
         self.expire()
         if self.refcounts[page_id] == 0:
             self._remove_free(page_id)
         self.refcounts[page_id] += 1
+        if reuse:
+            self.reused[page_id] = True
         retention = self._page_to_retention.get(page_id)
         if retention is not None and retention.ttl_s is not None:
             self._set_expiry(page_id, retention, self.clock() + retention.ttl_s)
@@ -169,10 +195,16 @@ class PagePool:
         if not keep_contents:
             self._page_to_retention.pop(page_id, None)
             self._page_to_expired_priority.pop(page_id, None)
+            self.reused[page_id] = False
             self._unkept[page_id] = None
             self._unkept.move_to_end(page_id, last=False)
             return
-        self._level(self.priority_of(page_id))[page_id] = None
+        self._queue_free(page_id, self.priority_of(page_id))
+
+    def mark_reused(self, page_id: int) -> None:
+        """The page's contents were brought for a request (copied from a peer, fetched from a tier): protect it like
+        a hit (it takes effect when the page is next released)."""
+        self.reused[page_id] = True
 
     # ---- retention -----------------------------------------------------------------------------------------------
     def retain(self, page_id: int, priority: int, ttl_s: float | None) -> bool:
@@ -241,9 +273,32 @@ class PagePool:
             level = self._levels[priority] = OrderedDict()
         return level
 
+    def _cached_queues(self) -> list[OrderedDict[int, None]]:
+        """The free queues of cached pages in eviction order: probation (level 0), protected, retained levels."""
+        queues = [self._levels[0]] if 0 in self._levels else []
+        queues.append(self._protected)
+        queues.extend(self._levels[priority] for priority in sorted(self._levels) if priority > 0)
+        return queues
+
+    def _queue_free(self, page_id: int, priority: int) -> None:
+        """A free cached page joins the tail of its queue: its priority level, or the protected queue for a reused
+        plain page while the protected queue has room (when it is full, its head goes back to probation)."""
+        if priority > 0 or not self.reused[page_id] or self.max_protected_pages == 0:
+            self._level(priority)[page_id] = None
+            return
+        self._protected[page_id] = None
+        while len(self._protected) > self.max_protected_pages:
+            demoted, _ = self._protected.popitem(last=False)
+            self.reused[demoted] = False
+            self._level(0)[demoted] = None
+            self.num_protected_demoted += 1
+
     def _remove_free(self, page_id: int) -> None:
         if page_id in self._unkept:
             del self._unkept[page_id]
+            return
+        if page_id in self._protected:
+            del self._protected[page_id]
             return
         self._page_to_expired_priority.pop(page_id, None)
         for priority, level in self._levels.items():
@@ -255,12 +310,15 @@ class PagePool:
         raise AssertionError(f"free page {page_id} is in no queue")
 
     def _move_free(self, page_id: int, new_priority: int, *, to_head: bool = False) -> None:
-        """A free cached page changes priority level (tail of the new level, or head with ``to_head``)."""
+        """A free cached page changes priority level (tail of the new level, or head with ``to_head``: an expired
+        retention, the first cached page to go)."""
         self._remove_free(page_id)
-        target = self._level(new_priority)
-        target[page_id] = None
         if to_head:
+            target = self._level(new_priority)
+            target[page_id] = None
             target.move_to_end(page_id, last=False)
+        else:
+            self._queue_free(page_id, new_priority)
 
     def _set_expiry(self, page_id: int, retention: PageRetention, expires_at: float) -> None:
         retention.expires_at = expires_at
@@ -282,7 +340,8 @@ class PagePool:
             raise AssertionError("negative reference count")
         self.expire()
         zero = {page_id for page_id, count in enumerate(self.refcounts) if count == 0}
-        queued = list(self._unkept) + [page_id for level in self._levels.values() for page_id in level]
+        queued = list(self._unkept) + list(self._protected) + [page_id for level in self._levels.values()
+                                                               for page_id in level]
         if len(queued) != len(set(queued)) or zero != set(queued):
             raise AssertionError(f"free queue {sorted(queued)} differs from pages with refcount 0 {sorted(zero)}")
         for priority, level in self._levels.items():
@@ -290,6 +349,11 @@ class PagePool:
                 retention = self._page_to_retention.get(page_id)
                 if (retention.priority if retention is not None else 0) != priority:
                     raise AssertionError(f"free page {page_id} queued at priority {priority}")
+        for page_id in self._protected:
+            if not self.reused[page_id] or page_id in self._page_to_retention:
+                raise AssertionError(f"protected page {page_id} is not a reused plain page")
+        if len(self._protected) > self.max_protected_pages:
+            raise AssertionError("more protected pages than the protected queue holds")
         if len(self._page_to_retention) > self.max_retained_pages:
             raise AssertionError("more retained pages than the budget")
 

@@ -380,3 +380,61 @@ def test_requests_bound_to_an_output_channel_stream_their_outputs_as_one_message
     assert not any(out.via_channel for out in elsewhere) and elsewhere[-1].finished
     stats = engine.stats()
     assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_pages_in_use == 0
+
+
+def test_a_fine_tune_that_keeps_the_embeddings_and_head_has_its_own_fingerprint():
+    """A merged adapter or a fine-tune with frozen embeddings and head changes only weights in between: its KV must
+    never be shared with the base model's (the fingerprint is in every page key and tier header)."""
+    import copy
+
+    from replica.model_runner import compute_model_fingerprint
+
+    base = TinyModel("llama", seed=5).served
+    tuned = copy.deepcopy(base)
+    with torch.no_grad():
+        tuned.model.layers[0].self_attn.v_proj.weight.add_(0.5)
+    same = copy.deepcopy(base)
+    assert compute_model_fingerprint(base, torch.float32) == compute_model_fingerprint(same, torch.float32)
+    assert compute_model_fingerprint(base, torch.float32) != compute_model_fingerprint(tuned, torch.float32)
+    assert compute_model_fingerprint(base, torch.float32) != compute_model_fingerprint(base, torch.bfloat16)
+    # a parameter large enough to be sampled still changes the fingerprint when a dense update changes it
+    big = torch.nn.Linear(2048, 1024, bias=False)
+    base.model.layers[0].mlp.register_parameter("extra", big.weight)
+    before = compute_model_fingerprint(base, torch.float32)
+    with torch.no_grad():
+        big.weight.mul_(1.01)
+    assert compute_model_fingerprint(base, torch.float32) != before
+
+
+def test_page_keys_from_the_ingress_are_never_trusted(tiny):
+    """A request whose page keys belong to another prompt (a stale or buggy ingress; page 0 shared, so the first key
+    matches) must neither read nor cache KV under them: the engine computes its own keys."""
+    engine = tiny.engine(num_pages=16)
+    head = random_prompt(128, seed=1)
+    p1 = head + random_prompt(2 * 128 + 5, seed=2)
+    p2 = head + random_prompt(2 * 128 + 5, seed=3)
+    engine.add_request(EngineRequest("x", p1, greedy(4), page_keys=engine.page_keys(p2)))
+    while engine.has_work():
+        engine.step()
+    tokens, finals = run_to_completion(engine, {"y": p2}, 4)
+    assert finals["y"].cached_tokens.total == 128  # only the shared first page
+    assert tokens["y"] == tiny.generate(p2, 4)
+
+
+def test_a_flood_of_one_off_prompts_does_not_evict_a_reused_prefix(tiny):
+    """The segmented LRU (replica/page_pool.py): a system prompt that requests reused stays cached through a flood
+    of prompts seen once that turns the pool over; with plain LRU (fraction 0) the flood evicts it."""
+    system = random_prompt(3 * 128, seed=40)
+    kept = {}
+    for fraction in (0.7, 0.0):
+        engine = tiny.engine(num_pages=12, kv_cache_protected_fraction=fraction)
+        run_to_completion(engine, {"first": system + random_prompt(20, seed=41)}, 2)
+        run_to_completion(engine, {"second": system + random_prompt(20, seed=42)}, 2)  # a reuse: protected
+        for index in range(6):  # 6 one-off prompts of 3 full pages each: 18 pages through a 12-page pool
+            run_to_completion(engine, {f"flood{index}": random_prompt(3 * 128 + 20, seed=50 + index)}, 2)
+        prompt = system + random_prompt(20, seed=43)
+        tokens, finals = run_to_completion(engine, {"later": prompt}, 2)
+        assert tokens["later"] == tiny.generate(prompt, 2)
+        kept[fraction] = finals["later"].cached_tokens.total
+        engine.check_integrity()
+    assert kept == {0.7: 3 * 128, 0.0: 0}

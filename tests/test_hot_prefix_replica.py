@@ -115,3 +115,42 @@ def test_hostile_prefetch_input_is_bounded(tiny):
     finally:
         holder.shutdown()
         target.shutdown()
+
+
+def test_an_import_that_fails_part_way_leaks_no_page(tiny):
+    """A device error while writing the second page of a proactive copy: the copy fails, and every page it had
+    allocated goes back (before, they stayed referenced forever: pool capacity lost for good)."""
+    import pytest
+
+    holder, target = engines(tiny, with_peer=False)
+    first, _ = prompts()
+
+    async def scenario():
+        await ask(holder, first, "r1")
+
+    try:
+        asyncio.run(scenario())
+        engine = target.engine
+        keys = holder.engine.page_keys(first)
+        pages = holder.engine.export_pages(keys)
+        assert len(pages) == 3
+        calls = []
+        write = engine.runner.write_page
+
+        def failing_write(page_id, kv):
+            calls.append(page_id)
+            if len(calls) == 2:
+                raise RuntimeError("device error")
+            write(page_id, kv)
+
+        engine.runner.write_page = failing_write
+        with pytest.raises(RuntimeError, match="device error"):
+            engine.import_prefix(keys, 0, pages)
+        engine.runner.write_page = write
+        assert engine.kv.num_free_pages == engine.kv.num_pages
+        assert engine.kv.match_prefix(keys) == engine.kv.match_prefix(keys[:1])  # the first page was imported
+        engine.check_integrity()
+        assert engine.import_prefix(keys, 0, pages) == (2, 1)  # and the copy works again
+    finally:
+        holder.shutdown()
+        target.shutdown()

@@ -372,3 +372,63 @@ def test_pages_copied_from_a_peer_are_written_after_the_first_token(tiny, prompt
     finally:
         holder.shutdown()
         copier.shutdown()
+
+
+def test_a_tier_load_that_raises_is_a_counted_miss_and_keeps_the_fetch_going():
+    """A tier whose load raises (a bug, or its executor shut down) is a miss like any other fault: ``fetch`` does not
+    raise, and counts one error per failed attempt, also when two loads overlap."""
+    import threading
+
+    from common.page_format import PageFormat
+    from common.types import TierStats
+    from replica.tiers.base import KVTier
+
+    fmt = PageFormat(model_fingerprint="fp", dtype="float32", page_size=128, num_layers=1, num_kv_heads=1,
+                             head_dim=4)
+
+    class FaultyTier(KVTier):
+        source = CacheSource.DISK
+        available = True
+        page_format = fmt
+
+        def __init__(self, raise_error: bool):
+            self.raise_error = raise_error
+            self.errors = 0
+            self.barrier = threading.Barrier(2)
+
+        def lookup(self, keys):
+            return 0
+
+        def load(self, keys, token_ids_per_page):
+            if self.raise_error:
+                raise RuntimeError("tier bug")
+            self.barrier.wait()  # two loads under way; each meets one error of its own
+            self.errors += 1
+            self.barrier.wait()
+            return []
+
+        def store(self, pages):
+            return 0
+
+        def flush(self, timeout=None):
+            return True
+
+        def close(self, timeout=5.0):
+            pass
+
+        def stats(self):
+            return TierStats(errors=self.errors)
+
+    keys, tokens = [b"k" * 32], [list(range(128))]
+
+    async def fetch_twice(fetcher):
+        return await asyncio.gather(fetcher.fetch(keys, tokens), fetcher.fetch(keys, tokens))
+
+    raising = PrefixFetcher(fmt, tiers=[FaultyTier(raise_error=True)])
+    assert asyncio.run(fetch_twice(raising)) == [[], []]
+    assert raising.source_to_stats[CacheSource.DISK].errors == 2
+    overlapping = PrefixFetcher(fmt, tiers=[FaultyTier(raise_error=False)])
+    assert asyncio.run(fetch_twice(overlapping)) == [[], []]
+    assert overlapping.source_to_stats[CacheSource.DISK].errors == 2  # not 4: each attempt counts once
+    raising.close()
+    overlapping.close()

@@ -160,3 +160,119 @@ def test_reset_prefix_cache_only_when_idle():
     assert kv.match_prefix([key]) == []
     assert kv.drain_events()[-1] == AllPagesCleared(seq=2)
     kv.check_integrity()
+
+
+# ---- segmented LRU: pages reused at least once are evicted after pages never reused --------------------------------
+def filled_pool(num_pages, protected_fraction, clock=None):
+    """A pool whose pages all hold cached contents and were released in id order (page 0 released first)."""
+    pool = PagePool(num_pages, protected_fraction=protected_fraction, **({"clock": clock} if clock else {}))
+    pool.allocate(num_pages)
+    for page_id in range(num_pages):
+        pool.release(page_id, keep_contents=True)
+    return pool
+
+
+def hit(pool, *page_ids, reuse=True):
+    for page_id in page_ids:
+        pool.acquire(page_id, reuse=reuse)
+    for page_id in page_ids:
+        pool.release(page_id, keep_contents=True)
+
+
+def test_reused_pages_are_evicted_after_pages_never_reused():
+    pool = filled_pool(6, 0.5)
+    hit(pool, 0, 1)  # a later request reused pages 0 and 1 (the oldest)
+    assert pool.free_queue_order() == [2, 3, 4, 5, 0, 1]
+    assert pool.allocate(4) == [2, 3, 4, 5]
+    assert pool.allocate(1) == [0]  # only then the protected pages, least recently released first
+    pool.check_integrity()
+    # plain LRU (fraction 0): the same history evicts the reused pages in release order
+    lru = filled_pool(6, 0.0)
+    hit(lru, 0, 1)
+    assert lru.free_queue_order() == [2, 3, 4, 5, 0, 1]
+    hit(lru, 2)
+    assert lru.free_queue_order() == [3, 4, 5, 0, 1, 2]
+    segmented = filled_pool(6, 0.5)
+    hit(segmented, 0, 1)
+    hit(segmented, 2)
+    assert segmented.free_queue_order() == [3, 4, 5, 0, 1, 2]
+    hit(segmented, 5, reuse=False)  # a peer's export reads page 5: it stays on probation, at its tail
+    assert segmented.free_queue_order() == [3, 4, 5, 0, 1, 2]
+    lru.check_integrity()
+    segmented.check_integrity()
+
+
+def test_protected_queue_is_bounded_and_sends_its_oldest_back_to_probation():
+    pool = filled_pool(8, 0.25)  # at most 2 protected pages
+    hit(pool, 0)
+    hit(pool, 1)
+    hit(pool, 2)  # the third reused page pushes page 0, the oldest protected, back to the tail of probation
+    assert pool.free_queue_order() == [3, 4, 5, 6, 7, 0, 1, 2]
+    assert pool.num_protected_demoted == 1 and pool.reused[0] is False
+    assert pool.allocate(6) == [3, 4, 5, 6, 7, 0]
+    pool.check_integrity()
+    # page 0 must be reused again to be protected again
+    pool.release(0, keep_contents=True)
+    assert pool.free_queue_order() == [0, 1, 2]
+
+
+def test_fresh_and_dropped_contents_forget_reuse_and_mark_reused_protects():
+    pool = filled_pool(4, 1.0)
+    hit(pool, 0)
+    assert pool.allocate(4) == [1, 2, 3, 0]  # page 0 refilled: no longer reused
+    for page_id in range(4):
+        pool.release(page_id, keep_contents=True)
+    assert pool.free_queue_order() == [0, 1, 2, 3]
+    pool.allocate(4)
+    pool.mark_reused(2)  # filled from a peer or a tier for a request
+    pool.acquire(1)
+    pool.release(1, keep_contents=True)
+    pool.release(1, keep_contents=False)  # dropped contents: head of everything, reuse forgotten
+    for page_id in (0, 2, 3):
+        pool.release(page_id, keep_contents=True)
+    assert pool.free_queue_order() == [1, 0, 3, 2]
+    assert pool.reused == [False, False, True, False]
+    pool.check_integrity()
+
+
+def test_segmented_lru_with_retention_and_ttl():
+    now = [0.0]
+    pool = filled_pool(6, 0.5, clock=lambda: now[0])
+    hit(pool, 1)
+    assert pool.retain(3, 50, ttl_s=10.0)
+    assert pool.free_queue_order() == [0, 2, 4, 5, 1, 3]  # probation, protected, retained
+    assert pool.retain(1, 60, ttl_s=5.0)  # a protected page retained moves to its level
+    assert pool.free_queue_order() == [0, 2, 4, 5, 3, 1]
+    now[0] = 6.0  # page 1's TTL passes: it is the first cached page to go (reason "ttl")
+    assert pool.free_queue_order() == [1, 0, 2, 4, 5, 3]
+    assert pool.unretain(3)  # a never-reused retained page goes to the tail of probation
+    assert pool.free_queue_order() == [1, 0, 2, 4, 5, 3]
+    hit(pool, 4)
+    assert pool.retain(4, 10, ttl_s=None) and pool.unretain(4)  # a reused one back to the protected tail
+    assert pool.free_queue_order() == [1, 0, 2, 5, 3, 4]
+    pool.check_integrity()
+
+
+def test_protected_fraction_is_checked():
+    with pytest.raises(ValueError, match="protected_fraction"):
+        PagePool(4, protected_fraction=1.5)
+
+
+def test_manager_protects_hits_and_imports_not_exports():
+    kv = KVCacheManager(num_pages=6, page_size=128, protected_fraction=0.5)
+    tokens = list(range(128 * 3))
+    keys = keys_for(tokens)
+    pages = kv.allocate(3)
+    for index, page_id in enumerate(pages):
+        kv.commit_page(page_id, keys[index], tokens[index * 128:(index + 1) * 128])
+    kv.mark_reused(pages[2])  # as an import of a fetched page does
+    kv.release(pages)
+    hit_ids = kv.match_prefix(keys[:1])
+    kv.acquire(hit_ids)  # a request's hit on page 0
+    kv.release(hit_ids)
+    export_ids = kv.match_prefix(keys[:2])
+    kv.acquire(export_ids, reuse=False)  # a peer's export of pages 0 and 1
+    kv.release(export_ids)
+    assert kv.pool.free_queue_order() == [3, 4, 5, 1, 2, 0]
+    assert kv.allocate(4) == [3, 4, 5, 1]
+    kv.check_integrity([[3, 4, 5, 1]])

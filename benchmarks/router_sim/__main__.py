@@ -12,7 +12,7 @@ from pathlib import Path
 
 from benchmarks.router_sim.costs import COST_MODELS, CostModel
 from benchmarks.router_sim.routers import ROUTERS
-from benchmarks.router_sim.sim import simulate
+from benchmarks.router_sim.sim import EVICTIONS, simulate
 from benchmarks.router_sim.workloads import WORKLOADS
 
 OURS = "prefixserve"
@@ -39,7 +39,8 @@ def compare(args: argparse.Namespace) -> int:
         for dp in [int(d) for d in args.dp.split(",")]:
             for router, seed in ((router, seed) for router in args.routers.split(",") for seed in seeds):
                 result = simulate(workload, router, dp, seed=seed, scale=args.scale, cost=cost,
-                                  host_tier_pages=args.host_tier_pages, pool_fraction=args.pool_fraction)
+                                  host_tier_pages=args.host_tier_pages, pool_fraction=args.pool_fraction,
+                                  eviction=args.eviction)
                 rows.append({**result.row(), "seed": seed})
                 print(f"{workload:12s} dp={dp:<3d} {router:22s} seed {seed} hit {result.hit_rate:.3f} (ideal "
                       f"{result.ideal_hit_rate:.3f}) ttft p50 {result.ttft_p50_s:6.2f} p99 {result.ttft_p99_s:6.2f} s "
@@ -62,7 +63,8 @@ def render(rows: list, args: argparse.Namespace, cost: CostModel, wall_s: float)
         f"--routers {args.routers} --scale {args.scale} "
         f"{f'--seeds {args.seeds}' if args.seeds else f'--seed {args.seed}'} --cost-model {args.cost_model}"
         f"{f' --host-tier-pages {args.host_tier_pages}' if args.host_tier_pages else ''}"
-        f"{f' --pool-fraction {args.pool_fraction}' if args.pool_fraction != 1.0 else ''}`",
+        f"{f' --pool-fraction {args.pool_fraction}' if args.pool_fraction != 1.0 else ''}"
+        f"{f' --eviction {args.eviction}' if args.eviction != 'own' else ''}`",
         f"Machine: {cpu_model()}; Python {platform.python_version()}; {wall_s:.0f} s in all.",
         f"Cost model (benchmarks/router_sim/costs.py): {cost}",
         "",
@@ -180,6 +182,9 @@ def main(argv: list | None = None) -> int:
                      help="a host tier of that many pages shared by the replicas (0: none)")
     one.add_argument("--pool-fraction", type=float, default=1.0,
                      help="scale each replica's page pool (below 1: the prefixes no longer fit)")
+    one.add_argument("--eviction", default="own", choices=EVICTIONS,
+                     help="replicas' eviction: own (ours segmented LRU, baselines LRU, as their engines), or one policy "
+                          "for every router")
     one.add_argument("--out", default="", help="write OUT.md and OUT.json")
     one.set_defaults(func=compare)
     two = sub.add_parser("scale", help="decision cost, index memory and event rate at 64 replicas / 1M pages")

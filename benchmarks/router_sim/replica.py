@@ -46,7 +46,10 @@ class _Running:
 
 
 class SimReplica:
-    def __init__(self, number: int, replica_id: str, num_pages: int, cost: CostModel) -> None:
+    def __init__(self, number: int, replica_id: str, num_pages: int, cost: CostModel, *,
+                 protected_fraction: float = 0.0) -> None:
+        """``protected_fraction``: the engine's segmented LRU (replica/page_pool.py, ``--kv-cache-protected-fraction``):
+        cached pages that were reused are evicted after those never reused, up to that share of the pages; 0: LRU."""
         self.number = number
         self.replica_id = replica_id
         self.num_pages = num_pages
@@ -55,6 +58,13 @@ class SimReplica:
         self.running: list = []
         self.key_to_refs: dict = {}
         self.lru: OrderedDict = OrderedDict()
+        """Free cached pages never reused (probation), head = released longest ago: evicted first."""
+        self.protected: OrderedDict = OrderedDict()
+        """Free cached pages that were reused (a local hit, or copied / fetched for a request): evicted after ``lru``."""
+        self.reused: set = set()
+        self.max_protected = int(num_pages * protected_fraction)
+        self.ghosts: OrderedDict = OrderedDict()
+        """Keys of the pages evicted last (one pool's worth): computed again, a page enters protected (KVCacheManager)."""
         self.num_private = 0
         self.computing: set = set()
         self.pending_events: list = []
@@ -99,7 +109,7 @@ class SimReplica:
     @property
     def num_not_in_use(self) -> int:
         """Free pages as the real engine reports them: empty pages plus cached pages no request holds."""
-        return self.num_pages - self.num_private - (len(self.key_to_refs) - len(self.lru))
+        return self.num_pages - self.num_private - (len(self.key_to_refs) - len(self.lru) - len(self.protected))
 
     def active_pages(self) -> int:
         return sum(-(-(run.context) // self.cost.page_size) for run in self.running) + sum(
@@ -315,7 +325,7 @@ class SimReplica:
         if not wanted:
             return 0
         held = list(keys[:num_local])
-        self._pin(held)  # the prefix's own leading pages are not evicted to make room for its rest
+        self._pin(held, reuse=False)  # the prefix's own leading pages are not evicted to make room for its rest
         if self.num_free < len(wanted):
             self._evict(len(wanted) - self.num_free)
         self._unpin(held)
@@ -337,43 +347,70 @@ class SimReplica:
     def _reuse(self, run: _Running, count: int, page_ms: float, to_tier: bool = True) -> float:
         """The next ``count`` prompt pages of ``run`` imported (copied or fetched) instead of computed; their cost."""
         start, page_size = run.num_reused, self.cost.page_size
-        self._commit(run, run.request.page_keys[start:start + count], to_tier=to_tier)
+        keys = run.request.page_keys[start:start + count]
+        self._commit(run, keys, to_tier=to_tier)
+        self.reused.update(keys)  # the engine protects imported pages like hits
         run.prefill_left -= count * page_size
         run.context += count * page_size
         run.num_reused = start + count
         return count * page_ms
 
-    def _pin(self, keys) -> None:
-        refs, lru = self.key_to_refs, self.lru
+    def _pin(self, keys, reuse: bool = True) -> None:
+        refs = self.key_to_refs
         for key in keys:
             count = refs[key]
             if count == 0:
-                del lru[key]
+                self._unqueue(key)
             refs[key] = count + 1
+        if reuse:
+            self.reused.update(keys)
 
     def _unpin(self, keys) -> None:
-        refs, lru = self.key_to_refs, self.lru
+        refs = self.key_to_refs
         for key in reversed(keys):
             count = refs[key] - 1
             refs[key] = count
             if count == 0:
-                lru[key] = None
+                self._queue(key)
+
+    def _queue(self, key) -> None:
+        """A cached page no request holds joins the tail of probation, or of the protected queue when it was reused
+        (whose oldest page goes back to probation when it is full), as ``PagePool._queue_free`` does."""
+        if key not in self.reused or self.max_protected == 0:
+            self.lru[key] = None
+            return
+        protected = self.protected
+        protected[key] = None
+        while len(protected) > self.max_protected:
+            demoted, _ = protected.popitem(last=False)
+            self.reused.discard(demoted)
+            self.lru[demoted] = None
+
+    def _unqueue(self, key) -> None:
+        if key in self.lru:
+            del self.lru[key]
+        else:
+            del self.protected[key]
 
     def _commit(self, run: _Running, keys, to_tier: bool = True) -> None:
         """Pages of ``run`` just computed (or copied): into the cache, pinned by ``run``; and into the shared tier,
         when the cluster has one, as the real replica writes computed and copied pages (not those it fetched from the
         tier)."""
-        refs, lru = self.key_to_refs, self.lru
+        refs = self.key_to_refs
         stored = []
         for key in keys:
             count = refs.get(key)
             if count is None:
                 refs[key] = 1
                 stored.append(key)
-            else:
+                if key in self.ghosts:  # evicted, then needed again: a reuse
+                    del self.ghosts[key]
+                    self.reused.add(key)
+            else:  # another request cached it meanwhile: held instead, a reuse (``commit_page``)
                 if count == 0:
-                    del lru[key]
+                    self._unqueue(key)
                 refs[key] = count + 1
+                self.reused.add(key)
             run.held.append(key)
             run.num_private -= 1
             self.num_private -= 1
@@ -384,13 +421,17 @@ class SimReplica:
             self.tier.store(keys)
 
     def _evict(self, num_wanted: int) -> None:
-        refs, lru = self.key_to_refs, self.lru
+        refs, lru, protected = self.key_to_refs, self.lru, self.protected
         removed = []
-        while num_wanted > 0 and lru:
-            key, _ = lru.popitem(last=False)
+        while num_wanted > 0 and (lru or protected):
+            key, _ = (lru if lru else protected).popitem(last=False)
             del refs[key]
+            self.reused.discard(key)
             removed.append(key)
             num_wanted -= 1
+            self.ghosts[key] = None
+            if len(self.ghosts) > self.num_pages:
+                self.ghosts.popitem(last=False)
         if removed:
             self.num_evicted += len(removed)
             self.proactive_keys.difference_update(removed)
@@ -409,4 +450,6 @@ class SimReplica:
 
     def check_integrity(self) -> None:
         assert self.num_private >= 0 and self.num_free >= 0, (self.num_private, self.num_free)
-        assert set(self.lru) == {key for key, count in self.key_to_refs.items() if count == 0}
+        assert set(self.lru) | set(self.protected) == {key for key, count in self.key_to_refs.items() if count == 0}
+        assert not set(self.lru) & set(self.protected) and len(self.protected) <= self.max_protected
+        assert all(key in self.reused for key in self.protected)

@@ -19,6 +19,11 @@ With ``host_tier_pages`` the replicas share a host tier of that many pages (``Sh
 page a replica computes or copies, read after a replica's own and copied pages at ``host_tier_page_ms`` a page), and
 its stored / removed events reach our router's ``tier_index`` at each sync, as the replicas' ``tiers`` entries do.
 
+Eviction in each replica (``eviction``): "own" (the default) runs every system on its own engine's policy: our
+routers on our engine's segmented LRU (``EngineConfig.kv_cache_protected_fraction``, replica/page_pool.py), the
+baselines on plain LRU (vLLM's free-block queue and SGLang's radix cache evict least recently used first); "lru" or
+"segmented" runs every router on the one policy, to compare the routing rules alone.
+
 Modeled TTFT = first-token time - arrival time: queueing for admission, copy time, chunked prefill steps shared with
 other requests' decodes and prefills.
 """
@@ -149,7 +154,7 @@ def percentile(values: list, q: float) -> float:
 class Simulation:
     def __init__(self, workload: Workload, router_name: str, dp: int, cost: CostModel, *, seed: int = 0,
                  stats_period_s: float = 0.5, concurrency: int = 0, cores: float = 0.0,
-                 policy_kwargs: dict | None = None, host_tier_pages: int = 0) -> None:
+                 policy_kwargs: dict | None = None, host_tier_pages: int = 0, eviction: str = "own") -> None:
         """``concurrency`` > 0: a client that keeps at most that many requests in flight (``prefixserve bench
         --concurrency``; held requests are sent in arrival order, and TTFT counts from the send). ``cores`` > 0: the
         replicas share that many CPU cores: a step that starts while n replicas are stepping runs max(1, n / cores)
@@ -163,7 +168,9 @@ class Simulation:
         self.cores = cores
         self.in_flight = 0
         self.held: list = []
-        self.replicas = [SimReplica(n, f"replica-{n:02d}", workload.num_pages_per_replica, cost) for n in range(dp)]
+        protected = protected_fraction(eviction, router_name)
+        self.replicas = [SimReplica(n, f"replica-{n:02d}", workload.num_pages_per_replica, cost,
+                                    protected_fraction=protected) for n in range(dp)]
         self.tier = SharedTier(host_tier_pages) if host_tier_pages > 0 else None
         for replica in self.replicas:
             replica.tier = self.tier
@@ -390,9 +397,22 @@ class Simulation:
                 "proactive_hit_requests": sum(replica.num_proactive_hit_requests for replica in self.replicas)}
 
 
+EVICTIONS = ("own", "lru", "segmented")
+
+
+def protected_fraction(eviction: str, router_name: str) -> float:
+    """The replicas' segmented-LRU share for ``router_name`` under ``eviction`` (see the module docstring)."""
+    from replica.config import EngineConfig
+
+    if eviction not in EVICTIONS:
+        raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+    ours = eviction == "segmented" or (eviction == "own" and router_name.startswith("prefixserve"))
+    return EngineConfig.kv_cache_protected_fraction if ours else 0.0
+
+
 def simulate(workload_name: str, router_name: str, dp: int, *, seed: int = 0, scale: float = 1.0,
              cost: CostModel | None = None, host_tier_pages: int = 0, pool_fraction: float = 1.0,
-             **workload_kwargs) -> RunResult:
+             eviction: str = "own", **workload_kwargs) -> RunResult:
     """One generated workload (workloads.py) under one router; a trace runs with ``Simulation`` directly.
     ``host_tier_pages`` > 0: the replicas share a host tier of that many pages; ``pool_fraction`` scales each
     replica's page pool (below 1: the workload's prefixes no longer fit in the replicas' caches)."""
@@ -402,4 +422,5 @@ def simulate(workload_name: str, router_name: str, dp: int, *, seed: int = 0, sc
     workload = WORKLOADS[workload_name](dp, cost, seed=seed, scale=scale, **workload_kwargs)
     if pool_fraction != 1.0:
         workload.num_pages_per_replica = max(1, round(workload.num_pages_per_replica * pool_fraction))
-    return Simulation(workload, router_name, dp, cost, seed=seed, host_tier_pages=host_tier_pages).run()
+    return Simulation(workload, router_name, dp, cost, seed=seed, host_tier_pages=host_tier_pages,
+                      eviction=eviction).run()
