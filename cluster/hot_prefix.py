@@ -16,6 +16,7 @@ import asyncio
 import logging
 from typing import Any
 
+from cluster.detached import create_detached_task
 from common.types import PrefetchRequest, PrefetchResult
 from router.replication import CancelCopy, HotPrefixPlanner, ReplicationConfig, StartCopy, register_planner
 
@@ -47,7 +48,7 @@ class HotPrefixCopier:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self.planner.listener = self._poke
-        self._task = self._loop.create_task(self._run())
+        self._task = create_detached_task(self._run())  # its copies must not be cancelled with that first request
 
     def stop(self) -> None:
         register_planner(*self._deployment, None)

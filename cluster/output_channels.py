@@ -23,6 +23,7 @@ import uuid
 import weakref
 from typing import Any, Callable
 
+from cluster.detached import create_detached_task
 from common.types import OutputChannelRequest, RequestOutput
 from router import long_calls
 
@@ -96,7 +97,7 @@ class OutputChannels:
         """Open a channel to ``replica_id`` unless one is open or opening."""
         if not replica_id or replica_id in self._replica_to_task:
             return
-        task = asyncio.get_running_loop().create_task(self._read(replica_id))
+        task = create_detached_task(self._read(replica_id))  # not cancelled with the request that opens it
         self._replica_to_task[replica_id] = task
         task.add_done_callback(lambda done: self._ended(replica_id, done))
 

@@ -14,6 +14,7 @@ are committed to the prefix cache.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -69,6 +70,15 @@ class _Tracked:
     scheduled_at: float = 0.0
     first_token_at: float = 0.0
     last_token_at: float = 0.0
+
+
+def generator_seed(seed: int) -> int:
+    """The 32 bits torch's CPU generator keeps of a request's ``seed``: the seed itself below 2**32 (as before), else
+    a hash of all its bits (the generator would keep only the low 32: seeds 1 and 2**32 + 1 sampled alike)."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(32, "little", signed=True), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 class LLMEngine:
@@ -192,7 +202,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         generator = None
         if request.sampling.seed is not None:
-            generator = torch.Generator(device="cpu").manual_seed(request.sampling.seed)
+            generator = torch.Generator(device="cpu").manual_seed(generator_seed(request.sampling.seed))
         seq = Sequence(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),

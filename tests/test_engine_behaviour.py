@@ -438,3 +438,24 @@ def test_a_flood_of_one_off_prompts_does_not_evict_a_reused_prefix(tiny):
         kept[fraction] = finals["later"].cached_tokens.total
         engine.check_integrity()
     assert kept == {0.7: 3 * 128, 0.0: 0}
+
+
+def test_seeds_use_all_64_bits(tiny):
+    """torch's CPU generator keeps 32 bits of a seed: seeds 1 and 2**32 + 1 used to sample the same tokens. Seeds below
+    2**32 keep their meaning (the same samples as before); larger and negative ones are hashed."""
+    from replica.engine import generator_seed
+
+    assert [generator_seed(seed) for seed in (0, 1, 2**32 - 1)] == [0, 1, 2**32 - 1]
+    assert len({generator_seed(seed) for seed in (1, 2**32 + 1, -1, 2**63 - 1, -(2**63))} | {0}) == 6
+    engine = tiny.engine()
+    prompt = random_prompt(40, seed=60)
+    sampled = {}
+    for seed in (1, 2**32 + 1):
+        engine.add_request(EngineRequest(f"s{seed}", prompt, SamplingParams(max_tokens=12, temperature=1.0,
+                                                                             seed=seed, ignore_eos=True)))
+        tokens = []
+        while engine.has_work():
+            for out in engine.step():
+                tokens.extend(out.new_token_ids)
+        sampled[seed] = tokens
+    assert sampled[1] != sampled[2**32 + 1]

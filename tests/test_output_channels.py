@@ -188,3 +188,34 @@ def test_channels_open_over_the_transport_they_are_given():
 
     assert asyncio.run(scenario("ray")) == [True]
     assert asyncio.run(scenario("grpc")) == [False]
+
+
+def test_a_channel_belongs_to_no_request_so_one_client_hanging_up_cannot_close_it():
+    """Serve links the replica calls a request makes to that request (its request context) and cancels them when it
+    is cancelled. The channel is opened from one request's code but serves every request bound to it: its call must
+    carry no request's context (before, one client's disconnect failed the others with OutputChannelClosed)."""
+    import ray.serve.context as serve_context
+
+    seen = []
+
+    class ContextRecordingReplicas(FakeReplicas):
+        def remote(self, request):
+            seen.append(serve_context._get_serve_request_context()._internal_request_id)
+            return super().remote(request)
+
+    async def scenario():
+        replicas = ContextRecordingReplicas()
+        channels = OutputChannels(replicas)
+        parent = serve_context._RequestContext(route="/v1/completions", request_id="client-a",
+                                               _internal_request_id="internal-a")
+        serve_context._serve_request_context.set(parent)  # as inside request a's handler
+        assert serve_context._get_serve_request_context()._internal_request_id == "internal-a"
+        plain = FakeStream()
+        wrapped = channels.stream("a", plain)
+        plain.items.put_nowait(out("a", 1))
+        await wrapped.__anext__()
+        await asyncio.sleep(0)
+        channels.close()
+
+    asyncio.run(scenario())
+    assert len(seen) == 1 and seen[0] != "internal-a"

@@ -276,3 +276,29 @@ def test_manager_protects_hits_and_imports_not_exports():
     assert kv.pool.free_queue_order() == [3, 4, 5, 1, 2, 0]
     assert kv.allocate(4) == [3, 4, 5, 1]
     kv.check_integrity([[3, 4, 5, 1]])
+
+
+def test_manager_protects_a_page_computed_again_after_its_eviction():
+    """The ghost list: a prefix whose uses are further apart than one turnover of probation is evicted between them,
+    so no hit ever protects it; computed again under a key evicted lately, its page enters the cache protected."""
+    kv = KVCacheManager(num_pages=2, page_size=128, protected_fraction=0.5)
+    tokens = [list(range(start, start + 128)) for start in range(0, 128 * 5, 128)]  # page 0, then one-off pages
+    keys = [keys_for(page)[0] for page in tokens]
+
+    def compute(index):
+        page_id = kv.allocate(1)[0]
+        kv.commit_page(page_id, keys[index], tokens[index])
+        kv.release([page_id])
+        return page_id
+
+    first = compute(0)
+    compute(1)
+    compute(2)  # evicts page 0's contents (probation, least recently released)
+    assert kv.match_prefix(keys[:1]) == []
+    again = compute(0)  # needed again: protected this time
+    assert again != first and kv.pool.reused[again] and kv.pool.free_queue_order()[-1] == again
+    compute(3)
+    compute(4)  # one-off pages now evict around it
+    assert kv.match_prefix(keys[:1]) == [again]
+    kv.reset_prefix_cache()
+    assert not kv._ghosts
