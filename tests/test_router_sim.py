@@ -259,3 +259,49 @@ def test_hot_prefix_replication_copies_ahead_and_later_requests_hit_the_copy():
     counts = result.replication
     assert (counts["started"], counts["done"], counts["failed"], counts["pages_copied"]) == (1, 0, 1, 0)
     assert raced[5].cached_local == 0
+
+
+def test_the_simulated_replica_evicts_like_the_engine_s_segmented_lru():
+    """SimReplica's pages follow replica/page_pool.py's order (probation, then protected, each least recently released
+    first; a bounded protected queue; the ghost list), checked against the real KVCacheManager on one history."""
+    from benchmarks.router_sim.replica import SimReplica
+    from common.page_keys import compute_page_keys
+    from replica.kv_manager import KVCacheManager
+
+    num_pages = 6
+    sim = SimReplica(0, "r0", num_pages, CostModel(), protected_fraction=0.34)  # 2 protected pages at most
+    kv = KVCacheManager(num_pages, 128, protected_fraction=0.34)
+    tokens = {name: list(range(index * 128, index * 128 + 128)) for index, name in enumerate("abcdefghij")}
+    keys = {name: compute_page_keys(page, page_size=128, model_fingerprint="sim")[0] for name, page in tokens.items()}
+    page_of: dict = {}
+
+    def compute(name):  # a request computes one page and releases it
+        sim._evict(max(0, 1 - sim.num_free))
+        sim.key_to_refs[name] = 0
+        if name in sim.ghosts:
+            del sim.ghosts[name]
+            sim.reused.add(name)
+        sim._queue(name)
+        page_id = kv.allocate(1)[0]
+        page_of[name] = kv.commit_page(page_id, keys[name], tokens[name]).page_id
+        kv.release([page_of[name]])
+
+    def hit(name):
+        sim._pin([name])
+        sim._unpin([name])
+        kv.acquire([page_of[name]])
+        kv.release([page_of[name]])
+
+    def cached():
+        real = {name for name in tokens if kv.match_prefix([keys[name]])}
+        assert set(sim.key_to_refs) == real
+        return "".join(sorted(real))
+
+    for name in "abcdef":
+        compute(name)
+    hit("a"), hit("b"), hit("c")  # c pushes a, the oldest protected, back to probation
+    compute("g"), compute("h")
+    assert cached() == "abcfgh"
+    compute("d")  # d was evicted lately: computed again it enters protected
+    compute("i"), compute("j")
+    assert cached() == "bcdhij"  # d protected pushed b back to probation; a, then g went
