@@ -6,8 +6,8 @@ and a pin spends the retention budget every client shares.
                                  priority, TTL, hits, cached tokens, and where it lives (pages per replica)
     POST /admin/prefixes/pin     {"prompt": "..." | [token ids]} or {"messages": [...]}, optional "priority" (0..100,
                                  default 100), "ttl" (seconds or "5m"/"1h"/"24h"; default null: until unpinned),
-                                 "cache_salt", "warm" (default true: compute the prefix on one replica now if none
-                                 holds it)
+                                 "cache_salt" (at most 1024 characters), "warm" (default true: compute the prefix on
+                                 one replica now if none holds it; when that fails the pin is taken back)
     POST /admin/prefixes/unpin   {"prefix_id": "..."} or the same "prompt" / "messages" as pin
 
 A prefix is the prompt's leading full pages (a partial last page is not cached, so not pinned); chat messages are
@@ -19,16 +19,19 @@ shares the pages. Pins are soft: pinned pages are evicted only after every lower
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from typing import Any, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from cluster.http_io import api_error_response, read_body
 from cluster.output_channels import streaming
 from cluster.protocol import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_CHAT_MESSAGES,
     APIError,
     ChatMessage,
     parse_json_body,
@@ -39,19 +42,23 @@ from common.errors import InvalidRequestError
 from common.page_keys import compute_page_keys
 from common.types import RETENTION_MAX_PRIORITY, EngineRequest, PinPrefix, PrefixReport, Retention, SamplingParams
 
+logger = logging.getLogger(__name__)
+
 ADMIN_TIMEOUT_S = 30.0
 MAX_LABEL_CHARS = 80
 
 
 class PrefixSpec(BaseModel):
+    """The body of a pin or unpin; strict types as for /v1 requests (``"ttl": true`` is a 400, not one second)."""
+
     model_config = ConfigDict(extra="forbid")
-    prompt: Union[str, list[int], None] = None
-    messages: list[ChatMessage] | None = None
-    cache_salt: str | None = None
+    prompt: Union[str, list[StrictInt], None] = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_CHAT_MESSAGES)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
     prefix_id: str | None = None
-    priority: int = RETENTION_MAX_PRIORITY
-    ttl: Union[float, str, None] = None
-    warm: bool = True
+    priority: StrictInt = RETENTION_MAX_PRIORITY
+    ttl: Union[StrictFloat, str, None] = None
+    warm: StrictBool = True
 
 
 async def list_prefixes(ingress: Any, http_request: Request) -> Response:
@@ -78,16 +85,21 @@ async def pin_prefix(ingress: Any, http_request: Request) -> Response:
         except ValueError as error:
             raise APIError(str(error), param="priority" if "priority" in str(error) else "ttl") from None
         keys = _page_keys(token_ids, info, spec.cache_salt)
+        prefix_id = keys[-1].hex()[:32]
         label = _label(ingress, token_ids)
         pin = PinPrefix(tuple(keys), priority=retention.priority, ttl_s=retention.ttl_s, label=label)
         results = await ingress.replicas.broadcast("pin_prefix", pin).results_async(timeout_s=ADMIN_TIMEOUT_S)
         warmed = False
         if spec.warm and not any(result["num_pages_resident"] == len(keys) for result in results):
-            await _warm(ingress, token_ids[: len(keys) * info.page_size], keys, spec.cache_salt, retention, info)
+            try:
+                await _warm(ingress, token_ids[: len(keys) * info.page_size], keys, spec.cache_salt, retention, info)
+            except APIError:
+                await _take_back(ingress, prefix_id)
+                raise
             warmed = True
     except APIError as error:
         return api_error_response(error)
-    return JSONResponse({"prefix_id": keys[-1].hex()[:32], "num_tokens": len(keys) * info.page_size,
+    return JSONResponse({"prefix_id": prefix_id, "num_tokens": len(keys) * info.page_size,
                          "num_pages": len(keys), "priority": retention.priority, "ttl_s": retention.ttl_s,
                          "replicas": results, "warmed": warmed})
 
@@ -96,6 +108,8 @@ async def unpin_prefix(ingress: Any, http_request: Request) -> Response:
     try:
         ingress._check_admin_key(http_request)
         spec = await _read_spec(ingress, http_request)
+        if sum(value is not None for value in (spec.prefix_id, spec.prompt, spec.messages)) != 1:
+            raise APIError("give exactly one of prefix_id, prompt or messages", param="prefix_id")
         prefix_id = spec.prefix_id
         if prefix_id is None:
             info = await ingress._replica_info()
@@ -184,6 +198,16 @@ def _label(ingress: Any, token_ids: list[int]) -> str:
         return ""
 
 
+async def _take_back(ingress: Any, prefix_id: str) -> None:
+    """Unpin a prefix whose pin failed after it was broadcast: the caller is told it failed, so no replica may keep
+    it (a prefix pinned before this call is unpinned too; the caller pins it again). Best effort: the caller's error
+    is the one reported."""
+    try:
+        await ingress.replicas.broadcast("unpin_prefix", prefix_id).results_async(timeout_s=ADMIN_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - logged; the pin's own error goes to the caller
+        logger.warning("could not take back the failed pin of prefix %s", prefix_id, exc_info=True)
+
+
 async def _warm(ingress: Any, token_ids: list[int], keys: list[bytes], salt: str | None, retention: Retention,
                 info: Any) -> None:
     """Compute the prefix on the replica the router picks (one generated token), so it is cached and pinned."""
@@ -197,8 +221,8 @@ async def _warm(ingress: Any, token_ids: list[int], keys: list[bytes], salt: str
                 break
     except InvalidRequestError as error:  # e.g. the prefix alone is more than the retention budget
         message = str(getattr(error, "cause", None) or error).strip().splitlines()
-        raise APIError(f"the prefix is pinned but the replica refused to compute it: "
+        raise APIError(f"the prefix is not pinned: the replica refused to compute it: "
                        f"{message[-1] if message else 'invalid request'}") from None
-    except Exception as error:  # noqa: BLE001 - the pin stands; only the warm-up failed
-        raise APIError(f"the prefix is pinned but computing it failed: {type(error).__name__}", status=500,
+    except Exception as error:  # noqa: BLE001 - reported; the caller takes the pin back
+        raise APIError(f"the prefix is not pinned: computing it failed: {type(error).__name__}", status=500,
                        type="server_error") from None

@@ -14,8 +14,9 @@ Endpoints::
 A generation request, here, each step bounded before the next does work:
 
     refuse when draining (503) -> authenticate (401; the pin header needs the admin key, 403) -> read the body up to
-    max_request_body_bytes (413) -> parse JSON (depth <= 32, valid Unicode; 400) -> validate fields and ranges (400)
-    -> prompt length in characters (400, before tokenizing) -> tokenize and compute page keys on the one tokenizer
+    max_request_body_bytes (413) in time (408; cluster/http_io.py) -> parse JSON (depth <= 32, valid Unicode; 400)
+    -> validate fields, strict types and ranges, refuse unsupported parameters (400) -> prompt length in characters,
+    chat messages counted too (400, before tokenizing) -> tokenize and compute page keys on the one tokenizer
     thread, at most max_pending_tokenizations waiting (429) -> prompt length in tokens (400)
     -> ``replicas.options(stream=True).generate.remote(request)`` (over Serve's gRPC transport unless
     ``--replica-transport ray``): the prefix-aware router reads ``request.page_keys`` and picks the replica; Serve
@@ -49,6 +50,7 @@ import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -120,7 +122,10 @@ HEALTH_WAIT_S = 2.0
 DRAIN_FLUSH_S = 5.0
 """After cutting the streams still running at the end of a drain: how long they get to send their last event."""
 
-api = FastAPI(title="prefixserve", description="OpenAI-compatible API with prefix caching")
+api = FastAPI(title="prefixserve", description="OpenAI-compatible API with prefix caching", docs_url=None,
+              redoc_url=None, openapi_url=None)
+"""No /docs, /redoc or /openapi.json: FastAPI serves them without any key check, and they would list the admin
+routes; the API is OpenAI's (module docstring above)."""
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -139,13 +144,17 @@ class ReplicaLost(Exception):
 
 
 def prompt_chars(request: Any, kind: Kind) -> tuple[int, str]:
-    """Characters of the prompt text (a token-id prompt counts its ids), and the field to name in an error."""
+    """Characters of the prompt text (a token-id prompt counts its ids), and the field to name in an error.
+
+    A chat message also counts CHARS_PER_TOKEN_BOUND characters for itself: the chat template renders each message
+    as at least one token (its role and separators), so many empty messages cost the tokenizer as much as a long
+    text and cannot fit the context either."""
     if kind == "completion":
         prompt = request.prompt
         if isinstance(prompt, str):
             return len(prompt), "prompt"
         return sum(len(item) for item in prompt if isinstance(item, (str, list))) or len(prompt), "prompt"
-    total = 0
+    total = len(request.messages) * CHARS_PER_TOKEN_BOUND
     for message in request.messages:
         content = message.content
         if isinstance(content, str):
@@ -162,6 +171,10 @@ def replica_error(error: BaseException) -> APIError:
     if isinstance(error, InvalidRequestError):
         message = getattr(error, "cause", None) or error
         return APIError(str(message).strip().splitlines()[-1] if str(message) else "invalid request")
+    if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        # the request did not fit one message of Serve's gRPC transport to the replica (4 MiB)
+        return APIError(f"the request is too large to send to a replica ({error.details()}); send a shorter one",
+                        status=413, code="request_too_large")
     name = type(error).__name__
     if isinstance(error, UNAVAILABLE_ERRORS):
         return APIError(f"no replica can take the request now ({name}); retry later", status=503, type="server_error",
@@ -441,6 +454,7 @@ class OpenAIIngress:
         self._request_to_stream[key] = stream
         timer = asyncio.get_running_loop().call_at(deadline, self._cut, key, "deadline")
         handed_to_stream = False
+        first = None
         try:
             first = await self._first_output(key, stream)
             self.metrics.observe_first_token(time.perf_counter() - started, first)
@@ -452,6 +466,11 @@ class OpenAIIngress:
                 handed_to_stream = True
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
             return JSONResponse(await self._collect(kind, request_id, first, stream, key), headers=headers)
+        except asyncio.CancelledError:
+            # Serve cancels the handler when its client goes away (and the replica call with it): an abort, counted
+            # as a stream's is (a stream handed over counts its own)
+            self.metrics.observe_aborted("client_gone", first.replica_id if first is not None else None, key)
+            raise
         finally:
             if not handed_to_stream:
                 timer.cancel()

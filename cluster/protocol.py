@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
 
 from common.types import CachedTokens, RequestOutput
 from common.types import RETENTION_DEFAULT_PRIORITY, Retention, SamplingParams
@@ -43,6 +43,14 @@ CHARS_PER_TOKEN_BOUND = 16
 more characters than this into one token on ordinary text, so such a prompt could never fit the context anyway."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
+MAX_CACHE_SALT_CHARS = 1024
+"""A salt only has to be unguessable; the bound keeps the replica call (4 MiB gRPC messages) small."""
+MAX_STOP_CHARS = 16 * 1024
+"""All stop strings of a request together (at most 16 strings, SamplingParams' bound): generous for any real stop
+sequence, and far below the 4 MiB gRPC message that carries the request to a replica."""
+MAX_CHAT_MESSAGES = 4096
+"""Messages per chat request, twice what Azure OpenAI accepts (2048): a bound checked before the messages are built,
+so a body of many tiny messages costs little before it is refused (the character bound counts each message too)."""
 
 
 class APIError(Exception):
@@ -95,9 +103,14 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 
 
 # ---- request models ---------------------------------------------------------------------------------------------------
+# Strict types: JSON has real booleans and integers, so "stream": "yes", "ignore_eos": 1 or a prompt [true, false] are
+# client bugs to refuse (pydantic's lax mode would read them as true and token ids [1, 0]); an int is a float too.
+Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -106,25 +119,46 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, le=INT32_MAX)
-    temperature: float | None = Field(None, allow_inf_nan=False)
-    top_p: float | None = Field(None, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    max_tokens: StrictInt | None = Field(None, le=INT32_MAX)
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
+    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     """A 64-bit integer, as torch's generators take (2**70 is a 400, not a 500)."""
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[Annotated[int, Field(le=INT32_MAX)]] | None = Field(None, max_length=1024)
-    ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
+    stop_token_ids: list[Annotated[StrictInt, Field(le=INT32_MAX)]] | None = Field(None, max_length=1024)
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
     """Isolates a tenant's prefix cache: requests with different salts never share pages."""
     prompt_cache_retention: Union[str, dict[str, Any], None] = None
     """OpenAI's "in_memory" (default: plain LRU) | "24h", or prefixserve's {"priority": 0..100, "ttl": "5m"|seconds}
     (``request_retention``)."""
     logprobs: Any = None
     user: str | None = None
+    # OpenAI parameters this server does not implement: declared so that ``check_unsupported`` refuses a value that
+    # would change the output, instead of ignoring it as an unknown field (their defaults are accepted).
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    top_logprobs: StrictInt | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        total = len(stop) if isinstance(stop, str) else sum(len(item) for item in stop or ())
+        if total > MAX_STOP_CHARS:
+            raise ValueError(f"the stop strings have {total} characters together; at most {MAX_STOP_CHARS} are "
+                             "accepted")
+        return stop
 
     @property
     def include_usage(self) -> bool:
@@ -132,8 +166,10 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    echo: bool = False
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -145,16 +181,18 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, le=INT32_MAX)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+    max_completion_tokens: StrictInt | None = Field(None, le=INT32_MAX)
 
 
 def parse_json_body(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
-    """The JSON object in ``raw``; APIError(400) for malformed JSON, a non-object, nesting deeper than ``max_depth``
-    or a string that is not valid Unicode (a lone surrogate such as ``"\\ud800"``)."""
+    """The JSON object in ``raw``; APIError(400) for malformed JSON, a non-object, nesting deeper than ``max_depth``,
+    a string that is not valid Unicode (a lone surrogate such as ``"\\ud800"``) or an integer of more digits than
+    Python converts (4300: json.loads raises a plain ValueError for it, as it does for JSONDecodeError and
+    UnicodeDecodeError, its subclasses)."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except ValueError as error:
         raise APIError(f"the request body is not valid JSON: {error}") from None
     except RecursionError:
         raise APIError(f"the request body nests arrays / objects too deeply (at most {max_depth} levels)") from None
@@ -193,34 +231,83 @@ def _check_text(text: str) -> None:
 
 
 def check_prompt_chars(num_chars: int, *, max_chars: int, param: str) -> None:
-    """APIError(400) when a prompt has more characters than ``max_chars`` (checked before tokenizing)."""
+    """APIError(400) when a prompt has more characters than ``max_chars`` (checked before tokenizing); chat messages
+    count CHARS_PER_TOKEN_BOUND characters each besides their text (cluster/openai_api.py's ``prompt_chars``)."""
     if num_chars > max_chars:
-        raise APIError(f"the prompt has {num_chars} characters; at most {max_chars} are accepted (it could not fit "
-                       "the model's context), so shorten the prompt", param=param)
+        counted = (f"the messages count as {num_chars} characters (their text, and {CHARS_PER_TOKEN_BOUND} for each "
+                   "message)" if param == "messages" else f"the prompt has {num_chars} characters")
+        raise APIError(f"{counted}; at most {max_chars} are accepted (it could not fit the model's context), so "
+                       "shorten the prompt", param=param)
 
 
 def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
-    """Validate ``body`` as ``model``; the first problem becomes an APIError(400) naming the field."""
+    """Validate ``body`` as ``model``; the first problem becomes an APIError(400) whose message names the field by its
+    path (``messages[0].role``) and whose ``param`` is the top-level field."""
     try:
         return model.model_validate(body)
     except ValidationError as error:
         first = error.errors()[0]
         loc = first.get("loc") or ()
-        param = str(loc[0]) if loc else None  # the top-level field (deeper parts name union members and indexes)
+        param = str(loc[0]) if loc else None
+        path = _field_path(model, loc) or param
         if first.get("type") == "missing":
-            message = f"missing required field {param!r}"
+            message = f"missing required field {path!r}"
         else:
-            message = f"invalid value for {param!r}: {first.get('msg')}"
+            message = f"invalid value for {path!r}: {first.get('msg')}"
         raise APIError(message, param=param) from None
 
 
+def _field_path(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str:
+    """``messages[0].role`` from a pydantic error location: its field names and list indexes, up to the first name
+    that is not a field (pydantic names a union's member types, ``list[int]``, in the location; no part of the
+    request)."""
+    path = ""
+    for item in loc:
+        if isinstance(item, int):
+            path += f"[{item}]"
+        elif model is not None and item in model.model_fields:
+            path += f".{item}" if path else item
+            model = _model_in(model.model_fields[item].annotation)
+        else:
+            break
+    return path
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field's type holds (``list[ChatMessage] | None`` -> ChatMessage), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True), "functions": (None, []), "function_call": (None, "none"),
+    "top_logprobs": (None, 0), "best_of": (None, 1), "suffix": (None, ""),
+}
+"""OpenAI parameters this server does not implement, and the values of each that ask for nothing (clients send these
+defaults): any other value is refused rather than silently ignored."""
+
+
 def check_unsupported(request: _SamplingFields) -> None:
+    """APIError(400) naming the first parameter whose value asks for something this server does not do."""
     if request.n != 1:
         raise APIError(f"only n=1 is supported, got n={request.n}", param="n")
-    if request.logprobs not in (None, False):
+    if request.logprobs is not None and request.logprobs is not False:  # 0 too: the chosen token's logprob
         raise APIError("logprobs are not supported", param="logprobs")
     if isinstance(request, CompletionRequest) and request.echo:
         raise APIError("echo is not supported", param="echo")
+    for name, defaults in _DEFAULT_ONLY.items():
+        value = getattr(request, name, None)  # best_of and suffix: completions only
+        if value not in defaults:  # the fields' strict types keep True from equalling 1
+            raise APIError(f"{name} is not supported (got {value!r:.100}); leave it out", param=name)
+    if request.stream_options is not None and not request.stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:

@@ -18,6 +18,7 @@ import pytest
 
 from cluster.config import ServeConfig
 from cluster.protocol import (
+    CHARS_PER_TOKEN_BOUND,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -94,13 +95,14 @@ def test_prompt_characters_are_checked_before_tokenizing():
 
 
 def test_prompt_chars_counts_the_text_of_each_kind():
+    """A chat message counts one token's worth of characters besides its text (the template renders it)."""
     from cluster.openai_api import prompt_chars
 
     assert prompt_chars(parse(b'{"prompt": "abcd"}'), "completion") == (4, "prompt")
     assert prompt_chars(parse(b'{"prompt": [1, 2, 3]}'), "completion") == (3, "prompt")
     chat = parse(b'{"messages": [{"role": "system", "content": "ab"}, {"role": "user", "content": '
                  b'[{"type": "text", "text": "cde"}]}]}', ChatCompletionRequest)
-    assert prompt_chars(chat, "chat") == (5, "messages")
+    assert prompt_chars(chat, "chat") == (5 + 2 * CHARS_PER_TOKEN_BOUND, "messages")
 
 
 def test_overloaded_is_openai_shaped_429_with_retry_after():
