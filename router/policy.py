@@ -198,9 +198,11 @@ class PolicyConfig:
     small pools then churn), and changed nothing on the other workloads."""
     max_num_batched_tokens: int = 2048
     """Token budget of one engine step (prefill is chunked to it)."""
-    eviction_weight: float = 1.0
+    eviction_weight: float = 0.5
     """Weight of the cached pages a candidate would evict (pages beyond its empty ones), each priced as the mean cost
-    per page of recomputing this prompt."""
+    per page of recomputing this prompt. 0.5 since the replicas' segmented LRU (replica/page_pool.py): the pages a
+    request pushes out are mostly pages no request reused (a finished request's own question and answer), worth less
+    than a page of a shared prefix (1.0 had been chosen under plain LRU; BENCHMARKS.md 0r)."""
     enable_overload_exception: bool = True
     """Keep an overloaded holder as a candidate when every eligible replica would evict cached pages to take over."""
     enable_residency_aging: bool = False

@@ -48,7 +48,8 @@ def base_url(ray_session, serve_http_port, tiny_llama_dir):
     config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=1, page_size=PAGE,
                          kv_cache_memory=NUM_PAGES * BYTES_PER_PAGE, num_cpus_per_replica=0.5,
                          served_model_name=MODEL, max_model_len=2048, api_key=API_KEY, enable_disk_cache=False,
-                         dtype="float32", kv_cache_retention_budget=0.5)
+                         dtype="float32", kv_cache_retention_budget=0.5,
+                         kv_cache_protected_fraction=0.0)  # retention alone, on plain LRU (the segmented LRU: below)
     serve.run(build_app(config), name="e2e-retention", route_prefix="/e2e-retention")
     yield f"http://127.0.0.1:{serve_http_port}/e2e-retention"
     serve.delete("e2e-retention")
@@ -142,6 +143,35 @@ def test_retained_prefixes_survive_a_flood_and_the_ttl_expires(client, admin):
     flood(client, 3000)
     assert usage_of(client, pinned + [11])[0] == 0
     assert usage_of(client, system + [11])[0] == 0
+
+
+def test_the_default_segmented_lru_keeps_a_reused_system_prompt_through_a_flood(ray_session, serve_http_port,
+                                                                               tiny_llama_dir):
+    """No retention asked: a system prompt that one request reused is protected by the replica's segmented LRU (the
+    default ``--kv-cache-protected-fraction``), so a flood of one-off prompts through the whole pool evicts the
+    flood's own pages and not it; a prompt seen only once before the flood is evicted, as under plain LRU."""
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import ServeConfig
+
+    config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=1, page_size=PAGE,
+                         kv_cache_memory=NUM_PAGES * BYTES_PER_PAGE, num_cpus_per_replica=0.5,
+                         served_model_name=MODEL, max_model_len=2048, api_key=API_KEY, enable_disk_cache=False,
+                         dtype="float32")
+    serve.run(build_app(config), name="e2e-segmented", route_prefix="/e2e-segmented")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_http_port}/e2e-segmented/v1", api_key=API_KEY,
+                               max_retries=0, timeout=60)
+        system, once = token_prompt(21, 2 * PAGE), token_prompt(22, 2 * PAGE)
+        assert usage_of(client, system + [5, 6]) == (0, 2 * PAGE)
+        assert usage_of(client, system + [7, 8])[0] == 2 * PAGE  # reused: protected
+        assert usage_of(client, once + [5, 6]) == (0, 2 * PAGE)
+        flood(client, 5000)  # 10 one-off prompts of 2 full pages through a 16-page pool
+        assert usage_of(client, system + [9])[0] == 2 * PAGE
+        assert usage_of(client, once + [9])[0] == 0
+    finally:
+        serve.delete("e2e-segmented")
 
 
 def chat_with_breakpoint(num_words: int, question: str) -> list[dict]:
