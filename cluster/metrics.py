@@ -139,6 +139,10 @@ class ReplicaStatsCollector(Collector):
                                         labels=["replica", "reason"])
         retained = GaugeMetricFamily(PREFIX + "kv_retained_pages", "pages holding a retention, and the budget",
                                      labels=["replica", "kind"])
+        protected = GaugeMetricFamily(PREFIX + "kv_protected_pages", "free reused pages in the segmented LRU's "
+                                      "protected queue, and its bound", labels=["replica", "kind"])
+        protected_demotions = CounterMetricFamily(PREFIX + "kv_protected_demotions", "protected pages sent back to "
+                                                  "probation by a full protected queue", labels=["replica"])
         for replica_id, metrics in reports:
             for (reason, priority), count in sorted(metrics.evictions.items()):
                 evictions.add_metric([replica_id, reason, str(priority)], count)
@@ -146,7 +150,10 @@ class ReplicaStatsCollector(Collector):
                 demotions.add_metric([replica_id, reason], count)
             retained.add_metric([replica_id, "retained"], metrics.num_retained_pages)
             retained.add_metric([replica_id, "budget"], metrics.max_retained_pages)
-        yield from (evictions, demotions, retained)
+            protected.add_metric([replica_id, "protected"], metrics.num_protected_pages)
+            protected.add_metric([replica_id, "max"], metrics.max_protected_pages)
+            protected_demotions.add_metric([replica_id], metrics.protected_demotions)
+        yield from (evictions, demotions, retained, protected, protected_demotions)
 
     def _collect_kv_sources(self):
         """Pages, bytes and seconds obtained per path (peer copy, host tier, disk tier), and the tiers' health."""

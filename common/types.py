@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -291,11 +292,17 @@ class KVCacheMetrics:
     """The replica's retention budget in pages (--kv-cache-retention-budget)."""
     retention_demotions: dict[str, int] = field(default_factory=dict)
     """Pages whose retention ended, by why: ttl | budget (a higher priority needed the room) | unpin."""
+    num_protected_pages: int = 0
+    """Free cached pages in the segmented LRU's protected queue now (reused pages, evicted after the others)."""
+    max_protected_pages: int = 0
+    """Its bound (--kv-cache-protected-fraction of the pages)."""
+    protected_demotions: int = 0
+    """Protected pages sent back to probation because the protected queue was full."""
 
     def copy(self) -> "KVCacheMetrics":
-        return KVCacheMetrics(self.lifetime.copy(), self.idle_before_evict.copy(), self.reuse_gap.copy(),
-                              dict(self.evictions), self.num_retained_pages, self.max_retained_pages,
-                              dict(self.retention_demotions))
+        return dataclasses.replace(self, lifetime=self.lifetime.copy(), idle_before_evict=self.idle_before_evict.copy(),
+                                   reuse_gap=self.reuse_gap.copy(), evictions=dict(self.evictions),
+                                   retention_demotions=dict(self.retention_demotions))
 
 
 @dataclass(frozen=True)

@@ -271,6 +271,9 @@ class KVCacheManager:
         """A snapshot of the page-time metrics and retention gauges."""
         self.metrics.num_retained_pages = self.pool.num_retained
         self.metrics.retention_demotions = dict(self.pool.demotions)
+        self.metrics.num_protected_pages = self.pool.num_protected
+        self.metrics.max_protected_pages = self.pool.max_protected_pages
+        self.metrics.protected_demotions = self.pool.num_protected_demoted
         return self.metrics.copy()
 
     def _observe_eviction(self, page_id: int, reason: str, priority: int) -> None:

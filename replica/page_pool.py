@@ -106,6 +106,11 @@ class PagePool:
         return len(self._unkept) + len(self._protected) + sum(len(level) for level in self._levels.values())
 
     @property
+    def num_protected(self) -> int:
+        """Free pages in the protected queue now."""
+        return len(self._protected)
+
+    @property
     def num_retained(self) -> int:
         self.expire()
         return len(self._page_to_retention)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import sqlite3
 import time
 
@@ -170,6 +171,12 @@ def test_the_default_segmented_lru_keeps_a_reused_system_prompt_through_a_flood(
         flood(client, 5000)  # 10 one-off prompts of 2 full pages through a 16-page pool
         assert usage_of(client, system + [9])[0] == 2 * PAGE
         assert usage_of(client, once + [9])[0] == 0
+        metrics = httpx.get(f"http://127.0.0.1:{serve_http_port}/e2e-segmented/metrics",
+                            headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60).text
+        assert re.search(r'prefixserve_kv_protected_pages\{kind="max",replica="[^"]+"\} 11\.0', metrics), metrics
+        # the system prompt's 2 pages, and once's 2: evicted by the flood, then computed again (the ghost list)
+        assert re.search(r'prefixserve_kv_protected_pages\{kind="protected",replica="[^"]+"\} 4\.0', metrics), [
+            line for line in metrics.splitlines() if "protected" in line]
     finally:
         serve.delete("e2e-segmented")
 
