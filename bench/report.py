@@ -55,8 +55,14 @@ def row(name: str, value: Any) -> str:
 
 
 def describe_workload(config: dict[str, Any]) -> str:
-    """One line: workload, sizes and prompt format."""
+    """One line: workload, sizes and prompt format (a named workload's own parameters, not the generic sizes it does
+    not use)."""
     workload = config["workload"]
+    standard = workload.get("standard")
+    if standard:
+        sizes = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in standard.items()
+                          if value is not None and name != "trace_file")
+        return f"{workload['workload']}, {workload['num_requests']} req, {sizes}, {config['prompt_format']} prompts"
     output = workload["output_len_range"] or workload["output_len"]
     if isinstance(output, (list, tuple)):
         output = f"{output[0]}..{output[1]}"

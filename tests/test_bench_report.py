@@ -58,3 +58,20 @@ def test_report_pairs_servers_per_workload_with_ratios(tmp_path):
     assert "| TTFT p50 (ms) | 100.0 | 200.0 | 0.50x ✓ | 100.0 | 200.0 | 0.50x ✓ |" in text
     assert "| cached prompt tokens (%) | 64.0 | 64.0 | 1.00x | 0.0 | 0.0 | - |" in text
     assert "| vLLM | off | 12.5 | 900 | 950 |" in text
+
+
+def test_a_named_workload_is_described_by_its_own_parameters():
+    """Not by the generic prefix / suffix sizes it does not use (a generated-shared-prefix run was described as
+    "prefix 1792 x 4, suffix 256, out 32")."""
+    from bench.report import describe_workload
+
+    workload = {"workload": "generated-shared-prefix", "num_requests": 60, "num_prefixes": 4, "prefix_len": 1792,
+                "suffix_len": 256, "output_len": 32, "output_len_range": None, "num_turns": 4,
+                "standard": {"num_groups": 6, "prompts_per_group": 10, "system_prompt_len": 1024,
+                             "question_len": 384, "output_len": 16}}
+    text = describe_workload({"workload": workload, "prompt_format": "ids"})
+    assert text == ("generated-shared-prefix, 60 req, num groups 6, prompts per group 10, system prompt len 1024, "
+                    "question len 384, output len 16, ids prompts")
+    plain = describe_workload({"workload": {**workload, "workload": "shared-prefix", "standard": None},
+                               "prompt_format": "text"})
+    assert plain == "shared-prefix, 60 req, prefix 1792 x 4, suffix 256, out 32, text prompts"
