@@ -22,6 +22,7 @@ from cluster.config import ServeConfig
 from cluster.openai_api import OpenAIIngress
 from replica.serve_replica import ServeReplica
 from router import ray_router
+from router.policy import PLAIN_LRU_EVICTION_WEIGHT, PolicyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,16 @@ def request_router_config(config: ServeConfig) -> Any:
     """The prefix-aware router's config. The router names a peer holding more of the prompt's pages (``peer_hint``)
     only when cross-replica prefix copy is on; ``--no-router-cost-model`` turns its cost model off;
     ``--route-on-tier-contents`` makes it price the pages the shared tiers hold as fetches. It counts tokens in the
-    replicas' pages and steps (``--kv-cache-page-size``, ``--max-num-batched-tokens``)."""
+    replicas' pages and steps (``--kv-cache-page-size``, ``--max-num-batched-tokens``), and prices the cached pages a
+    request would push out by the replicas' eviction (plain LRU with ``--kv-cache-protected-fraction 0``)."""
+    plain_lru = not config.kv_cache_protected_fraction
     return ray_router.router_config(enable_peer_hint=bool(config.enable_dp_cross_replica_prefix_copy),
                                     enable_cost_model=config.router_cost_model,
                                     enable_tier_routing=bool(config.route_on_tier_contents),
                                     page_size=config.page_size,
-                                    max_num_batched_tokens=config.max_num_batched_tokens)
+                                    max_num_batched_tokens=config.max_num_batched_tokens,
+                                    eviction_weight=PLAIN_LRU_EVICTION_WEIGHT if plain_lru
+                                    else PolicyConfig.eviction_weight)
 
 
 def replica_actor_options(config: ServeConfig) -> dict[str, Any]:

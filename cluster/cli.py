@@ -107,7 +107,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="KV page memory per replica: bytes or e.g. 2GiB, 512MiB")
     cache.add_argument("--kv-cache-retention-budget", type=float, default=default("kv_cache_retention_budget"),
                        help="fraction of each replica's KV pages that retained prefixes (retention priority + TTL, "
-                            "admin pins) may hold at once; the rest stays plain LRU (default 0.5)")
+                            "admin pins) may hold at once; the rest stays at priority 0 (default 0.5)")
     cache.add_argument("--kv-cache-protected-fraction", type=float, default=default("kv_cache_protected_fraction"),
                        help="segmented LRU: cached pages that were reused (hit by a later request, or copied or "
                             "fetched for one) are evicted after pages never reused, up to this fraction of each "

@@ -16,5 +16,7 @@ from typing import Any, Coroutine
 
 
 def create_detached_task(coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
-    """``coro`` as a task on the running loop, in an empty context (see the module docstring)."""
-    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+    """``coro`` as a task on the running loop, in an empty context (see the module docstring). The task copies the
+    context it is created in, so it is created inside an empty one (``create_task``'s ``context`` argument needs
+    Python 3.11; this works on 3.10 too)."""
+    return contextvars.Context().run(asyncio.get_running_loop().create_task, coro)

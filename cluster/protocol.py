@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError,
+                      field_validator)
 
 from common.types import CachedTokens, RequestOutput
 from common.types import RETENTION_DEFAULT_PRIORITY, Retention, SamplingParams
@@ -108,6 +109,18 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
 
+def _integral(value: Any) -> Any:
+    """An integral float (``16.0``, which vLLM and some clients send for counts) as that int; everything else is left
+    to StrictInt (a bool or a string stays an error)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Count = Annotated[StrictInt, BeforeValidator(_integral)]
+"""An integer parameter (max_tokens, top_k, seed, n ...): an int, or a float with no fraction."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
@@ -119,16 +132,16 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: StrictInt | None = Field(None, le=INT32_MAX)
+    max_tokens: Count | None = Field(None, le=INT32_MAX)
     temperature: Float | None = None
     top_p: Float | None = None
-    top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
-    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    top_k: Count | None = Field(None, ge=-1, le=INT32_MAX)
+    seed: Count | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     """A 64-bit integer, as torch's generators take (2**70 is a 400, not a 500)."""
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[Annotated[StrictInt, Field(le=INT32_MAX)]] | None = Field(None, max_length=1024)
     ignore_eos: StrictBool = False
-    n: StrictInt = 1
+    n: Count = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
@@ -149,7 +162,7 @@ class _SamplingFields(BaseModel):
     parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Count | None = None
 
     @field_validator("stop")
     @classmethod
@@ -168,7 +181,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     echo: StrictBool = False
-    best_of: StrictInt | None = None
+    best_of: Count | None = None
     suffix: str | None = None
 
 
@@ -182,7 +195,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
-    max_completion_tokens: StrictInt | None = Field(None, le=INT32_MAX)
+    max_completion_tokens: Count | None = Field(None, le=INT32_MAX)
 
 
 def parse_json_body(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:

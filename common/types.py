@@ -80,7 +80,7 @@ class Retention:
     """How long and how firmly to keep a prompt's prefix cached (the pages fully inside its first ``num_tokens``).
 
     Pages with a higher ``priority`` are evicted only after every lower-priority page; among equals, least recently used
-    first. Priority 0 is plain LRU (today's behaviour). After ``ttl_s`` seconds without a hit, a page drops back to
+    first. Priority 0 is the default eviction order (the segmented LRU of replica/page_pool.py). After ``ttl_s`` seconds without a hit, a page drops back to
     priority 0 (each hit restarts the clock). ``ttl_s`` None: kept until unpinned (admin pins only)."""
 
     priority: int = RETENTION_DEFAULT_PRIORITY
@@ -123,7 +123,7 @@ class EngineRequest:
     target_replica: str | None = None
     """Pin the request to this replica (operators, tests); the router still names the best holder in peer_hint."""
     retention: Retention | None = None
-    """Keep the prompt's prefix cached with this priority and TTL (None: plain LRU, today's behaviour)."""
+    """Keep the prompt's prefix cached with this priority and TTL (None: the default eviction order)."""
     output_channel: str | None = None
     """The caller's output channel (``OutputChannelRequest.channel_id``): when the replica serving this request has
     that channel open, the outputs after the first go there, batched with the other requests' outputs of each step,

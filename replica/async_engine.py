@@ -88,6 +88,9 @@ class RequestSink:
     channel: OutputChannel | None = None
 
 
+KEYS_OFF_THREAD_MIN_TOKENS = 4096
+"""From this prompt length the page keys (~0.06 ms per 1000 tokens) are hashed on a worker thread before the request
+reaches the engine thread, which would otherwise hold its next step for them (~5 ms for 100k tokens)."""
 EXPORT_THREADS = 4
 """Threads that copy pages out for peers (an export is a memory copy, or a bounded wait for pages being computed):
 their own pool, so a burst of exports waiting on a prefix in progress cannot starve this replica's tier loads."""
@@ -156,8 +159,13 @@ class AsyncEngine:
         finished = False
         rejected = False
         try:
+            keys = None
+            if self.engine.enable_prefix_caching and len(request.prompt_token_ids) >= KEYS_OFF_THREAD_MIN_TOKENS:
+                # hash a long prompt's page keys here, not on the engine thread between its steps
+                keys = await loop.run_in_executor(None, self.engine.page_keys, list(request.prompt_token_ids),
+                                                  request.cache_salt)
             try:
-                admitted = await self._call(lambda: self._admit(request, participant, loop))
+                admitted = await self._call(lambda: self._admit(request, participant, loop, keys))
             except InvalidRequestError:
                 rejected = True  # nothing was queued (and another request may hold this id)
                 raise
@@ -223,11 +231,12 @@ class AsyncEngine:
             sink.queue.put_nowait(OutputChannelClosed(f"output channel {channel.channel_id} closed"))
         channel.sinks.clear()
 
-    def _admit(self, request: EngineRequest, participant: object,
-               loop: asyncio.AbstractEventLoop) -> tuple[AdmissionPlan, FetchPlan] | None:
-        """Engine thread: plan the request; queue it now unless some of its missing pages are on their way or worth
-        fetching (then the plans; see replica/fetch_sharing.py)."""
-        plan = self.engine.plan(request)
+    def _admit(self, request: EngineRequest, participant: object, loop: asyncio.AbstractEventLoop,
+               page_keys: list | None = None) -> tuple[AdmissionPlan, FetchPlan] | None:
+        """Engine thread: plan the request (``page_keys``: its keys, computed by ``generate`` for a long prompt);
+        queue it now unless some of its missing pages are on their way or worth fetching (then the plans; see
+        replica/fetch_sharing.py)."""
+        plan = self.engine.plan(request, page_keys)
         if self.fetcher is not None and self.fetcher.tiers:  # pages reused from the local cache: worth sharing
             self.fetcher.share_local_hits(plan.page_keys[: plan.missing.start], self.engine.export_pages)
         if not plan.missing or self.fetcher is None or not self.fetcher.enabled:

@@ -172,7 +172,7 @@ class EngineConfig:
     machine's ``<cache dir>/kv-tier.key``, created on first use."""
     kv_cache_retention_budget: float = 0.5
     """Fraction of the page pool that may hold a retention (priority + TTL) at once, so that retained prefixes can
-    never fill the pool: at least the rest is always plain LRU."""
+    never fill the pool: at least the rest is always in the default eviction order (priority 0)."""
     kv_cache_protected_fraction: float = 0.7
     """Segmented LRU (replica/page_pool.py): cached pages that were reused (a later request hit them, or they were
     copied or fetched for a request) are evicted only after the pages never reused, up to this fraction of the pool;

@@ -77,7 +77,7 @@ def generator_seed(seed: int) -> int:
     a hash of all its bits (the generator would keep only the low 32: seeds 1 and 2**32 + 1 sampled alike)."""
     if 0 <= seed < 1 << 32:
         return seed
-    digest = hashlib.blake2b(seed.to_bytes(32, "little", signed=True), digest_size=4).digest()
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -165,9 +165,10 @@ class LLMEngine:
         return wanted
 
     # ---- requests ------------------------------------------------------------------------------------------------
-    def plan(self, request: EngineRequest) -> AdmissionPlan:
-        """Validate the request (``InvalidRequestError`` if it can never be served), check or compute its page keys, and
-        find the reusable pages the local cache lacks. Changes nothing."""
+    def plan(self, request: EngineRequest, page_keys: list[PageKey] | None = None) -> AdmissionPlan:
+        """Validate the request (``InvalidRequestError`` if it can never be served), compute its page keys (or take
+        ``page_keys``, which this engine's ``page_keys`` computed for it off the engine thread), and find the reusable
+        pages the local cache lacks. Changes nothing."""
         tokens = request.prompt_token_ids
         num_prompt = len(tokens)
         if num_prompt == 0:
@@ -191,7 +192,7 @@ class LLMEngine:
                     f"{self.kv.pool.max_retained_pages} (--kv-cache-retention-budget); retain a shorter prefix")
         if not self.enable_prefix_caching:
             return AdmissionPlan(request, [], range(0))
-        keys = self._checked_page_keys(request)
+        keys = self._checked_page_keys(request, page_keys)
         num_reusable = num_reusable_pages(num_prompt, self.config.page_size)
         return AdmissionPlan(request, keys, range(len(self.kv.match_prefix(keys[:num_reusable])), num_reusable))
 
@@ -225,11 +226,12 @@ class LLMEngine:
         """``add(plan(request))``: queue a request that fetches nothing from outside (tests, benchmarks)."""
         self.add(self.plan(request))
 
-    def _checked_page_keys(self, request: EngineRequest) -> list[PageKey]:
-        """The prompt's page keys, always computed here (~0.06 ms per 1000 tokens): a key decides which cached KV a
-        request reads and under which key the pages it computes are cached, so one from outside the engine is never
-        trusted. The ingress's keys (it computes them to route) are only compared, and a mismatch logged."""
-        keys = self.page_keys(request.prompt_token_ids, request.cache_salt)
+    def _checked_page_keys(self, request: EngineRequest, computed: list[PageKey] | None = None) -> list[PageKey]:
+        """The prompt's page keys, computed by this engine (here, ~0.06 ms per 1000 tokens, or ``computed`` by the
+        async engine before): a key decides which cached KV a request reads and under which key the pages it computes
+        are cached, so one from outside the engine is never trusted. The ingress's keys (it computes them to route)
+        are only compared, and a mismatch logged."""
+        keys = computed if computed is not None else self.page_keys(request.prompt_token_ids, request.cache_salt)
         if request.page_keys is not None and list(request.page_keys) != keys:
             logger.warning("request %s came with page keys this replica does not make (another model, page size or "
                            "key format at the ingress?); using its own", request.request_id)
@@ -530,7 +532,8 @@ class LLMEngine:
                 try:
                     self.runner.write_page(page_id, page.kv)
                     result = self.kv.commit_page(page_id, page.key, page.token_ids,
-                                                 parent_key=page_keys[index - 1] if index else None, salted=salted)
+                                                 parent_key=page_keys[index - 1] if index else None, salted=salted,
+                                                 requested=False)
                 except BaseException:
                     self.kv.release([page_id])  # uncached: back to the head of the free queue
                     raise
@@ -541,8 +544,8 @@ class LLMEngine:
             self.kv.release(unused)
             self.kv.release(held)
             self.kv.release(local_ids)
-        self.kv.mark_proactive(new_keys)
-        self.proactive.num_pages_copied += len(new_keys)
+            self.kv.mark_proactive(new_keys)
+            self.proactive.num_pages_copied += len(new_keys)
         return len(new_keys), num_local
 
     # ---- management ----------------------------------------------------------------------------------------------

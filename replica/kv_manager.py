@@ -287,9 +287,10 @@ class KVCacheManager:
         self.metrics.evictions[(reason, priority)] = self.metrics.evictions.get((reason, priority), 0) + 1
 
     def commit_page(self, page_id: int, key: PageKey, token_ids: Sequence[int], *, parent_key: PageKey | None = None,
-                    salted: bool = False) -> CommitResult:
+                    salted: bool = False, requested: bool = True) -> CommitResult:
         """Register a newly filled full page under ``key`` (``parent_key``: the key of the page before it, None for
         page 0; ``salted``: a cache salt is folded into its chain; both only travel in the stored event).
+        ``requested`` False: filled ahead of any request (a proactive copy), so the ghost list does not protect it.
 
         If another page already holds ``key`` (two requests computed the same prefix at once), the caller should hold
         that page instead: it is acquired here and ``page_id`` is released, so the prefix is stored once.
@@ -312,7 +313,7 @@ class KVCacheManager:
         if pin is not None:
             self.pool.retain(page_id, *pin)
             self._note_tier_retention(page_id)
-        if key in self._ghosts:  # evicted, then needed again
+        if requested and key in self._ghosts:  # evicted, then needed again
             del self._ghosts[key]
             self.pool.mark_reused(page_id)
         self._emit(PagesStored, (key,), (StoredPageInfo(parent_key, token_ids, salted),))
@@ -332,6 +333,7 @@ class KVCacheManager:
         for page_id in list(self.cache.page_to_key):
             self._observe_eviction(page_id, "reset", self.pool.priority_of(page_id))
         self.pool.clear_retention()
+        self.pool.forget_contents()
         self._key_to_tier_retention.clear()
         self.registry.clear_requests()
         self.cache.clear()

@@ -85,27 +85,30 @@ FINGERPRINT_RUNS = 1024
 def compute_model_fingerprint(model: torch.nn.Module, kv_dtype: torch.dtype) -> str:
     """A stable identity of the weights and KV format: the config, every parameter's name, shape, dtype and bytes,
     and the KV dtype. Equal on every replica and machine that loads the same checkpoint; different for a fine-tune or
-    a merged adapter even when it leaves the embeddings and the head alone (their KV must never be shared). A
-    parameter of up to ~1M elements is hashed whole; a larger one by 1024 evenly spaced runs of 1024 elements (~1M,
-    a few ms per tensor), which any dense change of the matrix reaches."""
+    a merged adapter even when it leaves the embeddings and the head alone (their KV must never be shared). The first
+    and the last parameter (the embeddings and the head or final norm: a fine-tune may train only a few token rows)
+    and every parameter of up to ~1M elements are hashed whole; a larger one by 1024 evenly spaced runs of 1024
+    elements (~1M), which any dense change of the matrix reaches. About 10 ms per large tensor on a CPU: seconds for
+    a model of billions of parameters, once at start-up."""
     digest = hashlib.blake2b(digest_size=16)
     config = model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
                      "_attn_implementation_autoset", "attn_implementation"):
         config.pop(volatile, None)
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, param in model.named_parameters():
+    params = list(model.named_parameters())
+    for index, (name, param) in enumerate(params):
         digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
-        digest.update(_fingerprint_sample(param.detach()))
+        digest.update(_fingerprint_sample(param.detach(), whole=index in (0, len(params) - 1)))
     digest.update(str(kv_dtype).encode())
     return digest.hexdigest()
 
 
-def _fingerprint_sample(param: torch.Tensor) -> bytes:
+def _fingerprint_sample(param: torch.Tensor, *, whole: bool = False) -> bytes:
     """The bytes ``compute_model_fingerprint`` hashes of one parameter (integer offsets: the same on every machine)."""
     flat = param.reshape(-1)
     count = flat.numel()
-    if count > FINGERPRINT_RUN * FINGERPRINT_RUNS:
+    if not whole and count > FINGERPRINT_RUN * FINGERPRINT_RUNS:
         last = count - FINGERPRINT_RUN
         starts = torch.tensor([index * last // (FINGERPRINT_RUNS - 1) for index in range(FINGERPRINT_RUNS)],
                               device=flat.device)

@@ -188,9 +188,9 @@ class PagePool:
             self._set_expiry(page_id, retention, self.clock() + retention.ttl_s)
 
     def release(self, page_id: int, *, keep_contents: bool) -> None:
-        """Drop a reference. At zero the page joins the free queue: at the tail of its priority level when its
-        contents are worth keeping (it is in the prefix cache), at the head of everything otherwise (and its
-        retention ends)."""
+        """Drop a reference. At zero the page joins the free queue: at the tail of its queue (its retention level; for
+        a plain page probation, or the protected queue once reused) when its contents are worth keeping (it is in the
+        prefix cache), at the head of everything otherwise (and its retention ends)."""
         if self.refcounts[page_id] <= 0:
             raise RuntimeError(f"page {page_id} released more often than acquired")
         self.expire()
@@ -205,6 +205,18 @@ class PagePool:
             self._unkept.move_to_end(page_id, last=False)
             return
         self._queue_free(page_id, self.priority_of(page_id))
+
+    def forget_contents(self) -> None:
+        """Every page is free and holds nothing worth keeping any more (the prefix cache was reset, so no page is in
+        use): all of them go to the queue of pages that hold nothing, with no reuse and no protection (a protected
+        page that now holds nothing must not outlast pages that do)."""
+        if any(self.refcounts):
+            raise RuntimeError("forget_contents while pages are in use")
+        self._unkept = OrderedDict((page_id, None) for page_id in range(self.num_pages))
+        self._levels.clear()
+        self._protected.clear()
+        self._page_to_expired_priority.clear()
+        self.reused = [False] * self.num_pages
 
     def mark_reused(self, page_id: int) -> None:
         """The page's contents were brought for a request (copied from a peer, fetched from a tier): protect it like
@@ -239,7 +251,8 @@ class PagePool:
         return True
 
     def unretain(self, page_id: int, reason: str = "unpin") -> bool:
-        """End the page's retention now; a free page goes to the tail of priority 0 (most recently used there)."""
+        """End the page's retention now; a free page goes to the tail of probation, or of the protected queue when it
+        was reused (most recently used there)."""
         retention = self._page_to_retention.pop(page_id, None)
         if retention is None:
             return False
@@ -249,7 +262,7 @@ class PagePool:
         return True
 
     def clear_retention(self) -> None:
-        """Drop every retention (reset): free retained pages move to the tail of priority 0."""
+        """Drop every retention (reset): free retained pages move to the tail of probation or the protected queue."""
         for page_id in list(self._page_to_retention):
             self.unretain(page_id, "reset")
         self._page_to_expired_priority.clear()

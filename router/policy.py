@@ -157,6 +157,11 @@ class RoutingReason(str, enum.Enum):
     NO_MATCH = "no_match"
 
 
+PLAIN_LRU_EVICTION_WEIGHT = 1.0
+"""``PolicyConfig.eviction_weight`` when the replicas evict by plain LRU: a request then pushes out shared prefixes
+as readily as pages nobody reused."""
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """Thresholds and per-unit costs of the rule in the module docstring."""
@@ -202,7 +207,8 @@ class PolicyConfig:
     """Weight of the cached pages a candidate would evict (pages beyond its empty ones), each priced as the mean cost
     per page of recomputing this prompt. 0.5 since the replicas' segmented LRU (replica/page_pool.py): the pages a
     request pushes out are mostly pages no request reused (a finished request's own question and answer), worth less
-    than a page of a shared prefix (1.0 had been chosen under plain LRU; BENCHMARKS.md 0r)."""
+    than a page of a shared prefix (1.0 had been chosen under plain LRU; BENCHMARKS.md 0r).
+    ``PLAIN_LRU_EVICTION_WEIGHT`` is the weight for replicas on plain LRU (``--kv-cache-protected-fraction 0``)."""
     enable_overload_exception: bool = True
     """Keep an overloaded holder as a candidate when every eligible replica would evict cached pages to take over."""
     enable_residency_aging: bool = False

@@ -459,3 +459,33 @@ def test_seeds_use_all_64_bits(tiny):
                 tokens.extend(out.new_token_ids)
         sampled[seed] = tokens
     assert sampled[1] != sampled[2**32 + 1]
+
+
+def test_a_long_prompt_s_keys_are_hashed_before_the_engine_thread_and_match(tiny, monkeypatch):
+    """The async engine hashes a long prompt's page keys on a worker thread and hands them to ``plan``; they are the
+    engine's own keys, and the request hits the cache as before."""
+    import replica.async_engine as async_engine_module
+
+    monkeypatch.setattr(async_engine_module, "KEYS_OFF_THREAD_MIN_TOKENS", 200)
+    engine = tiny.engine()
+    handed = []
+    plan = engine.plan
+
+    def recording_plan(request, page_keys=None):
+        handed.append(page_keys)
+        return plan(request, page_keys)
+
+    engine.plan = recording_plan
+    async_engine = AsyncEngine(engine)
+    prompt = random_prompt(300, seed=61)
+
+    async def ask(request_id):
+        outputs = [out async for out in async_engine.generate(EngineRequest(request_id, prompt, greedy(2)))]
+        return [t for out in outputs for t in out.new_token_ids], outputs[-1].cached_tokens.total
+
+    try:
+        first, second = asyncio.run(ask("a")), asyncio.run(ask("b"))
+    finally:
+        async_engine.shutdown()
+    assert handed == [engine.page_keys(prompt)] * 2
+    assert first[0] == second[0] == tiny.generate(prompt, 2) and (first[1], second[1]) == (0, 256)

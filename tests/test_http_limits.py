@@ -281,7 +281,8 @@ def test_the_defaults_clients_send_are_accepted():
 @pytest.mark.parametrize(("body", "param"), [
     ({"stream": "yes"}, "stream"), ({"ignore_eos": "yes"}, "ignore_eos"), ({"echo": 1}, "echo"),
     ({"prompt": [True, False]}, "prompt"), ({"prompt": [[1, True]]}, "prompt"), ({"max_tokens": True}, "max_tokens"),
-    ({"max_tokens": 5.0}, "max_tokens"), ({"temperature": True}, "temperature"), ({"top_p": "0.5"}, "top_p"),
+    ({"max_tokens": 5.5}, "max_tokens"), ({"max_tokens": "5"}, "max_tokens"), ({"temperature": True}, "temperature"),
+    ({"top_p": "0.5"}, "top_p"),
     ({"seed": False}, "seed"), ({"stop_token_ids": [True]}, "stop_token_ids"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
 ])
@@ -291,8 +292,11 @@ def test_json_types_are_strict(body, param):
     assert (error.value.status, error.value.param) == (400, param)
 
 
-def test_an_integer_is_a_float():
+def test_an_integer_is_a_float_and_an_integral_float_a_count():
     assert parse_request(CompletionRequest, {"prompt": "x", "temperature": 1}).temperature == 1.0
+    parsed = parse_request(CompletionRequest, {"prompt": "x", "max_tokens": 16.0, "top_k": 50.0, "seed": 7.0, "n": 1.0})
+    assert (parsed.max_tokens, parsed.top_k, parsed.seed, parsed.n) == (16, 50, 7, 1)
+    assert isinstance(parsed.max_tokens, int)
 
 
 @pytest.mark.parametrize(("body", "param"), [({"ttl": True}, "ttl"), ({"priority": True}, "priority"),

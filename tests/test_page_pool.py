@@ -302,3 +302,26 @@ def test_manager_protects_a_page_computed_again_after_its_eviction():
     assert kv.match_prefix(keys[:1]) == [again]
     kv.reset_prefix_cache()
     assert not kv._ghosts
+
+
+def test_a_reset_forgets_reuse_so_empty_pages_never_outlast_cached_ones():
+    kv = KVCacheManager(num_pages=6, page_size=128, protected_fraction=0.7)
+    tokens = [list(range(start, start + 128)) for start in range(0, 128 * 6, 128)]
+    keys = [keys_for(page)[0] for page in tokens]
+    pages = kv.allocate(4)
+    for index, page_id in enumerate(pages):
+        kv.commit_page(page_id, keys[index], tokens[index])
+    kv.release(pages)
+    kv.acquire(pages)  # all four reused: protected
+    kv.release(pages)
+    assert kv.pool.num_protected == 4
+    assert kv.reset_prefix_cache()
+    assert kv.pool.num_protected == 0 and not any(kv.pool.reused)
+    assert kv.pool.free_queue_order() == list(range(6))  # every page holds nothing now
+    fresh = kv.allocate(2)
+    for offset, page_id in enumerate(fresh):
+        kv.commit_page(page_id, keys[4 + offset], tokens[4 + offset])
+    kv.release(fresh)
+    assert kv.allocate(4) == [2, 3, 4, 5]  # the empty pages go first, the cached ones stay
+    assert kv.num_evictions == 0
+    kv.check_integrity([[2, 3, 4, 5]])

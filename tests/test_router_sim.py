@@ -278,9 +278,7 @@ def test_the_simulated_replica_evicts_like_the_engine_s_segmented_lru():
     def compute(name):  # a request computes one page and releases it
         sim._evict(max(0, 1 - sim.num_free))
         sim.key_to_refs[name] = 0
-        if name in sim.ghosts:
-            del sim.ghosts[name]
-            sim.reused.add(name)
+        sim._note_cached(name)
         sim._queue(name)
         page_id = kv.allocate(1)[0]
         page_of[name] = kv.commit_page(page_id, keys[name], tokens[name]).page_id

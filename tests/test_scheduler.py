@@ -171,3 +171,23 @@ def test_caching_off_matches_nothing_and_hashes_nothing():
     scheduler.add(b)
     assert chunks_of(run_step(scheduler)) == [("b", 300)]
     assert (a.page_keys, b.page_keys, scheduler.kv.num_cached_pages) == ([], [], 0)
+
+
+def test_a_preempted_request_readmitted_on_its_own_pages_does_not_protect_them():
+    """The segmented LRU protects pages a request reuses. A preempted request that hits the pages it computed itself
+    is not reusing anyone's prefix: its pages stay on probation (under the memory pressure that preempted it, they
+    must not push shared prefixes out of the protected queue)."""
+    kv = KVCacheManager(4, PAGE, protected_fraction=0.5)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=2048, model_fingerprint=FINGERPRINT)
+    a = make_seq("a", list(range(256)), 0)
+    b = make_seq("b", list(range(1000, 1250)), 1)
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler)
+    assert run_step(scheduler).preempted == [b]
+    scheduler.finish(a, "length")
+    assert chunks_of(run_step(scheduler)) == [("b", 251 - 128)]  # readmitted: it hits its own cached page 2
+    assert b.page_ids[0] == 2 and b.num_cached_prompt_tokens == 0  # counted at its first admission: nothing cached
+    scheduler.finish(b, "length")
+    assert not kv.pool.reused[2] and kv.pool.num_protected == 0
+    kv.check_integrity()

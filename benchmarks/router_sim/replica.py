@@ -273,7 +273,7 @@ class SimReplica:
                         continue
             need_new = -(-(request.prompt_len + request.out_len) // page_size) - local
             held = list(keys[:local])
-            self._pin(held)
+            self._pin(held, reuse=False)  # a reuse only once admitted (the real scheduler acquires after its check)
             if self.num_free < need_new:
                 self._evict(need_new - self.num_free)
             if self.num_free < need_new:
@@ -286,6 +286,7 @@ class SimReplica:
                     continue
                 break
             self.waiting.popleft()
+            self.reused.update(held)
             self.num_private += need_new
             run = _Running(request, held, need_new, request.prompt_len - local * page_size, local * page_size, local)
             request.cached_local = local * page_size
@@ -373,6 +374,13 @@ class SimReplica:
             if count == 0:
                 self._queue(key)
 
+    def _note_cached(self, key) -> None:
+        """A request cached ``key`` anew: a key evicted lately was needed again, a reuse (KVCacheManager's ghost list;
+        a proactive copy, ``import_prefix``, does not count)."""
+        if key in self.ghosts:
+            del self.ghosts[key]
+            self.reused.add(key)
+
     def _queue(self, key) -> None:
         """A cached page no request holds joins the tail of probation, or of the protected queue when it was reused
         (whose oldest page goes back to probation when it is full), as ``PagePool._queue_free`` does."""
@@ -403,9 +411,7 @@ class SimReplica:
             if count is None:
                 refs[key] = 1
                 stored.append(key)
-                if key in self.ghosts:  # evicted, then needed again: a reuse
-                    del self.ghosts[key]
-                    self.reused.add(key)
+                self._note_cached(key)
             else:  # another request cached it meanwhile: held instead, a reuse (``commit_page``)
                 if count == 0:
                     self._unqueue(key)
