@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError,
-                      field_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      ValidationError, field_validator)
 
 from common.types import CachedTokens, RequestOutput
 from common.types import RETENTION_DEFAULT_PRIORITY, Retention, SamplingParams

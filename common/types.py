@@ -80,8 +80,9 @@ class Retention:
     """How long and how firmly to keep a prompt's prefix cached (the pages fully inside its first ``num_tokens``).
 
     Pages with a higher ``priority`` are evicted only after every lower-priority page; among equals, least recently used
-    first. Priority 0 is the default eviction order (the segmented LRU of replica/page_pool.py). After ``ttl_s`` seconds without a hit, a page drops back to
-    priority 0 (each hit restarts the clock). ``ttl_s`` None: kept until unpinned (admin pins only)."""
+    first. Priority 0 is the default eviction order (the segmented LRU of replica/page_pool.py). After ``ttl_s``
+    seconds without a hit, a page drops back to priority 0 (each hit restarts the clock). ``ttl_s`` None: kept until
+    unpinned (admin pins only)."""
 
     priority: int = RETENTION_DEFAULT_PRIORITY
     ttl_s: float | None = 300.0

@@ -171,7 +171,8 @@ class Scheduler:
             if num_pages_needed > self.kv.num_free_after_acquiring(hit_page_ids):
                 break
             self.waiting.popleft()
-            # a preempted request re-admitted matches pages it computed itself: not a reuse (only the first admission is)
+            # a preempted request re-admitted matches pages it computed itself: not a reuse (only its first admission
+            # counts)
             self.kv.acquire(hit_page_ids, reuse=seq.num_cached_prompt_tokens is None)
             seq.page_ids = hit_page_ids + self.kv.allocate(num_pages_needed)
             out.imports.extend(PageImport(seq, len(hit_page_ids) + offset, page) for offset, page in enumerate(imported))

@@ -51,7 +51,8 @@ class Sequence:
     on; the scheduler uses those that continue the local hit when it admits the request, then drops them all."""
     first_fetched_index: int = 0
     retention: Retention | None = None
-    """Keep the first ``num_retained_pages`` pages cached with this priority and TTL (None: the default eviction order)."""
+    """Keep the first ``num_retained_pages`` pages cached with this priority and TTL (None: the default eviction
+    order)."""
     num_retained_pages: int = 0
     num_cache_write_tokens: int = 0
     """Prompt tokens of pages this request computed that entered the prefix cache (usage: written to cache)."""

@@ -183,7 +183,8 @@ def main(argv: list | None = None) -> int:
     one.add_argument("--pool-fraction", type=float, default=1.0,
                      help="scale each replica's page pool (below 1: the prefixes no longer fit)")
     one.add_argument("--eviction", default="own", choices=EVICTIONS,
-                     help="replicas' eviction: own (ours segmented LRU, baselines LRU, as their engines), or one policy "
+                     help="replicas' eviction: own (ours segmented LRU, baselines LRU, as their engines), or one "
+                          "policy "
                           "for every router")
     one.add_argument("--out", default="", help="write OUT.md and OUT.json")
     one.set_defaults(func=compare)

@@ -60,11 +60,13 @@ class SimReplica:
         self.lru: OrderedDict = OrderedDict()
         """Free cached pages never reused (probation), head = released longest ago: evicted first."""
         self.protected: OrderedDict = OrderedDict()
-        """Free cached pages that were reused (a local hit, or copied / fetched for a request): evicted after ``lru``."""
+        """Free cached pages that were reused (a local hit, or copied / fetched for a request): evicted after
+        ``lru``."""
         self.reused: set = set()
         self.max_protected = int(num_pages * protected_fraction)
         self.ghosts: OrderedDict = OrderedDict()
-        """Keys of the pages evicted last (one pool's worth): computed again, a page enters protected (KVCacheManager)."""
+        """Keys of the pages evicted last (one pool's worth): computed again, a page enters protected
+        (KVCacheManager's ghost list)."""
         self.num_private = 0
         self.computing: set = set()
         self.pending_events: list = []
