@@ -5,6 +5,7 @@ Endpoints::
     POST /v1/completions        prompt: string or token-id list; SSE when "stream": true
     POST /v1/chat/completions   messages -> tokenizer.apply_chat_template(add_generation_prompt=True)
     GET  /v1/models             the served model
+    GET  /v1/models/{id}        the served model by its name (404 for another)
     GET  /health                200 while the ingress takes requests; 503 while starting and once it drains
     GET  /metrics               Prometheus text (cluster/metrics.py); needs a key when one is configured; cached
     POST /reset_prefix_cache    admin: drops every replica's cached pages (DeploymentHandle.broadcast reaches each)
@@ -260,9 +261,22 @@ class OpenAIIngress:
             info = await self._replica_info()
         except APIError as error:
             return api_error_response(error)
-        card = {"id": self.served_model_name, "object": "model", "created": now(), "owned_by": "prefixserve",
+        return JSONResponse({"object": "list", "data": [self._model_card(info)]})
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> Response:
+        """OpenAI's "retrieve model" (the official client's ``models.retrieve``): the served model, or a 404."""
+        try:
+            self._check_api_key(request)
+            self._check_model(model_id)
+            info = await self._replica_info()
+        except APIError as error:
+            return api_error_response(error)
+        return JSONResponse(self._model_card(info))
+
+    def _model_card(self, info) -> dict:
+        return {"id": self.served_model_name, "object": "model", "created": now(), "owned_by": "prefixserve",
                 "root": self.config.model or self.served_model_name, "max_model_len": info.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
 
     @api.get("/health")
     async def health(self) -> Response:
@@ -754,6 +768,7 @@ class OpenAIIngress:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
-            raise APIError(f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+            shown = model if len(model) <= 200 else model[:200] + "..."  # a huge name is not echoed back whole
+            raise APIError(f"the model {shown!r} does not exist; this server serves {self.served_model_name!r}",
                            status=404, type="not_found_error", param="model", code="model_not_found")
 

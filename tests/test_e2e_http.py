@@ -100,6 +100,9 @@ def complete(client, prompt, **kwargs):
 def test_models_lists_the_served_model(client):
     models = client.models.list()
     assert [model.id for model in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # OpenAI's "retrieve model"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("another-model")
 
 
 def test_completion_streamed_and_not_agree(client, tokenizer):
