@@ -14,7 +14,7 @@ else
 fi
 mkdir -p $OUT
 PORT=${PORT:-8431}
-for seed in 0 1; do
+for seed in ${SEEDS:-0 1}; do
   for fraction in 0 0.7; do
     label=frac$fraction-seed$seed
     .venv/bin/prefixserve serve --model benchmarks/.scratch/tiny-llama-512x8 --dtype bfloat16 \
