@@ -39,7 +39,7 @@ from cluster.protocol import (
     parse_ttl,
 )
 from common.errors import InvalidRequestError
-from common.page_keys import compute_page_keys
+from common.page_keys import compute_page_keys, prefix_id_of
 from common.types import RETENTION_MAX_PRIORITY, EngineRequest, PinPrefix, PrefixReport, Retention, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ async def pin_prefix(ingress: Any, http_request: Request) -> Response:
         except ValueError as error:
             raise APIError(str(error), param="priority" if "priority" in str(error) else "ttl") from None
         keys = _page_keys(token_ids, info, spec.cache_salt)
-        prefix_id = keys[-1].hex()[:32]
+        prefix_id = prefix_id_of(keys)
         label = _label(ingress, token_ids)
         pin = PinPrefix(tuple(keys), priority=retention.priority, ttl_s=retention.ttl_s, label=label)
         results = await ingress.replicas.broadcast("pin_prefix", pin).results_async(timeout_s=ADMIN_TIMEOUT_S)
@@ -114,7 +114,7 @@ async def unpin_prefix(ingress: Any, http_request: Request) -> Response:
         if prefix_id is None:
             info = await ingress._replica_info()
             token_ids = await _prefix_token_ids(ingress, spec, info)
-            prefix_id = _page_keys(token_ids, info, spec.cache_salt)[-1].hex()[:32]
+            prefix_id = prefix_id_of(_page_keys(token_ids, info, spec.cache_salt))
         results = await ingress.replicas.broadcast("unpin_prefix", prefix_id).results_async(timeout_s=ADMIN_TIMEOUT_S)
     except APIError as error:
         return api_error_response(error)

@@ -22,7 +22,7 @@ from cluster.config import ServeConfig
 from cluster.openai_api import OpenAIIngress
 from replica.serve_replica import ServeReplica
 from router import ray_router
-from router.policy import PLAIN_LRU_EVICTION_WEIGHT, PolicyConfig
+from router.policy import eviction_weight_for
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +49,12 @@ def request_router_config(config: ServeConfig) -> Any:
     ``--route-on-tier-contents`` makes it price the pages the shared tiers hold as fetches. It counts tokens in the
     replicas' pages and steps (``--kv-cache-page-size``, ``--max-num-batched-tokens``), and prices the cached pages a
     request would push out by the replicas' eviction (plain LRU with ``--kv-cache-protected-fraction 0``)."""
-    plain_lru = not config.kv_cache_protected_fraction
     return ray_router.router_config(enable_peer_hint=bool(config.enable_dp_cross_replica_prefix_copy),
                                     enable_cost_model=config.router_cost_model,
                                     enable_tier_routing=bool(config.route_on_tier_contents),
                                     page_size=config.page_size,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
-                                    eviction_weight=PLAIN_LRU_EVICTION_WEIGHT if plain_lru
-                                    else PolicyConfig.eviction_weight)
+                                    eviction_weight=eviction_weight_for(config.kv_cache_protected_fraction))
 
 
 def replica_actor_options(config: ServeConfig) -> dict[str, Any]:

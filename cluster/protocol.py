@@ -147,8 +147,8 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
     """Isolates a tenant's prefix cache: requests with different salts never share pages."""
     prompt_cache_retention: Union[str, dict[str, Any], None] = None
-    """OpenAI's "in_memory" (default: plain LRU) | "24h", or prefixserve's {"priority": 0..100, "ttl": "5m"|seconds}
-    (``request_retention``)."""
+    """OpenAI's "in_memory" (the default eviction order) | "24h", or prefixserve's {"priority": 0..100, "ttl":
+    "5m"|seconds} (``request_retention``)."""
     logprobs: Any = None
     user: str | None = None
     # OpenAI parameters this server does not implement: declared so that ``check_unsupported`` refuses a value that

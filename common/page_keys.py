@@ -82,3 +82,9 @@ def compute_page_keys(
             )
         )
     return keys
+
+
+def prefix_id_of(keys: Sequence[PageKey]) -> str:
+    """The name of the prefix whose page keys are ``keys``: the hex of its last key, which depends on every page
+    before it, the salt and the model (retained prefixes, the admin routes)."""
+    return keys[-1].hex()[:32]

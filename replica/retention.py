@@ -17,15 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from common.page_keys import PageKey
+from common.page_keys import PageKey, prefix_id_of
 
 MAX_REQUEST_ENTRIES = 256
 """Request retentions listed per replica (admin pins are not bounded here: each is an explicit operator action)."""
 MAX_LABEL_CHARS = 80
-
-
-def prefix_id_of(keys: Sequence[PageKey]) -> str:
-    return keys[-1].hex()[:32]
 
 
 @dataclass

@@ -254,6 +254,12 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be >= 0 (a measured cost), got {getattr(self, name)}")
 
 
+def eviction_weight_for(protected_fraction: float) -> float:
+    """``PolicyConfig.eviction_weight`` for replicas with this ``--kv-cache-protected-fraction``: the default for their
+    segmented LRU, ``PLAIN_LRU_EVICTION_WEIGHT`` at 0 (plain LRU)."""
+    return PolicyConfig.eviction_weight if protected_fraction else PLAIN_LRU_EVICTION_WEIGHT
+
+
 @dataclass(frozen=True)
 class RoutingDecision:
     replica_id: str

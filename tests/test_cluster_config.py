@@ -248,3 +248,18 @@ def test_the_router_counts_tokens_in_the_replicas_pages_and_steps():
     kwargs = request_router_config(config_from_args(build_parser().parse_args(argv))).request_router_kwargs
     assert (kwargs["page_size"], kwargs["max_num_batched_tokens"]) == (256, 4096)
     assert PolicyConfig(**kwargs).page_size == 256  # what the router builds its policy from
+
+
+def test_the_router_prices_evictions_by_the_replicas_eviction():
+    """Replicas on the segmented LRU (the default) push out mostly pages nobody reused: the router's eviction weight
+    is PolicyConfig's default; with --kv-cache-protected-fraction 0 (plain LRU) it is the plain-LRU weight."""
+    from cluster.app import request_router_config
+    from cluster.cli import build_parser, config_from_args
+    from router.policy import PLAIN_LRU_EVICTION_WEIGHT, PolicyConfig
+
+    def weight(*flags):
+        config = config_from_args(build_parser().parse_args(["serve", "--model", "m", *flags]))
+        return request_router_config(config).request_router_kwargs["eviction_weight"]
+
+    assert weight() == PolicyConfig.eviction_weight == 0.5
+    assert weight("--kv-cache-protected-fraction", "0") == PLAIN_LRU_EVICTION_WEIGHT == 1.0

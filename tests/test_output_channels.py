@@ -174,16 +174,20 @@ def test_one_request_at_a_time_opens_no_channel():
     assert asyncio.run(collect()) == [[], [], ["A"]]
 
 
+async def open_one_channel_then_close(channels: OutputChannels, request_id: str) -> None:
+    """A request's first output on its own stream opens a channel to its replica; then every channel is closed."""
+    plain = FakeStream()
+    wrapped = channels.stream(request_id, plain)
+    plain.items.put_nowait(out(request_id, 1))
+    await wrapped.__anext__()
+    await asyncio.sleep(0)
+    channels.close()
+
+
 def test_channels_open_over_the_transport_they_are_given():
     async def scenario(transport):
         replicas = FakeReplicas()
-        channels = OutputChannels(replicas, transport=transport)
-        plain = FakeStream()
-        wrapped = channels.stream("p", plain)
-        plain.items.put_nowait(out("p", 1))
-        await wrapped.__anext__()
-        await asyncio.sleep(0)
-        channels.close()
+        await open_one_channel_then_close(OutputChannels(replicas, transport=transport), "p")
         return replicas.by_reference
 
     assert asyncio.run(scenario("ray")) == [True]
@@ -210,12 +214,7 @@ def test_a_channel_belongs_to_no_request_so_one_client_hanging_up_cannot_close_i
                                                _internal_request_id="internal-a")
         serve_context._serve_request_context.set(parent)  # as inside request a's handler
         assert serve_context._get_serve_request_context()._internal_request_id == "internal-a"
-        plain = FakeStream()
-        wrapped = channels.stream("a", plain)
-        plain.items.put_nowait(out("a", 1))
-        await wrapped.__anext__()
-        await asyncio.sleep(0)
-        channels.close()
+        await open_one_channel_then_close(channels, "a")
 
     asyncio.run(scenario())
     assert len(seen) == 1 and seen[0] != "internal-a"

@@ -24,7 +24,8 @@ routers on our engine's segmented LRU (``EngineConfig.kv_cache_protected_fractio
 baselines on plain LRU (vLLM's free-block queue and SGLang's radix cache evict least recently used first); "lru" or
 "segmented" runs every router on the one policy, to compare the routing rules alone.
 
-Our router on plain-LRU replicas runs with ``PLAIN_LRU_EVICTION_WEIGHT``, as the deployed router does.
+Our router prices evictions by its replicas' eviction (``router.policy.eviction_weight_for``), as the deployed router
+does.
 
 Modeled TTFT = first-token time - arrival time: queueing for admission, copy time, chunked prefill steps shared with
 other requests' decodes and prefills.
@@ -45,7 +46,7 @@ from benchmarks.router_sim.workloads import Workload
 from common.events import MEDIUM_HOST, PagesRemoved, PagesStored
 from common.routing_stats import ReplicaLoad, tier_holder_id
 from router.index import PrefixIndex
-from router.policy import PLAIN_LRU_EVICTION_WEIGHT
+from router.policy import eviction_weight_for
 from router.replication import HotPrefixPlanner, StartCopy
 
 _ARRIVAL, _STEP_END, _SYNC, _WAKE, _COPY_DONE = 0, 1, 2, 3, 4
@@ -172,10 +173,10 @@ class Simulation:
         self.in_flight = 0
         self.held: list = []
         protected = protected_fraction(eviction, router_name)
-        if not protected and router_name.startswith("prefixserve") and "eviction_weight" not in (policy_kwargs or {}):
-            # ours on plain-LRU replicas prices evictions as the deployed router then does (cluster/app.py)
+        if router_name.startswith("prefixserve") and "eviction_weight" not in (policy_kwargs or {}):
+            # ours prices evictions by its replicas' eviction, as the deployed router does (cluster/app.py)
             policy_kwargs = {**(cost.policy_kwargs() if policy_kwargs is None else policy_kwargs),
-                             "eviction_weight": PLAIN_LRU_EVICTION_WEIGHT}
+                             "eviction_weight": eviction_weight_for(protected)}
         self.replicas = [SimReplica(n, f"replica-{n:02d}", workload.num_pages_per_replica, cost,
                                     protected_fraction=protected) for n in range(dp)]
         self.tier = SharedTier(host_tier_pages) if host_tier_pages > 0 else None
