@@ -47,14 +47,16 @@ def request_router_config(config: ServeConfig) -> Any:
     """The prefix-aware router's config. The router names a peer holding more of the prompt's pages (``peer_hint``)
     only when cross-replica prefix copy is on; ``--no-router-cost-model`` turns its cost model off;
     ``--route-on-tier-contents`` makes it price the pages the shared tiers hold as fetches. It counts tokens in the
-    replicas' pages and steps (``--kv-cache-page-size``, ``--max-num-batched-tokens``), and prices the cached pages a
-    request would push out by the replicas' eviction (plain LRU with ``--kv-cache-protected-fraction 0``)."""
+    replicas' pages and steps (``--kv-cache-page-size``, ``--max-num-batched-tokens``), prices the cached pages a
+    request would push out by the replicas' eviction (plain LRU with ``--kv-cache-protected-fraction 0``), and keeps a
+    chat's turns with its session where caches are tight (``--router-session-growth``)."""
     return ray_router.router_config(enable_peer_hint=bool(config.enable_dp_cross_replica_prefix_copy),
                                     enable_cost_model=config.router_cost_model,
                                     enable_tier_routing=bool(config.route_on_tier_contents),
                                     page_size=config.page_size,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
-                                    eviction_weight=eviction_weight_for(config.kv_cache_protected_fraction))
+                                    eviction_weight=eviction_weight_for(config.kv_cache_protected_fraction),
+                                    session_growth=float(config.router_session_growth))
 
 
 def replica_actor_options(config: ServeConfig) -> dict[str, Any]:

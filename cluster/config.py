@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from replica.config import DEVICES, DTYPES, EngineConfig, KVEventsConfig, default_cache_dir, field_default
+from router.policy import PolicyConfig
 from router.replication import ReplicationConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -195,6 +196,9 @@ class ServeConfig:
     router_cost_model: bool = True
     """The router picks the replica with the least estimated time to first token (router/policy.py, cost model);
     False: pure affinity with fallback (the replica holding the most leading pages among those not overloaded)."""
+    router_session_growth: float = field_default(PolicyConfig, "session_growth")
+    """A chat's next turn moves to a replica whose cache its sessions would outgrow this many times over only to even
+    the sessions out (router/policy.py, "Sessions"); 0: off."""
     # ---- hot-prefix replication (issue 12; router/replication.py) ---------------------------------------------------
     enable_hot_prefix_replication: bool = False
     """Copy a prefix whose holders are all busy to a less loaded replica ahead of need. Off by default: the router's
@@ -264,6 +268,9 @@ class ServeConfig:
             raise ValueError(f"--port must be in 1..65535, got {self.port!r}")
         if not self.host:
             raise ValueError("--host must not be empty; use 127.0.0.1 (local) or 0.0.0.0 (all interfaces)")
+        if not (isinstance(self.router_session_growth, (int, float)) and 0 <= self.router_session_growth < 1e6):
+            raise ValueError(f"--router-session-growth must be a number >= 0 (0: off), got "
+                             f"{self.router_session_growth!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty; omit it to serve without authentication")
         if self.redis_url is not None and not self.redis_url.startswith(_REDIS_SCHEMES):

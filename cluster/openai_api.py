@@ -61,6 +61,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import admin_api
 from cluster.config import ServeConfig
+from cluster.detached import create_detached_task
 from cluster.hot_prefix import HotPrefixCopier
 from cluster.http_io import api_error_response, read_body
 from cluster.metrics import IngressMetrics
@@ -295,13 +296,15 @@ class OpenAIIngress:
     def _start_warm_up(self) -> None:
         """Ask the replicas' info and load the tokenizer in the background from start-up, so the first request does
         not (0.8 s on 2 cores); retried until a replica answers. Needs a running loop (Serve constructs the ingress
-        on one); without one, ``health`` starts it."""
+        on one); without one, ``health`` starts it. It belongs to no request (cluster/detached.py): a /health
+        client hanging up must not cancel the replica call that every request waiting for the info shares."""
         if self._warm_task is not None and not self._warm_task.done():
             return
         try:
-            self._warm_task = asyncio.get_running_loop().create_task(self._warm_up())
+            asyncio.get_running_loop()
         except RuntimeError:
-            pass
+            return
+        self._warm_task = create_detached_task(self._warm_up())
 
     async def _warm_up(self) -> None:
         while self._info is None and not self._draining:

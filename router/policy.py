@@ -92,6 +92,24 @@ from every replica but kept in Redis is priced as a fetch, so the router moves i
 as a peer copy (the holder's matched pages, when it has more, still come first). Each candidate's own measured
 ``host_page_ms`` / ``disk_page_ms`` price the pages; the config's are the defaults.
 
+Sessions (cost model and ``session_growth`` > 0). A request continues a session when its prompt holds the last full
+page of a request this router routed less than ``session_window_s`` ago and, where both came with partial keys,
+that request's tail (as for ``matched``): a chat's next turn. The session's home is where that request went.
+
+    sessions(r)    = sessions homed on r (each request routed starts or continues one; a session ends after
+                     session_window_s without a request)
+    tight(r)       = pages(r) / (sessions(r) + 1) < session_growth * mean pages of a session (its prompt's full
+                     pages), pages(r) the replica's page count: the sessions homed there, one more, and their expected
+                     growth would not fit its cache
+    a continuing request may go to a replica r other than its home, when tight(r), only if sessions(r) <
+    sessions(home) - 1: the move evens the sessions out. Otherwise the candidates are the home and the replicas that
+    are not tight (all the eligible ones when that leaves none).
+
+Why: the cost model moves a chat's turn to a less busy replica (copying its history) for this turn's TTFT, and the chat
+then lives there. Where caches have room that is free; where chats outgrow them, moves leave some replicas with more
+chats than others, and those replicas recompute their chats' histories over and over (tight multi-turn in the
+simulator: BENCHMARKS.md 0s).
+
 Residency ahead (cost model and ``enable_residency_aging``, off by default). ``matched(r)`` counts only the leading pages expected still on r when the request
 is admitted there (now + wait(r)): pages r holds under a retention until it ends, pages of requests this router sent
 to r until they finish (``note_routed`` with the request's keys; a running request's pages cannot be evicted), other
@@ -231,6 +249,13 @@ class PolicyConfig:
     duplicate_work_weight: float = 1.0
     """Weight of the copy and compute work a candidate needs beyond the least any eligible replica needs (work that
     delays the replica's later requests and, for recomputed pages, stores a second copy)."""
+    session_growth: float = 4.0
+    """A replica is tight for sessions (module docstring, "Sessions") when its pages per session, one more counted,
+    are fewer than this many times a session's mean length; a continuing request then moves to it only to even the
+    sessions out. 0: off. 4 in the simulator's tight multi-turn (DP 4 / 16, 32 seeds): 3-8 gave the same within 0.002
+    hit rate, 2 less (BENCHMARKS.md 0s)."""
+    session_window_s: float = 30.0
+    """How long after its last request a session still counts (a chat's think time and answer fit within it)."""
 
     def __post_init__(self) -> None:
         if self.balance_abs_threshold < 0:
@@ -249,7 +274,7 @@ class PolicyConfig:
             )
         for name in ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms", "peer_copy_page_ms",
                      "host_page_ms", "disk_page_ms", "duplicate_work_weight", "eviction_weight", "holder_wait_s",
-                     "answer_report_s"):
+                     "answer_report_s", "session_growth", "session_window_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (a measured cost), got {getattr(self, name)}")
 
@@ -287,6 +312,17 @@ class _Costs(NamedTuple):
     host_fetch_ms: float
     """Per page fetched from the host tier: measured, else the config's."""
     disk_fetch_ms: float
+
+
+class _Session(NamedTuple):
+    """An active session (module docstring, "Sessions"): where its latest request went, when, and that request's
+    full prompt pages, last page key and tail."""
+
+    replica_id: str
+    routed_s: float
+    num_pages: int
+    key: PageKey
+    tail: PromptTail | None
 
 
 class _Scored(NamedTuple):
@@ -334,6 +370,12 @@ class PrefixAwarePolicy:
         """(replica, last full prompt page of a request it finished) -> that request's prompt tail (None: not known)
         -> when it finished, for ``answer_report_s``; an entry goes when its latest finish is that old."""
         self._answered_order: deque[tuple[float, str, PageKey, PromptTail | None]] = deque()
+        self._sessions: dict[PageKey, dict[PromptTail | None, _Session]] = {}
+        """Active sessions by the last full page and tail of their latest request (module docstring, "Sessions")."""
+        self._session_order: deque[tuple[float, PageKey, PromptTail | None]] = deque()
+        self._replica_id_to_num_sessions: dict[str, int] = {}
+        self._num_session_pages = 0
+        """The full prompt pages of every active session's latest request, together."""
 
     # ---- the decision ----------------------------------------------------------------------------------------------
     def choose(
@@ -375,6 +417,11 @@ class PrefixAwarePolicy:
         abs_bound = min_load + self.config.balance_abs_threshold
         rel_bound = self.config.balance_rel_threshold * min_load
         eligible = [s for s in scored if s.load <= abs_bound or s.load <= rel_bound]  # not is_overloaded
+        session = None
+        if self.config.enable_cost_model and self.config.session_growth and page_keys:
+            session = self._session_of(page_keys, partial_key, now)
+            if session is not None and len(eligible) > 1:
+                eligible = self._keep_session_home(eligible, session.replica_id)
         top = max(replica_id_to_matched.values(), default=0)
         holders = [s for s in scored if s.matched == top] if top else [scored[0]]
         if len(holders) > 1 and self.config.enable_cost_model:
@@ -434,8 +481,81 @@ class PrefixAwarePolicy:
             ready_order.append((ready_at, replica_id, key))
         decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms, copies=copies)
         self.index.expect_keys(replica_id, page_keys, busy_until - now - busy_ms / 1000.0)  # its admission
+        if self.config.session_growth and page_keys:
+            self._note_session(session, page_keys, self._tail(page_keys, num_prompt_tokens, partial_key), replica_id,
+                               now)
         self._count(decision)
         return decision
+
+    # ---- sessions (module docstring, "Sessions") -------------------------------------------------------------------
+    def _session_of(self, page_keys: Sequence[PageKey], partial_key: PartialKey | None,
+                    now: float) -> "_Session | None":
+        """The active session this request continues (the deepest one), or None."""
+        self._forget_sessions(now)
+        sessions = self._sessions
+        if not sessions:
+            return None
+        for index in range(len(page_keys) - 1, -1, -1):
+            tails = sessions.get(page_keys[index])
+            if not tails:
+                continue
+            if None in tails:  # its tail is not known: it may be this request's
+                return tails[None]
+            if partial_key is not None:
+                length_to_key: dict[int, bytes | None] = {}
+                for tail, session in tails.items():
+                    if _continues_any((tail,), index + 1, partial_key, length_to_key):
+                        return session
+        return None
+
+    def _keep_session_home(self, eligible: list, home: str) -> list:
+        """``eligible`` less the tight replicas a continuing request of a session homed on ``home`` should not move
+        to (module docstring); all of ``eligible`` when that leaves none."""
+        num_sessions = self._replica_id_to_num_sessions
+        total = sum(num_sessions.values())
+        if not total:
+            return eligible
+        growth_pages = self.config.session_growth * self._num_session_pages / total
+        most = num_sessions.get(home, 0) - 1
+        keep = [s for s in eligible
+                if s.replica_id == home
+                or s.load_report.num_pages_total <= 0
+                or s.load_report.num_pages_total >= growth_pages * (num_sessions.get(s.replica_id, 0) + 1)
+                or num_sessions.get(s.replica_id, 0) < most]
+        return keep or eligible
+
+    def _note_session(self, continued: "_Session | None", page_keys: Sequence[PageKey], tail: PromptTail | None,
+                      replica_id: str, now: float) -> None:
+        """Record the request just routed to ``replica_id`` as its session's latest (a new session when it continues
+        none)."""
+        if continued is not None:
+            self._end_session(continued.key, continued.tail)
+        key = page_keys[-1]
+        if key in self._sessions and tail in self._sessions[key]:  # the same prompt again: the same session
+            self._end_session(key, tail)
+        self._sessions.setdefault(key, {})[tail] = _Session(replica_id, now, len(page_keys), key, tail)
+        self._session_order.append((now, key, tail))
+        self._replica_id_to_num_sessions[replica_id] = self._replica_id_to_num_sessions.get(replica_id, 0) + 1
+        self._num_session_pages += len(page_keys)
+
+    def _end_session(self, key: PageKey, tail: PromptTail | None) -> None:
+        tails = self._sessions[key]
+        session = tails.pop(tail)
+        if not tails:
+            del self._sessions[key]
+        self._replica_id_to_num_sessions[session.replica_id] -= 1
+        self._num_session_pages -= session.num_pages
+
+    def _forget_sessions(self, now: float) -> None:
+        """End the sessions whose latest request was routed ``session_window_s`` or longer ago."""
+        cutoff = now - self.config.session_window_s
+        order = self._session_order
+        sessions = self._sessions
+        while order and order[0][0] <= cutoff:
+            routed_s, key, tail = order.popleft()
+            session = sessions.get(key, {}).get(tail)
+            if session is not None and session.routed_s == routed_s:  # not continued or routed again since
+                self._end_session(key, tail)
 
     def _count(self, decision: RoutingDecision) -> None:
         self.num_decisions_by_reason[decision.reason] += 1
@@ -718,6 +838,10 @@ class PrefixAwarePolicy:
             self.tier_index.remove_replica(tier_holder_id(replica_id, medium))
         self._replica_id_to_num_inflight.pop(replica_id, None)
         self._replica_id_to_busy_until.pop(replica_id, None)
+        for key, tails in list(self._sessions.items()):  # its sessions start over wherever their next request goes
+            for tail in [tail for tail, session in tails.items() if session.replica_id == replica_id]:
+                self._end_session(key, tail)
+        self._replica_id_to_num_sessions.pop(replica_id, None)
         for request_id in [r for r, owner in self._request_id_to_replica_id.items() if owner == replica_id]:
             del self._request_id_to_replica_id[request_id]
             self._request_id_to_keys.pop(request_id, None)

@@ -352,3 +352,37 @@ def test_admin_prefix_routes_need_the_admin_key_when_only_an_admin_key_is_set():
             response = asyncio.run(handler(ingress, request(method, headers)))
             assert response.status_code == 401, (handler.__name__, headers, response.body)
     ingress._check_api_key(request("POST", {}))  # /v1 stays open in this configuration
+
+
+def test_the_ingress_warm_up_belongs_to_no_request():
+    """/health starts the warm-up (the replicas' info) when start-up's did not finish. Started from the health
+    request's code, its replica call carried that request's context, and a load balancer hanging up its health check
+    cancelled the call every waiting request shared. It now runs in an empty context (cluster/detached.py)."""
+    import asyncio
+    import types
+
+    import ray.serve.context as serve_context
+
+    from cluster.openai_api import OpenAIIngress
+
+    ingress_class = getattr(OpenAIIngress, "func_or_class", OpenAIIngress)
+    seen = []
+
+    async def replica_info():
+        seen.append(serve_context._get_serve_request_context()._internal_request_id)
+        fake._info = "info"
+
+    fake = types.SimpleNamespace(_warm_task=None, _info=None, _draining=False, _replica_info=replica_info)
+    fake._warm_up = ingress_class._warm_up.__get__(fake)
+    start = ingress_class._start_warm_up.__get__(fake)
+
+    async def scenario():
+        serve_context._serve_request_context.set(serve_context._RequestContext(
+            route="/health", request_id="health-1", _internal_request_id="internal-health-1"))
+        start()
+        await fake._warm_task
+
+    asyncio.run(scenario())
+    assert len(seen) == 1 and seen[0] != "internal-health-1"
+    start()  # no running loop: nothing is started, nothing raises
+    assert fake._warm_task.done()

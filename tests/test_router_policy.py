@@ -655,3 +655,78 @@ def test_a_follow_up_goes_where_its_own_chat_finished_not_where_another_chat_end
     # a third chat's follow-up continues neither tail: the system prompt alone is matched, the lower load decides
     third = follow_up("c", "a")
     assert (third.replica_id, third.matched_pages) == ("b", 2)
+
+
+# ---- sessions: a chat's next turn and caches its chats would outgrow (module docstring, "Sessions") ------------------
+def _chat_scenario(config: PolicyConfig, *, sessions_on_b: int, pages_total: int):
+    """b served ``sessions_on_b`` other prompts 10 s ago (idle now); then chat X's first turn and three long prompts
+    queue on a. X's next turn (its first turn's pages and two more) arrives 10 ms later, a the busier: the cost
+    model would copy X's history to b. Every replica reports ``pages_total`` pages."""
+    policy = PrefixAwarePolicy(PrefixIndex(), config)
+    busy_a = loads(a=0, b=9)
+    for number in range(sessions_on_b):
+        other = [key(f"b{number}-{n}") for n in range(6)]
+        assert policy.choose(other, loads(a=9, b=0), now=100.0).replica_id == "b"
+    turn_1 = [key(f"x{n}") for n in range(12)]
+    assert policy.choose(turn_1, busy_a, now=110.0).replica_id == "a"
+    for number in range(3):
+        assert policy.choose([key(f"q{number}-{n}") for n in range(13)], busy_a, now=110.0).replica_id == "a"
+    candidates = [ReplicaLoad("a", 3, 0, pages_total), ReplicaLoad("b", 0, pages_total, pages_total)]
+    return policy.choose(turn_1 + [key("x12"), key("x13")], candidates, now=110.01)
+
+
+def test_a_chats_next_turn_stays_home_when_the_other_replica_would_outgrow_its_cache():
+    # a has 4 sessions, b 3; 40 pages each: 40 / (3 + 1) pages per session on b, against 4x the mean session (~10
+    # pages): b is tight and the move would leave b with 4 sessions and a with 3 -> X stays on a
+    stays = _chat_scenario(PolicyConfig(), sessions_on_b=3, pages_total=40)
+    assert (stays.replica_id, stays.reason) == ("a", RoutingReason.PREFIX_HIT)
+    # the rule off (session_growth 0), or caches with room for the sessions to grow: the cost model's move to b
+    for config, pages_total in ((PolicyConfig(session_growth=0.0), 40), (PolicyConfig(), 10_000)):
+        moved = _chat_scenario(config, sessions_on_b=3, pages_total=pages_total)
+        assert (moved.replica_id, moved.reason, moved.peer_hint) == ("b", RoutingReason.COST_AWAY, "a")
+
+
+def test_a_chat_moves_to_a_tight_replica_when_that_evens_the_sessions_out():
+    # b has 1 or 2 sessions against a's 4: fewer than 4 - 1, so the move (to 2 / 3, or 3 / 3) is allowed however
+    # tight b is; with 3 (the test above) it would only swap 4 / 3 for 3 / 4
+    for sessions_on_b in (1, 2):
+        moved = _chat_scenario(PolicyConfig(), sessions_on_b=sessions_on_b, pages_total=40)
+        assert (moved.replica_id, moved.reason) == ("b", RoutingReason.COST_AWAY)
+
+
+def test_a_session_ends_after_its_window_and_its_next_request_is_a_new_one():
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig(session_window_s=5.0))
+    policy.choose(PROMPT, loads(a=0, b=9), now=0.0)
+    assert policy._session_of(PROMPT + [key("p4")], None, now=4.9) is not None
+    assert policy._session_of(PROMPT + [key("p4")], None, now=5.0) is None
+    assert policy._replica_id_to_num_sessions == {"a": 0} and policy._num_session_pages == 0
+
+
+def test_a_session_is_continued_only_by_a_prompt_that_continues_its_tail():
+    system = list(range(256))
+    first = system + [1000 + i for i in range(50)]  # two full pages and a 50-token tail
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
+    policy.choose(PROMPT[:2], loads(a=0, b=9), num_prompt_tokens=len(first), now=0.0,
+                  partial_key=token_partial_key(PROMPT[:2], first, 128))
+    for user, continues in (([1000 + i for i in range(50)], True), ([7000 + i for i in range(50)], False)):
+        tokens = system + user + [3000 + i for i in range(200)]
+        keys = PROMPT[:2] + [key(f"next-{continues}")]
+        session = policy._session_of(keys, token_partial_key(keys, tokens, 128), now=1.0)
+        assert (session is not None) is continues
+        if continues:
+            assert (session.replica_id, session.num_pages) == ("a", 2)
+    # routing the continuation ends the first request's session and starts the next one's: still one session
+    tokens = first + [3000 + i for i in range(200)]
+    keys = PROMPT[:2] + [key("next-True")]
+    policy.choose(keys, loads(a=0, b=0), num_prompt_tokens=len(tokens), now=1.0,
+                  partial_key=token_partial_key(keys, tokens, 128))
+    assert sum(policy._replica_id_to_num_sessions.values()) == 1 and policy._num_session_pages == 3
+
+
+def test_a_replica_that_leaves_takes_its_sessions_with_it():
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
+    policy.choose(PROMPT, loads(a=0, b=9), now=0.0)
+    policy.choose([key("other")], loads(a=9, b=0), now=0.0)
+    policy.forget_replica("a")
+    assert policy._replica_id_to_num_sessions == {"b": 1} and policy._num_session_pages == 1
+    assert policy._session_of(PROMPT + [key("p4")], None, now=1.0) is None
