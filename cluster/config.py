@@ -198,7 +198,7 @@ class ServeConfig:
     False: pure affinity with fallback (the replica holding the most leading pages among those not overloaded)."""
     router_session_growth: float = field_default(PolicyConfig, "session_growth")
     """A chat's next turn moves to a replica whose cache its sessions would outgrow this many times over only to even
-    the sessions out (router/policy.py, "Sessions"); 0: off."""
+    the sessions out (router/policy.py, "Sessions"); 0: off. Only with the cost model (``router_cost_model``)."""
     # ---- hot-prefix replication (issue 12; router/replication.py) ---------------------------------------------------
     enable_hot_prefix_replication: bool = False
     """Copy a prefix whose holders are all busy to a less loaded replica ahead of need. Off by default: the router's
@@ -268,7 +268,8 @@ class ServeConfig:
             raise ValueError(f"--port must be in 1..65535, got {self.port!r}")
         if not self.host:
             raise ValueError("--host must not be empty; use 127.0.0.1 (local) or 0.0.0.0 (all interfaces)")
-        if not (isinstance(self.router_session_growth, (int, float)) and 0 <= self.router_session_growth < 1e6):
+        growth = self.router_session_growth
+        if isinstance(growth, bool) or not (isinstance(growth, (int, float)) and 0 <= growth < 1e6):
             raise ValueError(f"--router-session-growth must be a number >= 0 (0: off), got "
                              f"{self.router_session_growth!r}")
         if self.api_key is not None and not self.api_key.strip():

@@ -93,17 +93,22 @@ as a peer copy (the holder's matched pages, when it has more, still come first).
 ``host_page_ms`` / ``disk_page_ms`` price the pages; the config's are the defaults.
 
 Sessions (cost model and ``session_growth`` > 0). A request continues a session when its prompt holds the last full
-page of a request this router routed less than ``session_window_s`` ago and, where both came with partial keys,
-that request's tail (as for ``matched``): a chat's next turn. The session's home is where that request went.
+page of a request routed less than ``session_window_s`` ago and that request's tail (the tokens after that page, told
+by partial keys; a prompt that ended at the page's end has none, and every prompt holding the page continues it): a
+chat's next turn. The session's home is the replica that request went to (where Serve sent it, when that was not the
+policy's choice). Requests without partial keys start no session (their continuations could not be told apart).
 
-    sessions(r)    = sessions homed on r (each request routed starts or continues one; a session ends after
-                     session_window_s without a request)
-    tight(r)       = pages(r) / (sessions(r) + 1) < session_growth * mean pages of a session (its prompt's full
-                     pages), pages(r) the replica's page count: the sessions homed there, one more, and their expected
-                     growth would not fit its cache
-    a continuing request may go to a replica r other than its home, when tight(r), only if sessions(r) <
-    sessions(home) - 1: the move evens the sessions out. Otherwise the candidates are the home and the replicas that
-    are not tight (all the eligible ones when that leaves none).
+    sessions(r)    = sessions homed on r that have been continued at least once (chats), plus p times those not
+                     continued yet, p the recent rate at which a session's first request is continued before its
+                     window ends (a moving average, 1 at start): one-off requests do not count as chats where
+                     they are seldom continued; each session ends session_window_s after its latest request
+    tight(r)       = pages(r) / (sessions(r) + 1) < session_growth * the mean pages of those sessions' latest prompts
+                     (weighted alike),
+                     pages(r) the replica's page count: the chats there, one more, and their expected growth would
+                     not fit its cache
+    a continuing request may go to a replica r, when tight(r) and r is neither its home nor a holder of the most
+    leading pages, only if sessions(r) < sessions(home) - 1: the move evens the chats out. The other candidates stay
+    (all of them when that would leave none).
 
 Why: the cost model moves a chat's turn to a less busy replica (copying its history) for this turn's TTFT, and the chat
 then lives there. Where caches have room that is free; where chats outgrow them, moves leave some replicas with more
@@ -131,6 +136,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -149,6 +155,9 @@ DISK_HOLDER_SUFFIX = tier_holder_id("", MEDIUM_DISK)
 
 _READY_MARGIN = 1.5
 """The fluid queue underestimates (decodes of other routers' requests): pages expected at t are counted at 1.5 t."""
+
+_SESSION_RATE_WEIGHT = 0.05
+"""Weight of each outcome (a session's first request continued or not) in ``session_continue_rate``."""
 
 
 PartialKey = Callable[[int, int], "bytes | None"]
@@ -277,6 +286,9 @@ class PolicyConfig:
                      "answer_report_s", "session_growth", "session_window_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (a measured cost), got {getattr(self, name)}")
+        for name in ("session_growth", "session_window_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
 
 
 def eviction_weight_for(protected_fraction: float) -> float:
@@ -315,14 +327,15 @@ class _Costs(NamedTuple):
 
 
 class _Session(NamedTuple):
-    """An active session (module docstring, "Sessions"): where its latest request went, when, and that request's
-    full prompt pages, last page key and tail."""
+    """An active session (module docstring, "Sessions"): where its latest request went, when, that request's full
+    prompt pages, last page key and tail, and whether it was continued (a chat: counted in ``sessions(r)``)."""
 
     replica_id: str
     routed_s: float
     num_pages: int
     key: PageKey
     tail: PromptTail | None
+    counted: bool
 
 
 class _Scored(NamedTuple):
@@ -372,10 +385,19 @@ class PrefixAwarePolicy:
         self._answered_order: deque[tuple[float, str, PageKey, PromptTail | None]] = deque()
         self._sessions: dict[PageKey, dict[PromptTail | None, _Session]] = {}
         """Active sessions by the last full page and tail of their latest request (module docstring, "Sessions")."""
+        self._session_tail_lengths: dict[PageKey, dict[int, int]] = {}
+        """Per page in ``_sessions``: how many of its sessions' tails have each length (a request's partial key is
+        computed once per length, however many sessions end at the page)."""
         self._session_order: deque[tuple[float, PageKey, PromptTail | None]] = deque()
         self._replica_id_to_num_sessions: dict[str, int] = {}
+        """Continued sessions by home."""
         self._num_session_pages = 0
-        """The full prompt pages of every active session's latest request, together."""
+        """The full prompt pages of every continued session's latest request, together."""
+        self._replica_id_to_num_new_sessions: dict[str, int] = {}
+        """Sessions not continued yet (one request so far) by home."""
+        self._num_new_session_pages = 0
+        self.session_continue_rate = 1.0
+        """The moving average of whether a session's first request was continued before its window ended."""
 
     # ---- the decision ----------------------------------------------------------------------------------------------
     def choose(
@@ -417,12 +439,12 @@ class PrefixAwarePolicy:
         abs_bound = min_load + self.config.balance_abs_threshold
         rel_bound = self.config.balance_rel_threshold * min_load
         eligible = [s for s in scored if s.load <= abs_bound or s.load <= rel_bound]  # not is_overloaded
+        top = max(replica_id_to_matched.values(), default=0)
         session = None
         if self.config.enable_cost_model and self.config.session_growth and page_keys:
             session = self._session_of(page_keys, partial_key, now)
             if session is not None and len(eligible) > 1:
-                eligible = self._keep_session_home(eligible, session.replica_id)
-        top = max(replica_id_to_matched.values(), default=0)
+                eligible = self._keep_session_home(eligible, session.replica_id, top)
         holders = [s for s in scored if s.matched == top] if top else [scored[0]]
         if len(holders) > 1 and self.config.enable_cost_model:
             # the holder to copy from: the one expected to have the pages soonest (a replica this router just sent
@@ -482,69 +504,125 @@ class PrefixAwarePolicy:
         decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms, copies=copies)
         self.index.expect_keys(replica_id, page_keys, busy_until - now - busy_ms / 1000.0)  # its admission
         if self.config.session_growth and page_keys:
-            self._note_session(session, page_keys, self._tail(page_keys, num_prompt_tokens, partial_key), replica_id,
-                               now)
+            self._note_session(session, page_keys, num_prompt_tokens, partial_key, replica_id, now)
         self._count(decision)
         return decision
 
     # ---- sessions (module docstring, "Sessions") -------------------------------------------------------------------
     def _session_of(self, page_keys: Sequence[PageKey], partial_key: PartialKey | None,
                     now: float) -> "_Session | None":
-        """The active session this request continues (the deepest one), or None."""
+        """The active session this request continues (the deepest, then the longest tail), or None."""
         self._forget_sessions(now)
         sessions = self._sessions
         if not sessions:
             return None
         for index in range(len(page_keys) - 1, -1, -1):
-            tails = sessions.get(page_keys[index])
+            key = page_keys[index]
+            tails = sessions.get(key)
             if not tails:
                 continue
-            if None in tails:  # its tail is not known: it may be this request's
-                return tails[None]
-            if partial_key is not None:
-                length_to_key: dict[int, bytes | None] = {}
-                for tail, session in tails.items():
-                    if _continues_any((tail,), index + 1, partial_key, length_to_key):
+            lengths = self._session_tail_lengths.get(key)
+            if lengths and partial_key is not None:
+                for num_tokens in sorted(lengths, reverse=True):
+                    tail_key = partial_key(index + 1, num_tokens)
+                    session = None if tail_key is None else tails.get(PromptTail(num_tokens, tail_key))
+                    if session is not None:
                         return session
+            session = tails.get(None)  # a prompt that ended at this page's end
+            if session is not None:
+                return session
         return None
 
-    def _keep_session_home(self, eligible: list, home: str) -> list:
-        """``eligible`` less the tight replicas a continuing request of a session homed on ``home`` should not move
-        to (module docstring); all of ``eligible`` when that leaves none."""
-        num_sessions = self._replica_id_to_num_sessions
-        total = sum(num_sessions.values())
-        if not total:
+    def _keep_session_home(self, eligible: list, home: str, top: int) -> list:
+        """``eligible`` less the tight replicas, neither the home of the session being continued nor holding the most
+        leading pages (``top``), that moving the session to would not even out (module docstring); all of
+        ``eligible`` when that would leave none."""
+        rate = self.session_continue_rate
+        continued, new = self._replica_id_to_num_sessions, self._replica_id_to_num_new_sessions
+
+        def num_sessions(replica_id: str) -> float:
+            return continued.get(replica_id, 0) + rate * new.get(replica_id, 0)
+
+        total = sum(continued.values()) + rate * sum(new.values())
+        if total <= 0:
             return eligible
-        growth_pages = self.config.session_growth * self._num_session_pages / total
-        most = num_sessions.get(home, 0) - 1
+        growth_pages = (self.config.session_growth * (self._num_session_pages + rate * self._num_new_session_pages)
+                        / total)
+        most = num_sessions(home) - 1
         keep = [s for s in eligible
                 if s.replica_id == home
+                or (top and s.matched == top)
                 or s.load_report.num_pages_total <= 0
-                or s.load_report.num_pages_total >= growth_pages * (num_sessions.get(s.replica_id, 0) + 1)
-                or num_sessions.get(s.replica_id, 0) < most]
+                or s.load_report.num_pages_total >= growth_pages * (num_sessions(s.replica_id) + 1)
+                or num_sessions(s.replica_id) < most]
         return keep or eligible
 
-    def _note_session(self, continued: "_Session | None", page_keys: Sequence[PageKey], tail: PromptTail | None,
-                      replica_id: str, now: float) -> None:
-        """Record the request just routed to ``replica_id`` as its session's latest (a new session when it continues
-        none)."""
+    def _note_session(self, continued: "_Session | None", page_keys: Sequence[PageKey], num_prompt_tokens: int | None,
+                      partial_key: PartialKey | None, replica_id: str, now: float) -> None:
+        """Record the request just routed to ``replica_id`` as its session's latest: a continued session when it
+        continues one. A request without partial keys ends the session it continues and starts none."""
         if continued is not None:
-            self._end_session(continued.key, continued.tail)
+            if not continued.counted:
+                self._note_continued(True)
+            self._end_session(continued)
+        if partial_key is None or num_prompt_tokens is None:
+            return
         key = page_keys[-1]
-        if key in self._sessions and tail in self._sessions[key]:  # the same prompt again: the same session
-            self._end_session(key, tail)
-        self._sessions.setdefault(key, {})[tail] = _Session(replica_id, now, len(page_keys), key, tail)
+        tail = self._tail(page_keys, num_prompt_tokens, partial_key)
+        tails = self._sessions.setdefault(key, {})
+        previous = tails.get(tail)
+        if previous is not None:  # the same prompt routed again (not found as continued: only defensively)
+            self._end_session(previous)
+            tails = self._sessions.setdefault(key, {})
+        counted = continued is not None or (previous is not None and previous.counted)
+        tails[tail] = _Session(replica_id, now, len(page_keys), key, tail, counted)
+        if tail is not None:
+            lengths = self._session_tail_lengths.setdefault(key, {})
+            lengths[tail.num_tokens] = lengths.get(tail.num_tokens, 0) + 1
         self._session_order.append((now, key, tail))
-        self._replica_id_to_num_sessions[replica_id] = self._replica_id_to_num_sessions.get(replica_id, 0) + 1
-        self._num_session_pages += len(page_keys)
+        self._add_session(replica_id, counted, len(page_keys))
 
-    def _end_session(self, key: PageKey, tail: PromptTail | None) -> None:
+    def _add_session(self, replica_id: str, counted: bool, num_pages: int) -> None:
+        """Count a session on ``replica_id`` (``num_pages`` < 0: uncount it)."""
+        step = 1 if num_pages >= 0 else -1
+        if counted:
+            self._replica_id_to_num_sessions[replica_id] = self._replica_id_to_num_sessions.get(replica_id, 0) + step
+            self._num_session_pages += num_pages
+        else:
+            self._replica_id_to_num_new_sessions[replica_id] = (self._replica_id_to_num_new_sessions.get(replica_id, 0)
+                                                                + step)
+            self._num_new_session_pages += num_pages
+
+    def _note_continued(self, continued: bool) -> None:
+        """A session's first request was continued (True) or its window ended first: the moving average moves."""
+        self.session_continue_rate += _SESSION_RATE_WEIGHT * (float(continued) - self.session_continue_rate)
+
+    def _end_session(self, session: "_Session") -> None:
+        key, tail = session.key, session.tail
         tails = self._sessions[key]
-        session = tails.pop(tail)
+        del tails[tail]
         if not tails:
             del self._sessions[key]
-        self._replica_id_to_num_sessions[session.replica_id] -= 1
-        self._num_session_pages -= session.num_pages
+        if tail is not None:
+            lengths = self._session_tail_lengths[key]
+            lengths[tail.num_tokens] -= 1
+            if not lengths[tail.num_tokens]:
+                del lengths[tail.num_tokens]
+                if not lengths:
+                    del self._session_tail_lengths[key]
+        self._add_session(session.replica_id, session.counted, -session.num_pages)
+
+    def _rehome_session(self, request_id: str, previous: str, replica_id: str) -> None:
+        """A request the policy routed to ``previous`` was sent to ``replica_id`` instead (Serve's fallback when the
+        chosen replica was full): its session lives there now."""
+        key = self._request_id_to_last_key.get(request_id)
+        tails = self._sessions.get(key) if key is not None else None
+        session = tails.get(self._request_id_to_tail.get(request_id)) if tails else None
+        if session is None or session.replica_id != previous:
+            return
+        tails[session.tail] = session._replace(replica_id=replica_id)
+        self._add_session(previous, session.counted, -session.num_pages)
+        self._add_session(replica_id, session.counted, session.num_pages)
 
     def _forget_sessions(self, now: float) -> None:
         """End the sessions whose latest request was routed ``session_window_s`` or longer ago."""
@@ -555,7 +633,9 @@ class PrefixAwarePolicy:
             routed_s, key, tail = order.popleft()
             session = sessions.get(key, {}).get(tail)
             if session is not None and session.routed_s == routed_s:  # not continued or routed again since
-                self._end_session(key, tail)
+                if not session.counted:
+                    self._note_continued(False)
+                self._end_session(session)
 
     def _count(self, decision: RoutingDecision) -> None:
         self.num_decisions_by_reason[decision.reason] += 1
@@ -798,6 +878,8 @@ class PrefixAwarePolicy:
                 keys = held
         self._request_id_to_replica_id[request_id] = replica_id
         self._replica_id_to_num_inflight[replica_id] = self._replica_id_to_num_inflight.get(replica_id, 0) + 1
+        if previous is not None and self._sessions:
+            self._rehome_session(request_id, previous, replica_id)
         if page_keys and self.config.enable_cost_model:
             self._request_id_to_last_key[request_id] = page_keys[-1]
             tail = self._tail(page_keys, num_prompt_tokens, partial_key)
@@ -838,10 +920,11 @@ class PrefixAwarePolicy:
             self.tier_index.remove_replica(tier_holder_id(replica_id, medium))
         self._replica_id_to_num_inflight.pop(replica_id, None)
         self._replica_id_to_busy_until.pop(replica_id, None)
-        for key, tails in list(self._sessions.items()):  # its sessions start over wherever their next request goes
-            for tail in [tail for tail, session in tails.items() if session.replica_id == replica_id]:
-                self._end_session(key, tail)
+        for tails in list(self._sessions.values()):  # its sessions start over wherever their next request goes
+            for session in [session for session in tails.values() if session.replica_id == replica_id]:
+                self._end_session(session)
         self._replica_id_to_num_sessions.pop(replica_id, None)
+        self._replica_id_to_num_new_sessions.pop(replica_id, None)
         for request_id in [r for r, owner in self._request_id_to_replica_id.items() if owner == replica_id]:
             del self._request_id_to_replica_id[request_id]
             self._request_id_to_keys.pop(request_id, None)

@@ -658,6 +658,15 @@ def test_a_follow_up_goes_where_its_own_chat_finished_not_where_another_chat_end
 
 
 # ---- sessions: a chat's next turn and caches its chats would outgrow (module docstring, "Sessions") ------------------
+def _route(policy: PrefixAwarePolicy, keys: list, candidates: list, now: float, *, tail: list | None = None,
+           partial_keys: bool = True) -> RoutingDecision:
+    """``choose`` for a prompt of ``keys``' full pages and ``tail`` tokens after them, with its partial keys (token
+    ids: 0 on the full pages, ``tail`` after them)."""
+    tokens = [0] * (len(keys) * 128) + list(tail or [])
+    partial_key = token_partial_key(keys, tokens, 128) if partial_keys else None
+    return policy.choose(keys, candidates, num_prompt_tokens=len(tokens), now=now, partial_key=partial_key)
+
+
 def _chat_scenario(config: PolicyConfig, *, sessions_on_b: int, pages_total: int):
     """b served ``sessions_on_b`` other prompts 10 s ago (idle now); then chat X's first turn and three long prompts
     queue on a. X's next turn (its first turn's pages and two more) arrives 10 ms later, a the busier: the cost
@@ -666,13 +675,13 @@ def _chat_scenario(config: PolicyConfig, *, sessions_on_b: int, pages_total: int
     busy_a = loads(a=0, b=9)
     for number in range(sessions_on_b):
         other = [key(f"b{number}-{n}") for n in range(6)]
-        assert policy.choose(other, loads(a=9, b=0), now=100.0).replica_id == "b"
+        assert _route(policy, other, loads(a=9, b=0), 100.0).replica_id == "b"
     turn_1 = [key(f"x{n}") for n in range(12)]
-    assert policy.choose(turn_1, busy_a, now=110.0).replica_id == "a"
+    assert _route(policy, turn_1, busy_a, 110.0).replica_id == "a"
     for number in range(3):
-        assert policy.choose([key(f"q{number}-{n}") for n in range(13)], busy_a, now=110.0).replica_id == "a"
+        assert _route(policy, [key(f"q{number}-{n}") for n in range(13)], busy_a, 110.0).replica_id == "a"
     candidates = [ReplicaLoad("a", 3, 0, pages_total), ReplicaLoad("b", 0, pages_total, pages_total)]
-    return policy.choose(turn_1 + [key("x12"), key("x13")], candidates, now=110.01)
+    return _route(policy, turn_1 + [key("x12"), key("x13")], candidates, 110.01)
 
 
 def test_a_chats_next_turn_stays_home_when_the_other_replica_would_outgrow_its_cache():
@@ -694,12 +703,29 @@ def test_a_chat_moves_to_a_tight_replica_when_that_evens_the_sessions_out():
         assert (moved.replica_id, moved.reason) == ("b", RoutingReason.COST_AWAY)
 
 
-def test_a_session_ends_after_its_window_and_its_next_request_is_a_new_one():
+def test_a_replica_holding_more_of_the_prompt_than_the_home_stays_a_candidate():
+    """The rule removes move targets, never the replica holding the most leading pages: a chat whose home no longer
+    holds its history (evicted there) goes where the history is, as the cost model says."""
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
+    for number in range(3):  # b: 3 sessions, a: X's
+        _route(policy, [key(f"b{number}-{n}") for n in range(6)], loads(a=9, b=0), 0.0)
+    turn_1 = [key(f"x{n}") for n in range(8)]
+    assert _route(policy, turn_1, loads(a=0, b=9), 0.0).replica_id == "a"
+    policy.index.apply_events("b", [PagesStored(1, tuple(turn_1))])  # b holds X's history (a copy); a no longer does
+    policy.index.apply_events("a", [PagesRemoved(2, tuple(turn_1))])
+    tight = [ReplicaLoad("a", 0, 40, 40), ReplicaLoad("b", 0, 40, 40)]
+    decision = _route(policy, turn_1 + [key("x8")], tight, 5.0)
+    assert (decision.replica_id, decision.matched_pages) == ("b", 8)
+
+
+def test_a_session_ends_after_its_window():
     policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig(session_window_s=5.0))
-    policy.choose(PROMPT, loads(a=0, b=9), now=0.0)
-    assert policy._session_of(PROMPT + [key("p4")], None, now=4.9) is not None
-    assert policy._session_of(PROMPT + [key("p4")], None, now=5.0) is None
-    assert policy._replica_id_to_num_sessions == {"a": 0} and policy._num_session_pages == 0
+    _route(policy, PROMPT, loads(a=0, b=9), 0.0)
+    tokens = [0] * (5 * 128)
+    later = PROMPT + [key("p4")]
+    assert policy._session_of(later, token_partial_key(later, tokens, 128), now=4.9) is not None
+    assert policy._session_of(later, token_partial_key(later, tokens, 128), now=5.0) is None
+    assert not policy._sessions and not policy._session_tail_lengths and policy._num_new_session_pages == 0
 
 
 def test_a_session_is_continued_only_by_a_prompt_that_continues_its_tail():
@@ -715,18 +741,97 @@ def test_a_session_is_continued_only_by_a_prompt_that_continues_its_tail():
         assert (session is not None) is continues
         if continues:
             assert (session.replica_id, session.num_pages) == ("a", 2)
-    # routing the continuation ends the first request's session and starts the next one's: still one session
+    # routing the continuation ends the first request's session and starts the next one's: one continued session
     tokens = first + [3000 + i for i in range(200)]
     keys = PROMPT[:2] + [key("next-True")]
     policy.choose(keys, loads(a=0, b=0), num_prompt_tokens=len(tokens), now=1.0,
                   partial_key=token_partial_key(keys, tokens, 128))
     assert sum(policy._replica_id_to_num_sessions.values()) == 1 and policy._num_session_pages == 3
+    assert not any(policy._replica_id_to_num_new_sessions.values()) and policy._num_new_session_pages == 0
+
+
+def test_a_known_tail_is_matched_before_a_prompt_that_ended_at_the_same_page():
+    """A prompt ending exactly at a page (no tail) is continued by every prompt holding that page; a session whose
+    known tail this prompt continues is the better match and wins."""
+    system = list(range(256))
+    chat = system + [1000 + i for i in range(50)]
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
+    policy.choose(PROMPT[:2], loads(a=9, b=0), num_prompt_tokens=len(chat), now=0.0,
+                  partial_key=token_partial_key(PROMPT[:2], chat, 128))  # chat X -> b
+    policy.choose(PROMPT[:2], loads(a=0, b=9), num_prompt_tokens=256, now=0.1,
+                  partial_key=token_partial_key(PROMPT[:2], system, 128))  # the bare system prompt -> a
+    tokens = chat + [3000 + i for i in range(200)]
+    keys = PROMPT[:2] + [key("x-next")]
+    assert policy._session_of(keys, token_partial_key(keys, tokens, 128), now=1.0).replica_id == "b"
+    other = system + [7000 + i for i in range(250)]  # another chat: only the bare system prompt matches
+    assert policy._session_of(keys, token_partial_key(keys, other, 128), now=1.0).replica_id == "a"
+
+
+def test_requests_without_partial_keys_start_no_session():
+    """Without partial keys a request's continuations cannot be told from other prompts on its pages (chats on one
+    system prompt would all continue the first one): no session, no count."""
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
+    for user in range(4):
+        _route(policy, PROMPT[:2] + [key(f"user-{user}")], loads(a=0, b=0), 0.0, partial_keys=False)
+    assert not policy._sessions and not policy._replica_id_to_num_new_sessions
+
+
+def test_one_off_requests_stop_counting_as_chats_once_they_are_seldom_continued():
+    """A flood of one-off prompts would otherwise count as many sessions and make roomy replicas tight (a chat then
+    kept on its busy home). Each first request that expires uncontinued moves the continuation rate towards 0; the
+    new sessions count only at that rate."""
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig(session_window_s=1.0))
+    assert policy.session_continue_rate == 1.0
+    for number in range(100):  # 10 one-offs a second for 10 s
+        _route(policy, [key(f"one-off-{number}-{n}") for n in range(4)], loads(a=0, b=0, c=0), number / 10)
+    assert policy.session_continue_rate < 0.01
+    # a chat's turns move the rate back up
+    chat = [key(f"chat-{n}") for n in range(4)]
+    rate = policy.session_continue_rate
+    _route(policy, chat, loads(a=0, b=0, c=0), 11.0)
+    _route(policy, chat + [key("chat-4")], loads(a=0, b=0, c=0), 11.5)
+    assert policy.session_continue_rate > rate
+    assert sum(policy._replica_id_to_num_sessions.values()) == 1
+
+
+def test_a_request_serve_sends_elsewhere_takes_its_session_there():
+    """Serve falls back to another replica when the chosen one is full (the adapter's ``_on_assigned`` calls
+    ``note_routed`` with the replica used): the session's home follows the request."""
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
+    turn_1 = [key(f"x{n}") for n in range(4)]
+    tokens = [0] * 512
+    decision = policy.choose(turn_1, loads(a=0, b=9), num_prompt_tokens=512, now=0.0,
+                             partial_key=token_partial_key(turn_1, tokens, 128))
+    assert decision.replica_id == "a"
+    policy.note_routed("x-1", "a", turn_1, num_prompt_tokens=512, partial_key=token_partial_key(turn_1, tokens, 128))
+    policy.note_routed("x-1", "b")  # Serve sent it to b
+    later = turn_1 + [key("x4")]
+    assert policy._session_of(later, token_partial_key(later, [0] * 640, 128), now=1.0).replica_id == "b"
+    assert policy._replica_id_to_num_new_sessions == {"a": 0, "b": 1}
+
+
+def test_many_sessions_ending_at_one_page_cost_one_partial_key_per_tail_length():
+    """One-off prompts of a shared system prompt plus a short question all end at the system prompt's last page: a
+    request holding that page computes its partial key once per distinct tail length, not once per session."""
+    system = [0] * 256
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
+    for number in range(300):
+        tokens = system + [10_000 + number] * (10 + number % 3)  # three tail lengths
+        policy.choose(PROMPT[:2], loads(a=0, b=0), num_prompt_tokens=len(tokens), now=0.0,
+                      partial_key=token_partial_key(PROMPT[:2], tokens, 128))
+    calls = []
+    tokens = system + [20_000] * 200
+    keys = PROMPT[:2] + [key("q")]
+    inner = token_partial_key(keys, tokens, 128)
+    assert policy._session_of(keys, lambda pages, num: calls.append(num) or inner(pages, num), now=1.0) is None
+    assert sorted(calls) == [10, 11, 12]
 
 
 def test_a_replica_that_leaves_takes_its_sessions_with_it():
     policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
-    policy.choose(PROMPT, loads(a=0, b=9), now=0.0)
-    policy.choose([key("other")], loads(a=9, b=0), now=0.0)
+    _route(policy, PROMPT, loads(a=0, b=9), 0.0)
+    _route(policy, [key("other")], loads(a=9, b=0), 0.0)
     policy.forget_replica("a")
-    assert policy._replica_id_to_num_sessions == {"b": 1} and policy._num_session_pages == 1
-    assert policy._session_of(PROMPT + [key("p4")], None, now=1.0) is None
+    assert policy._replica_id_to_num_new_sessions == {"b": 1} and policy._num_new_session_pages == 1
+    later = PROMPT + [key("p4")]
+    assert policy._session_of(later, token_partial_key(later, [0] * 640, 128), now=1.0) is None
