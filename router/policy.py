@@ -569,13 +569,8 @@ class PrefixAwarePolicy:
             return
         key = page_keys[-1]
         tail = self._tail(page_keys, num_prompt_tokens, partial_key)
-        tails = self._sessions.setdefault(key, {})
-        previous = tails.get(tail)
-        if previous is not None:  # the same prompt routed again (not found as continued: only defensively)
-            self._end_session(previous)
-            tails = self._sessions.setdefault(key, {})
-        counted = continued is not None or (previous is not None and previous.counted)
-        tails[tail] = _Session(replica_id, now, len(page_keys), key, tail, counted)
+        counted = continued is not None  # the same prompt again is found as the session it continues, and ended above
+        self._sessions.setdefault(key, {})[tail] = _Session(replica_id, now, len(page_keys), key, tail, counted)
         if tail is not None:
             lengths = self._session_tail_lengths.setdefault(key, {})
             lengths[tail.num_tokens] = lengths.get(tail.num_tokens, 0) + 1
