@@ -835,3 +835,72 @@ def test_a_replica_that_leaves_takes_its_sessions_with_it():
     assert policy._replica_id_to_num_new_sessions == {"b": 1} and policy._num_new_session_pages == 1
     later = PROMPT + [key("p4")]
     assert policy._session_of(later, token_partial_key(later, [0] * 640, 128), now=1.0) is None
+
+
+def _check_session_books(policy: PrefixAwarePolicy) -> None:
+    """The session counters equal what ``_sessions`` holds: sessions and pages by home (continued and new), and the
+    tail lengths per page."""
+    by_home: dict[str, int] = {}
+    pages = 0
+    lengths: dict[bytes, dict[int, int]] = {}
+    for page, tails in policy._sessions.items():
+        assert tails
+        for tail, session in tails.items():
+            assert (session.key, session.tail) == (page, tail)
+            by_home[session.replica_id] = by_home.get(session.replica_id, 0) + 1
+            pages += session.num_pages
+            if tail is not None:
+                lengths.setdefault(page, {})
+                lengths[page][tail.num_tokens] = lengths[page].get(tail.num_tokens, 0) + 1
+    counted: dict[str, int] = {}
+    for counts in (policy._replica_id_to_num_sessions, policy._replica_id_to_num_new_sessions):
+        assert all(count >= 0 for count in counts.values())
+        for replica_id, count in counts.items():
+            if count:
+                counted[replica_id] = counted.get(replica_id, 0) + count
+    assert counted == by_home
+    assert pages == policy._num_session_pages + policy._num_new_session_pages
+    assert lengths == policy._session_tail_lengths
+    assert 0.0 <= policy.session_continue_rate <= 1.0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_session_books_stay_consistent_under_random_traffic(seed):
+    """Random prompts over a 3-token alphabet and 4-token pages (so they share and continue each other's pages and
+    tails), many at the same instant, with and without partial keys; requests moved by Serve, finished, replicas
+    leaving; windows of 0-3 s. After every step the counters match the sessions; at the end all expire."""
+    import random
+
+    rng = random.Random(seed)
+    page_size = 4
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig(page_size=page_size,
+                                                           session_window_s=rng.choice([0.0, 1.0, 3.0]),
+                                                           session_growth=rng.choice([0.5, 4.0, 100.0])))
+    replicas = ["a", "b", "c"]
+    now = 0.0
+    for step in range(200):
+        if rng.random() < 0.05:
+            policy.forget_replica(rng.choice(replicas))
+            _check_session_books(policy)
+            continue
+        if rng.random() < 0.5:
+            now += rng.choice([0.0, 0.0, 0.5, 1.0, 2.0])
+        tokens = [rng.randint(0, 2) for _ in range(rng.randint(1, 30))]
+        keys = [key("k" + ",".join(map(str, tokens[:(n + 1) * page_size]))) for n in range(len(tokens) // page_size)]
+        partial_key = token_partial_key(keys, tokens, page_size) if keys and rng.random() < 0.8 else None
+        candidates = [ReplicaLoad(r, rng.randint(0, 4), rng.randint(0, 40), rng.choice([0, 20, 40])) for r in replicas]
+        decision = policy.choose(keys, candidates, num_prompt_tokens=len(tokens), now=now, partial_key=partial_key)
+        request_id = f"r{step}"
+        policy.note_routed(request_id, decision.replica_id, keys, num_prompt_tokens=len(tokens),
+                           partial_key=partial_key)
+        if rng.random() < 0.2:
+            policy.note_routed(request_id, rng.choice(replicas))  # Serve sent it elsewhere
+        if rng.random() < 0.5:
+            policy.note_finished(request_id)
+        if keys and rng.random() < 0.5:
+            policy.index.apply_events(rng.choice(replicas), [PagesStored(1, tuple(keys))])
+        _check_session_books(policy)
+    policy._forget_sessions(now + 1e9)
+    _check_session_books(policy)
+    assert not policy._sessions and not policy._session_order and not policy._session_tail_lengths
+    assert policy._num_session_pages == 0 and policy._num_new_session_pages == 0
