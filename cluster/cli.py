@@ -164,8 +164,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     cache.add_argument("--route-on-tier-contents", action=argparse.BooleanOptionalAction,
                        default=default("route_on_tier_contents"),
                        help="replicas report which of their pages the shared tiers (Redis, disk) hold, and the router "
-                            "prices those pages at the measured fetch cost instead of recomputing them (default: off; "
-                            "it enables Redis keyspace notifications for evictions)")
+                            "prices those pages at the measured fetch cost instead of recomputing them (default: on exactly "
+                            "when --no-enable-dp-cross-replica-prefix-copy leaves the tiers as the only way between "
+                            "replicas; it enables Redis keyspace notifications for evictions)")
     cache.add_argument("--kv-events-config", default=None,
                        help="publish KV events in vLLM's schema over ZMQ, vLLM's JSON object, e.g. "
                             "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "

@@ -163,10 +163,13 @@ class ServeConfig:
     peer_copy_stream: bool = True
     """Peer copy between nodes over the holder's page stream (TCP, replica/page_stream.py) once the first copy through
     Ray has named it; off: every copy between nodes goes through Ray's object store."""
-    route_on_tier_contents: bool = False
+    route_on_tier_contents: bool | None = None
     """Replicas report the pages they stored in the shared tiers that the tiers still hold (routing stats ``tiers``),
     and the router prices them as tier fetches (router/policy.py ``enable_tier_routing``). Only with a shared tier.
-    Off by default: it has not shown a gain yet (simulated, BENCHMARKS.md section 0b)."""
+    None (the default): on exactly when cross-replica prefix copy is off and a shared tier (Redis or disk) is on. Then
+    the tiers are the only way one replica gets another's pages, and pricing them lowered the simulated p99 TTFT
+    (BENCHMARKS.md 0t). With copy on, the router already prices the same move as a peer copy, and pricing the tiers
+    too cost p99 (0b, 0s), so it stays off."""
     kv_events_config: KVEventsConfig | str | Mapping[str, Any] | None = None
     """vLLM-schema KV events over ZMQ (--kv-events-config): vLLM's JSON object, a mapping, or None (off)."""
     # ---- limits, admission, shutdown, access (issue 10) -------------------------------------------------------------
@@ -230,6 +233,10 @@ class ServeConfig:
             set_field("enable_dp_cross_replica_prefix_copy", self.enable_prefix_caching)
         if self.enable_disk_cache is None:
             set_field("enable_disk_cache", self.enable_prefix_caching)
+        if self.route_on_tier_contents is None:
+            set_field("route_on_tier_contents", bool(self.enable_prefix_caching and not
+                                                     self.enable_dp_cross_replica_prefix_copy and
+                                                     (self.redis_url or self.enable_disk_cache)))
         set_field("disk_cache_budget", parse_memory_size(self.disk_cache_budget))
         set_field("max_request_body_bytes", parse_memory_size(self.max_request_body_bytes))
         if self.served_model_name is None:

@@ -224,11 +224,18 @@ def test_prefill_threads_default_to_the_machine_s_cpus_shared_out_and_can_be_set
 
 
 def test_route_on_tier_contents_reaches_the_replicas_and_the_router():
-    """Off by default; the flag turns on both halves: the replicas' tier reports and the router's pricing."""
+    """By default on exactly when peer copy is off and a shared tier is on (then the tiers are the only way between
+    replicas); the flag sets both halves either way: the replicas' tier reports and the router's pricing."""
     from cluster.app import request_router_config
     from cluster.cli import build_parser, config_from_args
 
-    for argv, expected in (([], False), (["--route-on-tier-contents"], True)):
+    no_copy = "--no-enable-dp-cross-replica-prefix-copy"
+    for argv, expected in (([], False), (["--route-on-tier-contents"], True),
+                           ([no_copy], True),  # the disk tier is on by default
+                           ([no_copy, "--no-enable-disk-cache"], False),  # no shared tier
+                           ([no_copy, "--no-enable-disk-cache", "--redis-url", "redis://h:6379/0"], True),
+                           ([no_copy, "--no-route-on-tier-contents"], False),
+                           (["--no-enable-prefix-caching"], False)):
         config = config_from_args(build_parser().parse_args(["serve", "--model", "m", *argv]))
         assert config.route_on_tier_contents is expected
         assert config.engine_config("r").route_on_tier_contents is expected

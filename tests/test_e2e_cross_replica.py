@@ -45,16 +45,18 @@ def both_replicas(client, tag):
     raise AssertionError(f"only saw replicas {seen}")
 
 
-def wait_for_tier_writes(metrics_url: str, tier: str, num_pages: int, timeout_s: float = 60) -> None:
+def wait_for_tier_writes(metrics_url: str, tier: str, num_pages: int, timeout_s: float = 60,
+                         metric: str = "prefixserve_kv_tier_pages_stored_total") -> None:
     """Wait until the replicas' background writers have stored ``num_pages`` pages in ``tier`` (a loaded machine can
-    take a while; a fixed sleep made the tier tests depend on the machine's speed)."""
+    take a while; a fixed sleep made the tier tests depend on the machine's speed), or, with ``metric`` the tiers'
+    events counter, until the replicas have announced that many of the tier's pages to the router."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stored = metric_values(httpx.get(metrics_url, headers=AUTH).text, "prefixserve_kv_tier_pages_stored_total")
+        stored = metric_values(httpx.get(metrics_url, headers=AUTH).text, metric)
         num_stored = sum(value for labels, value in stored.items() if f'tier="{tier}"' in labels)
         if num_stored >= num_pages:
             return
-        assert time.monotonic() < deadline, f"only {num_stored} of {num_pages} pages reached the {tier} tier"
+        assert time.monotonic() < deadline, f"only {num_stored} of {num_pages} pages in the {tier} tier ({metric})"
         time.sleep(0.2)
 
 
@@ -70,6 +72,8 @@ def run_scenario(client, tag, metrics_url):
         num_reused_pages = cached_of(again.usage)[1]["local"] // PAGE_SIZE
         assert num_reused_pages >= 2
         wait_for_tier_writes(metrics_url, tag, num_reused_pages)
+        # peer copy is off, so routing on the tiers' contents is on by default: the replicas announce those pages
+        wait_for_tier_writes(metrics_url, tag, num_reused_pages, metric="prefixserve_kv_tier_events_stored_total")
     time.sleep(ROUTING_SETTLE_S)  # routing stats reach the router
     question = prefix + "\n# second question\n"
     remote, replica = complete(client, question, target=b)

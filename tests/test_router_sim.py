@@ -219,6 +219,29 @@ def test_a_shared_host_tier_serves_an_evicted_prefix_and_the_router_hears_of_it(
     assert without[-1].first_token_s - without[-1].arrival_s > again.first_token_s - again.arrival_s
 
 
+def test_with_copy_off_pricing_the_tier_moves_a_request_off_a_busy_holder():
+    """Peer copy off (--no-enable-dp-cross-replica-prefix-copy): the holder of a prefix is busy and the shared tier
+    holds the prefix. Blind to the tier, the router can only price the other replica as recomputing it and keeps the
+    request on the busy holder; pricing the tier's pages (the default with copy off), it sends the request to the idle
+    replica, which fetches the prefix from the tier and answers sooner. Neither copies from a peer."""
+    def requests() -> list:
+        busy = [request(f"busy{n}", 0.001 * n, [(f"other{n}", 1500)]) for n in range(6)]
+        return [request("first", 0.0, [("sys", 1024), ("q1", 64)]), *busy,
+                request("again", 3.0, [("sys", 1024), ("q2", 64)])]
+
+    outcomes = {}
+    for name in ("prefixserve-measured-nocopy", "prefixserve-tier-nocopy"):
+        sent = requests()
+        Simulation(Workload("test", sent, 256), name, 2, COST, host_tier_pages=256).run()
+        first, again = sent[0], sent[-1]
+        outcomes[name] = (again.replica == first.replica, again.reason, again.cached_local, again.cached_peer,
+                          again.cached_tier, again.first_token_s - again.arrival_s)
+    blind, priced = outcomes["prefixserve-measured-nocopy"], outcomes["prefixserve-tier-nocopy"]
+    assert blind[:5] == (True, "prefix_hit", 1024, 0, 0)
+    assert priced[:5] == (False, "cost_away", 0, 0, 1024)
+    assert priced[5] < blind[5] / 2
+
+
 def test_hot_prefix_replication_copies_ahead_and_later_requests_hit_the_copy():
     """``prefixserve-replicate`` runs the real HotPrefixPlanner beside our policy. Peer hints off here, so the only
     copy is the planner's: a burst on one system prompt makes its holder busy (2 requests: the planner's threshold

@@ -270,6 +270,10 @@ def make_router(name: str, view, cost: CostModel, seed: int = 0, policy_kwargs: 
         "prefixserve-tier": {"enable_tier_routing": True},
         # the same, with residency aging on (PolicyConfig.enable_residency_aging)
         "prefixserve-residency": {"enable_residency_aging": True},
+        # peer copy off (--no-enable-dp-cross-replica-prefix-copy): another replica's pages come only through the
+        # shared tier; blind to the tier's contents, and pricing them
+        "prefixserve-measured-nocopy": {"enable_peer_hint": False},
+        "prefixserve-tier-nocopy": {"enable_peer_hint": False, "enable_tier_routing": True},
     }
     if name in measured_variants:
         router = Ours(view, seed, page_size=cost.page_size, max_num_batched_tokens=cost.max_num_batched_tokens,
