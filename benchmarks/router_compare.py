@@ -15,9 +15,12 @@ Routers (the replica deployment's ``request_router_config``; everything else ide
                      ServeConfig.router_cost_model)
     cost-model-abs4  the product default but with the load bound of sessions 8-13 (balance_abs_threshold 4, now 3;
                      BENCHMARKS.md 0f)
+    tier-nocopy      ours, peer copy off, the disk tier on (a fresh folder each run): the router prices the pages the
+                     tier holds as fetches (--route-on-tier-contents, the default with copy off)
+    blind-nocopy     the same with --no-route-on-tier-contents: the router prices them as recomputed
 
-The disk tier is off in every row and peer copy is off in all but the last, so the cached-token rate shows what
-routing alone achieves. The KV budget of each replica holds fewer pages than all K system prompts need, but the two
+The disk tier is off in every row but the last two, and peer copy is off in the first four, so the cached-token rate
+shows what routing alone achieves. The KV budget of each replica holds fewer pages than all K system prompts need, but the two
 replicas together hold them all: a router must partition the prompts between the replicas to reach the ideal.
 
 Workload: K system prompts of P tokens; N users, N/K per prompt, in seeded random order; each request is its
@@ -137,6 +140,10 @@ class RouterCase:
     """None: build_app's own prefix-aware router config."""
     cost_model: bool = True
     """ServeConfig.router_cost_model (--router-cost-model / --no-router-cost-model)."""
+    disk_tier: bool = False
+    """The disk KV tier on, in a fresh folder for each run (the replicas share it, as on one node)."""
+    tier_routing: bool | None = None
+    """ServeConfig.route_on_tier_contents (None: its default, on exactly when peer copy is off and a tier is on)."""
 
 
 def serve_default_router_config() -> Any:
@@ -175,6 +182,10 @@ ROUTER_CASES = {
         RouterCase("affinity", "ours, --no-router-cost-model, peer copy ON", True, None, False),
         RouterCase("cost-model-abs4", "ours, the product default with balance_abs_threshold 4", True,
                    abs4_router_config, True),
+        RouterCase("tier-nocopy", "ours, peer copy OFF, disk tier ON, routing on its contents (the default)", False,
+                   None, True, disk_tier=True),
+        RouterCase("blind-nocopy", "ours, peer copy OFF, disk tier ON, --no-route-on-tier-contents", False, None,
+                   True, disk_tier=True, tier_routing=False),
     )
 }
 
@@ -233,16 +244,19 @@ def build_requests(args: argparse.Namespace) -> list[Request]:
     ]
 
 
-def serve_config(args: argparse.Namespace, peer_copy: bool, cost_model: bool = True) -> Any:
+def serve_config(args: argparse.Namespace, peer_copy: bool, cost_model: bool = True, disk_tier: bool = False,
+                 tier_routing: bool | None = None) -> Any:
     from cluster.config import ServeConfig
 
+    disk = {"enable_disk_cache": True, "disk_cache_dir": tempfile.mkdtemp(prefix="router-compare-kv-"),
+            "route_on_tier_contents": tier_routing} if disk_tier else {"enable_disk_cache": False}
     return ServeConfig(
         model=str(model_dir(args)), devices="cpu", dtype=args.dtype, data_parallel_degree=dp_of(args),
         page_size=PAGE_SIZE,
         kv_cache_memory=args.pages_per_replica * kv_bytes_per_page(args),
         num_cpus_per_replica=args.num_cpus_per_replica, max_model_len=2048, max_num_batched_tokens=2048,
-        served_model_name=MODEL_NAME, log_level="warning", enable_disk_cache=False,
-        enable_dp_cross_replica_prefix_copy=peer_copy, router_cost_model=cost_model,
+        served_model_name=MODEL_NAME, log_level="warning",
+        enable_dp_cross_replica_prefix_copy=peer_copy, router_cost_model=cost_model, **disk,
     )
 
 
@@ -283,7 +297,8 @@ def deploy(args: argparse.Namespace, case: RouterCase, name: str) -> None:
     from cluster.app import build_app
 
     router = case.make_router_config() if case.make_router_config is not None else None
-    serve.run(build_app(serve_config(args, case.peer_copy, case.cost_model), router_config=router), name=name,
+    config = serve_config(args, case.peer_copy, case.cost_model, case.disk_tier, case.tier_routing)
+    serve.run(build_app(config, router_config=router), name=name,
               route_prefix=f"/{name}")
 
 
@@ -418,7 +433,7 @@ def summarize(case: RouterCase, records: list[Record], duration_s: float, args: 
     }
 
 
-RECORD_FIELDS = "index,prefix,replica,sent_s,ttft_ms,prompt_tokens,cached_local,cached_peer,error"
+RECORD_FIELDS = "index,prefix,replica,sent_s,ttft_ms,prompt_tokens,cached_local,cached_peer,error,cached_disk"
 
 
 def compact_records(records: list[Record], replica_counts: Counter) -> list[str]:
@@ -429,7 +444,7 @@ def compact_records(records: list[Record], replica_counts: Counter) -> list[str]
         ttft_ms = f"{r.ttft_s * 1000:.1f}" if r.ttft_s is not None else ""
         lines.append(f"{r.index},{r.prefix},{replica_to_name.get(r.replica_id, '?')},{r.sent_s:.3f},{ttft_ms},"
                      f"{r.prompt_tokens},{r.cached_by_source.get('local', 0)},{r.cached_by_source.get('peer', 0)},"
-                     f"{'error' if r.error else ''}")
+                     f"{'error' if r.error else ''},{r.cached_by_source.get('disk', 0)}")
     return lines
 
 
@@ -438,7 +453,7 @@ def run_label(row: dict) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ["router", "cached-token rate", "cached local / peer tokens", "ideal", "ratio to ideal", "TTFT p50 ms",
+    header = ["router", "cached-token rate", "cached local / peer / disk tokens", "ideal", "ratio to ideal", "TTFT p50 ms",
               "TTFT p99 ms", "requests per replica", "busiest / mean", "replicas per prompt", "req/s", "errors",
               "targets"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -448,7 +463,8 @@ def format_table(rows: list[dict]) -> str:
         cells = [
             f"{row['router']}{run_label(row)} ({row['description']})",
             f"{100 * row['cached_token_rate']:.1f}%",
-            f"{row['cached_tokens_by_source'].get('local', 0)} / {row['cached_tokens_by_source'].get('peer', 0)}",
+            f"{row['cached_tokens_by_source'].get('local', 0)} / {row['cached_tokens_by_source'].get('peer', 0)} / "
+            f"{row['cached_tokens_by_source'].get('disk', 0)}",
             f"{100 * row['ideal_cached_token_rate']:.1f}%",
             f"{row['ratio_to_ideal']:.2f}",
             f"{row['ttft_p50_ms']:.0f}" if row["ttft_p50_ms"] is not None else "-",
@@ -523,8 +539,8 @@ def write_results(rows: list[dict], args: argparse.Namespace, command: str, wall
         f"page size {PAGE_SIZE}; "
         f"KV budget {args.pages_per_replica} pages per replica ({args.num_prefixes} prompts x "
         f"{math.ceil(args.prefix_len / PAGE_SIZE)} pages = "
-        f"{args.num_prefixes * math.ceil(args.prefix_len / PAGE_SIZE)} pages in all); disk tier off, Redis off; "
-        f"peer copy off except where marked.\n"
+        f"{args.num_prefixes * math.ceil(args.prefix_len / PAGE_SIZE)} pages in all); disk tier off (on in the "
+        f"*-nocopy rows), Redis off; peer copy off except where marked.\n"
         f"workload: {args.num_prefixes} system prompts x {args.prefix_len} tokens, {args.num_requests} requests "
         f"({workload_description(args)}, seed {args.seed}), each + a fresh "
         f"{args.suffix_len}-token suffix, {args.output_len} output tokens, greedy, token-id prompts to "

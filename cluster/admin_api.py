@@ -199,11 +199,11 @@ def _label(ingress: Any, token_ids: list[int]) -> str:
 
 
 async def _take_back(ingress: Any, prefix_id: str) -> None:
-    """Unpin a prefix whose pin failed after it was broadcast: the caller is told it failed, so no replica may keep
-    it (a prefix pinned before this call is unpinned too; the caller pins it again). Best effort: the caller's error
-    is the one reported."""
+    """Take back a pin that failed after it was broadcast: the caller is told it failed, so each replica puts the
+    prefix back as it was before the call (pinned earlier: that pin, with its priority and TTL; otherwise not pinned).
+    Best effort: the caller's error is the one reported."""
     try:
-        await ingress.replicas.broadcast("unpin_prefix", prefix_id).results_async(timeout_s=ADMIN_TIMEOUT_S)
+        await ingress.replicas.broadcast("take_back_pin", prefix_id).results_async(timeout_s=ADMIN_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - logged; the pin's own error goes to the caller
         logger.warning("could not take back the failed pin of prefix %s", prefix_id, exc_info=True)
 

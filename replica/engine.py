@@ -560,6 +560,12 @@ class LLMEngine:
         self._forward_tier_retention()
         return result
 
+    def take_back_pin(self, prefix_id: str) -> bool:
+        """Admin: undo a pin whose warm-up failed (see ``KVCacheManager.take_back_pin``)."""
+        found = self.kv.take_back_pin(prefix_id)
+        self._forward_tier_retention()
+        return found
+
     def unpin_prefix(self, prefix_id: str) -> bool:
         found = self.kv.unpin_prefix(prefix_id)
         self._forward_tier_retention()

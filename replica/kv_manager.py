@@ -25,16 +25,19 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored, StoredPageInfo
-from common.page_keys import PageKey
+from common.page_keys import PageKey, prefix_id_of
 from common.types import KVCacheMetrics, PinPrefix, PrefixReport
 from replica.export_index import ExportIndex
 from replica.page_pool import PagePool
 from replica.prefix_cache import NullPrefixCache, PrefixCache
 from replica.retention import RetentionRegistry
+
+PIN_UNDO_ENTRIES = 64
+"""Admin pins per replica whose earlier state is kept for ``take_back_pin`` (the pins in flight, in practice)."""
 
 
 TIER_REFRESH_MIN_S = 1.0
@@ -86,6 +89,9 @@ class KVCacheManager:
         """Retention changes for the shared tiers: (key, priority (0: released), monotonic end or ``math.inf``)."""
         self._key_to_tier_retention: dict[PageKey, tuple[int, float]] = {}
         """What was last queued for each cached retained page (so a hit re-queues only when its end moved enough)."""
+        self._pin_undo: OrderedDict[str, object] = OrderedDict()
+        """The last admin pins' prefix ids -> the entry each replaced (a copy, or None): ``take_back_pin`` puts it
+        back when the pin's warm-up fails (at most ``PIN_UNDO_ENTRIES``)."""
 
     # ---- queries -------------------------------------------------------------------------------------------------
     @property
@@ -206,6 +212,13 @@ class KVCacheManager:
     def pin_prefix(self, pin: PinPrefix) -> tuple[int, int]:
         """Admin pin: remember it (pages cached later get it) and retain the pages cached now. Returns (pages of the
         prefix cached here, pages that took the retention)."""
+        if pin.page_keys:
+            prefix_id = prefix_id_of(pin.page_keys)
+            earlier = self.registry.prefix_id_to_entry.get(prefix_id)
+            self._pin_undo.pop(prefix_id, None)
+            self._pin_undo[prefix_id] = None if earlier is None else replace(earlier)
+            while len(self._pin_undo) > PIN_UNDO_ENTRIES:
+                self._pin_undo.popitem(last=False)
         self.registry.add(pin.page_keys, priority=pin.priority, ttl_s=pin.ttl_s, source="admin", label=pin.label)
         page_ids = self.match_prefix(pin.page_keys)
         num_retained = self.retain(page_ids, pin.priority, pin.ttl_s)
@@ -213,6 +226,22 @@ class KVCacheManager:
         for key in pin.page_keys[len(page_ids):]:  # not cached here: the tiers may hold them
             self._tier_retention.append((key, pin.priority, end))
         return len(page_ids), num_retained
+
+    def take_back_pin(self, prefix_id: str) -> bool:
+        """Undo this replica's part of an admin pin whose warm-up failed: the prefix goes back to what it was before
+        that pin (an earlier pin or request retention, with its priority and TTL, the TTL counted again from now), or
+        is unpinned when there was none (or the record of it is gone). False when nothing was listed."""
+        earlier = self._pin_undo.pop(prefix_id, None)
+        found = self.unpin_prefix(prefix_id)
+        if earlier is not None:
+            self.registry.restore(earlier)
+            page_ids = self.match_prefix(earlier.keys)
+            self.retain(page_ids, earlier.priority, earlier.ttl_s)
+            if earlier.source == "admin":
+                end = math.inf if earlier.ttl_s is None else self.clock() + earlier.ttl_s
+                for key in earlier.keys[len(page_ids):]:
+                    self._tier_retention.append((key, earlier.priority, end))
+        return found
 
     def unpin_prefix(self, prefix_id: str) -> bool:
         """Forget a listed prefix and end the retention of its pages that no other listed prefix shares."""

@@ -84,6 +84,12 @@ class RetentionRegistry:
             self._bound_request_entries()
         return entry
 
+    def restore(self, entry: RetainedPrefix) -> None:
+        """Put back an entry as it was (a copy taken before a pin replaced it), stats included."""
+        self.prefix_id_to_entry[entry.prefix_id] = entry
+        self._last_key_to_prefix_id[entry.keys[-1]] = entry.prefix_id
+        self._rebuild_pins()
+
     def remove(self, prefix_id: str) -> RetainedPrefix | None:
         entry = self.prefix_id_to_entry.pop(prefix_id, None)
         if entry is not None:

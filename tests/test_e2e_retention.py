@@ -146,6 +146,21 @@ def test_retained_prefixes_survive_a_flood_and_the_ttl_expires(client, admin):
     assert usage_of(client, system + [11])[0] == 0
 
 
+def test_a_failed_re_pin_keeps_the_earlier_pin(admin):
+    """A prefix longer than the retention budget (8 pages), pinned without warming it, is listed. Pinned again with a
+    warm-up, the replica refuses to compute it (the budget): the endpoint reports that and takes the new pin back, and
+    the earlier pin stays as it was instead of being unpinned with it."""
+    long_prefix = token_prompt(31, 9 * PAGE)
+    first = admin.post("/admin/prefixes/pin", json={"prompt": long_prefix, "priority": 70, "warm": False})
+    assert first.status_code == 200, first.text
+    prefix_id = first.json()["prefix_id"]
+    again = admin.post("/admin/prefixes/pin", json={"prompt": long_prefix, "priority": 90})
+    assert again.status_code == 400 and "not pinned" in again.json()["error"]["message"], again.text
+    [entry] = [entry for entry in admin.get("/admin/prefixes").json()["data"] if entry["prefix_id"] == prefix_id]
+    assert (entry["source"], entry["priority"], entry["num_pages"]) == ("admin", 70, 9)
+    assert admin.post("/admin/prefixes/unpin", json={"prefix_id": prefix_id}).status_code == 200
+
+
 def test_the_default_segmented_lru_keeps_a_reused_system_prompt_through_a_flood(ray_session, serve_http_port,
                                                                                tiny_llama_dir):
     """No retention asked: a system prompt that one request reused is protected by the replica's segmented LRU (the

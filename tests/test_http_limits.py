@@ -81,7 +81,7 @@ class FakeReplicas:
     def broadcast(self, method: str, *args: Any) -> Any:
         self.broadcasts.append((method, *args))
         results = {"pin_prefix": [{"replica_id": "rep-a", "num_pages_resident": 0, "num_pages_retained": 0}],
-                   "unpin_prefix": [True]}[method]
+                   "unpin_prefix": [True], "take_back_pin": [True]}[method]
 
         class _Results:
             async def results_async(self, timeout_s: float) -> list[Any]:
@@ -206,8 +206,8 @@ def test_an_admin_pin_whose_warm_up_fails_is_taken_back():
     replicas = FakeReplicas(FakeStream([], RuntimeError("the replica call failed")))
     status, body = admin(admin_api.pin_prefix, make_ingress(replicas), {"prompt": list(range(10, 30))})
     assert status == 500 and "not pinned" in body["error"]["message"]
-    (pinned, pin), (unpinned, prefix_id) = replicas.broadcasts
-    assert (pinned, unpinned) == ("pin_prefix", "unpin_prefix") and prefix_id == pin.page_keys[-1].hex()[:32]
+    (pinned, pin), (taken_back, prefix_id) = replicas.broadcasts
+    assert (pinned, taken_back) == ("pin_prefix", "take_back_pin") and prefix_id == pin.page_keys[-1].hex()[:32]
 
 
 # ---- bodies that never finish ----------------------------------------------------------------------------------------

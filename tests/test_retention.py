@@ -217,6 +217,45 @@ def test_admin_pin_applies_now_and_to_pages_cached_later_and_unpin_releases():
     kv.check_integrity()
 
 
+def test_a_failed_re_pin_is_taken_back_to_the_earlier_pin_and_a_first_pin_to_nothing():
+    """The admin endpoint broadcasts a pin, then warms the prefix; when the warm-up fails it takes the pin back. An
+    earlier pin of the same prefix comes back with its priority and TTL (the pin's stats kept); a prefix pinned for
+    the first time is unpinned; the tiers hear the same."""
+    clock = FakeClock()
+    kv = KVCacheManager(6, PAGE, clock=clock)
+    tokens = list(range(3 * PAGE))
+    keys = keys_for(tokens)
+    pages, _ = fill(kv, tokens[:2 * PAGE])
+    prefix_id = keys[2].hex()[:32]
+    assert kv.pin_prefix(PinPrefix(tuple(keys), priority=60, ttl_s=300, label="sys")) == (2, 2)
+    kv.registry.observe_request(keys, 3)
+    kv.drain_tier_retention()
+    clock.now += 50
+    assert kv.pin_prefix(PinPrefix(tuple(keys), priority=100, ttl_s=None, label="sys")) == (2, 2)
+    assert [kv.pool.priority_of(page_id) for page_id in pages] == [100, 100]
+    kv.drain_tier_retention()
+    assert kv.take_back_pin(prefix_id)
+    [report] = kv.prefix_reports("r0")
+    assert (report.prefix_id, report.source, report.priority, report.ttl_s, report.num_pages_retained) == \
+           (prefix_id, "admin", 60, 300, 2)
+    assert report.num_requests == 1  # the earlier pin's stats
+    assert [kv.pool.priority_of(page_id) for page_id in pages] == [60, 60]
+    assert kv.registry.pin_for(keys[2]) == (60, 300)  # page 2, cached later, still takes the earlier pin
+    assert kv.drain_tier_retention() == [(keys[0], 0, 0.0), (keys[1], 0, 0.0), (keys[2], 0, 0.0),
+                                         (keys[0], 60, clock.now + 300), (keys[1], 60, clock.now + 300),
+                                         (keys[2], 60, clock.now + 300)]
+    # taken back once: a second take-back (or one with no record) unpins, as unpin does
+    assert kv.take_back_pin(prefix_id)
+    assert kv.prefix_reports("r0") == [] and kv.registry.pin_for(keys[2]) is None
+    assert [kv.pool.priority_of(page_id) for page_id in pages] == [0, 0]
+    # a first pin taken back leaves nothing
+    assert kv.pin_prefix(PinPrefix(tuple(keys), priority=100, ttl_s=None)) == (2, 2)
+    assert kv.take_back_pin(prefix_id) and kv.prefix_reports("r0") == []
+    assert not kv.take_back_pin(prefix_id)
+    assert [kv.pool.priority_of(page_id) for page_id in pages] == [0, 0]
+    kv.check_integrity()
+
+
 def test_retention_changes_reach_the_tier_queue_rate_limited_with_pins_and_unpins():
     import math
 
