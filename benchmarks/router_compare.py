@@ -19,8 +19,8 @@ Routers (the replica deployment's ``request_router_config``; everything else ide
                      tier holds as fetches (--route-on-tier-contents, the default with copy off)
     blind-nocopy     the same with --no-route-on-tier-contents: the router prices them as recomputed
 
-The disk tier is off in every row but the last two, and peer copy is off in the first four, so the cached-token rate
-shows what routing alone achieves. The KV budget of each replica holds fewer pages than all K system prompts need, but the two
+The disk tier is off in every row but the last two (a fresh folder each run, removed at the end), and peer copy is
+off in the first four and the last two, so the cached-token rate shows what routing alone achieves. The KV budget of each replica holds fewer pages than all K system prompts need, but the two
 replicas together hold them all: a router must partition the prompts between the replicas to reach the ideal.
 
 Workload: K system prompts of P tokens; N users, N/K per prompt, in seeded random order; each request is its
@@ -49,11 +49,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import logging
 import math
 import os
 import shlex
+import shutil
 import socket
 import sys
 import tempfile
@@ -248,8 +250,11 @@ def serve_config(args: argparse.Namespace, peer_copy: bool, cost_model: bool = T
                  tier_routing: bool | None = None) -> Any:
     from cluster.config import ServeConfig
 
-    disk = {"enable_disk_cache": True, "disk_cache_dir": tempfile.mkdtemp(prefix="router-compare-kv-"),
-            "route_on_tier_contents": tier_routing} if disk_tier else {"enable_disk_cache": False}
+    disk: dict[str, Any] = {"enable_disk_cache": False}
+    if disk_tier:
+        folder = tempfile.mkdtemp(prefix="router-compare-kv-")
+        atexit.register(shutil.rmtree, folder, True)
+        disk = {"enable_disk_cache": True, "disk_cache_dir": folder, "route_on_tier_contents": tier_routing}
     return ServeConfig(
         model=str(model_dir(args)), devices="cpu", dtype=args.dtype, data_parallel_degree=dp_of(args),
         page_size=PAGE_SIZE,

@@ -87,14 +87,15 @@ async def pin_prefix(ingress: Any, http_request: Request) -> Response:
         keys = _page_keys(token_ids, info, spec.cache_salt)
         prefix_id = prefix_id_of(keys)
         label = _label(ingress, token_ids)
-        pin = PinPrefix(tuple(keys), priority=retention.priority, ttl_s=retention.ttl_s, label=label)
+        pin = PinPrefix(tuple(keys), priority=retention.priority, ttl_s=retention.ttl_s, label=label,
+                        pin_id=uuid.uuid4().hex)
         results = await ingress.replicas.broadcast("pin_prefix", pin).results_async(timeout_s=ADMIN_TIMEOUT_S)
         warmed = False
         if spec.warm and not any(result["num_pages_resident"] == len(keys) for result in results):
             try:
                 await _warm(ingress, token_ids[: len(keys) * info.page_size], keys, spec.cache_salt, retention, info)
             except APIError:
-                await _take_back(ingress, prefix_id)
+                await _take_back(ingress, prefix_id, pin.pin_id)
                 raise
             warmed = True
     except APIError as error:
@@ -198,12 +199,13 @@ def _label(ingress: Any, token_ids: list[int]) -> str:
         return ""
 
 
-async def _take_back(ingress: Any, prefix_id: str) -> None:
+async def _take_back(ingress: Any, prefix_id: str, pin_id: str) -> None:
     """Take back a pin that failed after it was broadcast: the caller is told it failed, so each replica puts the
     prefix back as it was before the call (pinned earlier: that pin, with its priority and TTL; otherwise not pinned).
-    Best effort: the caller's error is the one reported."""
+    A pin or unpin of the same prefix that came after this one stands. Best effort: the caller's error is the one
+    reported."""
     try:
-        await ingress.replicas.broadcast("take_back_pin", prefix_id).results_async(timeout_s=ADMIN_TIMEOUT_S)
+        await ingress.replicas.broadcast("take_back_pin", prefix_id, pin_id).results_async(timeout_s=ADMIN_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - logged; the pin's own error goes to the caller
         logger.warning("could not take back the failed pin of prefix %s", prefix_id, exc_info=True)
 

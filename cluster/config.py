@@ -236,7 +236,8 @@ class ServeConfig:
         if self.route_on_tier_contents is None:
             set_field("route_on_tier_contents", bool(self.enable_prefix_caching and not
                                                      self.enable_dp_cross_replica_prefix_copy and
-                                                     (self.redis_url or self.enable_disk_cache)))
+                                                     (self.redis_url or self.start_redis or
+                                                      self.enable_disk_cache)))
         set_field("disk_cache_budget", parse_memory_size(self.disk_cache_budget))
         set_field("max_request_body_bytes", parse_memory_size(self.max_request_body_bytes))
         if self.served_model_name is None:

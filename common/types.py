@@ -405,6 +405,8 @@ class PinPrefix:
     """None: until unpinned."""
     label: str = ""
     """The start of the prompt text, for listings."""
+    pin_id: str = ""
+    """Names this pin call, so that a take-back (its warm-up failed) undoes this pin and no later one."""
 
 
 @dataclass(frozen=True)

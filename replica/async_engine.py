@@ -461,8 +461,8 @@ class AsyncEngine:
     async def unpin_prefix(self, prefix_id: str) -> bool:
         return await self._call(lambda: self.engine.unpin_prefix(prefix_id))
 
-    async def take_back_pin(self, prefix_id: str) -> bool:
-        return await self._call(lambda: self.engine.take_back_pin(prefix_id))
+    async def take_back_pin(self, prefix_id: str, pin_id: str = "") -> bool:
+        return await self._call(lambda: self.engine.take_back_pin(prefix_id, pin_id))
 
     async def prefix_reports(self) -> list:
         """The engine's retained prefixes, each with where the shared tiers hold it (asked on a worker thread, not the

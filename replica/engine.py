@@ -560,9 +560,9 @@ class LLMEngine:
         self._forward_tier_retention()
         return result
 
-    def take_back_pin(self, prefix_id: str) -> bool:
+    def take_back_pin(self, prefix_id: str, pin_id: str = "") -> bool:
         """Admin: undo a pin whose warm-up failed (see ``KVCacheManager.take_back_pin``)."""
-        found = self.kv.take_back_pin(prefix_id)
+        found = self.kv.take_back_pin(prefix_id, pin_id)
         self._forward_tier_retention()
         return found
 

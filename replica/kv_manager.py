@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored, StoredPageInfo
@@ -89,9 +89,10 @@ class KVCacheManager:
         """Retention changes for the shared tiers: (key, priority (0: released), monotonic end or ``math.inf``)."""
         self._key_to_tier_retention: dict[PageKey, tuple[int, float]] = {}
         """What was last queued for each cached retained page (so a hit re-queues only when its end moved enough)."""
-        self._pin_undo: OrderedDict[str, object] = OrderedDict()
-        """The last admin pins' prefix ids -> the entry each replaced (a copy, or None): ``take_back_pin`` puts it
-        back when the pin's warm-up fails (at most ``PIN_UNDO_ENTRIES``)."""
+        self._pin_undo: OrderedDict[str, tuple[str, tuple | None]] = OrderedDict()
+        """Prefix id -> (the pin id of its last admin pin, the (priority, ttl_s, source) of the entry that pin
+        replaced, or None): ``take_back_pin`` restores it when that pin's warm-up fails. At most
+        ``PIN_UNDO_ENTRIES``; an unpin drops the prefix's record."""
 
     # ---- queries -------------------------------------------------------------------------------------------------
     @property
@@ -216,7 +217,8 @@ class KVCacheManager:
             prefix_id = prefix_id_of(pin.page_keys)
             earlier = self.registry.prefix_id_to_entry.get(prefix_id)
             self._pin_undo.pop(prefix_id, None)
-            self._pin_undo[prefix_id] = None if earlier is None else replace(earlier)
+            self._pin_undo[prefix_id] = (pin.pin_id, None if earlier is None else
+                                         (earlier.priority, earlier.ttl_s, earlier.source))
             while len(self._pin_undo) > PIN_UNDO_ENTRIES:
                 self._pin_undo.popitem(last=False)
         self.registry.add(pin.page_keys, priority=pin.priority, ttl_s=pin.ttl_s, source="admin", label=pin.label)
@@ -227,34 +229,57 @@ class KVCacheManager:
             self._tier_retention.append((key, pin.priority, end))
         return len(page_ids), num_retained
 
-    def take_back_pin(self, prefix_id: str) -> bool:
-        """Undo this replica's part of an admin pin whose warm-up failed: the prefix goes back to what it was before
-        that pin (an earlier pin or request retention, with its priority and TTL, the TTL counted again from now), or
-        is unpinned when there was none (or the record of it is gone). False when nothing was listed."""
-        earlier = self._pin_undo.pop(prefix_id, None)
-        found = self.unpin_prefix(prefix_id)
-        if earlier is not None:
-            self.registry.restore(earlier)
-            page_ids = self.match_prefix(earlier.keys)
-            self.retain(page_ids, earlier.priority, earlier.ttl_s)
-            if earlier.source == "admin":
-                end = math.inf if earlier.ttl_s is None else self.clock() + earlier.ttl_s
-                for key in earlier.keys[len(page_ids):]:
-                    self._tier_retention.append((key, earlier.priority, end))
-        return found
+    def take_back_pin(self, prefix_id: str, pin_id: str = "") -> bool:
+        """Undo this replica's part of the admin pin ``pin_id`` whose warm-up failed. The prefix goes back to what it
+        was before that pin: an earlier pin or request retention keeps its priority, TTL (counted again from now) and
+        stats; with none, the prefix is unpinned. Nothing changes when a later pin or an unpin of the prefix came
+        after this one (the later action stands). True when the prefix's entry changed."""
+        record = self._pin_undo.get(prefix_id)
+        if record is None or record[0] != pin_id:
+            return False
+        if record[1] is None:
+            return self.unpin_prefix(prefix_id)
+        del self._pin_undo[prefix_id]
+        entry = self.registry.prefix_id_to_entry.get(prefix_id)
+        if entry is None:
+            return False
+        entry.priority, entry.ttl_s, entry.source = record[1]
+        self.registry.rebuild_pins()
+        self._reset_retention(entry.keys)
+        return True
+
+    def _reset_retention(self, keys: Sequence[PageKey]) -> None:
+        """Give each cached page of ``keys``, and each of them the tiers may hold, exactly the retention the prefixes
+        listed now give it (the highest priority among those holding the key, its TTL from now), or none. A pool
+        page keeps the higher of two retentions, so a pin taken back or ended must be cleared first."""
+        now = self.clock()
+        wanted = set(keys)
+        best: dict[PageKey, tuple[int, float | None]] = {}
+        for listed in self.registry.entries():
+            for key in listed.keys:
+                if key in wanted and (key not in best or listed.priority > best[key][0]):
+                    best[key] = (listed.priority, listed.ttl_s)
+        page_ids = self.match_prefix(keys)
+        self.unretain(page_ids)
+        for page_id, key in zip(page_ids, keys):
+            self._key_to_tier_retention.pop(key, None)
+            if key in best:
+                self.retain([page_id], *best[key])
+            else:
+                self._tier_retention.append((key, 0, 0.0))
+        for key in keys[len(page_ids):]:  # not cached here: the tiers may hold them
+            self._key_to_tier_retention.pop(key, None)
+            priority, ttl_s = best.get(key, (0, None))
+            end = 0.0 if not priority else math.inf if ttl_s is None else now + ttl_s
+            self._tier_retention.append((key, priority, end))
 
     def unpin_prefix(self, prefix_id: str) -> bool:
-        """Forget a listed prefix and end the retention of its pages that no other listed prefix shares."""
+        """Forget a listed prefix: its pages keep only the retention other listed prefixes give them."""
+        self._pin_undo.pop(prefix_id, None)  # a failed pin's take-back must not bring back what this ends
         entry = self.registry.remove(prefix_id)
         if entry is None:
             return False
-        still = self.registry.keys_still_pinned()
-        page_ids = self.match_prefix(entry.keys)
-        self.unretain([page_id for page_id, key in zip(page_ids, entry.keys) if key not in still])
-        for key in entry.keys:
-            if key not in still:
-                self._key_to_tier_retention.pop(key, None)
-                self._tier_retention.append((key, 0, 0.0))
+        self._reset_retention(entry.keys)  # pages another listed prefix shares keep what it gives them
         return True
 
     def prefix_reports(self, replica_id: str) -> list[PrefixReport]:

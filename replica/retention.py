@@ -79,22 +79,16 @@ class RetentionRegistry:
                 entry.priority = max(entry.priority, priority)
             entry.label = entry.label or label[:MAX_LABEL_CHARS]
         if source == "admin":
-            self._rebuild_pins()
+            self.rebuild_pins()
         else:
             self._bound_request_entries()
         return entry
-
-    def restore(self, entry: RetainedPrefix) -> None:
-        """Put back an entry as it was (a copy taken before a pin replaced it), stats included."""
-        self.prefix_id_to_entry[entry.prefix_id] = entry
-        self._last_key_to_prefix_id[entry.keys[-1]] = entry.prefix_id
-        self._rebuild_pins()
 
     def remove(self, prefix_id: str) -> RetainedPrefix | None:
         entry = self.prefix_id_to_entry.pop(prefix_id, None)
         if entry is not None:
             self._last_key_to_prefix_id.pop(entry.keys[-1], None)
-            self._rebuild_pins()
+            self.rebuild_pins()
         return entry
 
     def keys_still_pinned(self) -> set[PageKey]:
@@ -133,7 +127,8 @@ class RetentionRegistry:
             if entry.source == "request":
                 self.remove(entry.prefix_id)
 
-    def _rebuild_pins(self) -> None:
+    def rebuild_pins(self) -> None:
+        """Recompute the retention pages cached later take from the admin pins (after an entry changed in place)."""
         self._key_to_pin = {}
         for entry in self.prefix_id_to_entry.values():
             if entry.source != "admin":

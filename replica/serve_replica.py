@@ -11,7 +11,7 @@ prefix-aware request router). The ingress calls it through a ``DeploymentHandle`
     handle.broadcast("stats")                                     -> one EngineStats per replica (for /metrics)
     handle.broadcast("kv_source_stats")                           -> one KVSourceStats per replica (for /metrics)
     handle.broadcast("pin_prefix", PinPrefix) / ("unpin_prefix", id) / ("prefix_reports")   -> admin (retention)
-    handle.broadcast("take_back_pin", id)                         -> admin: a pin whose warm-up failed, undone
+    handle.broadcast("take_back_pin", id, pin_id)                 -> admin: a pin whose warm-up failed, undone
     handle.export_pages.remote(PeerExportRequest)                 -> PageBundle | CudaIpcBundle | SharedPoolBundle
                                                                      (peer copy, holder)
     handle.release_pages.remote(PeerRelease)                      -> bool (a CUDA IPC copy is done)
@@ -232,9 +232,9 @@ class ServeReplica:
     async def unpin_prefix(self, prefix_id: str) -> bool:
         return await self.engine.unpin_prefix(prefix_id)
 
-    async def take_back_pin(self, prefix_id: str) -> bool:
+    async def take_back_pin(self, prefix_id: str, pin_id: str = "") -> bool:
         """Admin: undo this replica's part of a pin whose warm-up failed (an earlier pin of the prefix comes back)."""
-        return await self.engine.take_back_pin(prefix_id)
+        return await self.engine.take_back_pin(prefix_id, pin_id)
 
     async def prefix_reports(self) -> list[PrefixReport]:
         return await self.engine.prefix_reports()

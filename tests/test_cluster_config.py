@@ -234,6 +234,7 @@ def test_route_on_tier_contents_reaches_the_replicas_and_the_router():
                            ([no_copy], True),  # the disk tier is on by default
                            ([no_copy, "--no-enable-disk-cache"], False),  # no shared tier
                            ([no_copy, "--no-enable-disk-cache", "--redis-url", "redis://h:6379/0"], True),
+                           ([no_copy, "--no-enable-disk-cache", "--start-redis"], True),
                            ([no_copy, "--no-route-on-tier-contents"], False),
                            (["--no-enable-prefix-caching"], False)):
         config = config_from_args(build_parser().parse_args(["serve", "--model", "m", *argv]))

@@ -206,8 +206,9 @@ def test_an_admin_pin_whose_warm_up_fails_is_taken_back():
     replicas = FakeReplicas(FakeStream([], RuntimeError("the replica call failed")))
     status, body = admin(admin_api.pin_prefix, make_ingress(replicas), {"prompt": list(range(10, 30))})
     assert status == 500 and "not pinned" in body["error"]["message"]
-    (pinned, pin), (taken_back, prefix_id) = replicas.broadcasts
+    (pinned, pin), (taken_back, prefix_id, pin_id) = replicas.broadcasts
     assert (pinned, taken_back) == ("pin_prefix", "take_back_pin") and prefix_id == pin.page_keys[-1].hex()[:32]
+    assert pin_id == pin.pin_id and len(pin_id) == 32  # this pin only: a later pin of the prefix stands
 
 
 # ---- bodies that never finish ----------------------------------------------------------------------------------------
