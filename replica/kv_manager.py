@@ -37,7 +37,8 @@ from replica.prefix_cache import NullPrefixCache, PrefixCache
 from replica.retention import RetentionRegistry
 
 PIN_UNDO_ENTRIES = 64
-"""Admin pins per replica whose earlier state is kept for ``take_back_pin`` (the pins in flight, in practice)."""
+"""Prefixes per replica whose pins' earlier states are kept for ``take_back_pin`` (the pins in flight, in practice)."""
+PIN_UNDO_PER_PREFIX = 8
 
 
 TIER_REFRESH_MIN_S = 1.0
@@ -89,10 +90,10 @@ class KVCacheManager:
         """Retention changes for the shared tiers: (key, priority (0: released), monotonic end or ``math.inf``)."""
         self._key_to_tier_retention: dict[PageKey, tuple[int, float]] = {}
         """What was last queued for each cached retained page (so a hit re-queues only when its end moved enough)."""
-        self._pin_undo: OrderedDict[str, tuple[str, tuple | None]] = OrderedDict()
-        """Prefix id -> (the pin id of its last admin pin, the (priority, ttl_s, source) of the entry that pin
-        replaced, or None): ``take_back_pin`` restores it when that pin's warm-up fails. At most
-        ``PIN_UNDO_ENTRIES``; an unpin drops the prefix's record."""
+        self._pin_undo: OrderedDict[str, list[tuple[str, tuple | None]]] = OrderedDict()
+        """Prefix id -> its last admin pins, oldest first: (pin id, the (priority, ttl_s, source) of the entry that
+        pin replaced, or None). ``take_back_pin`` restores it when that pin's warm-up fails. At most
+        ``PIN_UNDO_PER_PREFIX`` pins of ``PIN_UNDO_ENTRIES`` prefixes; an unpin drops the prefix's records."""
 
     # ---- queries -------------------------------------------------------------------------------------------------
     @property
@@ -216,9 +217,9 @@ class KVCacheManager:
         if pin.page_keys:
             prefix_id = prefix_id_of(pin.page_keys)
             earlier = self.registry.prefix_id_to_entry.get(prefix_id)
-            self._pin_undo.pop(prefix_id, None)
-            self._pin_undo[prefix_id] = (pin.pin_id, None if earlier is None else
-                                         (earlier.priority, earlier.ttl_s, earlier.source))
+            records = self._pin_undo.pop(prefix_id, [])
+            records.append((pin.pin_id, None if earlier is None else (earlier.priority, earlier.ttl_s, earlier.source)))
+            self._pin_undo[prefix_id] = records[-PIN_UNDO_PER_PREFIX:]
             while len(self._pin_undo) > PIN_UNDO_ENTRIES:
                 self._pin_undo.popitem(last=False)
         self.registry.add(pin.page_keys, priority=pin.priority, ttl_s=pin.ttl_s, source="admin", label=pin.label)
@@ -230,57 +231,59 @@ class KVCacheManager:
         return len(page_ids), num_retained
 
     def take_back_pin(self, prefix_id: str, pin_id: str = "") -> bool:
-        """Undo this replica's part of the admin pin ``pin_id`` whose warm-up failed. The prefix goes back to what it
-        was before that pin: an earlier pin or request retention keeps its priority, TTL (counted again from now) and
-        stats; with none, the prefix is unpinned. Nothing changes when a later pin or an unpin of the prefix came
-        after this one (the later action stands). True when the prefix's entry changed."""
-        record = self._pin_undo.get(prefix_id)
-        if record is None or record[0] != pin_id:
+        """Undo this replica's part of the admin pin ``pin_id`` whose warm-up failed. The last pin of the prefix:
+        the prefix goes back to what it was before that pin (an earlier pin or request retention keeps its priority,
+        its TTL counted again from now, and its stats; with none, it is unpinned). A pin that a later pin of the same
+        prefix followed: the later one stands, and should it fail too, the prefix goes back to what it was before
+        both. Nothing changes after an unpin of the prefix. True when the prefix's entry changed."""
+        records = self._pin_undo.get(prefix_id, [])
+        index = next((n for n, (listed_id, _) in enumerate(records) if listed_id == pin_id), None)
+        if index is None:
             return False
-        if record[1] is None:
-            return self.unpin_prefix(prefix_id)
-        del self._pin_undo[prefix_id]
+        earlier = records.pop(index)[1]
+        if index < len(records):
+            records[index] = (records[index][0], earlier)
+            return False
+        if not records:
+            del self._pin_undo[prefix_id]
+        if earlier is None:
+            entry = self.registry.remove(prefix_id)
+            if entry is not None:
+                self._release(entry)
+            return entry is not None
         entry = self.registry.prefix_id_to_entry.get(prefix_id)
         if entry is None:
             return False
-        entry.priority, entry.ttl_s, entry.source = record[1]
+        self._release(entry)
+        entry.priority, entry.ttl_s, entry.source = earlier
         self.registry.rebuild_pins()
-        self._reset_retention(entry.keys)
+        page_ids = self.match_prefix(entry.keys)
+        self.retain(page_ids, entry.priority, entry.ttl_s)
+        end = math.inf if entry.ttl_s is None else self.clock() + entry.ttl_s
+        for key in entry.keys[len(page_ids):]:  # not cached here: the tiers may hold them
+            self._tier_retention.append((key, entry.priority, end))
         return True
 
-    def _reset_retention(self, keys: Sequence[PageKey]) -> None:
-        """Give each cached page of ``keys``, and each of them the tiers may hold, exactly the retention the prefixes
-        listed now give it (the highest priority among those holding the key, its TTL from now), or none. A pool
-        page keeps the higher of two retentions, so a pin taken back or ended must be cleared first."""
-        now = self.clock()
-        wanted = set(keys)
-        best: dict[PageKey, tuple[int, float | None]] = {}
-        for listed in self.registry.entries():
-            for key in listed.keys:
-                if key in wanted and (key not in best or listed.priority > best[key][0]):
-                    best[key] = (listed.priority, listed.ttl_s)
-        page_ids = self.match_prefix(keys)
-        self.unretain(page_ids)
-        for page_id, key in zip(page_ids, keys):
-            self._key_to_tier_retention.pop(key, None)
-            if key in best:
-                self.retain([page_id], *best[key])
-            else:
-                self._tier_retention.append((key, 0, 0.0))
-        for key in keys[len(page_ids):]:  # not cached here: the tiers may hold them
-            self._key_to_tier_retention.pop(key, None)
-            priority, ttl_s = best.get(key, (0, None))
-            end = 0.0 if not priority else math.inf if ttl_s is None else now + ttl_s
-            self._tier_retention.append((key, priority, end))
-
     def unpin_prefix(self, prefix_id: str) -> bool:
-        """Forget a listed prefix: its pages keep only the retention other listed prefixes give them."""
+        """Forget a listed prefix and end the retention of its pages that no other listed prefix shares."""
         self._pin_undo.pop(prefix_id, None)  # a failed pin's take-back must not bring back what this ends
         entry = self.registry.remove(prefix_id)
         if entry is None:
             return False
-        self._reset_retention(entry.keys)  # pages another listed prefix shares keep what it gives them
+        self._release(entry)
         return True
+
+    def _release(self, entry) -> None:
+        """End the retention of ``entry``'s pages that no other listed prefix shares, here and in the tiers (a page
+        another prefix shares keeps its retention, the higher of the two, as before)."""
+        still = {key for listed in self.registry.prefix_id_to_entry.values() if listed is not entry
+                 for key in listed.keys}
+        page_ids = self.match_prefix(entry.keys)
+        self.unretain([page_id for page_id, key in zip(page_ids, entry.keys) if key not in still])
+        for key in entry.keys:
+            if key not in still:
+                self._key_to_tier_retention.pop(key, None)
+                self._tier_retention.append((key, 0, 0.0))
 
     def prefix_reports(self, replica_id: str) -> list[PrefixReport]:
         now = self.clock()

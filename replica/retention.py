@@ -91,13 +91,6 @@ class RetentionRegistry:
             self.rebuild_pins()
         return entry
 
-    def keys_still_pinned(self) -> set[PageKey]:
-        """Keys of every entry left (their pages keep retention when another prefix sharing them is unpinned)."""
-        keys: set[PageKey] = set()
-        for entry in self.prefix_id_to_entry.values():
-            keys.update(entry.keys)
-        return keys
-
     def observe_request(self, page_keys: Sequence[PageKey], num_cached_pages: int) -> None:
         """Count a request against every listed prefix its prompt starts with (cheap: one dict probe per page)."""
         if not self._last_key_to_prefix_id:

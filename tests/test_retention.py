@@ -219,47 +219,57 @@ def test_admin_pin_applies_now_and_to_pages_cached_later_and_unpin_releases():
 
 def test_a_failed_re_pin_is_taken_back_to_the_earlier_pin_and_a_first_pin_to_nothing():
     """The admin endpoint broadcasts a pin, then warms the prefix; when the warm-up fails it takes that pin back. An
-    earlier pin of the same prefix comes back with its priority and TTL and the prefix's stats; pages another listed
-    prefix shares get exactly what the listed prefixes give them; the tiers hear the same. A prefix pinned for the
-    first time is unpinned. A take-back after a later pin, or after an unpin, changes nothing."""
+    earlier pin of the same prefix comes back with its priority, TTL and stats, and the tiers hear a release then the
+    earlier retention (they keep the stronger of two). A prefix pinned for the first time is unpinned. Of two pins in
+    flight, the later stands when the earlier fails, and when both fail the prefix is as before both. After an
+    unpin a take-back changes nothing."""
     clock = FakeClock()
     kv = KVCacheManager(8, PAGE, clock=clock)
-    tokens = list(range(4 * PAGE))
+    tokens = list(range(3 * PAGE))
     keys = keys_for(tokens)
-    pages, _ = fill(kv, tokens[:3 * PAGE])
+    pages, _ = fill(kv, tokens[:2 * PAGE])
     prefix_id = keys[2].hex()[:32]
-    longer = PinPrefix(tuple(keys), priority=50, ttl_s=None, pin_id="longer")  # shares pages 0-2 with the prefix
-    kv.pin_prefix(longer)
-    assert kv.pin_prefix(PinPrefix(tuple(keys[:3]), priority=60, ttl_s=300, label="sys", pin_id="p0")) == (3, 3)
-    kv.registry.observe_request(keys[:3], 3)
+    assert kv.pin_prefix(PinPrefix(tuple(keys), priority=60, ttl_s=300, label="sys", pin_id="p0")) == (2, 2)
+    kv.registry.observe_request(keys, 3)
     clock.now += 50
-    assert kv.pin_prefix(PinPrefix(tuple(keys[:3]), priority=100, ttl_s=None, pin_id="a")) == (3, 3)
-    assert [kv.pool.priority_of(page_id) for page_id in pages] == [100, 100, 100]
+    assert kv.pin_prefix(PinPrefix(tuple(keys), priority=100, ttl_s=None, pin_id="a")) == (2, 2)
+    assert [kv.pool.priority_of(page_id) for page_id in pages] == [100, 100]
     kv.drain_tier_retention()
-    assert not kv.take_back_pin(prefix_id, "p0")  # not the last pin of the prefix: nothing changes
     assert kv.take_back_pin(prefix_id, "a")
-    report = {report.prefix_id: report for report in kv.prefix_reports("r0")}[prefix_id]
+    [report] = kv.prefix_reports("r0")
     assert (report.source, report.priority, report.ttl_s, report.num_pages_retained, report.num_requests) == \
-           ("admin", 60, 300, 3, 1)
-    assert [kv.pool.priority_of(page_id) for page_id in pages] == [60, 60, 60]
-    assert [kv.pool.retention_of(page_id).expires_at for page_id in pages] == [clock.now + 300] * 3
-    assert kv.registry.pin_for(keys[0]) == (60, 300)
-    assert kv.drain_tier_retention() == [(key, 60, clock.now + 300) for key in keys[:3]]
+           ("admin", 60, 300, 2, 1)
+    assert [kv.pool.priority_of(page_id) for page_id in pages] == [60, 60]
+    assert [kv.pool.retention_of(page_id).expires_at for page_id in pages] == [clock.now + 300] * 2
+    assert kv.registry.pin_for(keys[2]) == (60, 300)  # page 2, cached later, takes the earlier pin
+    end = clock.now + 300
+    assert kv.drain_tier_retention() == [(keys[0], 0, 0.0), (keys[1], 0, 0.0), (keys[2], 0, 0.0),
+                                         (keys[0], 60, end), (keys[1], 60, end), (keys[2], 60, end)]
     assert not kv.take_back_pin(prefix_id, "a")  # taken back once
-    # a first pin taken back leaves nothing; the longer pin keeps its pages
+    # a first pin taken back leaves nothing
     assert kv.unpin_prefix(prefix_id)
-    assert kv.pin_prefix(PinPrefix(tuple(keys[:3]), priority=100, ttl_s=None, pin_id="b")) == (3, 3)
-    assert kv.take_back_pin(prefix_id, "b")
-    assert [report.prefix_id for report in kv.prefix_reports("r0")] == [keys[3].hex()[:32]]
-    assert [kv.pool.priority_of(page_id) for page_id in pages] == [50, 50, 50]
-    # two pins in flight: the later one stands when the earlier one's warm-up fails; an unpin stands too
-    kv.pin_prefix(PinPrefix(tuple(keys[:3]), priority=70, ttl_s=None, pin_id="c"))
-    kv.pin_prefix(PinPrefix(tuple(keys[:3]), priority=90, ttl_s=None, pin_id="d"))
-    assert not kv.take_back_pin(prefix_id, "c")
-    assert {r.prefix_id: r.priority for r in kv.prefix_reports("r0")}[prefix_id] == 90
+    assert kv.pin_prefix(PinPrefix(tuple(keys), priority=100, ttl_s=None, pin_id="b")) == (2, 2)
+    assert kv.take_back_pin(prefix_id, "b") and kv.prefix_reports("r0") == []
+    assert [kv.pool.priority_of(page_id) for page_id in pages] == [0, 0]
+
+    def listed() -> list:
+        return [(r.priority, r.ttl_s) for r in kv.prefix_reports("r0")]
+
+    # two pins in flight over an earlier one, both fail, in either order: the earlier one is what stays
+    for first, second in (("c", "d"), ("d", "c")):
+        kv.pin_prefix(PinPrefix(tuple(keys), priority=40, ttl_s=None, pin_id="e"))
+        kv.pin_prefix(PinPrefix(tuple(keys), priority=70, ttl_s=None, pin_id="c"))
+        kv.pin_prefix(PinPrefix(tuple(keys), priority=90, ttl_s=None, pin_id="d"))
+        assert kv.take_back_pin(prefix_id, first) is (first == "d")
+        assert listed() == [(70 if first == "d" else 90, None)]
+        assert kv.take_back_pin(prefix_id, second)
+        assert listed() == [(40, None)]
+        assert [kv.pool.priority_of(page_id) for page_id in pages] == [40, 40]
+        assert kv.unpin_prefix(prefix_id)
+    # an unpin stands
+    kv.pin_prefix(PinPrefix(tuple(keys), priority=70, ttl_s=None, pin_id="f"))
     assert kv.unpin_prefix(prefix_id)
-    assert not kv.take_back_pin(prefix_id, "d")
-    assert prefix_id not in {r.prefix_id for r in kv.prefix_reports("r0")}
+    assert not kv.take_back_pin(prefix_id, "f") and listed() == []
     kv.check_integrity()
 
 
