@@ -223,11 +223,16 @@ class KVCacheManager:
             while len(self._pin_undo) > PIN_UNDO_ENTRIES:
                 self._pin_undo.popitem(last=False)
         self.registry.add(pin.page_keys, priority=pin.priority, ttl_s=pin.ttl_s, source="admin", label=pin.label)
-        page_ids = self.match_prefix(pin.page_keys)
-        num_retained = self.retain(page_ids, pin.priority, pin.ttl_s)
-        end = math.inf if pin.ttl_s is None else self.clock() + pin.ttl_s
-        for key in pin.page_keys[len(page_ids):]:  # not cached here: the tiers may hold them
-            self._tier_retention.append((key, pin.priority, end))
+        return self._retain_prefix(pin.page_keys, pin.priority, pin.ttl_s)
+
+    def _retain_prefix(self, keys: Sequence[PageKey], priority: int, ttl_s: float | None) -> tuple[int, int]:
+        """Retain the cached pages of ``keys`` and queue the rest for the tiers, which may hold them. Returns (pages
+        cached here, pages that took the retention)."""
+        page_ids = self.match_prefix(keys)
+        num_retained = self.retain(page_ids, priority, ttl_s)
+        end = math.inf if ttl_s is None else self.clock() + ttl_s
+        for key in keys[len(page_ids):]:
+            self._tier_retention.append((key, priority, end))
         return len(page_ids), num_retained
 
     def take_back_pin(self, prefix_id: str, pin_id: str = "") -> bool:
@@ -244,24 +249,15 @@ class KVCacheManager:
         if index < len(records):
             records[index] = (records[index][0], earlier)
             return False
+        if earlier is None:
+            return self.unpin_prefix(prefix_id)
         if not records:
             del self._pin_undo[prefix_id]
-        if earlier is None:
-            entry = self.registry.remove(prefix_id)
-            if entry is not None:
-                self._release(entry)
-            return entry is not None
-        entry = self.registry.prefix_id_to_entry.get(prefix_id)
+        entry = self.registry.set_retention(prefix_id, *earlier)
         if entry is None:
             return False
-        self._release(entry)
-        entry.priority, entry.ttl_s, entry.source = earlier
-        self.registry.rebuild_pins()
-        page_ids = self.match_prefix(entry.keys)
-        self.retain(page_ids, entry.priority, entry.ttl_s)
-        end = math.inf if entry.ttl_s is None else self.clock() + entry.ttl_s
-        for key in entry.keys[len(page_ids):]:  # not cached here: the tiers may hold them
-            self._tier_retention.append((key, entry.priority, end))
+        self._release(entry)  # then the earlier retention: the tiers keep the stronger of two
+        self._retain_prefix(entry.keys, entry.priority, entry.ttl_s)
         return True
 
     def unpin_prefix(self, prefix_id: str) -> bool:
@@ -276,8 +272,7 @@ class KVCacheManager:
     def _release(self, entry) -> None:
         """End the retention of ``entry``'s pages that no other listed prefix shares, here and in the tiers (a page
         another prefix shares keeps its retention, the higher of the two, as before)."""
-        still = {key for listed in self.registry.prefix_id_to_entry.values() if listed is not entry
-                 for key in listed.keys}
+        still = self.registry.keys_still_listed(excluding=entry)
         page_ids = self.match_prefix(entry.keys)
         self.unretain([page_id for page_id, key in zip(page_ids, entry.keys) if key not in still])
         for key in entry.keys:

@@ -79,7 +79,7 @@ class RetentionRegistry:
                 entry.priority = max(entry.priority, priority)
             entry.label = entry.label or label[:MAX_LABEL_CHARS]
         if source == "admin":
-            self.rebuild_pins()
+            self._rebuild_pins()
         else:
             self._bound_request_entries()
         return entry
@@ -88,8 +88,21 @@ class RetentionRegistry:
         entry = self.prefix_id_to_entry.pop(prefix_id, None)
         if entry is not None:
             self._last_key_to_prefix_id.pop(entry.keys[-1], None)
-            self.rebuild_pins()
+            self._rebuild_pins()
         return entry
+
+    def set_retention(self, prefix_id: str, priority: int, ttl_s: float | None, source: str) -> RetainedPrefix | None:
+        """Give a listed prefix this retention and source as they are (a pin taken back: no max with the current
+        one, stats kept); None when it is not listed."""
+        entry = self.prefix_id_to_entry.get(prefix_id)
+        if entry is not None:
+            entry.priority, entry.ttl_s, entry.source = priority, ttl_s, source
+            self._rebuild_pins()
+        return entry
+
+    def keys_still_listed(self, excluding: RetainedPrefix | None = None) -> set[PageKey]:
+        """Keys of every listed entry but ``excluding`` (their pages keep retention when a prefix sharing them ends)."""
+        return {key for entry in self.prefix_id_to_entry.values() if entry is not excluding for key in entry.keys}
 
     def observe_request(self, page_keys: Sequence[PageKey], num_cached_pages: int) -> None:
         """Count a request against every listed prefix its prompt starts with (cheap: one dict probe per page)."""
@@ -120,8 +133,7 @@ class RetentionRegistry:
             if entry.source == "request":
                 self.remove(entry.prefix_id)
 
-    def rebuild_pins(self) -> None:
-        """Recompute the retention pages cached later take from the admin pins (after an entry changed in place)."""
+    def _rebuild_pins(self) -> None:
         self._key_to_pin = {}
         for entry in self.prefix_id_to_entry.values():
             if entry.source != "admin":
