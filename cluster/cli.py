@@ -124,7 +124,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     cache.add_argument("--router-session-growth", type=float, default=default("router_session_growth"),
                        help="a chat's next turn stays with its session: where a replica's cache is too small for "
                             "the sessions there to grow this many times, the router moves a turn to it only to "
-                            "even out the sessions per replica (default 4; 0: off; needs the router's cost model)")
+                            "even out the sessions per replica; there a chat's busy home stays a candidate and a "
+                            "new chat starts where its system prompt is (default 4; 0: all off; needs the router's "
+                            "cost model)")
     cache.add_argument("--enable-hot-prefix-replication", action=argparse.BooleanOptionalAction,
                        default=default("enable_hot_prefix_replication"),
                        help="copy a prefix whose holders are all busy to a less loaded replica ahead of need, by peer "

@@ -109,11 +109,23 @@ policy's choice). Requests without partial keys start no session (their continua
     a continuing request may go to a replica r, when tight(r) and r is neither its home nor a holder of the most
     leading pages, only if sessions(r) < sessions(home) - 1: the move evens the chats out. The other candidates stay
     (all of them when that would leave none).
+    a continuing request whose home holds the most leading pages keeps the home a candidate when tight(home), however
+    busy the home is (as the overload exception does in a full cluster): the estimate, not the load bound, decides
+    whether the chat moves
+    a request that starts a session (continues none) goes to a holder of the most leading pages, when they are at
+    least half its prompt's pages and tight'(holder), the holder with the fewest sessions judged with
+    session_start_growth in place of session_growth (a chat starting now grows more than the sessions' mean): the
+    eligible holders are its only candidates (all of eligible when none is)
 
 Why: the cost model moves a chat's turn to a less busy replica (copying its history) for this turn's TTFT, and the chat
 then lives there. Where caches have room that is free; where chats outgrow them, moves leave some replicas with more
 chats than others, and those replicas recompute their chats' histories over and over (tight multi-turn in the
-simulator: BENCHMARKS.md 0s).
+simulator: BENCHMARKS.md 0s). The same holds for the two ways a chat still moved (session 29, BENCHMARKS.md 0u): a
+new chat whose system prompt one replica holds was copied to a less busy one, so chats sharing a system prompt were
+spread and each replica stored it again; and a chat whose home had more requests in flight than the load bound allows
+was moved however tight the caches, and the move rippled on as sessions were evened out. A request holding less than
+half its prompt on its holder (a chat whose window lapsed and whose history its home evicted) is left to the estimate:
+moving it copies little.
 
 Residency ahead (cost model and ``enable_residency_aging``, off by default). ``matched(r)`` counts only the leading pages expected still on r when the request
 is admitted there (now + wait(r)): pages r holds under a retention until it ends, pages of requests this router sent
@@ -265,6 +277,11 @@ class PolicyConfig:
     hit rate, 2 less (BENCHMARKS.md 0s)."""
     session_window_s: float = 30.0
     """How long after its last request a session still counts (a chat's think time and answer fit within it)."""
+    session_start_growth: float = 8.0
+    """The growth factor by which a request starting a session judges its holder tight (module docstring,
+    "Sessions"): when the holder is, the request stays with the holders of its leading pages. 0: off. 8 (twice
+    ``session_growth``) in the simulator's tight multi-turn: 6 lost p99 at DP 16, 12 was the same
+    (BENCHMARKS.md 0u)."""
 
     def __post_init__(self) -> None:
         if self.balance_abs_threshold < 0:
@@ -283,10 +300,10 @@ class PolicyConfig:
             )
         for name in ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms", "peer_copy_page_ms",
                      "host_page_ms", "disk_page_ms", "duplicate_work_weight", "eviction_weight", "holder_wait_s",
-                     "answer_report_s", "session_growth", "session_window_s"):
+                     "answer_report_s", "session_growth", "session_window_s", "session_start_growth"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (a measured cost), got {getattr(self, name)}")
-        for name in ("session_growth", "session_window_s"):
+        for name in ("session_growth", "session_window_s", "session_start_growth"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
 
@@ -445,6 +462,8 @@ class PrefixAwarePolicy:
             session = self._session_of(page_keys, partial_key, now)
             if session is not None and len(eligible) > 1:
                 eligible = self._keep_session_home(eligible, session.replica_id, top)
+            elif session is None and top and 2 * top >= len(page_keys) and len(eligible) > 1:
+                eligible = self._keep_with_holders(eligible, scored, top)
         holders = [s for s in scored if s.matched == top] if top else [scored[0]]
         if len(holders) > 1 and self.config.enable_cost_model:
             # the holder to copy from: the one expected to have the pages soonest (a replica this router just sent
@@ -473,7 +492,9 @@ class PrefixAwarePolicy:
             # evict cached pages to take the request (a full cluster: moving would cost another prefix)
             eligible = eligible + [holder]
             estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now, tier_runs)
-            if any(estimate[3] == estimate[0] for estimate in estimates[:-1]):
+            if session is not None and session.replica_id == holder.replica_id and self._tight(holder):
+                pass  # a chat's busy home in caches its chats would outgrow: the estimate decides (docstring)
+            elif any(estimate[3] == estimate[0] for estimate in estimates[:-1]):
                 eligible, estimates = eligible[:-1], estimates[:-1]
         else:
             estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now, tier_runs)
@@ -533,29 +554,54 @@ class PrefixAwarePolicy:
                 return session
         return None
 
+    def _num_sessions(self, replica_id: str) -> float:
+        """sessions(r) of the module docstring."""
+        return (self._replica_id_to_num_sessions.get(replica_id, 0)
+                + self.session_continue_rate * self._replica_id_to_num_new_sessions.get(replica_id, 0))
+
+    def _growth_pages(self, growth: float) -> float:
+        """``growth`` times the mean pages of the sessions' latest prompts (sessions weighted as in sessions(r));
+        0 when there are none."""
+        rate = self.session_continue_rate
+        total = (sum(self._replica_id_to_num_sessions.values())
+                 + rate * sum(self._replica_id_to_num_new_sessions.values()))
+        if total <= 0:
+            return 0.0
+        return growth * (self._num_session_pages + rate * self._num_new_session_pages) / total
+
+    def _tight(self, s: "_Scored", growth_pages: float | None = None) -> bool:
+        """tight(r) of the module docstring (``growth_pages``: ``_growth_pages(session_growth)`` by default)."""
+        if growth_pages is None:
+            growth_pages = self._growth_pages(self.config.session_growth)
+        pages_total = s.load_report.num_pages_total
+        return 0 < pages_total < growth_pages * (self._num_sessions(s.replica_id) + 1)
+
     def _keep_session_home(self, eligible: list, home: str, top: int) -> list:
         """``eligible`` less the tight replicas, neither the home of the session being continued nor holding the most
         leading pages (``top``), that moving the session to would not even out (module docstring); all of
         ``eligible`` when that would leave none."""
-        rate = self.session_continue_rate
-        continued, new = self._replica_id_to_num_sessions, self._replica_id_to_num_new_sessions
-
-        def num_sessions(replica_id: str) -> float:
-            return continued.get(replica_id, 0) + rate * new.get(replica_id, 0)
-
-        total = sum(continued.values()) + rate * sum(new.values())
-        if total <= 0:
+        growth_pages = self._growth_pages(self.config.session_growth)
+        if growth_pages <= 0:
             return eligible
-        growth_pages = (self.config.session_growth * (self._num_session_pages + rate * self._num_new_session_pages)
-                        / total)
-        most = num_sessions(home) - 1
+        most = self._num_sessions(home) - 1
         keep = [s for s in eligible
                 if s.replica_id == home
                 or (top and s.matched == top)
-                or s.load_report.num_pages_total <= 0
-                or s.load_report.num_pages_total >= growth_pages * (num_sessions(s.replica_id) + 1)
-                or num_sessions(s.replica_id) < most]
+                or not self._tight(s, growth_pages)
+                or self._num_sessions(s.replica_id) < most]
         return keep or eligible
+
+    def _keep_with_holders(self, eligible: list, scored: list, top: int) -> list:
+        """For a request starting a session: the eligible holders of the most leading pages (``top``) when the holder
+        with the fewest sessions is tight by ``session_start_growth`` (module docstring); else, or when no holder is
+        eligible, ``eligible``."""
+        growth = self.config.session_start_growth
+        if not growth:
+            return eligible
+        holder = min((s for s in scored if s.matched == top), key=lambda s: self._num_sessions(s.replica_id))
+        if not self._tight(holder, self._growth_pages(growth)):
+            return eligible
+        return [s for s in eligible if s.matched == top] or eligible
 
     def _note_session(self, continued: "_Session | None", page_keys: Sequence[PageKey], num_prompt_tokens: int | None,
                       partial_key: PartialKey | None, replica_id: str, now: float) -> None:

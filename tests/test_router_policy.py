@@ -384,6 +384,8 @@ def test_no_candidates_is_an_error():
         ({"peer_copy_page_ms": -1.0}, "peer_copy_page_ms"),
         ({"eviction_weight": -0.5}, "eviction_weight"),
         ({"holder_wait_s": -1.0}, "holder_wait_s"),
+        ({"session_start_growth": -1.0}, "session_start_growth"),
+        ({"session_start_growth": float("inf")}, "session_start_growth"),
     ],
 )
 def test_config_is_validated(kwargs, message):
@@ -702,6 +704,60 @@ def test_a_chat_moves_to_a_tight_replica_when_that_evens_the_sessions_out():
         moved = _chat_scenario(PolicyConfig(), sessions_on_b=sessions_on_b, pages_total=40)
         assert (moved.replica_id, moved.reason) == ("b", RoutingReason.COST_AWAY)
 
+
+def _new_chat_scenario(config: PolicyConfig, *, pages_total: int, num_tail_pages: int = 1) -> RoutingDecision:
+    """Chats A and B (each its own 8-page history) live on a and b; a also ran chat X on an 8-page system prompt,
+    and a long prompt queues there. Chat Y starts on X's system prompt (and ``num_tail_pages`` more pages) with a the
+    busier: the cost model would copy the system prompt to b. Every replica reports ``pages_total`` pages."""
+    policy = PrefixAwarePolicy(PrefixIndex(), config)
+    system = [key(f"sys{n}") for n in range(8)]
+    for replica_id, other in (("a", "b"), ("b", "a")):
+        history = [key(f"{replica_id}-chat-{n}") for n in range(8)]
+        assert _route(policy, history, loads(**{replica_id: 0, other: 9}), 100.0, tail=[1]).replica_id == replica_id
+        assert _route(policy, history + [key(f"{replica_id}-chat-8")], loads(**{replica_id: 0, other: 9}), 101.0,
+                      tail=[1]).replica_id == replica_id  # continued: a chat on each replica
+    assert _route(policy, system, loads(a=0, b=9), 102.0, tail=[2]).replica_id == "a"
+    assert _route(policy, [key(f"q{n}") for n in range(13)], loads(a=0, b=9), 102.0).replica_id == "a"
+    tail_keys = [key(f"y{n}") for n in range(num_tail_pages)]
+    candidates = [ReplicaLoad("a", 2, 0, pages_total), ReplicaLoad("b", 0, pages_total, pages_total)]
+    return _route(policy, system + tail_keys, candidates, 102.01, tail=[3])
+
+
+def test_a_new_chat_stays_with_its_system_prompt_where_chats_would_outgrow_the_caches():
+    # 40 pages a replica, two sessions and X's on a: 40 / 3 pages per session against 8x the mean (~9 pages): the
+    # holder is tight, so Y joins the chat on its system prompt instead of storing the prompt on b too
+    stays = _new_chat_scenario(PolicyConfig(), pages_total=40)
+    assert (stays.replica_id, stays.matched_pages) == ("a", 8)
+    # the rule off, roomy caches, or a holder with less than half the prompt (a copy stores little twice): the move
+    for config, pages_total, num_tail_pages in ((PolicyConfig(session_start_growth=0.0), 40, 1),
+                                                (PolicyConfig(), 10_000, 1), (PolicyConfig(), 40, 9)):
+        moved = _new_chat_scenario(config, pages_total=pages_total, num_tail_pages=num_tail_pages)
+        assert (moved.replica_id, moved.reason, moved.peer_hint) == ("b", RoutingReason.COST_AWAY, "a")
+
+
+def test_a_chats_busy_home_stays_a_candidate_where_chats_would_outgrow_the_caches():
+    """X's 24-page history lives on a, which has more requests in flight than the load bound allows (6 against b's
+    0) but is working through none of this router's (its forecast queue is empty): staying costs the next turn a few
+    decode rows per step, moving copies the history. In tight caches the estimate decides (a); in roomy ones, or with
+    the rule off, the load bound drops a as before (b, copying from a)."""
+    def next_turn(config: PolicyConfig, pages_total: int) -> RoutingDecision:
+        policy = PrefixAwarePolicy(PrefixIndex(), config)
+        for number in range(2):  # two chats on b
+            other = [key(f"b{number}-{n}") for n in range(20)]
+            for turn in range(2):
+                _route(policy, other + [key(f"b{number}-next")] * turn, loads(a=9, b=0), float(turn), tail=[1])
+        history = [key(f"x{n}") for n in range(24)]
+        for turn in range(2):
+            assert _route(policy, history[:23 + turn], loads(a=0, b=9), 10.0 + turn).replica_id == "a"
+        policy.index.apply_events("a", [PagesStored(1, tuple(history))])
+        candidates = [ReplicaLoad("a", 6, 0, pages_total), ReplicaLoad("b", 0, pages_total, pages_total)]
+        return _route(policy, history + [key("x24")], candidates, 40.0, tail=[1])
+
+    stays = next_turn(PolicyConfig(), 120)
+    assert (stays.replica_id, stays.matched_pages) == ("a", 24)
+    for config, pages_total in ((PolicyConfig(session_growth=0.0), 120), (PolicyConfig(), 10_000)):
+        moved = next_turn(config, pages_total)
+        assert (moved.replica_id, moved.peer_hint) == ("b", "a")
 
 def test_a_replica_holding_more_of_the_prompt_than_the_home_stays_a_candidate():
     """The rule removes move targets, never the replica holding the most leading pages: a chat whose home no longer
