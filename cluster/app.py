@@ -56,7 +56,8 @@ def request_router_config(config: ServeConfig) -> Any:
                                     page_size=config.page_size,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     eviction_weight=eviction_weight_for(config.kv_cache_protected_fraction),
-                                    session_growth=float(config.router_session_growth))
+                                    session_growth=float(config.router_session_growth),
+                                    session_start_growth=float(config.router_session_start_growth))
 
 
 def replica_actor_options(config: ServeConfig) -> dict[str, Any]:

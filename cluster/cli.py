@@ -127,6 +127,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "even out the sessions per replica; there a chat's busy home stays a candidate and a "
                             "new chat starts where its system prompt is (default 4; 0: all off; needs the router's "
                             "cost model)")
+    cache.add_argument("--router-session-start-growth", type=float,
+                       default=default("router_session_start_growth"),
+                       help="with the session rule on: a new chat whose leading pages (at least half its prompt) a "
+                            "replica holds starts there when that replica's sessions would outgrow its cache this "
+                            "many times (default 8; 0: off)")
     cache.add_argument("--enable-hot-prefix-replication", action=argparse.BooleanOptionalAction,
                        default=default("enable_hot_prefix_replication"),
                        help="copy a prefix whose holders are all busy to a less loaded replica ahead of need, by peer "

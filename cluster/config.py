@@ -202,6 +202,10 @@ class ServeConfig:
     router_session_growth: float = field_default(PolicyConfig, "session_growth")
     """A chat's next turn moves to a replica whose cache its sessions would outgrow this many times over only to even
     the sessions out (router/policy.py, "Sessions"); 0: off. Only with the cost model (``router_cost_model``)."""
+    router_session_start_growth: float = field_default(PolicyConfig, "session_start_growth")
+    """A new chat whose leading pages (at least half its prompt) a replica holds starts there when that replica's
+    sessions would outgrow its cache this many times over (router/policy.py, "Sessions"); 0: off. Only with the
+    session rule on (``router_session_growth`` > 0)."""
     # ---- hot-prefix replication (issue 12; router/replication.py) ---------------------------------------------------
     enable_hot_prefix_replication: bool = False
     """Copy a prefix whose holders are all busy to a less loaded replica ahead of need. Off by default: the router's
@@ -276,10 +280,10 @@ class ServeConfig:
             raise ValueError(f"--port must be in 1..65535, got {self.port!r}")
         if not self.host:
             raise ValueError("--host must not be empty; use 127.0.0.1 (local) or 0.0.0.0 (all interfaces)")
-        growth = self.router_session_growth
-        if isinstance(growth, bool) or not (isinstance(growth, (int, float)) and 0 <= growth < 1e6):
-            raise ValueError(f"--router-session-growth must be a number >= 0 (0: off), got "
-                             f"{self.router_session_growth!r}")
+        for flag, growth in (("--router-session-growth", self.router_session_growth),
+                             ("--router-session-start-growth", self.router_session_start_growth)):
+            if isinstance(growth, bool) or not (isinstance(growth, (int, float)) and 0 <= growth < 1e6):
+                raise ValueError(f"{flag} must be a number >= 0 (0: off), got {growth!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty; omit it to serve without authentication")
         if self.redis_url is not None and not self.redis_url.startswith(_REDIS_SCHEMES):

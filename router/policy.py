@@ -109,13 +109,16 @@ policy's choice). Requests without partial keys start no session (their continua
     a continuing request may go to a replica r, when tight(r) and r is neither its home nor a holder of the most
     leading pages, only if sessions(r) < sessions(home) - 1: the move evens the chats out. The other candidates stay
     (all of them when that would leave none).
-    a continuing request whose home holds the most leading pages keeps the home a candidate when tight(home), however
-    busy the home is (as the overload exception does in a full cluster): the estimate, not the load bound, decides
-    whether the chat moves
+    a continuing request whose home is the holder (the replica with the most leading pages that others would copy
+    from) keeps the home a candidate when tight(home), however busy the home is (an addition to the overload
+    exception, ``enable_overload_exception``, which does so in a full cluster): the estimate, not the load bound,
+    decides whether the chat moves
     a request that starts a session (continues none) goes to a holder of the most leading pages, when they are at
-    least half its prompt's pages and tight'(holder), the holder with the fewest sessions judged with
-    session_start_growth in place of session_growth (a chat starting now grows more than the sessions' mean): the
-    eligible holders are its only candidates (all of eligible when none is)
+    least half its prompt's pages, and tight'(h) and sessions(h) < the candidates' mean sessions + 1 for h, the
+    eligible holder with the fewest sessions (tight' judged with session_start_growth in place of session_growth: a
+    chat starting now grows more than the sessions' mean): its only candidates are then the eligible holders with at
+    most sessions(h) + 2 sessions (all of eligible when none is). The cap and the slack keep a popular system prompt's
+    chats from collecting on one of its holders
 
 Why: the cost model moves a chat's turn to a less busy replica (copying its history) for this turn's TTFT, and the chat
 then lives there. Where caches have room that is free; where chats outgrow them, moves leave some replicas with more
@@ -170,6 +173,11 @@ _READY_MARGIN = 1.5
 
 _SESSION_RATE_WEIGHT = 0.05
 """Weight of each outcome (a session's first request continued or not) in ``session_continue_rate``."""
+
+_HOLDER_SESSION_SLACK = 2
+"""A new chat kept with its prefix's holders goes to those with at most this many sessions more than the one with the
+fewest (module docstring, "Sessions"). Simulated tight multi-turn, mean p99 (BENCHMARKS.md 0u): every holder 6.06 s at
+DP 16 (32 seeds) and 6.66 s at DP 64 (16 seeds); slack 1 5.70 / 6.93 s; slack 2 5.88 / 6.54 s."""
 
 
 PartialKey = Callable[[int, int], "bytes | None"]
@@ -462,7 +470,8 @@ class PrefixAwarePolicy:
             session = self._session_of(page_keys, partial_key, now)
             if session is not None and len(eligible) > 1:
                 eligible = self._keep_session_home(eligible, session.replica_id, top)
-            elif session is None and top and 2 * top >= len(page_keys) and len(eligible) > 1:
+            elif (session is None and partial_key is not None and top and 2 * top >= len(page_keys)
+                  and len(eligible) > 1):
                 eligible = self._keep_with_holders(eligible, scored, top)
         holders = [s for s in scored if s.matched == top] if top else [scored[0]]
         if len(holders) > 1 and self.config.enable_cost_model:
@@ -592,16 +601,22 @@ class PrefixAwarePolicy:
         return keep or eligible
 
     def _keep_with_holders(self, eligible: list, scored: list, top: int) -> list:
-        """For a request starting a session: the eligible holders of the most leading pages (``top``) when the holder
-        with the fewest sessions is tight by ``session_start_growth`` (module docstring); else, or when no holder is
-        eligible, ``eligible``."""
+        """For a request starting a session: the eligible holders of the most leading pages (``top``) with at most
+        ``_HOLDER_SESSION_SLACK`` sessions more than the one with the fewest, when that one is tight by
+        ``session_start_growth`` and has fewer sessions than the candidates' mean plus one (module docstring); else,
+        or when no holder is eligible, ``eligible``."""
         growth = self.config.session_start_growth
-        if not growth:
+        holders = [s for s in eligible if s.matched == top]
+        if not growth or not holders:
             return eligible
-        holder = min((s for s in scored if s.matched == top), key=lambda s: self._num_sessions(s.replica_id))
+        holder = min(holders, key=lambda s: self._num_sessions(s.replica_id))
         if not self._tight(holder, self._growth_pages(growth)):
             return eligible
-        return [s for s in eligible if s.matched == top] or eligible
+        mean = sum(self._num_sessions(s.replica_id) for s in scored) / len(scored)
+        if self._num_sessions(holder.replica_id) >= mean + 1:
+            return eligible  # the holders have their share of the chats already
+        fewest = self._num_sessions(holder.replica_id)
+        return [s for s in holders if self._num_sessions(s.replica_id) <= fewest + _HOLDER_SESSION_SLACK]
 
     def _note_session(self, continued: "_Session | None", page_keys: Sequence[PageKey], num_prompt_tokens: int | None,
                       partial_key: PartialKey | None, replica_id: str, now: float) -> None:

@@ -338,6 +338,7 @@ def router_config(
     max_num_batched_tokens: int = PolicyConfig.max_num_batched_tokens,
     eviction_weight: float = PolicyConfig.eviction_weight,
     session_growth: float = PolicyConfig.session_growth,
+    session_start_growth: float = PolicyConfig.session_start_growth,
     stats_period_s: float = DEFAULT_STATS_PERIOD_S,
     stats_timeout_s: float = DEFAULT_STATS_TIMEOUT_S,
 ) -> RequestRouterConfig:
@@ -349,7 +350,8 @@ def router_config(
                           min_peer_copy_pages=min_peer_copy_pages, enable_peer_hint=enable_peer_hint,
                           enable_cost_model=enable_cost_model, enable_tier_routing=enable_tier_routing,
                           page_size=page_size, max_num_batched_tokens=max_num_batched_tokens,
-                          eviction_weight=eviction_weight, session_growth=session_growth)
+                          eviction_weight=eviction_weight, session_growth=session_growth,
+                          session_start_growth=session_start_growth)
     return RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
         request_router_kwargs=dataclasses.asdict(policy),

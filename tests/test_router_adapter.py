@@ -291,6 +291,23 @@ def test_router_session_growth_flag_reaches_the_policy(flags, expected):
         ServeConfig.from_mapping({"devices": "cpu", "router-session-growth": -1})
 
 
+@pytest.mark.parametrize("flags, expected", [([], 8.0), (["--router-session-start-growth", "0"], 0.0),
+                                             (["--router-session-start-growth", "12"], 12.0)])
+def test_router_session_start_growth_flag_reaches_the_policy(flags, expected):
+    from cluster.app import build_app, request_router_config
+    from cluster.cli import build_parser, config_from_args
+    from cluster.config import ServeConfig
+
+    config = config_from_args(build_parser().parse_args(["serve", "--devices", "cpu", *flags]))
+    assert config.router_session_start_growth == expected
+    assert request_router_config(config).request_router_kwargs["session_start_growth"] == expected
+    app = build_app(dataclasses.replace(config, data_parallel_degree=2, num_cpus_per_replica=0.5))
+    deployed = app._bound_deployment.init_args[0]._bound_deployment._deployment_config.request_router_config
+    assert make_router(**deployed.request_router_kwargs).policy.config.session_start_growth == expected
+    with pytest.raises(ValueError, match="--router-session-start-growth"):
+        ServeConfig.from_mapping({"devices": "cpu", "router-session-start-growth": -1})
+
+
 # ---- issues 11 / 12: a chat's next turn, sent before its answer is reported, goes where its own chat finished --------
 def test_a_chat_s_next_turn_goes_where_its_own_turn_finished_through_the_adapter():
     """Two chats on one system prompt (two full pages) finished their turns on a and b, each prompt ending 50 tokens

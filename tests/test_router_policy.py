@@ -4,6 +4,8 @@ off), the rule the policy had before the cost model and still has with ``enable_
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
 from common.events import PagesRemoved, PagesStored
@@ -705,17 +707,19 @@ def test_a_chat_moves_to_a_tight_replica_when_that_evens_the_sessions_out():
         assert (moved.replica_id, moved.reason) == ("b", RoutingReason.COST_AWAY)
 
 
-def _new_chat_scenario(config: PolicyConfig, *, pages_total: int, num_tail_pages: int = 1) -> RoutingDecision:
-    """Chats A and B (each its own 8-page history) live on a and b; a also ran chat X on an 8-page system prompt,
-    and a long prompt queues there. Chat Y starts on X's system prompt (and ``num_tail_pages`` more pages) with a the
-    busier: the cost model would copy the system prompt to b. Every replica reports ``pages_total`` pages."""
+def _new_chat_scenario(config: PolicyConfig, *, pages_total: int, num_tail_pages: int = 1,
+                       chats_on_b: int = 2) -> RoutingDecision:
+    """Chat A (its own 8-page history) lives on a and ``chats_on_b`` chats on b; a also ran chat X on an 8-page
+    system prompt, and a long prompt queues there. Chat Y starts on X's system prompt (and ``num_tail_pages`` more
+    pages) with a the busier: the cost model would copy the system prompt to b. Every replica reports ``pages_total``
+    pages."""
     policy = PrefixAwarePolicy(PrefixIndex(), config)
     system = [key(f"sys{n}") for n in range(8)]
-    for replica_id, other in (("a", "b"), ("b", "a")):
-        history = [key(f"{replica_id}-chat-{n}") for n in range(8)]
-        assert _route(policy, history, loads(**{replica_id: 0, other: 9}), 100.0, tail=[1]).replica_id == replica_id
-        assert _route(policy, history + [key(f"{replica_id}-chat-8")], loads(**{replica_id: 0, other: 9}), 101.0,
-                      tail=[1]).replica_id == replica_id  # continued: a chat on each replica
+    for replica_id, other, number in [("a", "b", 0)] + [("b", "a", n) for n in range(chats_on_b)]:
+        history = [key(f"{replica_id}{number}-chat-{n}") for n in range(8)]
+        for turn in range(2):  # continued: a chat
+            assert _route(policy, history + [key(f"{replica_id}{number}-chat-8")] * turn,
+                          loads(**{replica_id: 0, other: 9}), 100.0 + turn, tail=[1]).replica_id == replica_id
     assert _route(policy, system, loads(a=0, b=9), 102.0, tail=[2]).replica_id == "a"
     assert _route(policy, [key(f"q{n}") for n in range(13)], loads(a=0, b=9), 102.0).replica_id == "a"
     tail_keys = [key(f"y{n}") for n in range(num_tail_pages)]
@@ -724,15 +728,46 @@ def _new_chat_scenario(config: PolicyConfig, *, pages_total: int, num_tail_pages
 
 
 def test_a_new_chat_stays_with_its_system_prompt_where_chats_would_outgrow_the_caches():
-    # 40 pages a replica, two sessions and X's on a: 40 / 3 pages per session against 8x the mean (~9 pages): the
-    # holder is tight, so Y joins the chat on its system prompt instead of storing the prompt on b too
+    # 40 pages a replica; a has 3 sessions (A, X and the long prompt), b 2: 40 / 4 pages per session against 8x the
+    # mean (~9 pages): the holder is tight and has fewer sessions than the mean (2.5) plus one, so Y joins the chat on
+    # its system prompt instead of storing the prompt on b too
     stays = _new_chat_scenario(PolicyConfig(), pages_total=40)
     assert (stays.replica_id, stays.matched_pages) == ("a", 8)
-    # the rule off, roomy caches, or a holder with less than half the prompt (a copy stores little twice): the move
-    for config, pages_total, num_tail_pages in ((PolicyConfig(session_start_growth=0.0), 40, 1),
-                                                (PolicyConfig(), 10_000, 1), (PolicyConfig(), 40, 9)):
-        moved = _new_chat_scenario(config, pages_total=pages_total, num_tail_pages=num_tail_pages)
+    # 200 pages: tight for a chat starting now (8x), not by the sessions' own factor (4x)
+    assert _new_chat_scenario(PolicyConfig(), pages_total=200).replica_id == "a"
+    assert _new_chat_scenario(PolicyConfig(session_start_growth=4.0), pages_total=200).replica_id == "b"
+    # the rule off, roomy caches, a holder with less than half the prompt (a copy stores little twice), or a holder
+    # that has its share of the chats already (3 sessions against b's 1: the mean plus one): the cost model's move
+    for config, pages_total, num_tail_pages, chats_on_b in ((PolicyConfig(session_start_growth=0.0), 40, 1, 2),
+                                                            (PolicyConfig(), 10_000, 1, 2), (PolicyConfig(), 40, 9, 2),
+                                                            (PolicyConfig(), 40, 1, 1)):
+        moved = _new_chat_scenario(config, pages_total=pages_total, num_tail_pages=num_tail_pages,
+                                   chats_on_b=chats_on_b)
         assert (moved.replica_id, moved.reason, moved.peer_hint) == ("b", RoutingReason.COST_AWAY, "a")
+
+
+def test_a_new_chat_goes_to_the_holder_of_its_system_prompt_with_fewer_chats():
+    """a and b both hold the system prompt; a has 4 sessions, b 1 and c 3 (the mean: 2.7), 100 pages each (b is
+    tight for a chat starting now: 100 / 2 pages against 8x the mean 8-page session). A new chat on that prompt, with
+    b the busier, would go to a by the estimate; a has more than 2 sessions beyond b's, so b takes it. With every
+    holder a candidate (``_HOLDER_SESSION_SLACK`` large) it goes to a."""
+    def new_chat(slack: int) -> RoutingDecision:
+        policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
+        for replica_id, number_of_sessions in (("a", 4), ("b", 1), ("c", 3)):
+            others = {name: 9 for name in "abc" if name != replica_id}
+            for number in range(number_of_sessions):
+                prompt = [key(f"{replica_id}{number}-chat-{n}") for n in range(8)]
+                assert _route(policy, prompt, loads(**{replica_id: 0, **others}), 100.0,
+                              tail=[1]).replica_id == replica_id
+        system = [key(f"sys{n}") for n in range(8)]
+        for replica_id in ("a", "b"):
+            policy.index.apply_events(replica_id, [PagesStored(1, tuple(system))])
+        candidates = [ReplicaLoad("a", 0, 100, 100), ReplicaLoad("b", 2, 100, 100), ReplicaLoad("c", 0, 100, 100)]
+        with mock.patch("router.policy._HOLDER_SESSION_SLACK", slack):
+            return _route(policy, system + [key("y0")], candidates, 110.0, tail=[3])
+
+    assert (new_chat(2).replica_id, new_chat(2).matched_pages) == ("b", 8)
+    assert new_chat(100).replica_id == "a"
 
 
 def test_a_chats_busy_home_stays_a_candidate_where_chats_would_outgrow_the_caches():
@@ -740,7 +775,7 @@ def test_a_chats_busy_home_stays_a_candidate_where_chats_would_outgrow_the_cache
     0) but is working through none of this router's (its forecast queue is empty): staying costs the next turn a few
     decode rows per step, moving copies the history. In tight caches the estimate decides (a); in roomy ones, or with
     the rule off, the load bound drops a as before (b, copying from a)."""
-    def next_turn(config: PolicyConfig, pages_total: int) -> RoutingDecision:
+    def next_turn(config: PolicyConfig, pages_total: int, *, one_off: bool = False) -> RoutingDecision:
         policy = PrefixAwarePolicy(PrefixIndex(), config)
         for number in range(2):  # two chats on b
             other = [key(f"b{number}-{n}") for n in range(20)]
@@ -751,6 +786,8 @@ def test_a_chats_busy_home_stays_a_candidate_where_chats_would_outgrow_the_cache
             assert _route(policy, history[:23 + turn], loads(a=0, b=9), 10.0 + turn).replica_id == "a"
         policy.index.apply_events("a", [PagesStored(1, tuple(history))])
         candidates = [ReplicaLoad("a", 6, 0, pages_total), ReplicaLoad("b", 0, pages_total, pages_total)]
+        if one_off:  # 23 of X's pages (not its last) and its own: it continues no session
+            return _route(policy, history[:23] + [key("other")], candidates, 40.0, tail=[1])
         return _route(policy, history + [key("x24")], candidates, 40.0, tail=[1])
 
     stays = next_turn(PolicyConfig(), 120)
@@ -758,6 +795,10 @@ def test_a_chats_busy_home_stays_a_candidate_where_chats_would_outgrow_the_cache
     for config, pages_total in ((PolicyConfig(session_growth=0.0), 120), (PolicyConfig(), 10_000)):
         moved = next_turn(config, pages_total)
         assert (moved.replica_id, moved.peer_hint) == ("b", "a")
+    # a request that is not a's session's turn is bound by the load as before, however tight a is
+    one_off = next_turn(PolicyConfig(), 120, one_off=True)
+    assert (one_off.replica_id, one_off.peer_hint) == ("b", "a")
+
 
 def test_a_replica_holding_more_of_the_prompt_than_the_home_stays_a_candidate():
     """The rule removes move targets, never the replica holding the most leading pages: a chat whose home no longer

@@ -26,3 +26,6 @@ $PY -m benchmarks.router_sim compare --workloads sglang-gsp,zipf,multi-turn,llmd
     --seeds 0,1,2 --out $OUT/all_own
 $PY -m benchmarks.router_sim compare --workloads llmd-prefix --dp 4 $BASE --seeds $SEEDS32 --out $OUT/llmd_dp4_own
 $PY -m benchmarks.router_sim scale --out $OUT/scale.md
+# DP 64 over 16 seeds, ours and llm-d's scorers (4 seeds above are few at this size)
+$PY -m benchmarks.router_sim compare --workloads multi-turn --dp 64 --routers prefixserve,llmd-scorers \
+    --seeds $(seq -s, 0 15) --pool-fraction 0.125 --out $OUT/multiturn_tight_dp64_16
