@@ -274,38 +274,24 @@ def test_router_cost_model_flag_reaches_the_policy(flags, expected):
     assert router.policy.config.enable_cost_model is expected
 
 
-@pytest.mark.parametrize("flags, expected", [([], 4.0), (["--router-session-growth", "0"], 0.0),
-                                             (["--router-session-growth", "2.5"], 2.5)])
-def test_router_session_growth_flag_reaches_the_policy(flags, expected):
+@pytest.mark.parametrize("flag, field, name, default, value", [
+    ("--router-session-growth", "router_session_growth", "session_growth", 4.0, 2.5),
+    ("--router-session-start-growth", "router_session_start_growth", "session_start_growth", 8.0, 12.0),
+])
+def test_router_session_flags_reach_the_policy(flag, field, name, default, value):
     from cluster.app import build_app, request_router_config
     from cluster.cli import build_parser, config_from_args
     from cluster.config import ServeConfig
 
-    config = config_from_args(build_parser().parse_args(["serve", "--devices", "cpu", *flags]))
-    assert config.router_session_growth == expected
-    assert request_router_config(config).request_router_kwargs["session_growth"] == expected
-    app = build_app(dataclasses.replace(config, data_parallel_degree=2, num_cpus_per_replica=0.5))
-    deployed = app._bound_deployment.init_args[0]._bound_deployment._deployment_config.request_router_config
-    assert make_router(**deployed.request_router_kwargs).policy.config.session_growth == expected
-    with pytest.raises(ValueError, match="--router-session-growth"):
-        ServeConfig.from_mapping({"devices": "cpu", "router-session-growth": -1})
-
-
-@pytest.mark.parametrize("flags, expected", [([], 8.0), (["--router-session-start-growth", "0"], 0.0),
-                                             (["--router-session-start-growth", "12"], 12.0)])
-def test_router_session_start_growth_flag_reaches_the_policy(flags, expected):
-    from cluster.app import build_app, request_router_config
-    from cluster.cli import build_parser, config_from_args
-    from cluster.config import ServeConfig
-
-    config = config_from_args(build_parser().parse_args(["serve", "--devices", "cpu", *flags]))
-    assert config.router_session_start_growth == expected
-    assert request_router_config(config).request_router_kwargs["session_start_growth"] == expected
-    app = build_app(dataclasses.replace(config, data_parallel_degree=2, num_cpus_per_replica=0.5))
-    deployed = app._bound_deployment.init_args[0]._bound_deployment._deployment_config.request_router_config
-    assert make_router(**deployed.request_router_kwargs).policy.config.session_start_growth == expected
-    with pytest.raises(ValueError, match="--router-session-start-growth"):
-        ServeConfig.from_mapping({"devices": "cpu", "router-session-start-growth": -1})
+    for flags, expected in (([], default), ([flag, "0"], 0.0), ([flag, str(value)], value)):
+        config = config_from_args(build_parser().parse_args(["serve", "--devices", "cpu", *flags]))
+        assert getattr(config, field) == expected
+        assert request_router_config(config).request_router_kwargs[name] == expected
+        app = build_app(dataclasses.replace(config, data_parallel_degree=2, num_cpus_per_replica=0.5))
+        deployed = app._bound_deployment.init_args[0]._bound_deployment._deployment_config.request_router_config
+        assert getattr(make_router(**deployed.request_router_kwargs).policy.config, name) == expected
+    with pytest.raises(ValueError, match=flag):
+        ServeConfig.from_mapping({"devices": "cpu", flag[2:]: -1})
 
 
 # ---- issues 11 / 12: a chat's next turn, sent before its answer is reported, goes where its own chat finished --------
