@@ -96,7 +96,9 @@ Sessions (cost model and ``session_growth`` > 0). A request continues a session 
 page of a request routed less than ``session_window_s`` ago and that request's tail (the tokens after that page, told
 by partial keys; a prompt that ended at the page's end has none, and every prompt holding the page continues it): a
 chat's next turn. The session's home is the replica that request went to (where Serve sent it, when that was not the
-policy's choice). Requests without partial keys start no session (their continuations could not be told apart).
+policy's choice). Requests without partial keys start no session (their continuations could not be told apart). A
+retry of a request (Serve asking again after its replicas refused it; ``choose``'s ``request_id``) continues nothing
+new: it goes by the session its first choice continued, not the one its first choice recorded.
 
     sessions(r)    = sessions homed on r that have been continued at least once (chats), plus p times those not
                      continued yet, p the recent rate at which a session's first request is continued before its
@@ -353,7 +355,8 @@ class _Costs(NamedTuple):
 
 class _Session(NamedTuple):
     """An active session (module docstring, "Sessions"): where its latest request went, when, that request's full
-    prompt pages, last page key and tail, and whether it was continued (a chat: counted in ``sessions(r)``)."""
+    prompt pages, last page key and tail, and whether it was continued (a chat: counted in ``sessions(r)``); that
+    request's id (when ``choose`` was told it) and the session it continued, for a retry of it."""
 
     replica_id: str
     routed_s: float
@@ -361,6 +364,8 @@ class _Session(NamedTuple):
     key: PageKey
     tail: PromptTail | None
     counted: bool
+    request_id: str | None = None
+    continues: "_Session | None" = None
 
 
 class _Scored(NamedTuple):
@@ -433,11 +438,15 @@ class PrefixAwarePolicy:
         num_prompt_tokens: int | None = None,
         now: float | None = None,
         partial_key: PartialKey | None = None,
+        request_id: str | None = None,
     ) -> RoutingDecision:
         """Pick one of ``candidates`` for a request with ``page_keys``. Raises ValueError when there are none.
 
         ``num_prompt_tokens`` defaults to the full pages' tokens; ``now`` (seconds) to ``time.monotonic()``.
         ``partial_key`` (optional) tells which recently finished request this one continues (module docstring).
+        ``request_id`` (optional, the id ``note_routed`` / ``note_finished`` get) tells a retry of a request already
+        chosen for (Serve asks again when the replicas refused it): the session its first choice recorded is not one
+        it continues; it goes by the session its first choice continued and records none again.
         """
         if not candidates:
             raise ValueError("no candidate replicas to route to")
@@ -466,8 +475,11 @@ class PrefixAwarePolicy:
         eligible = [s for s in scored if s.load <= abs_bound or s.load <= rel_bound]  # not is_overloaded
         top = max(replica_id_to_matched.values(), default=0)
         session = None
+        retry = False
         if self.config.enable_cost_model and self.config.session_growth and page_keys:
             session = self._session_of(page_keys, partial_key, now)
+            if session is not None and request_id is not None and session.request_id == request_id:
+                retry, session = True, session.continues
             if session is not None and len(eligible) > 1:
                 eligible = self._keep_session_home(eligible, session.replica_id, top)
             elif (session is None and partial_key is not None and top and 2 * top >= len(page_keys)
@@ -533,8 +545,8 @@ class PrefixAwarePolicy:
             ready_order.append((ready_at, replica_id, key))
         decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms, copies=copies)
         self.index.expect_keys(replica_id, page_keys, busy_until - now - busy_ms / 1000.0)  # its admission
-        if self.config.session_growth and page_keys:
-            self._note_session(session, page_keys, num_prompt_tokens, partial_key, replica_id, now)
+        if self.config.session_growth and page_keys and not retry:
+            self._note_session(session, page_keys, num_prompt_tokens, partial_key, replica_id, now, request_id)
         self._count(decision)
         return decision
 
@@ -619,7 +631,8 @@ class PrefixAwarePolicy:
         return [s for s in holders if self._num_sessions(s.replica_id) <= fewest + _HOLDER_SESSION_SLACK]
 
     def _note_session(self, continued: "_Session | None", page_keys: Sequence[PageKey], num_prompt_tokens: int | None,
-                      partial_key: PartialKey | None, replica_id: str, now: float) -> None:
+                      partial_key: PartialKey | None, replica_id: str, now: float,
+                      request_id: str | None = None) -> None:
         """Record the request just routed to ``replica_id`` as its session's latest: a continued session when it
         continues one. A request without partial keys ends the session it continues and starts none."""
         if continued is not None:
@@ -631,7 +644,9 @@ class PrefixAwarePolicy:
         key = page_keys[-1]
         tail = self._tail(page_keys, num_prompt_tokens, partial_key)
         counted = continued is not None  # the same prompt again is found as the session it continues, and ended above
-        self._sessions.setdefault(key, {})[tail] = _Session(replica_id, now, len(page_keys), key, tail, counted)
+        continues = None if continued is None else continued._replace(continues=None)  # no chain of past turns
+        self._sessions.setdefault(key, {})[tail] = _Session(replica_id, now, len(page_keys), key, tail, counted,
+                                                            request_id, continues)
         if tail is not None:
             lengths = self._session_tail_lengths.setdefault(key, {})
             lengths[tail.num_tokens] = lengths.get(tail.num_tokens, 0) + 1

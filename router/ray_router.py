@@ -112,7 +112,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._observe_hot_prefix(pending_request, page_keys, loads)
         num_prompt_tokens = num_prompt_tokens_of(pending_request)
         partial_key = partial_key_of(pending_request, self.policy.config.page_size)
-        decision = self.policy.choose(page_keys, loads, num_prompt_tokens=num_prompt_tokens, partial_key=partial_key)
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        decision = self.policy.choose(page_keys, loads, num_prompt_tokens=num_prompt_tokens, partial_key=partial_key,
+                                      request_id=request_id)
         decision_metrics.DECISIONS.add(self._deployment_name(), decision.replica_id, decision.reason.value)
         if pending_request is not None:
             set_peer_hint(pending_request, hint_for_request(decision))

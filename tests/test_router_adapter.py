@@ -340,6 +340,33 @@ def test_a_chat_s_next_turn_goes_where_its_own_turn_finished_through_the_adapter
     run(scenario)
 
 
+def test_a_request_serve_retries_is_not_taken_for_a_chat_through_the_adapter():
+    """Serve asks the router again for a request whose replica refused it (the rejection completes it first). The
+    adapter passes the request's id to the policy, so the retry does not continue the session its first choice
+    recorded: a one-off prompt does not count as a chat (router/policy.py "Sessions")."""
+    from common.page_keys import compute_page_keys
+
+    tokens = list(range(1000, 1300))
+
+    async def scenario():
+        router = make_router()
+        a, b = StandInReplica("a"), StandInReplica("b")
+        for replica in (a, b):
+            replica.publish()
+        router.update_replicas([a, b])
+        request = pending(EngineRequest("r", tokens, page_keys=compute_page_keys(tokens, page_size=128,
+                                                                              model_fingerprint="m")), "i-r")
+        first = ids(await router.choose_replicas([a, b], request))[0][0]
+        refused = a if first == "a" else b
+        router.on_request_completed(refused.replica_id, "i-r")
+        await router.choose_replicas([a, b], request)  # the retry
+        assert not router.policy._replica_id_to_num_sessions
+        assert sum(router.policy._replica_id_to_num_new_sessions.values()) == 1
+        request.future.cancel()
+        await asyncio.sleep(0)
+
+    run(scenario)
+
 def test_an_open_output_channel_is_not_load_on_its_replica():
     """Serve's queue length counts an open output channel as an ongoing request on its replica (and tells the router
     it completed as soon as it was sent); the router takes the process's open channels back out, so a replica holding

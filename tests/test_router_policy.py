@@ -663,12 +663,13 @@ def test_a_follow_up_goes_where_its_own_chat_finished_not_where_another_chat_end
 
 # ---- sessions: a chat's next turn and caches its chats would outgrow (module docstring, "Sessions") ------------------
 def _route(policy: PrefixAwarePolicy, keys: list, candidates: list, now: float, *, tail: list | None = None,
-           partial_keys: bool = True) -> RoutingDecision:
+           partial_keys: bool = True, request_id: str | None = None) -> RoutingDecision:
     """``choose`` for a prompt of ``keys``' full pages and ``tail`` tokens after them, with its partial keys (token
     ids: 0 on the full pages, ``tail`` after them)."""
     tokens = [0] * (len(keys) * 128) + list(tail or [])
     partial_key = token_partial_key(keys, tokens, 128) if partial_keys else None
-    return policy.choose(keys, candidates, num_prompt_tokens=len(tokens), now=now, partial_key=partial_key)
+    return policy.choose(keys, candidates, num_prompt_tokens=len(tokens), now=now, partial_key=partial_key,
+                         request_id=request_id)
 
 
 def _chat_scenario(config: PolicyConfig, *, sessions_on_b: int, pages_total: int):
@@ -814,6 +815,37 @@ def test_a_replica_holding_more_of_the_prompt_than_the_home_stays_a_candidate():
     decision = _route(policy, turn_1 + [key("x8")], tight, 5.0)
     assert (decision.replica_id, decision.matched_pages) == ("b", 8)
 
+
+def test_a_retried_request_is_not_taken_for_a_turn_of_its_own_session():
+    """Serve asks the router again for a request its replicas refused. The retry (the same request id) finds the
+    session its first choice recorded, but does not continue it: a one-off prompt stays a one-off (not a chat), and a
+    chat's turn keeps going by the session it continues. The same prompt sent again as a new request does continue
+    it (a repeat)."""
+    prompt = [key(f"p{n}") for n in range(4)]
+    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
+    first = _route(policy, prompt, loads(a=0, b=9), 0.0, tail=[1], request_id="r")
+    assert first.replica_id == "a"
+    for _ in range(2):  # retries
+        _route(policy, prompt, loads(a=0, b=9), 0.1, tail=[1], request_id="r")
+    assert not policy._replica_id_to_num_sessions and policy._replica_id_to_num_new_sessions == {"a": 1}
+    assert policy.session_continue_rate == 1.0  # no outcome noted
+    _route(policy, prompt, loads(a=0, b=9), 0.2, tail=[1], request_id="s")  # a new request with the same prompt
+    assert policy._replica_id_to_num_sessions == {"a": 1}
+    # a chat's turn: its retry is routed by the chat's session (kept home on tight a) and records nothing again
+    chat = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
+    for number in range(3):  # three chats on b, one on a: b is tight and the move would not even them out
+        other = [key(f"b{number}-{n}") for n in range(6)]
+        for turn in range(2):
+            _route(chat, other + [key(f"b{number}-x")] * turn, loads(a=9, b=0), float(turn), tail=[1])
+    turn_1 = [key(f"x{n}") for n in range(12)]
+    for turn in range(2):
+        assert _route(chat, turn_1[:11 + turn], loads(a=0, b=9), 2.0 + turn).replica_id == "a"
+    tight = [ReplicaLoad("a", 3, 0, 40), ReplicaLoad("b", 0, 40, 40)]
+    booked = dict(chat._replica_id_to_num_sessions)
+    for attempt in range(2):
+        decision = _route(chat, turn_1 + [key("x12")], tight, 4.0 + attempt, request_id="t")
+        assert decision.replica_id == "a"
+    assert chat._replica_id_to_num_sessions == booked
 
 def test_a_session_ends_after_its_window():
     policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig(session_window_s=5.0))
