@@ -475,11 +475,13 @@ class PrefixAwarePolicy:
         eligible = [s for s in scored if s.load <= abs_bound or s.load <= rel_bound]  # not is_overloaded
         top = max(replica_id_to_matched.values(), default=0)
         session = None
-        retry = False
+        recorded = None  # a retry's: the session its first choice recorded
         if self.config.enable_cost_model and self.config.session_growth and page_keys:
             session = self._session_of(page_keys, partial_key, now)
             if session is not None and request_id is not None and session.request_id == request_id:
-                retry, session = True, session.continues
+                recorded, session = session, session.continues
+                if session is not None and not any(c.replica_id == session.replica_id for c in candidates):
+                    session = None  # the home it continued is no candidate now (it may have left)
             if session is not None and len(eligible) > 1:
                 eligible = self._keep_session_home(eligible, session.replica_id, top)
             elif (session is None and partial_key is not None and top and 2 * top >= len(page_keys)
@@ -545,7 +547,10 @@ class PrefixAwarePolicy:
             ready_order.append((ready_at, replica_id, key))
         decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms, copies=copies)
         self.index.expect_keys(replica_id, page_keys, busy_until - now - busy_ms / 1000.0)  # its admission
-        if self.config.session_growth and page_keys and not retry:
+        if recorded is not None:
+            if recorded.replica_id != replica_id:  # a retry sent elsewhere: its session lives there now
+                self._move_session(recorded, replica_id)
+        elif self.config.session_growth and page_keys:
             self._note_session(session, page_keys, num_prompt_tokens, partial_key, replica_id, now, request_id)
         self._count(decision)
         return decision
@@ -691,8 +696,12 @@ class PrefixAwarePolicy:
         session = tails.get(self._request_id_to_tail.get(request_id)) if tails else None
         if session is None or session.replica_id != previous:
             return
-        tails[session.tail] = session._replace(replica_id=replica_id)
-        self._add_session(previous, session.counted, -session.num_pages)
+        self._move_session(session, replica_id)
+
+    def _move_session(self, session: "_Session", replica_id: str) -> None:
+        """Home ``session`` (an active one) on ``replica_id`` instead."""
+        self._sessions[session.key][session.tail] = session._replace(replica_id=replica_id)
+        self._add_session(session.replica_id, session.counted, -session.num_pages)
         self._add_session(replica_id, session.counted, session.num_pages)
 
     def _forget_sessions(self, now: float) -> None:

@@ -343,10 +343,15 @@ def test_a_chat_s_next_turn_goes_where_its_own_turn_finished_through_the_adapter
 def test_a_request_serve_retries_is_not_taken_for_a_chat_through_the_adapter():
     """Serve asks the router again for a request whose replica refused it (the rejection completes it first). The
     adapter passes the request's id to the policy, so the retry does not continue the session its first choice
-    recorded: a one-off prompt does not count as a chat (router/policy.py "Sessions")."""
+    recorded: a one-off prompt does not count as a chat (router/policy.py "Sessions"). The retry goes to the other
+    replica (the refusing one now reports a long queue), and the session moves there with it."""
     from common.page_keys import compute_page_keys
 
     tokens = list(range(1000, 1300))
+
+    def sessions_by_home(router) -> dict:
+        return {session.replica_id: session.request_id
+                for tails in router.policy._sessions.values() for session in tails.values()}
 
     async def scenario():
         router = make_router()
@@ -357,15 +362,21 @@ def test_a_request_serve_retries_is_not_taken_for_a_chat_through_the_adapter():
         request = pending(EngineRequest("r", tokens, page_keys=compute_page_keys(tokens, page_size=128,
                                                                               model_fingerprint="m")), "i-r")
         first = ids(await router.choose_replicas([a, b], request))[0][0]
-        refused = a if first == "a" else b
+        assert sessions_by_home(router) == {first: "i-r"}
+        refused, other = (a, b) if first == "a" else (b, a)
         router.on_request_completed(refused.replica_id, "i-r")
-        await router.choose_replicas([a, b], request)  # the retry
-        assert not router.policy._replica_id_to_num_sessions
-        assert sum(router.policy._replica_id_to_num_new_sessions.values()) == 1
-        request.future.cancel()
+        refused.publish(num_waiting=9)
+        router.update_replicas([a, b])
+        assert ids(await router.choose_replicas([a, b], request))[0] == [other.replica_id.unique_id]  # the retry
+        request.future.set_result(other)
         await asyncio.sleep(0)
+        assert not any(router.policy._replica_id_to_num_sessions.values())
+        new_sessions = router.policy._replica_id_to_num_new_sessions
+        assert {replica_id: n for replica_id, n in new_sessions.items() if n} == {other.replica_id.unique_id: 1}
+        assert sessions_by_home(router) == {other.replica_id.unique_id: "i-r"}
 
     run(scenario)
+
 
 def test_an_open_output_channel_is_not_load_on_its_replica():
     """Serve's queue length counts an open output channel as an ongoing request on its replica (and tells the router

@@ -846,6 +846,8 @@ def test_a_retried_request_is_not_taken_for_a_turn_of_its_own_session():
         decision = _route(chat, turn_1 + [key("x12")], tight, 4.0 + attempt, request_id="t")
         assert decision.replica_id == "a"
     assert chat._replica_id_to_num_sessions == booked
+    recorded = [session for tails in chat._sessions.values() for session in tails.values() if session.request_id == "t"]
+    assert [(session.routed_s, session.continues.replica_id) for session in recorded] == [(4.0, "a")]
 
 def test_a_session_ends_after_its_window():
     policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig(session_window_s=5.0))
@@ -996,8 +998,10 @@ def _check_session_books(policy: PrefixAwarePolicy) -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_the_session_books_stay_consistent_under_random_traffic(seed):
     """Random prompts over a 3-token alphabet and 4-token pages (so they share and continue each other's pages and
-    tails), many at the same instant, with and without partial keys; requests moved by Serve, finished, replicas
-    leaving; windows of 0-3 s. After every step the counters match the sessions; at the end all expire."""
+    tails), many at the same instant, with and without partial keys; requests moved by Serve, retried by Serve (the
+    same request id asked again, half of the time after its replica refused it, which completes it), finished,
+    replicas leaving; windows of 0-3 s. After every step the counters match the sessions, and a session recorded by
+    a request still in flight is homed where that request is counted; at the end all expire."""
     import random
 
     rng = random.Random(seed)
@@ -1007,6 +1011,7 @@ def test_the_session_books_stay_consistent_under_random_traffic(seed):
                                                            session_growth=rng.choice([0.5, 4.0, 100.0])))
     replicas = ["a", "b", "c"]
     now = 0.0
+    unfinished: list[tuple] = []
     for step in range(200):
         if rng.random() < 0.05:
             policy.forget_replica(rng.choice(replicas))
@@ -1014,18 +1019,32 @@ def test_the_session_books_stay_consistent_under_random_traffic(seed):
             continue
         if rng.random() < 0.5:
             now += rng.choice([0.0, 0.0, 0.5, 1.0, 2.0])
-        tokens = [rng.randint(0, 2) for _ in range(rng.randint(1, 30))]
-        keys = [key("k" + ",".join(map(str, tokens[:(n + 1) * page_size]))) for n in range(len(tokens) // page_size)]
-        partial_key = token_partial_key(keys, tokens, page_size) if keys and rng.random() < 0.8 else None
         candidates = [ReplicaLoad(r, rng.randint(0, 4), rng.randint(0, 40), rng.choice([0, 20, 40])) for r in replicas]
-        decision = policy.choose(keys, candidates, num_prompt_tokens=len(tokens), now=now, partial_key=partial_key)
-        request_id = f"r{step}"
+        if unfinished and rng.random() < 0.3:  # Serve asks again for a request
+            request_id, keys, tokens, partial_key = rng.choice(unfinished)
+            if rng.random() < 0.5:
+                policy.note_finished(request_id)  # its replica refused it
+        else:
+            tokens = [rng.randint(0, 2) for _ in range(rng.randint(1, 30))]
+            keys = [key("k" + ",".join(map(str, tokens[:(n + 1) * page_size])))
+                    for n in range(len(tokens) // page_size)]
+            partial_key = token_partial_key(keys, tokens, page_size) if keys and rng.random() < 0.8 else None
+            request_id = f"r{step}"
+            unfinished.append((request_id, keys, tokens, partial_key))
+        decision = policy.choose(keys, candidates, num_prompt_tokens=len(tokens), now=now, partial_key=partial_key,
+                                 request_id=request_id)
         policy.note_routed(request_id, decision.replica_id, keys, num_prompt_tokens=len(tokens),
                            partial_key=partial_key)
         if rng.random() < 0.2:
             policy.note_routed(request_id, rng.choice(replicas))  # Serve sent it elsewhere
+        _check_session_books(policy)
+        for tails in policy._sessions.values():
+            for session in tails.values():
+                assert session.continues is None or session.continues.continues is None  # no chain of turns
+                if session.request_id in policy._request_id_to_replica_id:
+                    assert session.replica_id == policy._request_id_to_replica_id[session.request_id]
         if rng.random() < 0.5:
-            policy.note_finished(request_id)
+            policy.note_finished(unfinished.pop(rng.randrange(len(unfinished)))[0])
         if keys and rng.random() < 0.5:
             policy.index.apply_events(rng.choice(replicas), [PagesStored(1, tuple(keys))])
         _check_session_books(policy)
