@@ -672,6 +672,15 @@ def _route(policy: PrefixAwarePolicy, keys: list, candidates: list, now: float, 
                          request_id=request_id)
 
 
+def _chats_on_b(policy: PrefixAwarePolicy, count: int, num_pages: int) -> None:
+    """``count`` chats of two turns on b (``num_pages`` pages, then one more), a the busy one, at t = 0 and 1 s."""
+    for number in range(count):
+        other = [key(f"b{number}-{n}") for n in range(num_pages)]
+        for turn in range(2):
+            assert _route(policy, other + [key(f"b{number}-next")] * turn, loads(a=9, b=0), float(turn),
+                          tail=[1]).replica_id == "b"
+
+
 def _chat_scenario(config: PolicyConfig, *, sessions_on_b: int, pages_total: int):
     """b served ``sessions_on_b`` other prompts 10 s ago (idle now); then chat X's first turn and three long prompts
     queue on a. X's next turn (its first turn's pages and two more) arrives 10 ms later, a the busier: the cost
@@ -778,10 +787,7 @@ def test_a_chats_busy_home_stays_a_candidate_where_chats_would_outgrow_the_cache
     the rule off, the load bound drops a as before (b, copying from a)."""
     def next_turn(config: PolicyConfig, pages_total: int, *, one_off: bool = False) -> RoutingDecision:
         policy = PrefixAwarePolicy(PrefixIndex(), config)
-        for number in range(2):  # two chats on b
-            other = [key(f"b{number}-{n}") for n in range(20)]
-            for turn in range(2):
-                _route(policy, other + [key(f"b{number}-next")] * turn, loads(a=9, b=0), float(turn), tail=[1])
+        _chats_on_b(policy, 2, 20)
         history = [key(f"x{n}") for n in range(24)]
         for turn in range(2):
             assert _route(policy, history[:23 + turn], loads(a=0, b=9), 10.0 + turn).replica_id == "a"
@@ -833,10 +839,7 @@ def test_a_retried_request_is_not_taken_for_a_turn_of_its_own_session():
     assert policy._replica_id_to_num_sessions == {"a": 1}
     # a chat's turn: its retry is routed by the chat's session (kept home on tight a) and records nothing again
     chat = PrefixAwarePolicy(PrefixIndex(), PolicyConfig())
-    for number in range(3):  # three chats on b, one on a: b is tight and the move would not even them out
-        other = [key(f"b{number}-{n}") for n in range(6)]
-        for turn in range(2):
-            _route(chat, other + [key(f"b{number}-x")] * turn, loads(a=9, b=0), float(turn), tail=[1])
+    _chats_on_b(chat, 3, 6)  # three chats on b, one on a: b is tight and the move would not even them out
     turn_1 = [key(f"x{n}") for n in range(12)]
     for turn in range(2):
         assert _route(chat, turn_1[:11 + turn], loads(a=0, b=9), 2.0 + turn).replica_id == "a"
