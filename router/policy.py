@@ -515,9 +515,9 @@ class PrefixAwarePolicy:
             # evict cached pages to take the request (a full cluster: moving would cost another prefix)
             eligible = eligible + [holder]
             estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now, tier_runs)
-            if session is not None and session.replica_id == holder.replica_id and self._tight(holder):
-                pass  # a chat's busy home in caches its chats would outgrow: the estimate decides (docstring)
-            elif any(estimate[3] == estimate[0] for estimate in estimates[:-1]):
+            # a chat's busy home in caches its chats would outgrow stays too: the estimate decides (docstring)
+            keeps_home = session is not None and session.replica_id == holder.replica_id and self._tight(holder)
+            if not keeps_home and any(estimate[3] == estimate[0] for estimate in estimates[:-1]):
                 eligible, estimates = eligible[:-1], estimates[:-1]
         else:
             estimates = self._estimate_all(eligible, holder, page_keys, num_prompt_tokens, now, tier_runs)
@@ -627,12 +627,12 @@ class PrefixAwarePolicy:
         if not growth or not holders:
             return eligible
         holder = min(holders, key=lambda s: self._num_sessions(s.replica_id))
+        fewest = self._num_sessions(holder.replica_id)
         if not self._tight(holder, self._growth_pages(growth)):
             return eligible
         mean = sum(self._num_sessions(s.replica_id) for s in scored) / len(scored)
-        if self._num_sessions(holder.replica_id) >= mean + 1:
+        if fewest >= mean + 1:
             return eligible  # the holders have their share of the chats already
-        fewest = self._num_sessions(holder.replica_id)
         return [s for s in holders if self._num_sessions(s.replica_id) <= fewest + _HOLDER_SESSION_SLACK]
 
     def _note_session(self, continued: "_Session | None", page_keys: Sequence[PageKey], num_prompt_tokens: int | None,
