@@ -1,6 +1,6 @@
 """The C++ decode attention kernel alone (``replica.cpu_kernels.decode_attention``), per step of 8 layers: its
-AVX-512 vector code (``vector_code=True``; used only on CPUs with AVX-512) against its plain loops (auto-vectorised
-to the CPU's width), and optionally against other versions of its source (``--source NAME=PATH``, built under their
+vector code (``vector_code=True``; AVX-512 or AVX2 + FMA vectors, whichever the CPU has widest) against its plain
+loops (auto-vectorised to the CPU's width), and optionally against other versions of its source (``--source NAME=PATH``, built under their
 own op namespace), alternating in one process on the same inputs. Shapes of the tiny Llama 512 x 8: 8 heads of 64
 over 4 KV heads, every layer its own pool (as in the engine, a step's KV comes from memory, not the caches). Cases: 1
 row over 2048 keys; 4 rows with 1792 keys each (prefix_repetition's decode batch: no prefix shared); 4 / 16 rows
@@ -11,7 +11,7 @@ sharing a 1792-key prefix with 256 keys of their own. Also reported: the KV byte
     git show df2ddf2:replica/csrc/decode_attention.cpp > /tmp/decode_s18.cpp
     PYTHONPATH=. .venv/bin/python benchmarks/decode_kernel.py --dtype bfloat16 --source s18=/tmp/decode_s18.cpp
 
-On a CPU without AVX-512 the vector column runs the plain loops too (the vector code is not used there).
+On a CPU with neither, the vector column runs the plain loops too (the vector code is not used there).
 """
 
 from __future__ import annotations

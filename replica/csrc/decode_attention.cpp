@@ -12,6 +12,7 @@
 // shared state.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -150,25 +151,54 @@ void run_item(const T* query, const T* k_cache, const T* v_cache, const int64_t*
   }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The same computation with head_dim = kW * N on the CPU's widest float vectors (kW = 16 on AVX-512, 8 on AVX2; used
+// where the CPU has them, see ``vector_item``): keys are scored kW at a time (``reduce_keys``: one vector of kW scores
+// from kW partial-sum vectors, in place of a horizontal sum per key), in bfloat16 pairs where the CPU has
+// AVX512-BF16; a value row is converted to float once and added into up to `kTile` query vectors' accumulators held
+// in registers; the next block of keys and values is prefetched while one is attended. Against session 18's version
+// of this code (a key widened and dotted with each query vector, a horizontal sum per score, no prefetch;
+// benchmarks/decode_kernel.py, BENCHMARKS.md section 0k) on a Zen 4 EPYC: bfloat16 0.63-0.93x the time (1.06x for 4
+// rows of their own 1792 keys on 2 threads), float32 0.76-1.05x. On AVX2 the 16-float version lost to the plain
+// loops (GCC split its vectors into register pairs and spilled the accumulator tiles); with 8-float vectors and tiles
+// sized to 16 registers it takes 0.5-0.7x their time on a Zen 1 EPYC (section 0v).
 #if defined(__AVX512F__)
-// The same computation with head_dim = 16 * N, on AVX-512 registers (used only where the CPU has them, see
-// ``vector_item``): keys are scored 16 at a time (``reduce16``), in bfloat16 pairs where the CPU has AVX512-BF16; a
-// value row is converted to float once and added into up to `kTile` query vectors' accumulators held in registers;
-// the next block of keys and values is prefetched while one is attended. Against session 18's version of this code
-// (a key widened and dotted with each query vector, a horizontal sum per score, no prefetch; benchmarks/
-// decode_kernel.py, BENCHMARKS.md section 0k) on a Zen 4 EPYC: bfloat16 0.63-0.93x the time (1.06x for 4 rows of
-// their own 1792 keys on 2 threads), float32 0.76-1.05x.
+constexpr int kW = 16;
 typedef float vfloat __attribute__((vector_size(64)));
 typedef uint16_t vhalf __attribute__((vector_size(32)));
 typedef uint32_t vbits __attribute__((vector_size(64)));
+// Keys are scored 16 at a time: accumulator j holds key kKeyOf[j]'s lane-wise products with the query vector and
+// ``reduce16`` (reduce16.h) folds the 16 into one vector of their scores, lane j key j.
+using prefixserve::kKeyOf;
+inline vfloat reduce_keys(const vfloat* parts) {
+  __m512 v[16];
+  std::memcpy(v, parts, sizeof(v));
+  return (vfloat)prefixserve::reduce16(v);
+}
+#else
+constexpr int kW = 8;
+typedef float vfloat __attribute__((vector_size(32)));
+typedef uint16_t vhalf __attribute__((vector_size(16)));
+typedef uint32_t vbits __attribute__((vector_size(32)));
+constexpr int kKeyOf[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+// Eight 8-float vectors summed lane-wise into one, lane j the sum of vector j: two rounds of pairwise adds within
+// 128-bit halves, then the halves of four vectors each added across.
+inline vfloat reduce_keys(const vfloat* parts) {
+  __m256 v[8];
+  std::memcpy(v, parts, sizeof(v));
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return (vfloat)_mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+#endif
 
-inline vfloat load16(const float* p) {
+inline vfloat loadw(const float* p) {
   vfloat v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline vfloat load16(const c10::BFloat16* p) {
+inline vfloat loadw(const c10::BFloat16* p) {
   vhalf h;
   std::memcpy(&h, p, sizeof(h));
   const vbits bits = __builtin_convertvector(h, vbits) << 16;
@@ -177,16 +207,11 @@ inline vfloat load16(const c10::BFloat16* p) {
   return v;
 }
 
-inline vfloat load16(const c10::Half* p) {
-  float tmp[16];
-  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
-  return load16(tmp);
+inline vfloat loadw(const c10::Half* p) {
+  float tmp[kW];
+  for (int i = 0; i < kW; ++i) tmp[i] = static_cast<float>(p[i]);
+  return loadw(tmp);
 }
-
-// Keys are scored 16 at a time: accumulator j holds key kKeyOf[j]'s lane-wise products with the query vector and
-// ``reduce16`` (reduce16.h) folds the 16 into one vector of their scores, lane j key j.
-using prefixserve::kKeyOf;
-using prefixserve::reduce16;
 
 // One query vector as the score loop wants it: float32 lanes, or, for bfloat16 on a CPU with AVX512-BF16, the
 // bfloat16 values themselves, dotted with a key's bfloat16 pairs by vdpbf16ps (products exact, sums in float32), so
@@ -195,11 +220,11 @@ template <typename T, int N>
 struct Query {
   vfloat lanes[N];
   void set(const T* src) {
-    for (int c = 0; c < N; ++c) lanes[c] = load16(src + 16 * c);
+    for (int c = 0; c < N; ++c) lanes[c] = loadw(src + kW * c);
   }
   vfloat dot(const T* key) const {
-    vfloat sum = lanes[0] * load16(key);
-    for (int c = 1; c < N; ++c) sum += lanes[c] * load16(key + 16 * c);
+    vfloat sum = lanes[0] * loadw(key);
+    for (int c = 1; c < N; ++c) sum += lanes[c] * loadw(key + kW * c);
     return sum;
   }
 };
@@ -236,8 +261,9 @@ void run_item_vec(const T* query, const T* k_cache, const T* v_cache, const int6
                   int64_t num_kv_heads, float scale, T* out) {
   // kv heads [head_begin, head_end) of one component; the head loop sits inside the key-block loop so that one block
   // of slots is read whole (all its heads) before the next
-  constexpr int64_t head_dim = 16 * N;
-  constexpr int64_t kTile = N >= 8 ? 2 : 4;
+  constexpr int64_t head_dim = kW * N;
+  // accumulator tiles sized to the register file: 32 vector registers on AVX-512, 16 on AVX2
+  constexpr int64_t kTile = kW == 16 ? (N >= 8 ? 2 : 4) : (N >= 6 ? 1 : 2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t seg_begin = component[0], seg_end = component[1];
@@ -245,7 +271,6 @@ void run_item_vec(const T* query, const T* k_cache, const T* v_cache, const int6
   const int64_t num_rows = row_end - row_begin;
   const int64_t nq_all = num_rows * group;
   const int64_t num_local_heads = head_end - head_begin;
-  const __m512 vscale = _mm512_set1_ps(scale);
 
   // state index: (local head, row place in the component, query head of the group)
   std::vector<Query<T, N>> q_all(num_local_heads * nq_all);
@@ -296,13 +321,14 @@ void run_item_vec(const T* query, const T* k_cache, const T* v_cache, const int6
         const T* v_base = v_cache + (start + b) * slot_stride + (head_begin + h) * head_dim;
         for (int64_t qi = 0; qi < nq; ++qi) {
           const Query<T, N>& q = q_all[base + vecs[qi]];
-          for (int64_t t0 = 0; t0 < n; t0 += 16) {
-            const int64_t m = std::min<int64_t>(16, n - t0);
-            __m512 parts[16];
+          for (int64_t t0 = 0; t0 < n; t0 += kW) {
+            const int64_t m = std::min<int64_t>(kW, n - t0);
+            vfloat parts[kW];
 #pragma GCC unroll 16
-            for (int j = 0; j < 16; ++j)
-              parts[j] = kKeyOf[j] < m ? (__m512)q.dot(k_base + (t0 + kKeyOf[j]) * slot_stride) : _mm512_setzero_ps();
-            _mm512_storeu_ps(scores.data() + qi * kBlock + t0, _mm512_mul_ps(reduce16(parts), vscale));
+            for (int j = 0; j < kW; ++j)
+              parts[j] = kKeyOf[j] < m ? q.dot(k_base + (t0 + kKeyOf[j]) * slot_stride) : vfloat{};
+            const vfloat block_scores = reduce_keys(parts) * scale;
+            std::memcpy(scores.data() + qi * kBlock + t0, &block_scores, sizeof(block_scores));
           }
         }
         for (int64_t qi = 0; qi < nq; ++qi) {
@@ -317,11 +343,20 @@ void run_item_vec(const T* query, const T* k_cache, const T* v_cache, const int6
           for (int64_t j = 0; j < tile; ++j)
             for (int c = 0; c < N; ++c) a[j][c] = acc[(base + vecs[q0 + j]) * N + c];
           for (int64_t t = 0; t < n; ++t) {
-            vfloat v[N];
-            for (int c = 0; c < N; ++c) v[c] = load16(v_base + t * slot_stride + 16 * c);
-            for (int64_t j = 0; j < tile; ++j) {
-              const float weight = scores[(q0 + j) * kBlock + t];
-              for (int c = 0; c < N; ++c) a[j][c] += weight * v[c];
+            if constexpr (kW == 16) {
+              vfloat v[N];
+              for (int c = 0; c < N; ++c) v[c] = loadw(v_base + t * slot_stride + kW * c);
+              for (int64_t j = 0; j < tile; ++j) {
+                const float weight = scores[(q0 + j) * kBlock + t];
+                for (int c = 0; c < N; ++c) a[j][c] += weight * v[c];
+              }
+            } else {  // 16 registers: a value vector at a time, the tile's loop unrolled so `a` stays in registers
+              for (int c = 0; c < N; ++c) {
+                const vfloat v = loadw(v_base + t * slot_stride + kW * c);
+#pragma GCC unroll 4
+                for (int64_t j = 0; j < kTile; ++j)
+                  if (j < tile) a[j][c] += scores[(q0 + j) * kBlock + t] * v;
+              }
             }
           }
           for (int64_t j = 0; j < tile; ++j)
@@ -339,14 +374,14 @@ void run_item_vec(const T* query, const T* k_cache, const T* v_cache, const int6
         const float inverse = total[vec] > 0.0f ? 1.0f / total[vec] : 0.0f;
         for (int c = 0; c < N; ++c) {
           const vfloat o = acc[vec * N + c] * inverse;
-          std::memcpy(result + 16 * c, &o, sizeof(o));
+          std::memcpy(result + kW * c, &o, sizeof(o));
         }
         from_float(result, out + (position * num_heads + (head_begin + h) * group + g) * head_dim, head_dim);
       }
     }
 }
 
-#endif  // __AVX512F__
+#endif  // AVX-512, or AVX2 and FMA
 
 template <typename T>
 using ItemFn = void (*)(const T*, const T*, const T*, const int64_t*, const int64_t*, const int64_t*, int64_t, int64_t,
@@ -354,20 +389,17 @@ using ItemFn = void (*)(const T*, const T*, const T*, const int64_t*, const int6
 
 template <typename T>
 ItemFn<T> vector_item(int64_t head_dim) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   switch (head_dim) {
-    case 32: return &run_item_vec<T, 2>;
-    case 64: return &run_item_vec<T, 4>;
-    case 80: return &run_item_vec<T, 5>;
-    case 96: return &run_item_vec<T, 6>;
-    case 128: return &run_item_vec<T, 8>;
-    case 256: return &run_item_vec<T, 16>;
+    case 32: return &run_item_vec<T, 32 / kW>;
+    case 64: return &run_item_vec<T, 64 / kW>;
+    case 80: return &run_item_vec<T, 80 / kW>;
+    case 96: return &run_item_vec<T, 96 / kW>;
+    case 128: return &run_item_vec<T, 128 / kW>;
+    case 256: return &run_item_vec<T, 256 / kW>;
     default: return nullptr;
   }
 #else
-  // Without AVX-512, GCC splits the 16-float vectors into pairs of AVX2 registers and spills the accumulator tiles:
-  // on an AVX2 EPYC ``run_item`` (its loops auto-vectorised to 8 floats) was 1.9-2.9x faster, float32, 8 layers of
-  // 8 heads of 64: 1 row over 2048 keys 5.5 -> 3.0 ms, 4 rows sharing 1792 keys 27 -> 9.5 ms, 16 rows 99 -> 42 ms.
   (void)head_dim;
   return nullptr;
 #endif
