@@ -109,13 +109,14 @@ def test_bfloat16_close_to_float32(kernel, head_dim, monkeypatch):
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")
-@pytest.mark.parametrize("head_dim", [32, 64])
-def test_decode_kernel_long_runs_across_blocks_and_many_rows(head_dim):
+@pytest.mark.parametrize("head_dim, group", [(32, 4), (32, 3), (64, 4)])
+def test_decode_kernel_long_runs_across_blocks_and_many_rows(head_dim, group):
     """Runs longer than the kernel's key block (64) and a group of 3 rows sharing a 5-block prefix: the running
     softmax across blocks and segments matches one softmax over the gathered context. The vector code's accumulator
-    tiles differ by head size (on AVX2: 2 query vectors at 32, 1 at 64)."""
+    tiles differ by head size (on AVX2: 2 query vectors at 32, 1 at 64); 3 query heads per kv head leave a tile
+    half full."""
     gen = torch.Generator().manual_seed(1)
-    num_kv_heads, group, slots = 2, 4, 2000
+    num_kv_heads, slots = 2, 2000
     k_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen) * 3  # large scores: rescaling matters
     v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen)
     query = torch.randn(5, num_kv_heads * group, head_dim, generator=gen)

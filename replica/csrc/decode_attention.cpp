@@ -12,7 +12,6 @@
 // shared state.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -22,6 +21,10 @@
 #include <vector>
 
 #include "reduce16.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
