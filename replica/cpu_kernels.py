@@ -208,12 +208,24 @@ def pair_linear_pays() -> bool:
     return os.environ.get("PREFIXSERVE_PAIR_LINEAR", "") != "0" and has_pair_linear()
 
 
-def packed_gemm_pays() -> bool:
-    """Whether linear layers should run on packed oneDNN weights: on CPUs with AVX-512, where oneDNN's packed GEMM
-    measured 1.3-2x faster than the small-row kernel and MKL from 4 rows up, in float32 and bfloat16
+def packed_gemm_pays(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether linear layers of ``dtype`` should run on packed oneDNN weights: on CPUs with AVX-512, where oneDNN's
+    packed GEMM measured 1.3-2x faster than the small-row kernel and MKL from 4 rows up, in float32 and bfloat16
     (``benchmarks/linear_rows.py``, BENCHMARKS.md section 0j). On AVX2-only CPUs the kernel and MKL are kept, as
-    measured there (sections 0a-0h). ``PREFIXSERVE_PACKED_LINEAR=0`` / ``1`` overrides."""
+    measured there (sections 0a-0h). ``PREFIXSERVE_PACKED_LINEAR=0`` / ``1`` overrides, except that bfloat16 weights
+    are never packed where oneDNN cannot reorder them (``can_pack``)."""
+    if not torch.backends.mkldnn.is_available() or not can_pack(dtype):
+        return False
     forced = os.environ.get("PREFIXSERVE_PACKED_LINEAR", "")
     if forced in ("0", "1"):
-        return forced == "1" and torch.backends.mkldnn.is_available()
-    return torch.backends.mkldnn.is_available() and " avx512f " in f" {_cpu_flags()} "
+        return forced == "1"
+    return " avx512f " in f" {_cpu_flags()} "
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can reorder a ``dtype`` weight into its blocked layout on this CPU: float32 anywhere, bfloat16
+    only with AVX-512 BW / VL / DQ or AVX-NE-CONVERT (elsewhere ``_reorder_linear_weight`` raises)."""
+    if dtype != torch.bfloat16:
+        return True
+    flags = set(_cpu_flags().split())
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags

@@ -273,7 +273,7 @@ class CompactCausalLM(nn.Module):
         self.embed_weight = _frozen(inner.embed_tokens.weight)
         self.linear_kernel = linear_kernel(self.embed_weight)
         """``linear_kernel``; the benchmarks switch it (a compiled forward then compiles a graph per setting)."""
-        pack = self.linear_kernel and cpu_kernels.packed_gemm_pays()
+        pack = self.linear_kernel and cpu_kernels.packed_gemm_pays(self.embed_weight.dtype)
         self.packed_from_rows = PACKED_FROM_ROWS if pack else 0
         """Inputs of this many rows or more run on the packed weights (``cpu_kernels.linear``; a graph constant)."""
         pairs = self.linear_kernel and self.embed_weight.dtype == torch.bfloat16 and cpu_kernels.pair_linear_pays()

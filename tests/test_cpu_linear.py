@@ -96,6 +96,8 @@ def test_compact_model_uses_the_kernel_for_float32_and_bfloat16(tiny_llama_dir):
 def test_packed_weight_runs_onednn_from_its_row_count_and_the_kernel_below(dtype, with_bias):
     """With a packed weight, inputs of ``packed_from_rows`` rows or more are oneDNN's packed GEMM (bit for bit the op
     inductor's frozen graphs call) and smaller ones the kernel's, both the float64 product up to rounding."""
+    if not cpu_kernels.can_pack(dtype):
+        pytest.skip("oneDNN cannot reorder bfloat16 weights on this CPU")
     generator = torch.Generator().manual_seed(11)
     weight = torch.randn(96, 64, generator=generator).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype) if with_bias else None
@@ -112,6 +114,21 @@ def test_packed_weight_runs_onednn_from_its_row_count_and_the_kernel_below(dtype
     strided = torch.randn(64, 7, generator=generator).to(dtype).t()  # a non-contiguous input is copied first
     torch.testing.assert_close(cpu_kernels.linear(strided, weight, bias, True, packed, 3).double(),
                                _reference(strided, weight, bias), **tolerance)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_bfloat16_weights_are_not_packed_where_onednn_cannot_reorder_them(monkeypatch):
+    """On an AVX2-only CPU oneDNN's bfloat16 reorder raises, so even ``PREFIXSERVE_PACKED_LINEAR=1`` leaves bfloat16
+    weights unpacked (the model builds and runs the kernel and ATen) while float32 ones are packed."""
+    monkeypatch.setenv("PREFIXSERVE_PACKED_LINEAR", "1")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: fpu avx avx2 fma f16c")
+    assert cpu_kernels.packed_gemm_pays(torch.float32) and not cpu_kernels.packed_gemm_pays(torch.bfloat16)
+    monkeypatch.delenv("PREFIXSERVE_PACKED_LINEAR")
+    assert not cpu_kernels.packed_gemm_pays(torch.float32)  # the default packs on AVX-512 only
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: avx2 fma avx512f avx512dq avx512bw avx512vl")
+    assert cpu_kernels.packed_gemm_pays(torch.float32) and cpu_kernels.packed_gemm_pays(torch.bfloat16)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: avx2 fma avx_ne_convert")
+    assert cpu_kernels.can_pack(torch.bfloat16) and not cpu_kernels.packed_gemm_pays(torch.bfloat16)
 
 
 def test_packed_rows_differ_from_the_kernel_so_the_switch_is_real():
