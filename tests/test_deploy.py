@@ -67,7 +67,8 @@ def test_serve_config_deploys_and_serves(ray_session, serve_http_port, tiny_llam
     app["name"] = "deploy-check"
     app["route_prefix"] = "/deploy-check"
     app["args"].update(model=tiny_llama_dir, served_model_name="tiny", data_parallel_degree=1,
-                       num_cpus_per_replica=0.5, kv_cache_memory="32MiB", max_model_len=1024, dtype="float32")
+                       num_cpus_per_replica=0.5, kv_cache_memory="32MiB", max_model_len=1024, dtype="float32",
+                       enforce_eager=True)  # the file as shipped, its forward eager: a compile costs CI tens of seconds
     raw.pop("http_options", None)  # the session's Serve is already listening on its own port
     schema = ServeDeploySchema.model_validate(raw)
     client = _get_global_client()

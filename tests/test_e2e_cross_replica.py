@@ -60,9 +60,10 @@ def wait_for_tier_writes(metrics_url: str, tier: str, num_pages: int, timeout_s:
         time.sleep(0.2)
 
 
-def run_scenario(client, tag, metrics_url):
-    """Compute a prefix on one replica, then ask the other replica for it; returns (remote usage, local usage)."""
-    a, b = both_replicas(client, tag)
+def run_scenario(client, tag, metrics_url, replicas=None):
+    """Compute a prefix on one replica, then ask the other replica for it; returns (remote usage, local usage).
+    ``replicas``: the app's two replica ids, when known (else found with ``both_replicas``)."""
+    a, b = replicas or both_replicas(client, tag)
     prefix = code_prompt(f"{tag}-shared")
     first, home = complete(client, prefix + "\n# first question\n", target=a)
     assert home == a and cached_of(first.usage)[0] == 0
@@ -92,70 +93,81 @@ def make_client(http_base, name):
     return openai.OpenAI(base_url=f"{http_base}/{name}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
-def serve_from_other_replica(http_base, config, name, source):
-    """Deploy ``config`` as ``name``, compute a prefix on one replica, ask the other replica for it, and check that
-    all its cached tokens came from ``source`` with the same output as a local hit.
+def reuse_from_other_replica(http_base, name, source, tag=None, replicas=None):
+    """On the app ``name``: compute a prefix on one replica, ask the other replica for it, and check that all its
+    cached tokens came from ``source`` with the same output as a local hit.
     Returns (remote completion, local completion, remote cached tokens, /metrics text)."""
+    client = make_client(http_base, name)
+    remote, local = run_scenario(client, tag or source, f"{http_base}/{name}/metrics", replicas)
+    cached, by_source = cached_of(remote.usage)
+    assert cached >= 2 * PAGE_SIZE
+    assert by_source == {**{"local": 0, "peer": 0, "host": 0, "disk": 0}, source: cached}
+    assert remote.choices[0].text == local.choices[0].text
+    assert cached_of(local.usage)[1]["local"] == cached
+    return remote, local, cached, httpx.get(f"{http_base}/{name}/metrics", headers=AUTH).text
+
+
+def serve_from_other_replica(http_base, config, name, source):
+    """Deploy ``config`` as ``name``, run ``reuse_from_other_replica`` on it, delete it."""
     from ray import serve
 
     deploy(config, name)
     try:
-        client = make_client(http_base, name)
-        remote, local = run_scenario(client, source, f"{http_base}/{name}/metrics")
-        cached, by_source = cached_of(remote.usage)
-        assert cached >= 2 * PAGE_SIZE
-        assert by_source == {**{"local": 0, "peer": 0, "host": 0, "disk": 0}, source: cached}
-        assert remote.choices[0].text == local.choices[0].text
-        assert cached_of(local.usage)[1]["local"] == cached
-        metrics = httpx.get(f"{http_base}/{name}/metrics", headers=AUTH).text
-        return remote, local, cached, metrics
+        return reuse_from_other_replica(http_base, name, source)
     finally:
         serve.delete(name)
 
 
-def test_prefix_on_another_replica_is_copied_from_the_peer(http_base, tiny_llama_dir):
-    config = make_config(tiny_llama_dir, enable_dp_cross_replica_prefix_copy=True)
-    remote, local, cached, metrics = serve_from_other_replica(http_base, config, "peercopy", "peer")
+@pytest.fixture(scope="module")
+def peer_app(http_base, tiny_llama_dir):
+    """One app with cross-replica copy on for the peer tests (a deploy costs half a minute on a slow CI box), and its
+    two replica ids, found while both are empty (later, load balance may keep choosing one for new prompts). The tests
+    read its counters as differences, so either may run first."""
+    from ray import serve
+
+    deploy(make_config(tiny_llama_dir, enable_dp_cross_replica_prefix_copy=True), "peercopy")
+    yield "peercopy", both_replicas(make_client(http_base, "peercopy"), "peercopy")
+    serve.delete("peercopy")
+
+
+def labelled_sum(metrics_text, name, label):
+    return sum(v for labels, v in metric_values(metrics_text, name).items() if label in labels)
+
+
+def test_prefix_on_another_replica_is_copied_from_the_peer(http_base, peer_app):
+    name, replicas = peer_app
+    before = httpx.get(f"{http_base}/{name}/metrics", headers=AUTH).text
+    remote, local, cached, metrics = reuse_from_other_replica(http_base, name, "peer", replicas=replicas)
+
+    def added(name, label):
+        return labelled_sum(metrics, name, label) - labelled_sum(before, name, label)
+
     details = remote.usage.prompt_tokens_details.model_extra
     assert details["computed_tokens"] == remote.usage.prompt_tokens - cached
     # every page copied from a peer is counted: the remote request's, plus any page the local request then copied
     # back from the remote replica (which computed the question's last full page)
-    num_peer_tokens = cached + cached_of(local.usage)[1]["peer"]
-    peer_pages = metric_values(metrics, "prefixserve_kv_fetch_pages_total")
-    assert sum(v for labels, v in peer_pages.items() if 'source="peer"' in labels) == num_peer_tokens // PAGE_SIZE
+    num_peer_pages = (cached + cached_of(local.usage)[1]["peer"]) // PAGE_SIZE
+    assert added("prefixserve_kv_fetch_pages_total", 'source="peer"') == num_peer_pages
     # CPU replicas of one node: straight from the holder's shared pool, not through the object store
-    by_transport = metric_values(metrics, "prefixserve_kv_peer_pages_total")
-    assert sum(v for labels, v in by_transport.items() if 'transport="shared_memory"' in labels) == \
-        num_peer_tokens // PAGE_SIZE
-    assert sum(v for labels, v in by_transport.items() if 'transport="host"' in labels) == 0
-    assert sum(v for labels, v in by_transport.items() if 'transport="cuda_ipc"' in labels) == 0
-    peer_bytes = metric_values(metrics, "prefixserve_kv_fetch_bytes_total")
-    assert sum(v for labels, v in peer_bytes.items() if 'source="peer"' in labels) > 0
-    # the first call to a holder goes through Serve's handle and names the holder's export socket; none failed
-    calls = metric_values(metrics, "prefixserve_kv_peer_export_calls_total")
-    assert sum(v for labels, v in calls.items() if 'path="handle"' in labels) >= 1
-    assert sum(v for labels, v in calls.items() if 'path="socket_failed"' in labels) == 0
+    assert added("prefixserve_kv_peer_pages_total", 'transport="shared_memory"') == num_peer_pages
+    assert added("prefixserve_kv_peer_pages_total", 'transport="host"') == 0
+    assert added("prefixserve_kv_peer_pages_total", 'transport="cuda_ipc"') == 0
+    assert added("prefixserve_kv_fetch_bytes_total", 'source="peer"') > 0
+    # the app's first call to a holder went through Serve's handle and named the holder's export socket; none failed
+    assert labelled_sum(metrics, "prefixserve_kv_peer_export_calls_total", 'path="handle"') >= 1
+    assert labelled_sum(metrics, "prefixserve_kv_peer_export_calls_total", 'path="socket_failed"') == 0
 
 
-def test_a_second_prefix_from_the_same_holder_is_asked_over_its_socket(http_base, tiny_llama_dir):
+def test_a_second_prefix_from_the_same_holder_is_asked_over_its_socket(http_base, peer_app):
     """After one copy from a holder, the next asks the holder's export socket instead of Serve's handle, and gives the
     same tokens as a local hit."""
-    from ray import serve
-
-    config = make_config(tiny_llama_dir, enable_dp_cross_replica_prefix_copy=True)
-    deploy(config, "peersocket")
-    try:
-        client = make_client(http_base, "peersocket")
-        run_scenario(client, "socket-1", f"{http_base}/peersocket/metrics")
-        remote, local = run_scenario(client, "socket-2", f"{http_base}/peersocket/metrics")
-        assert cached_of(remote.usage)[1]["peer"] >= 2 * PAGE_SIZE
-        assert remote.choices[0].text == local.choices[0].text
-        metrics = httpx.get(f"{http_base}/peersocket/metrics", headers=AUTH).text
-        calls = metric_values(metrics, "prefixserve_kv_peer_export_calls_total")
-        assert sum(v for labels, v in calls.items() if 'path="socket"' in labels) >= 1
-        assert sum(v for labels, v in calls.items() if 'path="socket_failed"' in labels) == 0
-    finally:
-        serve.delete("peersocket")
+    name, replicas = peer_app
+    reuse_from_other_replica(http_base, name, "peer", tag="socket-1", replicas=replicas)
+    before = httpx.get(f"{http_base}/{name}/metrics", headers=AUTH).text
+    _, _, _, metrics = reuse_from_other_replica(http_base, name, "peer", tag="socket-2", replicas=replicas)
+    calls = "prefixserve_kv_peer_export_calls_total"
+    assert labelled_sum(metrics, calls, 'path="socket"') - labelled_sum(before, calls, 'path="socket"') >= 1
+    assert labelled_sum(metrics, calls, 'path="socket_failed"') == 0
 
 
 def test_copy_off_reuses_the_prefix_through_redis(http_base, tiny_llama_dir, redis_server):

@@ -29,9 +29,12 @@ periods, for a loaded CI box)."""
 
 
 def make_config(model_dir: str, **overrides):
+    """The e2e apps' config. Eager unless ``enforce_eager=False``: a compile of the forward costs each replica's start
+    10-30 s on a slow CI box, and the compiled path is covered in process for every KV source (tests/
+    test_engine_equivalence.py, test_kv_sources.py, ...) and over HTTP by this module's own app (``base_url``)."""
     from cluster.config import ServeConfig
 
-    settings = dict(model=model_dir, devices="cpu", data_parallel_degree=2, page_size=PAGE_SIZE,
+    settings = dict(enforce_eager=True, model=model_dir, devices="cpu", data_parallel_degree=2, page_size=PAGE_SIZE,
                     kv_cache_memory="32MiB", num_cpus_per_replica=0.5, served_model_name=MODEL, max_model_len=2048,
                     max_num_batched_tokens=1024, api_key=API_KEY, enable_disk_cache=False, dtype="float32",
                     redis_timeout=10.0)  # where a test gives a Redis: a stall of a loaded box is not an outage
@@ -51,7 +54,7 @@ def deploy(config, name: str) -> None:
 def base_url(ray_session, serve_http_port, tiny_llama_dir):
     from ray import serve
 
-    deploy(make_config(tiny_llama_dir), "e2e")
+    deploy(make_config(tiny_llama_dir, enforce_eager=False), "e2e")  # the default: the compiled forward
     yield f"http://127.0.0.1:{serve_http_port}/e2e"
     serve.delete("e2e")
 

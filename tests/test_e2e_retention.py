@@ -49,7 +49,7 @@ def base_url(ray_session, serve_http_port, tiny_llama_dir):
     config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=1, page_size=PAGE,
                          kv_cache_memory=NUM_PAGES * BYTES_PER_PAGE, num_cpus_per_replica=0.5,
                          served_model_name=MODEL, max_model_len=2048, api_key=API_KEY, enable_disk_cache=False,
-                         dtype="float32", kv_cache_retention_budget=0.5,
+                         dtype="float32", enforce_eager=True, kv_cache_retention_budget=0.5,
                          kv_cache_protected_fraction=0.0)  # retention alone, on plain LRU (the segmented LRU: below)
     serve.run(build_app(config), name="e2e-retention", route_prefix="/e2e-retention")
     yield f"http://127.0.0.1:{serve_http_port}/e2e-retention"
@@ -174,7 +174,7 @@ def test_the_default_segmented_lru_keeps_a_reused_system_prompt_through_a_flood(
     config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=1, page_size=PAGE,
                          kv_cache_memory=NUM_PAGES * BYTES_PER_PAGE, num_cpus_per_replica=0.5,
                          served_model_name=MODEL, max_model_len=2048, api_key=API_KEY, enable_disk_cache=False,
-                         dtype="float32")
+                         dtype="float32", enforce_eager=True)
     serve.run(build_app(config), name="e2e-segmented", route_prefix="/e2e-segmented")
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_http_port}/e2e-segmented/v1", api_key=API_KEY,
@@ -258,7 +258,7 @@ def test_admin_pin_and_unpin_reach_the_redis_and_disk_tiers(ray_session, serve_h
     config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=1, page_size=PAGE,
                          kv_cache_memory=NUM_PAGES * BYTES_PER_PAGE, num_cpus_per_replica=0.5,
                          served_model_name=MODEL, max_model_len=2048, api_key=API_KEY, dtype="float32",
-                         kv_cache_retention_budget=0.5, redis_url=redis_url, enable_disk_cache=True,
+                         enforce_eager=True, kv_cache_retention_budget=0.5, redis_url=redis_url, enable_disk_cache=True,
                          disk_cache_dir=str(disk_root))
     serve.run(build_app(config), name="e2e-retention-tiers", route_prefix="/e2e-retention-tiers")
     base_url = f"http://127.0.0.1:{serve_http_port}/e2e-retention-tiers"
