@@ -17,6 +17,7 @@ rename race drops its own copy and uses the winner's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -215,8 +216,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_dir, gguf_name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    with gguf_files_read_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
     config_dict = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         config_dict.pop(key, None)
@@ -231,6 +233,33 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
     for path in out_dir.iterdir():  # safetensors writes 0600 files; a shared cache should be readable by all
         path.chmod(0o644)
+
+
+@contextlib.contextmanager
+def gguf_files_read_once() -> Iterator[None]:
+    """Inside the block, each GGUF file is parsed once, and each tensor name map built once. transformers parses the
+    whole file (every metadata field, the 49k-entry vocabulary included) for the tokenizer, again for the config and
+    again for the weights, and builds gguf's name map of every layer again for each submodule of the model; on the
+    bundled SmolLM2 that was ~25 s and ~10 s of a ~60 s conversion on a slow CPU. transformers imports both from
+    ``gguf`` when it loads, so the module's names point at memoising versions for the block. Both are only read (the
+    reader's tensors are views of a read-only memory map), so sharing them is safe."""
+    import gguf
+
+    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def read_once(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = read_once
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
 def require_gguf_support() -> None:

@@ -207,6 +207,34 @@ def test_gguf_cache_name_changes_with_the_file(tmp_path):
     assert gguf_cache_name(gguf) != first
 
 
+def test_each_gguf_file_is_parsed_once_inside_the_conversion_block(tmp_path):
+    """transformers parses a GGUF file three times to convert it (tokenizer, config, weights); inside
+    ``gguf_files_read_once`` the second and third get the first's reader, which still reads the file's fields, and
+    a tensor name map is built once."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    paths = []
+    for name in ("a", "b"):
+        writer = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), arch="llama")
+        writer.add_string("general.name", f"model {name}")
+        writer.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(tmp_path / f"{name}.gguf")
+    original = gguf.GGUFReader, gguf.get_tensor_name_map
+    with model_loader.gguf_files_read_once():
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        first = gguf.GGUFReader(paths[0])
+        assert gguf.GGUFReader(str(paths[0])) is first and gguf.GGUFReader(paths[1]) is not first
+        field = first.fields["general.name"]
+        assert bytes(field.parts[field.data[0]]).decode() == "model a"
+        assert first.tensors[0].data.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == original and gguf.GGUFReader(paths[0]) is not first
+
+
 def test_resolve_gguf_file_converts_once_into_a_named_cache_folder(monkeypatch, tmp_path):
     gguf = tmp_path / "Tiny.Q8_0.gguf"
     gguf.write_bytes(b"GGUF0")
