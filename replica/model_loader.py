@@ -23,6 +23,7 @@ import importlib.util
 import os
 import re
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
@@ -235,31 +236,37 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         path.chmod(0o644)
 
 
+_gguf_patch_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def gguf_files_read_once() -> Iterator[None]:
-    """Inside the block, each GGUF file is parsed once, and each tensor name map built once. transformers parses the
-    whole file (every metadata field, the 49k-entry vocabulary included) for the tokenizer, again for the config and
-    again for the weights, and builds gguf's name map of every layer again for each submodule of the model; on the
-    bundled SmolLM2 that was ~25 s and ~10 s of a ~60 s conversion on a slow CPU. transformers imports both from
-    ``gguf`` when it loads, so the module's names point at memoising versions for the block. Both are only read (the
-    reader's tensors are views of a read-only memory map), so sharing them is safe."""
+    """Inside the block, each GGUF file is parsed once, and each tensor name map built once. To convert a file,
+    transformers parses all of it (every metadata field, the 49k-entry vocabulary included) with gguf's reader to find
+    the tokenizer's config, again for the model's config and again for the weights, and builds gguf's name map of every
+    layer again for each submodule of the model: on the bundled SmolLM2 that was ~25 s and ~10 s of a ~60 s conversion
+    on a slow CPU. transformers imports both names from ``gguf`` inside the functions that use them, so pointing the
+    module's names at memoising versions for the block reaches every call. Both are only read (the reader's tensors are
+    views of a read-only memory map), so sharing them is safe. One block at a time in a process (a lock): two
+    conversions of different files in two threads would otherwise restore each other's patch."""
     import gguf
 
-    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[str, str], Any] = {}
+    with _gguf_patch_lock:
+        original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict[tuple[str, str], Any] = {}
 
-    def read_once(path, mode="r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = original_reader(path, mode)
-        return readers[key]
+        def read_once(path, mode="r"):
+            key = (os.path.realpath(path), mode)
+            if key not in readers:
+                readers[key] = original_reader(path, mode)
+            return readers[key]
 
-    gguf.GGUFReader = read_once
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
+        gguf.GGUFReader = read_once
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
 def require_gguf_support() -> None:

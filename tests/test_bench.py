@@ -481,7 +481,7 @@ START_ATTEMPTS = 3
 
 
 @contextmanager
-def prefixserve_process(model_dir: Path, caching: bool, timeout_s: float = 240.0) -> Iterator[str]:
+def prefixserve_process(model_dir: Path, timeout_s: float = 240.0) -> Iterator[str]:
     """``prefixserve serve`` (DP=1, CPU, page 128, eager: the bench is what is tested, and a compile of the forward
     costs a start tens of seconds on a slow CI box) as a subprocess; yields its base URL once /health answers. The port
     is found free, then bound by the server seconds later: if another process took it meanwhile, the server exits and
@@ -489,7 +489,7 @@ def prefixserve_process(model_dir: Path, caching: bool, timeout_s: float = 240.0
     for attempt in range(1, START_ATTEMPTS + 1):
         serving = False
         try:
-            with _prefixserve_on_a_free_port(model_dir, caching, timeout_s) as base_url:
+            with _prefixserve_on_a_free_port(model_dir, timeout_s) as base_url:
                 serving = True
                 yield base_url
             return
@@ -499,15 +499,14 @@ def prefixserve_process(model_dir: Path, caching: bool, timeout_s: float = 240.0
 
 
 @contextmanager
-def _prefixserve_on_a_free_port(model_dir: Path, caching: bool, timeout_s: float) -> Iterator[str]:
+def _prefixserve_on_a_free_port(model_dir: Path, timeout_s: float) -> Iterator[str]:
     import httpx
 
     port = find_free_port()
     command = [
         sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--devices", "cpu",
-        "--data-parallel-degree", "1", "--kv-cache-page-size", "128", "--kv-cache-memory", "64MiB", "--dtype", "float32",
-        "--port", str(port), "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
-        "--enforce-eager",
+        "--data-parallel-degree", "1", "--kv-cache-page-size", "128", "--kv-cache-memory", "64MiB",
+        "--dtype", "float32", "--port", str(port), "--enable-prefix-caching", "--enforce-eager",
     ]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     # the server's output goes to a file: a pipe nobody reads while it runs would block it once full
@@ -574,8 +573,9 @@ def assert_sane(result: dict[str, Any]) -> None:
 def test_bench_against_a_real_prefixserve(bench_model_dir, tmp_path):
     """One server (each start of one costs a minute on a slow CI box): the shared-prefix workload reads cached tokens
     back by source; the unique workload, on the same server, shares no page. A server with caching off reports no
-    cached tokens: tests/test_e2e_http.py::test_caching_off_reports_zero_cached_tokens."""
-    with prefixserve_process(bench_model_dir, caching=True) as base_url:
+    cached tokens: tests/test_e2e_http.py::test_caching_off_reports_zero_cached_tokens (the flag's parsing:
+    tests/test_cluster_config.py)."""
+    with prefixserve_process(bench_model_dir) as base_url:
         cached = bench_against(base_url, tmp_path / "on.json")
         unique = bench_against(base_url, tmp_path / "unique.json", workload="unique")
     assert_sane(cached)

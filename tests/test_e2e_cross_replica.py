@@ -125,9 +125,11 @@ def peer_app(http_base, tiny_llama_dir):
     read its counters as differences, so either may run first."""
     from ray import serve
 
-    deploy(make_config(tiny_llama_dir, enable_dp_cross_replica_prefix_copy=True), "peercopy")
-    yield "peercopy", both_replicas(make_client(http_base, "peercopy"), "peercopy")
-    serve.delete("peercopy")
+    try:
+        deploy(make_config(tiny_llama_dir, enable_dp_cross_replica_prefix_copy=True), "peercopy")
+        yield "peercopy", both_replicas(make_client(http_base, "peercopy"), "peercopy")
+    finally:
+        serve.delete("peercopy")
 
 
 def labelled_sum(metrics_text, name, label):
@@ -139,8 +141,8 @@ def test_prefix_on_another_replica_is_copied_from_the_peer(http_base, peer_app):
     before = httpx.get(f"{http_base}/{name}/metrics", headers=AUTH).text
     remote, local, cached, metrics = reuse_from_other_replica(http_base, name, "peer", replicas=replicas)
 
-    def added(name, label):
-        return labelled_sum(metrics, name, label) - labelled_sum(before, name, label)
+    def added(metric, label):
+        return labelled_sum(metrics, metric, label) - labelled_sum(before, metric, label)
 
     details = remote.usage.prompt_tokens_details.model_extra
     assert details["computed_tokens"] == remote.usage.prompt_tokens - cached

@@ -233,6 +233,11 @@ def test_each_gguf_file_is_parsed_once_inside_the_conversion_block(tmp_path):
         assert bytes(field.parts[field.data[0]]).decode() == "model a"
         assert first.tensors[0].data.tolist() == [[0, 1, 2], [3, 4, 5]]
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == original and gguf.GGUFReader(paths[0]) is not first
+    # the patch reaches transformers only while it imports both names where it calls them, not at module level
+    from transformers import modeling_gguf_pytorch_utils
+
+    assert not hasattr(modeling_gguf_pytorch_utils, "GGUFReader")
+    assert not hasattr(modeling_gguf_pytorch_utils, "get_tensor_name_map")
 
 
 def test_resolve_gguf_file_converts_once_into_a_named_cache_folder(monkeypatch, tmp_path):
