@@ -121,13 +121,18 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 AMX_HEAD_SIZES = (32, 64, 128)
 """Head sizes the AMX prefill kernel takes."""
+AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
+"""What ``-march=native`` needs to build the AMX kernel: without them the library would build without it."""
 
 
 def has_amx() -> bool:
     """Whether ``prefill_attention`` can run: the kernels are built with AMX tiles (``-march=native`` on a CPU with
-    amx_tile, amx_bf16 and avx512_bf16) and Linux granted this process the tile state."""
+    amx_tile, amx_bf16 and avx512_bf16) and Linux granted this process the tile state. On a CPU without those flags
+    nothing is built: the library would hold no kernel, and its build cost a first bfloat16 prefill ~20 s."""
     if "amx" not in _state and available():
         with _lock:
+            if "amx" not in _state and not AMX_CPU_FLAGS <= set(_cpu_flags().split()):
+                _state["amx"] = False
             if "amx" not in _state:
                 reason = _build(AMX_SOURCES, "prefixserve_amx")
                 if reason is not None:

@@ -131,6 +131,21 @@ def test_bfloat16_weights_are_not_packed_where_onednn_cannot_reorder_them(monkey
     assert cpu_kernels.can_pack(torch.bfloat16) and not cpu_kernels.packed_gemm_pays(torch.bfloat16)
 
 
+def test_the_amx_library_is_built_only_on_a_cpu_with_amx(monkeypatch):
+    """Without amx_tile / amx_bf16 / avx512_bf16 the AMX library is not built (it would hold no kernel); with them
+    its build is tried once (here it fails: the fake build below returns a reason), and ``has_amx`` is False."""
+    assert cpu_kernels.available()
+    builds = []
+    monkeypatch.setattr(cpu_kernels, "_build", lambda sources, prefix: builds.append(prefix) or "no compiler here")
+    monkeypatch.delitem(cpu_kernels._state, "amx", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: avx2 fma avx512f avx512_bf16")
+    assert not cpu_kernels.has_amx() and not cpu_kernels.has_amx() and builds == []
+    monkeypatch.delitem(cpu_kernels._state, "amx")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile")
+    assert not cpu_kernels.has_amx() and not cpu_kernels.has_amx() and builds == ["prefixserve_amx"]
+    monkeypatch.delitem(cpu_kernels._state, "amx")  # the next caller sees this CPU's own answer again
+
+
 def test_packed_rows_differ_from_the_kernel_so_the_switch_is_real():
     """From ``packed_from_rows`` up the packed GEMM answers, not the kernel: their sums are ordered differently."""
     generator = torch.Generator().manual_seed(5)

@@ -39,9 +39,9 @@ TRANSPORTS = [  # (devices, transport)
 ]
 
 
-def engine_config(model_dir: str, devices: str, replica_id: str) -> EngineConfig:
+def engine_config(model_dir: str, devices: str, replica_id: str, **overrides) -> EngineConfig:
     return EngineConfig(model=model_dir, devices=devices, dtype="float32", num_pages=32, max_num_batched_tokens=1024,
-                        replica_id=replica_id)
+                        replica_id=replica_id, **overrides)
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -66,7 +66,9 @@ def holder_main(conn, model_dir: str, devices: str) -> None:
     from replica.shared_pool import node_id
 
     torch.set_num_threads(1)
-    replica = ServeReplica(engine_config(model_dir, devices, "holder"), "tiny")
+    # eager: the holder only computes the prefix (its pages are compared bit for bit with the receiver's copies, whose
+    # forward is the compiled default); a compile would cost each spawned holder ~10 s on a slow CI box
+    replica = ServeReplica(engine_config(model_dir, devices, "holder", enforce_eager=True), "tiny")
     loop = asyncio.new_event_loop()
     operations = {
         "generate": lambda tokens: loop.run_until_complete(ask(replica, tokens, "holder-request")),
