@@ -39,6 +39,8 @@ def main() -> None:
     args = parser.parse_args()
     page_bytes = int(args.page_mib * (1 << 20))
     key = TierKey.generate()
+    # one nonce and one associated data for every page: fine for timing, never for storing (the tiers draw a nonce
+    # per page)
     nonce, associated = os.urandom(NONCE_BYTES), b"header and page key"
     plain = [np.frombuffer(os.urandom(page_bytes), dtype=np.uint8) for _ in range(NUM_PAGES)]
     sealed = [bytearray(page_bytes + TAG_BYTES) for _ in range(NUM_PAGES)]
