@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from benchmarks.ecosystem_overhead import median_s
 from replica.tiers.seal import NONCE_BYTES, TAG_BYTES, TierKey
 
 NUM_PAGES = 16
@@ -24,12 +23,7 @@ NUM_PAGES = 16
 def timed(rounds: int, run) -> float:
     """Median seconds of ``run()`` over ``rounds`` (one warm-up first)."""
     run()
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return median_s(run, rounds)
 
 
 def main() -> None:

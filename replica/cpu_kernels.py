@@ -131,14 +131,18 @@ def has_amx() -> bool:
     nothing is built: the library would hold no kernel, and its build cost a first bfloat16 prefill ~20 s."""
     if "amx" not in _state and available():
         with _lock:
-            if "amx" not in _state and not AMX_CPU_FLAGS <= set(_cpu_flags().split()):
-                _state["amx"] = False
             if "amx" not in _state:
-                reason = _build(AMX_SOURCES, "prefixserve_amx")
-                if reason is not None:
-                    log.warning("AMX prefill kernel not built, prefill attention uses ATen's flash kernel: %s", reason)
-                _state["amx"] = reason is None and bool(torch.ops.prefixserve_cpu.has_amx())
+                _state["amx"] = AMX_CPU_FLAGS <= set(_cpu_flags().split()) and _load_amx()
     return bool(_state.get("amx"))
+
+
+def _load_amx() -> bool:
+    """Build and load the AMX library (call with ``_lock`` held); whether its kernel can run in this process."""
+    reason = _build(AMX_SOURCES, "prefixserve_amx")
+    if reason is not None:
+        log.warning("AMX prefill kernel not built, prefill attention uses ATen's flash kernel: %s", reason)
+        return False
+    return bool(torch.ops.prefixserve_cpu.has_amx())
 
 
 def has_bf16_dot() -> bool:

@@ -29,6 +29,18 @@ MODEL = "tiny"
 PAGE = 128
 NUM_PAGES = 16
 BYTES_PER_PAGE = 2 * 2 * PAGE * 2 * 16 * 4  # layers x (K, V) x page x kv heads x head dim x float32
+
+
+def retention_config(tiny_llama_dir: str, **overrides):
+    """The retention apps' config: one replica of the tiny Llama with a 16-page pool, eager (a compile of the forward
+    costs each start 10-30 s on a slow CI box; the compiled path is tested in process and by test_e2e_http.py)."""
+    from cluster.config import ServeConfig
+
+    settings = dict(model=tiny_llama_dir, devices="cpu", data_parallel_degree=1, page_size=PAGE,
+                    kv_cache_memory=NUM_PAGES * BYTES_PER_PAGE, num_cpus_per_replica=0.5, served_model_name=MODEL,
+                    max_model_len=2048, api_key=API_KEY, enable_disk_cache=False, dtype="float32", enforce_eager=True)
+    settings.update(overrides)
+    return ServeConfig(**settings)
 SURVIVING_TTL_S = 120.0
 """TTL of the request retention that must outlive a flood: far longer than the flood and its checks take, even on a
 loaded box, so the flood's duration decides nothing."""
@@ -44,13 +56,9 @@ def base_url(ray_session, serve_http_port, tiny_llama_dir):
     from ray import serve
 
     from cluster.app import build_app
-    from cluster.config import ServeConfig
 
-    config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=1, page_size=PAGE,
-                         kv_cache_memory=NUM_PAGES * BYTES_PER_PAGE, num_cpus_per_replica=0.5,
-                         served_model_name=MODEL, max_model_len=2048, api_key=API_KEY, enable_disk_cache=False,
-                         dtype="float32", enforce_eager=True, kv_cache_retention_budget=0.5,
-                         kv_cache_protected_fraction=0.0)  # retention alone, on plain LRU (the segmented LRU: below)
+    # retention alone, on plain LRU (the segmented LRU: below)
+    config = retention_config(tiny_llama_dir, kv_cache_retention_budget=0.5, kv_cache_protected_fraction=0.0)
     serve.run(build_app(config), name="e2e-retention", route_prefix="/e2e-retention")
     yield f"http://127.0.0.1:{serve_http_port}/e2e-retention"
     serve.delete("e2e-retention")
@@ -169,12 +177,8 @@ def test_the_default_segmented_lru_keeps_a_reused_system_prompt_through_a_flood(
     from ray import serve
 
     from cluster.app import build_app
-    from cluster.config import ServeConfig
 
-    config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=1, page_size=PAGE,
-                         kv_cache_memory=NUM_PAGES * BYTES_PER_PAGE, num_cpus_per_replica=0.5,
-                         served_model_name=MODEL, max_model_len=2048, api_key=API_KEY, enable_disk_cache=False,
-                         dtype="float32", enforce_eager=True)
+    config = retention_config(tiny_llama_dir)
     serve.run(build_app(config), name="e2e-segmented", route_prefix="/e2e-segmented")
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_http_port}/e2e-segmented/v1", api_key=API_KEY,
@@ -249,17 +253,13 @@ def test_admin_pin_and_unpin_reach_the_redis_and_disk_tiers(ray_session, serve_h
     from ray import serve
 
     from cluster.app import build_app
-    from cluster.config import ServeConfig
 
     redis_url = redis_server[:-1] + "6"
     redis_client = redis.Redis.from_url(redis_url)
     redis_client.flushdb()
     disk_root = tmp_path / "kv"
-    config = ServeConfig(model=tiny_llama_dir, devices="cpu", data_parallel_degree=1, page_size=PAGE,
-                         kv_cache_memory=NUM_PAGES * BYTES_PER_PAGE, num_cpus_per_replica=0.5,
-                         served_model_name=MODEL, max_model_len=2048, api_key=API_KEY, dtype="float32",
-                         enforce_eager=True, kv_cache_retention_budget=0.5, redis_url=redis_url, enable_disk_cache=True,
-                         disk_cache_dir=str(disk_root))
+    config = retention_config(tiny_llama_dir, kv_cache_retention_budget=0.5, redis_url=redis_url,
+                              enable_disk_cache=True, disk_cache_dir=str(disk_root))
     serve.run(build_app(config), name="e2e-retention-tiers", route_prefix="/e2e-retention-tiers")
     base_url = f"http://127.0.0.1:{serve_http_port}/e2e-retention-tiers"
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)

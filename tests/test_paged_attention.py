@@ -266,7 +266,7 @@ def _check_rescales_and_masks(head_dim):
         cpu_kernels.prefill_attention(query, k_cache, v_cache, torch.tensor([[390, 20], [0, 45]]), scale, out)
 
 
-AMX_CPU = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(cpu_kernels._cpu_flags().split())
+AMX_CPU = cpu_kernels.AMX_CPU_FLAGS <= set(cpu_kernels._cpu_flags().split())
 """What /proc/cpuinfo says, independently of whether the kernel built: on such a CPU a failed build fails the test
 below instead of skipping it."""
 
