@@ -57,7 +57,8 @@ def request_router_config(config: ServeConfig) -> Any:
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     eviction_weight=eviction_weight_for(config.kv_cache_protected_fraction),
                                     session_growth=float(config.router_session_growth),
-                                    session_start_growth=float(config.router_session_start_growth))
+                                    session_start_growth=float(config.router_session_start_growth),
+                                    session_move_fill=float(config.router_session_move_fill))
 
 
 def replica_actor_options(config: ServeConfig) -> dict[str, Any]:

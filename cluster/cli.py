@@ -132,6 +132,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="with the session rule on: a new chat whose leading pages (at least half its prompt) a "
                             "replica holds starts there when that replica's sessions would outgrow its cache this "
                             "many times (default 8; 0: off)")
+    cache.add_argument("--router-session-move-fill", type=float, default=default("router_session_move_fill"),
+                       help="with the session rule on: a chat leaves a replica whose chats' prompts fill more than "
+                            "this fraction of its cache for one where they and the chat fit within it (default 1; "
+                            "0: off)")
     cache.add_argument("--enable-hot-prefix-replication", action=argparse.BooleanOptionalAction,
                        default=default("enable_hot_prefix_replication"),
                        help="copy a prefix whose holders are all busy to a less loaded replica ahead of need, by peer "

@@ -206,6 +206,9 @@ class ServeConfig:
     """A new chat whose leading pages (at least half its prompt) a replica holds starts there when that replica's
     sessions would outgrow its cache this many times over (router/policy.py, "Sessions"); 0: off. Only with the
     session rule on (``router_session_growth`` > 0)."""
+    router_session_move_fill: float = field_default(PolicyConfig, "session_move_fill")
+    """A chat leaves a replica whose sessions' prompts fill more than this fraction of its cache for one where they and
+    the chat fit within it (router/policy.py, "Sessions"); 0: off. Only with the session rule on."""
     # ---- hot-prefix replication (issue 12; router/replication.py) ---------------------------------------------------
     enable_hot_prefix_replication: bool = False
     """Copy a prefix whose holders are all busy to a less loaded replica ahead of need. Off by default: the router's
@@ -281,7 +284,8 @@ class ServeConfig:
         if not self.host:
             raise ValueError("--host must not be empty; use 127.0.0.1 (local) or 0.0.0.0 (all interfaces)")
         for flag, growth in (("--router-session-growth", self.router_session_growth),
-                             ("--router-session-start-growth", self.router_session_start_growth)):
+                             ("--router-session-start-growth", self.router_session_start_growth),
+                             ("--router-session-move-fill", self.router_session_move_fill)):
             if isinstance(growth, bool) or not (isinstance(growth, (int, float)) and 0 <= growth < 1e6):
                 raise ValueError(f"{flag} must be a number >= 0 (0: off), got {growth!r}")
         if self.api_key is not None and not self.api_key.strip():

@@ -14,7 +14,7 @@ Names (all prefixed ``prefixserve_``)::
     routing_decisions_total{replica,cache} counter    cache = hit (some prompt tokens reused) | miss
     router_decisions_total{replica,reason} counter    the prefix-aware router's choices in this process (counted at
                                                       decision time): reason = prefix_hit | cost_away |
-                                                      balanced_away | no_match (router/policy.py)
+                                                      balanced_away | no_match | session_move (router/policy.py)
     prompt_tokens_total{replica}           counter    prompt tokens of finished requests
     cached_prompt_tokens_total{replica,source}  counter  reused prompt tokens, source = local|peer|host|disk
     prefix_cache_queries_total{replica}    counter    prompt tokens looked up in the replica's prefix cache

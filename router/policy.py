@@ -68,9 +68,10 @@ with the most matched pages (same ties).
              balanced_away  the holder holds more but is overloaded
              cost_away      the holder holds more and is eligible, but waiting for it costs more than copying the
                             pages (or computing them) on the chosen, less busy replica
-    peer_hint = holder for balanced_away / cost_away when it holds at least ``min_peer_copy_pages`` more than chosen
-                (and hints are enabled), so chosen copies the pages from holder instead of recomputing them; with the
-                cost model only when chosen's estimate copies (a replica given a hint waits, bounded, for pages the
+             session_move   a chat's turn leaves a home its chats have outgrown ("Sessions" below)
+    peer_hint = holder for balanced_away / cost_away / session_move when it holds at least ``min_peer_copy_pages``
+                more than chosen (and hints are enabled), so chosen copies the pages from holder instead of
+                recomputing them; with the cost model only when chosen's estimate copies (a replica given a hint waits, bounded, for pages the
                 holder is still computing: useless when the estimate chose to compute them)
 
     tie score(r) = mix(blake2b(first page key) ^ blake2b(r)) (rendezvous hashing): when loads and cache sizes tie,
@@ -121,6 +122,14 @@ new: it goes by the session its first choice continued, not the one its first ch
     chat starting now grows more than the sessions' mean): its only candidates are then the eligible holders with at
     most sessions(h) + 2 sessions (all of eligible when none is). The cap and the slack keep a popular system prompt's
     chats from collecting on one of its holders
+    demand(r)      = the pages of the latest prompts of the sessions homed on r (weighted as in sessions(r); a
+                     system prompt that several of them share counts once per session: an upper bound)
+    a continuing request whose home holds the most leading pages and whose chats have outgrown it, demand(home) >
+    session_move_fill * pages(home) (within the load bound or not), goes to an eligible replica r other than the
+    home where the chats there and its own pages would fit, demand(r) + its pages <= session_move_fill * pages(r),
+    when there is one; the home is then no candidate (neither exception adds it back). A replica that has not
+    reported its page count is neither. A retry of such a request is judged again from the books as its first
+    choice left them
 
 Why: the cost model moves a chat's turn to a less busy replica (copying its history) for this turn's TTFT, and the chat
 then lives there. Where caches have room that is free; where chats outgrow them, moves leave some replicas with more
@@ -130,7 +139,12 @@ new chat whose system prompt one replica holds was copied to a less busy one, so
 spread and each replica stored it again; and a chat whose home had more requests in flight than the load bound allows
 was moved however tight the caches, and the move rippled on as sessions were evened out. A request holding less than
 half its prompt on its holder (a chat whose window lapsed and whose history its home evicted) is left to the estimate:
-moving it copies little.
+moving it copies little. Keeping chats home has a cost of its own (session 32, BENCHMARKS.md 0x): chats end at
+different times, and a home whose chats all run long ends up with more than its cache holds while replicas whose chats
+ended sit empty. Its chats then evict each other's histories turn after turn (the last turns of a simulated run kept
+20-40% of their prompts) and queue behind each other's recomputes; the estimate sees the history still on the home when
+the turn is routed and keeps it there. Moving one chat to a replica where it fits copies its history once and ends
+that.
 
 Residency ahead (cost model and ``enable_residency_aging``, off by default). ``matched(r)`` counts only the leading pages expected still on r when the request
 is admitted there (now + wait(r)): pages r holds under a retention until it ends, pages of requests this router sent
@@ -156,7 +170,7 @@ import hashlib
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Sequence
 
 import msgpack
@@ -204,6 +218,8 @@ class RoutingReason(str, enum.Enum):
     BALANCED_AWAY = "balanced_away"
     COST_AWAY = "cost_away"
     NO_MATCH = "no_match"
+    SESSION_MOVE = "session_move"
+    """A chat's turn sent away from a home its chats have outgrown (module docstring, "Sessions")."""
 
 
 PLAIN_LRU_EVICTION_WEIGHT = 1.0
@@ -292,6 +308,11 @@ class PolicyConfig:
     "Sessions"): when the holder is, the request stays with the holders of its leading pages. 0: off. 8 (twice
     ``session_growth``) in the simulator's tight multi-turn: 6 lost p99 at DP 16, 12 was the same
     (BENCHMARKS.md 0u)."""
+    session_move_fill: float = 1.0
+    """A chat leaves a home whose sessions' pages exceed this fraction of its page count, for a replica where they
+    and the chat fit within the same fraction (module docstring, "Sessions"; with the cost model and
+    ``session_growth`` > 0 only). 0: off. Simulated tight multi-turn (32 seeds): 1, 1.1 and 1.2 gave p99 7.02 / 6.91
+    / 6.93 s at DP 4 and 4.52 / 4.63 / 4.46 s at DP 16; 0.8 and 0.9 0.3-0.7 s more (BENCHMARKS.md 0x)."""
 
     def __post_init__(self) -> None:
         if self.balance_abs_threshold < 0:
@@ -310,10 +331,11 @@ class PolicyConfig:
             )
         for name in ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms", "peer_copy_page_ms",
                      "host_page_ms", "disk_page_ms", "duplicate_work_weight", "eviction_weight", "holder_wait_s",
-                     "answer_report_s", "session_growth", "session_window_s", "session_start_growth"):
+                     "answer_report_s", "session_growth", "session_window_s", "session_start_growth",
+                     "session_move_fill"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (a measured cost), got {getattr(self, name)}")
-        for name in ("session_growth", "session_window_s", "session_start_growth"):
+        for name in ("session_growth", "session_window_s", "session_start_growth", "session_move_fill"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
 
@@ -330,7 +352,8 @@ class RoutingDecision:
     matched_pages: int
     """Leading request pages the chosen replica holds, per the index."""
     peer_hint: str | None
-    """A replica holding more leading pages than the chosen one (only for ``balanced_away`` / ``cost_away``)."""
+    """A replica holding more leading pages than the chosen one (only for ``balanced_away`` / ``cost_away`` /
+    ``session_move``)."""
     reason: RoutingReason
     peer_matched_pages: int = 0
     """Leading request pages ``peer_hint`` holds (0 without a hint)."""
@@ -426,6 +449,10 @@ class PrefixAwarePolicy:
         self._replica_id_to_num_new_sessions: dict[str, int] = {}
         """Sessions not continued yet (one request so far) by home."""
         self._num_new_session_pages = 0
+        self._replica_id_to_session_pages: dict[str, int] = {}
+        """The latest prompts' full pages of the continued sessions, by home."""
+        self._replica_id_to_new_session_pages: dict[str, int] = {}
+        """The same for the sessions not continued yet."""
         self.session_continue_rate = 1.0
         """The moving average of whether a session's first request was continued before its window ended."""
 
@@ -475,6 +502,7 @@ class PrefixAwarePolicy:
         eligible = [s for s in scored if s.load <= abs_bound or s.load <= rel_bound]  # not is_overloaded
         top = max(replica_id_to_matched.values(), default=0)
         session = None
+        moving = False  # a chat leaving a home it outgrew: the home is no candidate
         recorded = None  # a retry's: the session its first choice recorded
         if self.config.enable_cost_model and self.config.session_growth and page_keys:
             session = self._session_of(page_keys, partial_key, now)
@@ -482,10 +510,13 @@ class PrefixAwarePolicy:
                 recorded, session = session, session.continues
                 if session is not None and not any(c.replica_id == session.replica_id for c in candidates):
                     session = None  # the home it continued is no candidate now (it may have left)
-            if session is not None and len(eligible) > 1:
-                eligible = self._keep_session_home(eligible, session.replica_id, top)
-            elif (session is None and partial_key is not None and top and 2 * top >= len(page_keys)
-                  and len(eligible) > 1):
+            if session is not None:
+                if len(eligible) > 1:
+                    eligible = self._keep_session_home(eligible, session.replica_id, top)
+                roomy = self._roomier_than_home(scored, eligible, session.replica_id, top, len(page_keys))
+                if roomy:
+                    eligible, moving = roomy, True
+            elif partial_key is not None and top and 2 * top >= len(page_keys) and len(eligible) > 1:
                 eligible = self._keep_with_holders(eligible, scored, top)
         holders = [s for s in scored if s.matched == top] if top else [scored[0]]
         if len(holders) > 1 and self.config.enable_cost_model:
@@ -510,7 +541,7 @@ class PrefixAwarePolicy:
             num_prompt_tokens = len(page_keys) * self.config.page_size
         self._forget_ready_pages(now)
         tier_runs = self.tier_runs(page_keys)
-        if holder.matched and self.config.enable_overload_exception and holder not in eligible:
+        if holder.matched and self.config.enable_overload_exception and holder not in eligible and not moving:
             # the holder is over the load bound; it stays a candidate only if every eligible replica would have to
             # evict cached pages to take the request (a full cluster: moving would cost another prefix)
             eligible = eligible + [holder]
@@ -546,6 +577,8 @@ class PrefixAwarePolicy:
             key_to_ready_s[(replica_id, key)] = ready_at
             ready_order.append((ready_at, replica_id, key))
         decision = self._explain(chosen, holder, min_load, cost_chosen=True, estimate_ms=estimate_ms, copies=copies)
+        if moving:
+            decision = replace(decision, reason=RoutingReason.SESSION_MOVE)
         self.index.expect_keys(replica_id, page_keys, busy_until - now - busy_ms / 1000.0)  # its admission
         if recorded is not None:
             if recorded.replica_id != replica_id:  # a retry sent elsewhere: its session lives there now
@@ -617,6 +650,27 @@ class PrefixAwarePolicy:
                 or self._num_sessions(s.replica_id) < most]
         return keep or eligible
 
+    def _session_demand(self, replica_id: str) -> float:
+        """demand(r) of the module docstring."""
+        return (self._replica_id_to_session_pages.get(replica_id, 0)
+                + self.session_continue_rate * self._replica_id_to_new_session_pages.get(replica_id, 0))
+
+    def _roomier_than_home(self, scored: list, eligible: list, home_id: str, top: int, num_pages: int) -> list:
+        """For a chat's turn of ``num_pages`` pages whose session lives on ``home_id``: the eligible replicas other than
+        the home where the chats there and this turn fit, when the home holds the most leading pages (``top``: a
+        replica holding more, where the history went, is left to the other rules) and its chats have outgrown it
+        (module docstring, "Sessions"), whether or not the home is within the load bound; else (or when none fits) [].
+        A replica with no page count yet (no stats) is never judged outgrown nor taken for roomy."""
+        fill = self.config.session_move_fill
+        home = next((s for s in scored if s.replica_id == home_id), None)
+        if not fill or home is None or home.matched != top:
+            return []
+        home_pages = home.load_report.num_pages_total
+        if home_pages <= 0 or not self._session_demand(home_id) > fill * home_pages:
+            return []
+        return [s for s in eligible if s.replica_id != home_id and 0 < s.load_report.num_pages_total
+                and self._session_demand(s.replica_id) + num_pages <= fill * s.load_report.num_pages_total]
+
     def _keep_with_holders(self, eligible: list, scored: list, top: int) -> list:
         """For a request starting a session: the eligible holders of the most leading pages (``top``) with at most
         ``_HOLDER_SESSION_SLACK`` sessions more than the one with the fewest, when that one is tight by
@@ -664,10 +718,13 @@ class PrefixAwarePolicy:
         if counted:
             self._replica_id_to_num_sessions[replica_id] = self._replica_id_to_num_sessions.get(replica_id, 0) + step
             self._num_session_pages += num_pages
+            pages = self._replica_id_to_session_pages
         else:
             self._replica_id_to_num_new_sessions[replica_id] = (self._replica_id_to_num_new_sessions.get(replica_id, 0)
                                                                 + step)
             self._num_new_session_pages += num_pages
+            pages = self._replica_id_to_new_session_pages
+        pages[replica_id] = pages.get(replica_id, 0) + num_pages
 
     def _note_continued(self, continued: bool) -> None:
         """A session's first request was continued (True) or its window ended first: the moving average moves."""
@@ -1003,8 +1060,9 @@ class PrefixAwarePolicy:
         for tails in list(self._sessions.values()):  # its sessions start over wherever their next request goes
             for session in [session for session in tails.values() if session.replica_id == replica_id]:
                 self._end_session(session)
-        self._replica_id_to_num_sessions.pop(replica_id, None)
-        self._replica_id_to_num_new_sessions.pop(replica_id, None)
+        for counts in (self._replica_id_to_num_sessions, self._replica_id_to_num_new_sessions,
+                       self._replica_id_to_session_pages, self._replica_id_to_new_session_pages):
+            counts.pop(replica_id, None)
         for request_id in [r for r, owner in self._request_id_to_replica_id.items() if owner == replica_id]:
             del self._request_id_to_replica_id[request_id]
             self._request_id_to_keys.pop(request_id, None)

@@ -341,6 +341,7 @@ def router_config(
     eviction_weight: float = PolicyConfig.eviction_weight,
     session_growth: float = PolicyConfig.session_growth,
     session_start_growth: float = PolicyConfig.session_start_growth,
+    session_move_fill: float = PolicyConfig.session_move_fill,
     stats_period_s: float = DEFAULT_STATS_PERIOD_S,
     stats_timeout_s: float = DEFAULT_STATS_TIMEOUT_S,
 ) -> RequestRouterConfig:
@@ -353,7 +354,7 @@ def router_config(
                           enable_cost_model=enable_cost_model, enable_tier_routing=enable_tier_routing,
                           page_size=page_size, max_num_batched_tokens=max_num_batched_tokens,
                           eviction_weight=eviction_weight, session_growth=session_growth,
-                          session_start_growth=session_start_growth)
+                          session_start_growth=session_start_growth, session_move_fill=session_move_fill)
     return RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
         request_router_kwargs=dataclasses.asdict(policy),

@@ -295,7 +295,7 @@ def test_router_decisions_by_reason_in_metrics(client, http):
     assert decisions.get(f'{{reason="prefix_hit",replica="{replica}"}}', 0) >= 1
     assert sum(value for labels, value in decisions.items() if 'reason="no_match"' in labels) >= 1
     assert {labels.split('reason="')[1].split('"')[0] for labels in decisions} == {
-        "prefix_hit", "cost_away", "balanced_away", "no_match"}
+        "prefix_hit", "cost_away", "balanced_away", "no_match", "session_move"}
 
 
 def test_reset_prefix_cache_reaches_every_replica(client, http):

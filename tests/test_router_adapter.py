@@ -277,6 +277,7 @@ def test_router_cost_model_flag_reaches_the_policy(flags, expected):
 @pytest.mark.parametrize("flag, field, name, default, value", [
     ("--router-session-growth", "router_session_growth", "session_growth", 4.0, 2.5),
     ("--router-session-start-growth", "router_session_start_growth", "session_start_growth", 8.0, 12.0),
+    ("--router-session-move-fill", "router_session_move_fill", "session_move_fill", 1.0, 0.8),
 ])
 def test_router_session_flags_reach_the_policy(flag, field, name, default, value):
     from cluster.app import build_app, request_router_config

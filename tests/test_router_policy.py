@@ -179,7 +179,7 @@ def test_cost_model_burst_on_one_prefix_copies_once_queueing_costs_more_than_the
     assert chosen == [("a", None, hit), ("a", None, hit), ("b", "a", away), ("b", None, hit), ("a", None, hit),
                       ("b", None, hit)]
     assert policy.num_decisions_by_reason == {hit: 5, away: 1, RoutingReason.BALANCED_AWAY: 0,
-                                              RoutingReason.NO_MATCH: 0}
+                                              RoutingReason.NO_MATCH: 0, RoutingReason.SESSION_MOVE: 0}
 
 
 def test_a_holder_with_nothing_in_flight_is_idle_whatever_the_forecast_said():
@@ -388,6 +388,8 @@ def test_no_candidates_is_an_error():
         ({"holder_wait_s": -1.0}, "holder_wait_s"),
         ({"session_start_growth": -1.0}, "session_start_growth"),
         ({"session_start_growth": float("inf")}, "session_start_growth"),
+        ({"session_move_fill": -1.0}, "session_move_fill"),
+        ({"session_move_fill": float("inf")}, "session_move_fill"),
     ],
 )
 def test_config_is_validated(kwargs, message):
@@ -711,10 +713,14 @@ def test_a_chats_next_turn_stays_home_when_the_other_replica_would_outgrow_its_c
 
 def test_a_chat_moves_to_a_tight_replica_when_that_evens_the_sessions_out():
     # b has 1 or 2 sessions against a's 4: fewer than 4 - 1, so the move (to 2 / 3, or 3 / 3) is allowed however
-    # tight b is; with 3 (the test above) it would only swap 4 / 3 for 3 / 4
+    # tight b is; with 3 (the test above) it would only swap 4 / 3 for 3 / 4. a's prompts (51 pages) also outgrow its
+    # 40, and X fits on b (6 or 12 pages and X's 12): by default that rule sends it (session_move), without it the
+    # estimate does (cost_away)
     for sessions_on_b in (1, 2):
-        moved = _chat_scenario(PolicyConfig(), sessions_on_b=sessions_on_b, pages_total=40)
-        assert (moved.replica_id, moved.reason) == ("b", RoutingReason.COST_AWAY)
+        for config, reason in ((PolicyConfig(), RoutingReason.SESSION_MOVE),
+                               (PolicyConfig(session_move_fill=0.0), RoutingReason.COST_AWAY)):
+            moved = _chat_scenario(config, sessions_on_b=sessions_on_b, pages_total=40)
+            assert (moved.replica_id, moved.reason) == ("b", reason)
 
 
 def _new_chat_scenario(config: PolicyConfig, *, pages_total: int, num_tail_pages: int = 1,
@@ -805,6 +811,47 @@ def test_a_chats_busy_home_stays_a_candidate_where_chats_would_outgrow_the_cache
     # a request that is not a's session's turn is bound by the load as before, however tight a is
     one_off = next_turn(PolicyConfig(), 120, one_off=True)
     assert (one_off.replica_id, one_off.peer_hint) == ("b", "a")
+
+
+def _outgrown_home_scenario(config: PolicyConfig, *, chats_on_a: int, pages_on_b: int, load_on_a: int = 0,
+                            pages_total_a: int = 50) -> RoutingDecision:
+    """Chat X (20 pages, then 21) and ``chats_on_a`` other chats of 20 / 21 pages live on a; b has one chat of
+    ``pages_on_b`` pages, then one more (0: none). b reports 50 pages and no request in flight, a ``pages_total_a``
+    pages and ``load_on_a`` requests; X's history is on a. X's next turn (22 pages): staying costs nothing, moving
+    copies its history, so the estimate alone keeps it on a while a is within the load bound."""
+    policy = PrefixAwarePolicy(PrefixIndex(), config)
+    chats = [("a", f"a{number}", 20) for number in range(chats_on_a)] + [("b", "b0", pages_on_b)] * bool(pages_on_b)
+    for replica_id, name, num_pages in chats + [("a", "x", 20)]:
+        history = [key(f"{name}-{n}") for n in range(num_pages + 1)]
+        others = {other: 9 for other in "ab" if other != replica_id}
+        for turn in range(2):  # continued: a chat
+            assert _route(policy, history[:num_pages + turn], loads(**{replica_id: 0, **others}),
+                          float(turn)).replica_id == replica_id
+    history = [key(f"x-{n}") for n in range(22)]
+    policy.index.apply_events("a", [PagesStored(1, tuple(history[:21]))])
+    candidates = [ReplicaLoad("a", load_on_a, pages_total_a, pages_total_a), ReplicaLoad("b", 0, 50, 50)]
+    return _route(policy, history, candidates, 20.0, tail=[1])
+
+
+def test_a_chat_leaves_a_home_its_chats_have_outgrown_for_a_replica_where_it_fits():
+    """a's three chats (63 pages of latest prompts) outgrow its 50 pages: X's 22-page turn goes to b, where it fits
+    (22 pages, or 22 + 28 = 50 beside b's chat), copying its history from a, instead of recomputing it there turn
+    after turn; also when a is over the load bound (4 requests against b's 0), where the busy-home rule would keep it.
+    It stays on a with the rule off (either rule), while a's chats still fit (two: 42 pages), where it would not fit
+    on b either (22 + 29 pages), or when a has not reported its page count yet (no stats: 0 pages)."""
+    for pages_on_b, load_on_a in ((0, 0), (27, 0), (0, 4)):
+        moved = _outgrown_home_scenario(PolicyConfig(), chats_on_a=2, pages_on_b=pages_on_b, load_on_a=load_on_a)
+        assert (moved.replica_id, moved.reason, moved.peer_hint) == ("b", RoutingReason.SESSION_MOVE, "a")
+    assert _outgrown_home_scenario(PolicyConfig(session_move_fill=0.0), chats_on_a=2, pages_on_b=0,
+                                   load_on_a=4).reason != RoutingReason.SESSION_MOVE
+    for config, chats_on_a, pages_on_b, pages_total_a in (
+            (PolicyConfig(session_move_fill=0.0), 2, 0, 50), (PolicyConfig(), 1, 0, 50), (PolicyConfig(), 2, 28, 50),
+            (PolicyConfig(session_growth=0.0), 2, 0, 50), (PolicyConfig(), 2, 0, 0)):
+        stays = _outgrown_home_scenario(config, chats_on_a=chats_on_a, pages_on_b=pages_on_b,
+                                        pages_total_a=pages_total_a)
+        assert (stays.replica_id, stays.matched_pages) == ("a", 21)
+    # a fill above 1 lets the chats overfill a replica's cache by that much before one leaves: 63 <= 1.3 * 50
+    assert _outgrown_home_scenario(PolicyConfig(session_move_fill=1.3), chats_on_a=2, pages_on_b=0).replica_id == "a"
 
 
 def test_a_replica_holding_more_of_the_prompt_than_the_home_stays_a_candidate():
@@ -975,6 +1022,7 @@ def _check_session_books(policy: PrefixAwarePolicy) -> None:
     """The session counters equal what ``_sessions`` holds: sessions and pages by home (continued and new), and the
     tail lengths per page."""
     by_home: dict[str, int] = {}
+    pages_by_home: dict[tuple[str, bool], int] = {}
     pages = 0
     lengths: dict[bytes, dict[int, int]] = {}
     for page, tails in policy._sessions.items():
@@ -982,6 +1030,8 @@ def _check_session_books(policy: PrefixAwarePolicy) -> None:
         for tail, session in tails.items():
             assert (session.key, session.tail) == (page, tail)
             by_home[session.replica_id] = by_home.get(session.replica_id, 0) + 1
+            home = (session.replica_id, session.counted)
+            pages_by_home[home] = pages_by_home.get(home, 0) + session.num_pages
             pages += session.num_pages
             if tail is not None:
                 lengths.setdefault(page, {})
@@ -994,6 +1044,10 @@ def _check_session_books(policy: PrefixAwarePolicy) -> None:
                 counted[replica_id] = counted.get(replica_id, 0) + count
     assert counted == by_home
     assert pages == policy._num_session_pages + policy._num_new_session_pages
+    for counted_, pages_of in ((True, policy._replica_id_to_session_pages),
+                               (False, policy._replica_id_to_new_session_pages)):
+        expected = {r: n for (r, c), n in pages_by_home.items() if c == counted_}
+        assert {r: n for r, n in pages_of.items() if n} == expected
     assert lengths == policy._session_tail_lengths
     assert 0.0 <= policy.session_continue_rate <= 1.0
 
@@ -1001,9 +1055,10 @@ def _check_session_books(policy: PrefixAwarePolicy) -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_the_session_books_stay_consistent_under_random_traffic(seed):
     """Random prompts over a 3-token alphabet and 4-token pages (so they share and continue each other's pages and
-    tails), many at the same instant, with and without partial keys; requests moved by Serve, retried by Serve (the
-    same request id asked again, half of the time after its replica refused it, which completes it), finished,
-    replicas leaving; windows of 0-3 s. After every step the counters match the sessions, and a session recorded by
+    tails; half of them a chat's next turn), many at the same instant, with and without partial keys, on replicas of
+    0-40 pages (chats outgrow their homes and move: 11 session moves over the 12 seeds); requests moved by Serve,
+    retried by Serve (the same request id asked again, half of the time after its replica refused it, which completes
+    it), finished, replicas leaving; windows of 0-3 s. After every step the counters match the sessions, and a session recorded by
     a request still in flight is homed where that request is counted; at the end all expire."""
     import random
 
@@ -1015,6 +1070,7 @@ def test_the_session_books_stay_consistent_under_random_traffic(seed):
     replicas = ["a", "b", "c"]
     now = 0.0
     unfinished: list[tuple] = []
+    chats: list[list[int]] = [[rng.randint(0, 2) for _ in range(8)] for _ in range(4)]
     for step in range(200):
         if rng.random() < 0.05:
             policy.forget_replica(rng.choice(replicas))
@@ -1022,13 +1078,18 @@ def test_the_session_books_stay_consistent_under_random_traffic(seed):
             continue
         if rng.random() < 0.5:
             now += rng.choice([0.0, 0.0, 0.5, 1.0, 2.0])
-        candidates = [ReplicaLoad(r, rng.randint(0, 4), rng.randint(0, 40), rng.choice([0, 20, 40])) for r in replicas]
+        # page counts from none (no stats yet) to a few pages, where chats outgrow their homes and move
+        candidates = [ReplicaLoad(r, rng.randint(0, 4), rng.randint(0, 40), rng.choice([0, 3, 6, 20, 40]))
+                      for r in replicas]
         if unfinished and rng.random() < 0.3:  # Serve asks again for a request
             request_id, keys, tokens, partial_key = rng.choice(unfinished)
             if rng.random() < 0.5:
                 policy.note_finished(request_id)  # its replica refused it
         else:
             tokens = [rng.randint(0, 2) for _ in range(rng.randint(1, 30))]
+            if rng.random() < 0.5:  # a chat's next turn: its last prompt and more (chats outgrow their homes, move)
+                chat = rng.randrange(len(chats))
+                tokens = chats[chat] = chats[chat] + tokens[:rng.randint(1, 8)]
             keys = [key("k" + ",".join(map(str, tokens[:(n + 1) * page_size])))
                     for n in range(len(tokens) // page_size)]
             partial_key = token_partial_key(keys, tokens, page_size) if keys and rng.random() < 0.8 else None

@@ -1,6 +1,7 @@
-"""Session 29: summary of start_real.sh's runs (and start_real_nocap/, the rule before its cap): per run and pooled
-per setting, the cached prompt-token rate, TTFT mean / p50 / p90 / p99 and the requests per replica (the router's
-decision counters). Usage: python benchmarks/results/s29/start_real_summary.py [DIR ...]"""
+"""Session 29: summary of start_real.sh's runs (and start_real_nocap/, the rule before its cap; session 32's
+move_real/ too): per run and pooled per setting, the cached prompt-token rate, TTFT mean / p50 / p90 / p99 and the
+requests per replica (the router's decision counters). Usage: python benchmarks/results/s29/start_real_summary.py
+[DIR ...]"""
 import glob
 import json
 import os
@@ -23,7 +24,7 @@ def per_replica(path: str) -> list:
 for folder in sys.argv[1:] or [os.path.join(HERE, "start_real")]:
     print(f"== {os.path.relpath(folder, HERE)}")
     pooled: dict = {}
-    for path in sorted(glob.glob(os.path.join(folder, "start*-seed*.json"))):
+    for path in sorted(glob.glob(os.path.join(folder, "*-seed*.json"))):
         label = os.path.basename(path)[:-5]
         metrics = json.load(open(path))["metrics"]
         ttft = metrics["ttft_ms"]
