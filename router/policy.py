@@ -71,8 +71,9 @@ with the most matched pages (same ties).
              session_move   a chat's turn leaves a home its chats have outgrown ("Sessions" below)
     peer_hint = holder for balanced_away / cost_away / session_move when it holds at least ``min_peer_copy_pages``
                 more than chosen (and hints are enabled), so chosen copies the pages from holder instead of
-                recomputing them; with the cost model only when chosen's estimate copies (a replica given a hint waits, bounded, for pages the
-                holder is still computing: useless when the estimate chose to compute them)
+                recomputing them; with the cost model only when chosen's estimate copies (a replica given a hint
+                waits, bounded, for pages the holder is still computing: useless when the estimate chose to compute
+                them)
 
     tie score(r) = mix(blake2b(first page key) ^ blake2b(r)) (rendezvous hashing): when loads and cache sizes tie,
                    requests sharing their first page pick the same replica in every router process; a request with no
@@ -142,7 +143,7 @@ half its prompt on its holder (a chat whose window lapsed and whose history its 
 moving it copies little. Keeping chats home has a cost of its own (session 32, BENCHMARKS.md 0x): chats end at
 different times, and a home whose chats all run long ends up with more than its cache holds while replicas whose chats
 ended sit empty. Its chats then evict each other's histories turn after turn (the last turns of a simulated run kept
-20-40% of their prompts) and queue behind each other's recomputes; the estimate sees the history still on the home when
+20-47% of their prompts) and queue behind each other's recomputes; the estimate sees the history still on the home when
 the turn is routed and keeps it there. Moving one chat to a replica where it fits copies its history once and ends
 that.
 
@@ -444,11 +445,8 @@ class PrefixAwarePolicy:
         self._session_order: deque[tuple[float, PageKey, PromptTail | None]] = deque()
         self._replica_id_to_num_sessions: dict[str, int] = {}
         """Continued sessions by home."""
-        self._num_session_pages = 0
-        """The full prompt pages of every continued session's latest request, together."""
         self._replica_id_to_num_new_sessions: dict[str, int] = {}
         """Sessions not continued yet (one request so far) by home."""
-        self._num_new_session_pages = 0
         self._replica_id_to_session_pages: dict[str, int] = {}
         """The latest prompts' full pages of the continued sessions, by home."""
         self._replica_id_to_new_session_pages: dict[str, int] = {}
@@ -626,7 +624,9 @@ class PrefixAwarePolicy:
                  + rate * sum(self._replica_id_to_num_new_sessions.values()))
         if total <= 0:
             return 0.0
-        return growth * (self._num_session_pages + rate * self._num_new_session_pages) / total
+        pages = (sum(self._replica_id_to_session_pages.values())
+                 + rate * sum(self._replica_id_to_new_session_pages.values()))
+        return growth * pages / total
 
     def _tight(self, s: "_Scored", growth_pages: float | None = None) -> bool:
         """tight(r) of the module docstring (``growth_pages``: ``_growth_pages(session_growth)`` by default)."""
@@ -717,12 +717,10 @@ class PrefixAwarePolicy:
         step = 1 if num_pages >= 0 else -1
         if counted:
             self._replica_id_to_num_sessions[replica_id] = self._replica_id_to_num_sessions.get(replica_id, 0) + step
-            self._num_session_pages += num_pages
             pages = self._replica_id_to_session_pages
         else:
             self._replica_id_to_num_new_sessions[replica_id] = (self._replica_id_to_num_new_sessions.get(replica_id, 0)
                                                                 + step)
-            self._num_new_session_pages += num_pages
             pages = self._replica_id_to_new_session_pages
         pages[replica_id] = pages.get(replica_id, 0) + num_pages
 

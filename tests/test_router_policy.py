@@ -906,7 +906,8 @@ def test_a_session_ends_after_its_window():
     later = PROMPT + [key("p4")]
     assert policy._session_of(later, token_partial_key(later, tokens, 128), now=4.9) is not None
     assert policy._session_of(later, token_partial_key(later, tokens, 128), now=5.0) is None
-    assert not policy._sessions and not policy._session_tail_lengths and policy._num_new_session_pages == 0
+    assert not policy._sessions and not policy._session_tail_lengths
+    assert sum(policy._replica_id_to_new_session_pages.values()) == 0
 
 
 def test_a_session_is_continued_only_by_a_prompt_that_continues_its_tail():
@@ -927,8 +928,10 @@ def test_a_session_is_continued_only_by_a_prompt_that_continues_its_tail():
     keys = PROMPT[:2] + [key("next-True")]
     policy.choose(keys, loads(a=0, b=0), num_prompt_tokens=len(tokens), now=1.0,
                   partial_key=token_partial_key(keys, tokens, 128))
-    assert sum(policy._replica_id_to_num_sessions.values()) == 1 and policy._num_session_pages == 3
-    assert not any(policy._replica_id_to_num_new_sessions.values()) and policy._num_new_session_pages == 0
+    assert sum(policy._replica_id_to_num_sessions.values()) == 1
+    assert sum(policy._replica_id_to_session_pages.values()) == 3
+    assert not any(policy._replica_id_to_num_new_sessions.values())
+    assert sum(policy._replica_id_to_new_session_pages.values()) == 0
 
 
 def test_a_known_tail_is_matched_before_a_prompt_that_ended_at_the_same_page():
@@ -1013,7 +1016,8 @@ def test_a_replica_that_leaves_takes_its_sessions_with_it():
     _route(policy, PROMPT, loads(a=0, b=9), 0.0)
     _route(policy, [key("other")], loads(a=9, b=0), 0.0)
     policy.forget_replica("a")
-    assert policy._replica_id_to_num_new_sessions == {"b": 1} and policy._num_new_session_pages == 1
+    assert policy._replica_id_to_num_new_sessions == {"b": 1}
+    assert sum(policy._replica_id_to_new_session_pages.values()) == 1
     later = PROMPT + [key("p4")]
     assert policy._session_of(later, token_partial_key(later, [0] * 640, 128), now=1.0) is None
 
@@ -1043,7 +1047,8 @@ def _check_session_books(policy: PrefixAwarePolicy) -> None:
             if count:
                 counted[replica_id] = counted.get(replica_id, 0) + count
     assert counted == by_home
-    assert pages == policy._num_session_pages + policy._num_new_session_pages
+    assert pages == (sum(policy._replica_id_to_session_pages.values())
+                     + sum(policy._replica_id_to_new_session_pages.values()))
     for counted_, pages_of in ((True, policy._replica_id_to_session_pages),
                                (False, policy._replica_id_to_new_session_pages)):
         expected = {r: n for (r, c), n in pages_by_home.items() if c == counted_}
@@ -1115,4 +1120,5 @@ def test_the_session_books_stay_consistent_under_random_traffic(seed):
     policy._forget_sessions(now + 1e9)
     _check_session_books(policy)
     assert not policy._sessions and not policy._session_order and not policy._session_tail_lengths
-    assert policy._num_session_pages == 0 and policy._num_new_session_pages == 0
+    assert sum(policy._replica_id_to_session_pages.values()) == 0
+    assert sum(policy._replica_id_to_new_session_pages.values()) == 0
