@@ -58,7 +58,8 @@ def request_router_config(config: ServeConfig) -> Any:
                                     eviction_weight=eviction_weight_for(config.kv_cache_protected_fraction),
                                     session_growth=float(config.router_session_growth),
                                     session_start_growth=float(config.router_session_start_growth),
-                                    session_move_fill=float(config.router_session_move_fill))
+                                    session_move_fill=float(config.router_session_move_fill),
+                                    session_idle_factor=float(config.router_session_idle_factor))
 
 
 def replica_actor_options(config: ServeConfig) -> dict[str, Any]:

@@ -136,6 +136,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="with the session rule on: a chat leaves a replica whose chats' prompts fill more than "
                             "this fraction of its cache for one where they and the chat fit within it (default 1; "
                             "0: off)")
+    cache.add_argument("--router-session-idle-factor", type=float, default=default("router_session_idle_factor"),
+                       help="with the session rule on: a chat whose latest answer finished longer ago than this many "
+                            "times the 99th percentile of the recent gaps between an answer and the next turn no "
+                            "longer counts on its replica until its next turn (default 1.5; 0: a chat counts until "
+                            "its session window ends)")
     cache.add_argument("--enable-hot-prefix-replication", action=argparse.BooleanOptionalAction,
                        default=default("enable_hot_prefix_replication"),
                        help="copy a prefix whose holders are all busy to a less loaded replica ahead of need, by peer "

@@ -209,6 +209,10 @@ class ServeConfig:
     router_session_move_fill: float = field_default(PolicyConfig, "session_move_fill")
     """A chat leaves a replica whose sessions' prompts fill more than this fraction of its cache for one where they and
     the chat fit within it (router/policy.py, "Sessions"); 0: off. Only with the session rule on."""
+    router_session_idle_factor: float = field_default(PolicyConfig, "session_idle_factor")
+    """A chat whose latest answer finished longer ago than this many times the 99th percentile of the recent gaps
+    between an answer and the chat's next turn no longer counts on its replica until its next turn (router/policy.py,
+    "Sessions"); 0: off. Only with the session rule on."""
     # ---- hot-prefix replication (issue 12; router/replication.py) ---------------------------------------------------
     enable_hot_prefix_replication: bool = False
     """Copy a prefix whose holders are all busy to a less loaded replica ahead of need. Off by default: the router's
@@ -285,7 +289,8 @@ class ServeConfig:
             raise ValueError("--host must not be empty; use 127.0.0.1 (local) or 0.0.0.0 (all interfaces)")
         for flag, growth in (("--router-session-growth", self.router_session_growth),
                              ("--router-session-start-growth", self.router_session_start_growth),
-                             ("--router-session-move-fill", self.router_session_move_fill)):
+                             ("--router-session-move-fill", self.router_session_move_fill),
+                             ("--router-session-idle-factor", self.router_session_idle_factor)):
             if isinstance(growth, bool) or not (isinstance(growth, (int, float)) and 0 <= growth < 1e6):
                 raise ValueError(f"{flag} must be a number >= 0 (0: off), got {growth!r}")
         if self.api_key is not None and not self.api_key.strip():

@@ -15,6 +15,8 @@ Names (all prefixed ``prefixserve_``)::
     router_decisions_total{replica,reason} counter    the prefix-aware router's choices in this process (counted at
                                                       decision time): reason = prefix_hit | cost_away |
                                                       balanced_away | no_match | session_move (router/policy.py)
+    router_session_events_total{replica,event}  counter  chats the router took for ended (event = idle) and idle chats
+                                                      whose next turn came after all (resumed), by home replica
     prompt_tokens_total{replica}           counter    prompt tokens of finished requests
     cached_prompt_tokens_total{replica,source}  counter  reused prompt tokens, source = local|peer|host|disk
     prefix_cache_queries_total{replica}    counter    prompt tokens looked up in the replica's prefix cache
@@ -70,7 +72,7 @@ from prometheus_client.registry import Collector
 
 from cluster.vllm_metrics import VllmMetrics
 from common.types import EngineStats, KVSourceStats, RequestOutput
-from router.decision_metrics import DECISIONS, DecisionCounts
+from router.decision_metrics import DECISIONS, SESSION_EVENTS, DecisionCounts
 from router.policy import RoutingReason
 from router.replication import ReplicationStats
 
@@ -213,10 +215,12 @@ class ReplicaStatsCollector(Collector):
 
 class RouterDecisionsCollector(Collector):
     """The routing decisions of the prefix-aware routers in this process (``router.decision_metrics``), by chosen
-    replica and reason; every reason is exported (at 0) for each replica seen, so rate() queries have a series."""
+    replica and reason, and their session events by home replica; every reason and event is exported (at 0) for each
+    replica seen, so rate() queries have a series."""
 
-    def __init__(self, counts: DecisionCounts = DECISIONS) -> None:
+    def __init__(self, counts: DecisionCounts = DECISIONS, session_events: DecisionCounts = SESSION_EVENTS) -> None:
         self.counts = counts
+        self.session_events = session_events
 
     def collect(self):
         family = CounterMetricFamily(PREFIX + "router_decisions",
@@ -229,6 +233,18 @@ class RouterDecisionsCollector(Collector):
             for reason in RoutingReason:
                 family.add_metric([replica_id, reason.value], totals.get((replica_id, reason.value), 0))
         yield family
+        sessions = CounterMetricFamily(PREFIX + "router_session_events",
+                                       "chats the router took for ended (idle) and idle chats that went on (resumed), "
+                                       "by home replica", labels=["replica", "event"])
+        events: dict[tuple[str, str], int] = {}
+        for (_, replica_id, event), count in self.session_events.snapshot().items():
+            events[(replica_id, event)] = events.get((replica_id, event), 0) + count
+        for replica_id in sorted({replica_id for replica_id, _ in totals} | {replica_id for replica_id, _ in events}):
+            for event in ("idle", "resumed"):
+                sessions.add_metric([replica_id, event], events.get((replica_id, event), 0))
+        yield sessions
+
+
 class HotPrefixCollector(Collector):
     """Hot-prefix replication: the planner's copies (this ingress) and each replica's proactive pages and their hits."""
 

@@ -1,4 +1,5 @@
-"""Routing decisions of every router in this process, by (chosen replica, reason), for Prometheus.
+"""Routing decisions of every router in this process, by (chosen replica, reason), and their session events, for
+Prometheus.
 
 Ray Serve builds one ``PrefixAwareRequestRouter`` per handle, inside the process that holds the handle (the ingress),
 and may run it on a thread of its own. Each decision is added here, to one process-wide table of monotonic counts,
@@ -35,3 +36,7 @@ class DecisionCounts:
 
 DECISIONS = DecisionCounts()
 """This process's table (the Ray adapter adds to it; the ingress's /metrics reads it)."""
+
+SESSION_EVENTS = DecisionCounts()
+"""The routers' session events by (deployment, home, event): "idle" (a chat taken for ended) and "resumed" (an idle
+chat's next turn came after all; router/policy.py, "Sessions")."""

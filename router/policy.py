@@ -125,6 +125,12 @@ new: it goes by the session its first choice continued, not the one its first ch
     chats from collecting on one of its holders
     demand(r)      = the pages of the latest prompts of the sessions homed on r (weighted as in sessions(r); a
                      system prompt that several of them share counts once per session: an upper bound)
+    idle           a session whose latest request finished more than max(session_idle_factor x q99, 1 s) ago,
+                     q99 the 99th percentile of the latest 256 gaps between a session's request finishing and its
+                     next turn being routed (none is idle before 16 gaps were seen; recomputed every 16 gaps, and at
+                     once when an idle session goes on after all), counts in neither sessions(r) nor demand(r) (nor
+                     the mean session length) until its next turn, which still continues it: a chat that ended no
+                     longer holds a place on its replica for the rest of its window
     a continuing request whose home holds the most leading pages and whose chats have outgrown it, demand(home) >
     session_move_fill * pages(home) (within the load bound or not), goes to an eligible replica r other than the
     home where the chats there and its own pages would fit, demand(r) + its pages <= session_move_fill * pages(r),
@@ -145,7 +151,11 @@ different times, and a home whose chats all run long ends up with more than its 
 ended sit empty. Its chats then evict each other's histories turn after turn (the last turns of a simulated run kept
 20-47% of their prompts) and queue behind each other's recomputes; the estimate sees the history still on the home when
 the turn is routed and keeps it there. Moving one chat to a replica where it fits copies its history once and ends
-that.
+that. All of these rules compare counts of chats, and a chat that ended is known only by the absence of its next turn
+(session 33, BENCHMARKS.md 0y): counted for its whole window (30 s, against turns that come seconds after their
+answers), chats that had ended held places on their replicas, so a replica whose chats were over still looked full
+to a new or moving chat, and a home looked outgrown by chats that were gone. An idle session leaves the counts at a
+multiple of the gaps actually seen, and comes back with its next turn if it was not over.
 
 Residency ahead (cost model and ``enable_residency_aging``, off by default). ``matched(r)`` counts only the leading pages expected still on r when the request
 is admitted there (now + wait(r)): pages r holds under a retention until it ends, pages of requests this router sent
@@ -169,7 +179,6 @@ import enum
 import functools
 import hashlib
 import math
-import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Sequence
@@ -190,6 +199,22 @@ _READY_MARGIN = 1.5
 
 _SESSION_RATE_WEIGHT = 0.05
 """Weight of each outcome (a session's first request continued or not) in ``session_continue_rate``."""
+
+_SESSION_GAP_QUANTILE = 0.99
+"""The quantile of the recent gaps between a session's request finishing and its next turn that ``session_idle_factor``
+multiplies (module docstring, "Sessions"). The 95th percentile took 26 chats of a real multi-round-qa run for ended,
+19 of which went on (its turns wait for the client's 4 slots: most gaps are near 0); the 99th and the maximum simulate
+as well (BENCHMARKS.md 0y)."""
+
+_SESSION_GAPS_KEPT = 256
+"""How many of the latest such gaps the quantile is taken over."""
+
+_SESSION_MIN_GAPS = 16
+"""No session is idle before this many gaps were seen (the quantile would be a guess); the idle time is recomputed
+each time this many more were seen."""
+
+_SESSION_MIN_IDLE_S = 1.0
+"""The idle time is at least this long (where turns follow their answers at once, the quantile is 0)."""
 
 _HOLDER_SESSION_SLACK = 2
 """A new chat kept with its prefix's holders goes to those with at most this many sessions more than the one with the
@@ -303,7 +328,9 @@ class PolicyConfig:
     sessions out. 0: off. 4 in the simulator's tight multi-turn (DP 4 / 16, 32 seeds): 3-8 gave the same within 0.002
     hit rate, 2 less (BENCHMARKS.md 0s)."""
     session_window_s: float = 30.0
-    """How long after its last request a session still counts (a chat's think time and answer fit within it)."""
+    """How long after its last request a session is remembered (a chat's think time and answer fit within it): its
+    next turn within the window continues it. It counts on its home until then, or until it is idle
+    (``session_idle_factor``)."""
     session_start_growth: float = 8.0
     """The growth factor by which a request starting a session judges its holder tight (module docstring,
     "Sessions"): when the holder is, the request stays with the holders of its leading pages. 0: off. 8 (twice
@@ -314,6 +341,11 @@ class PolicyConfig:
     and the chat fit within the same fraction (module docstring, "Sessions"; with the cost model and
     ``session_growth`` > 0 only). 0: off. Simulated tight multi-turn (32 seeds): 1, 1.1 and 1.2 gave p99 7.02 / 6.91
     / 6.93 s at DP 4 and 4.52 / 4.63 / 4.46 s at DP 16; 0.8 and 0.9 0.3-0.7 s more (BENCHMARKS.md 0x)."""
+    session_idle_factor: float = 1.5
+    """A session whose latest request finished longer ago than this many times the 99th percentile of the recent gaps
+    between a session's request finishing and its next turn being routed (and at least 1 s ago) is idle: it counts in
+    neither sessions(r) nor demand(r) until its next turn (module docstring, "Sessions"). 0: off (a session counts
+    until its window ends). Simulated tight multi-turn and a real run: BENCHMARKS.md 0y."""
 
     def __post_init__(self) -> None:
         if self.balance_abs_threshold < 0:
@@ -333,10 +365,11 @@ class PolicyConfig:
         for name in ("step_ms", "prefill_token_ms", "attention_pair_us", "decode_row_ms", "peer_copy_page_ms",
                      "host_page_ms", "disk_page_ms", "duplicate_work_weight", "eviction_weight", "holder_wait_s",
                      "answer_report_s", "session_growth", "session_window_s", "session_start_growth",
-                     "session_move_fill"):
+                     "session_move_fill", "session_idle_factor"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (a measured cost), got {getattr(self, name)}")
-        for name in ("session_growth", "session_window_s", "session_start_growth", "session_move_fill"):
+        for name in ("session_growth", "session_window_s", "session_start_growth", "session_move_fill",
+                     "session_idle_factor"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
 
@@ -380,7 +413,8 @@ class _Costs(NamedTuple):
 class _Session(NamedTuple):
     """An active session (module docstring, "Sessions"): where its latest request went, when, that request's full
     prompt pages, last page key and tail, and whether it was continued (a chat: counted in ``sessions(r)``); that
-    request's id (when ``choose`` was told it) and the session it continued, for a retry of it."""
+    request's id (when ``choose`` was told it) and the session it continued, for a retry of it; when that request
+    finished (None: not yet), and whether the session is idle (then it is in no per-replica book)."""
 
     replica_id: str
     routed_s: float
@@ -390,6 +424,8 @@ class _Session(NamedTuple):
     counted: bool
     request_id: str | None = None
     continues: "_Session | None" = None
+    finished_s: float | None = None
+    idle: bool = False
 
 
 class _Scored(NamedTuple):
@@ -453,6 +489,16 @@ class PrefixAwarePolicy:
         """The same for the sessions not continued yet."""
         self.session_continue_rate = 1.0
         """The moving average of whether a session's first request was continued before its window ended."""
+        self._session_gaps: deque[float] = deque(maxlen=_SESSION_GAPS_KEPT)
+        """The latest gaps between a session's request finishing and its next turn being routed (seconds)."""
+        self._num_gaps_seen = 0
+        self._num_gaps_at_idle = 0
+        self._session_idle_s = math.inf
+        self._finished_order: deque[tuple[float, PageKey, PromptTail | None]] = deque()
+        """(finish, last page, tail) of sessions' latest requests, in finishing order: when each may turn idle."""
+        self.session_events: dict[tuple[str, str], int] = {}
+        """Sessions that turned idle and idle sessions that were continued ("resumed"), by (home, event), since the
+        last ``drain_session_events``. Many resumed against idle: the idle time is too short for these chats."""
 
     # ---- the decision ----------------------------------------------------------------------------------------------
     def choose(
@@ -467,7 +513,8 @@ class PrefixAwarePolicy:
     ) -> RoutingDecision:
         """Pick one of ``candidates`` for a request with ``page_keys``. Raises ValueError when there are none.
 
-        ``num_prompt_tokens`` defaults to the full pages' tokens; ``now`` (seconds) to ``time.monotonic()``.
+        ``num_prompt_tokens`` defaults to the full pages' tokens; ``now`` (seconds) to the index's clock
+        (``time.monotonic()`` unless the index was given another).
         ``partial_key`` (optional) tells which recently finished request this one continues (module docstring).
         ``request_id`` (optional, the id ``note_routed`` / ``note_finished`` get) tells a retry of a request already
         chosen for (Serve asks again when the replicas refused it): the session its first choice recorded is not one
@@ -487,7 +534,7 @@ class PrefixAwarePolicy:
                 load = c.num_requests
             scored.append(_Scored(replica_id, replica_id_to_matched.get(replica_id, 0), load, num_keys(replica_id), c))
         if self.config.enable_cost_model and now is None:
-            now = time.monotonic()
+            now = self.index.clock()  # the clock finishes are stamped with (``note_finished``)
         if self.config.enable_cost_model and self.config.enable_residency_aging and replica_id_to_matched:
             scored = self._resident(scored, page_keys, now)
             replica_id_to_matched = {s.replica_id: s.matched for s in scored if s.matched}
@@ -579,7 +626,9 @@ class PrefixAwarePolicy:
             decision = replace(decision, reason=RoutingReason.SESSION_MOVE)
         self.index.expect_keys(replica_id, page_keys, busy_until - now - busy_ms / 1000.0)  # its admission
         if recorded is not None:
-            if recorded.replica_id != replica_id:  # a retry sent elsewhere: its session lives there now
+            # a retry: its first choice refused it (recorded like a finish), so its session is live again
+            self._revive_session(recorded)
+            if recorded.replica_id != replica_id:  # sent elsewhere: its session lives there now
                 self._move_session(recorded, replica_id)
         elif self.config.session_growth and page_keys:
             self._note_session(session, page_keys, num_prompt_tokens, partial_key, replica_id, now, request_id)
@@ -697,6 +746,12 @@ class PrefixAwarePolicy:
         if continued is not None:
             if not continued.counted:
                 self._note_continued(True)
+            if continued.finished_s is not None:
+                self._session_gaps.append(max(now - continued.finished_s, 0.0))
+                self._num_gaps_seen += 1
+            if continued.idle:  # taken for ended too soon: the idle time is recomputed with this gap at once
+                self._note_session_event(continued.replica_id, "resumed")
+                self._session_idle_s = math.inf
             self._end_session(continued)
         if partial_key is None or num_prompt_tokens is None:
             return
@@ -741,7 +796,8 @@ class PrefixAwarePolicy:
                 del lengths[tail.num_tokens]
                 if not lengths:
                     del self._session_tail_lengths[key]
-        self._add_session(session.replica_id, session.counted, -session.num_pages)
+        if not session.idle:
+            self._add_session(session.replica_id, session.counted, -session.num_pages)
 
     def _rehome_session(self, request_id: str, previous: str, replica_id: str) -> None:
         """A request the policy routed to ``previous`` was sent to ``replica_id`` instead (Serve's fallback when the
@@ -753,17 +809,42 @@ class PrefixAwarePolicy:
             return
         self._move_session(session, replica_id)
 
+    def _revive_session(self, session: "_Session") -> None:
+        """``session`` (an active one) is not finished nor idle (its request was refused and is retried)."""
+        current = self._sessions.get(session.key, {}).get(session.tail)
+        if current is None or (current.finished_s is None and not current.idle):
+            return
+        self._sessions[session.key][session.tail] = current._replace(finished_s=None, idle=False)
+        if current.idle:
+            self._add_session(current.replica_id, current.counted, current.num_pages)
+
     def _move_session(self, session: "_Session", replica_id: str) -> None:
         """Home ``session`` (an active one) on ``replica_id`` instead."""
+        session = self._sessions[session.key][session.tail]
         self._sessions[session.key][session.tail] = session._replace(replica_id=replica_id)
-        self._add_session(session.replica_id, session.counted, -session.num_pages)
-        self._add_session(replica_id, session.counted, session.num_pages)
+        if not session.idle:
+            self._add_session(session.replica_id, session.counted, -session.num_pages)
+            self._add_session(replica_id, session.counted, session.num_pages)
 
     def _forget_sessions(self, now: float) -> None:
-        """End the sessions whose latest request was routed ``session_window_s`` or longer ago."""
+        """End the sessions whose latest request was routed ``session_window_s`` or longer ago, and take those whose
+        latest request finished more than the idle time ago out of the books (module docstring, "Sessions")."""
+        sessions = self._sessions
+        finished = self._finished_order
+        if finished:
+            idle_cutoff = now - self._idle_s()
+            # an entry past the window goes too, idle or not: its session ends below
+            drop_cutoff = max(idle_cutoff, now - self.config.session_window_s)
+            while finished and finished[0][0] < drop_cutoff:
+                finished_s, key, tail = finished.popleft()
+                session = sessions.get(key, {}).get(tail)
+                if (finished_s < idle_cutoff and session is not None and session.finished_s == finished_s
+                        and not session.idle):
+                    sessions[key][tail] = session._replace(idle=True)
+                    self._add_session(session.replica_id, session.counted, -session.num_pages)
+                    self._note_session_event(session.replica_id, "idle")
         cutoff = now - self.config.session_window_s
         order = self._session_order
-        sessions = self._sessions
         while order and order[0][0] <= cutoff:
             routed_s, key, tail = order.popleft()
             session = sessions.get(key, {}).get(tail)
@@ -771,6 +852,46 @@ class PrefixAwarePolicy:
                 if not session.counted:
                     self._note_continued(False)
                 self._end_session(session)
+
+    def _idle_s(self) -> float:
+        """How long after its latest request finished a session turns idle: ``session_idle_factor`` times the
+        ``_SESSION_GAP_QUANTILE`` of the recent gaps, at least ``_SESSION_MIN_IDLE_S`` (inf while off or before
+        ``_SESSION_MIN_GAPS`` gaps were seen; recomputed every ``_SESSION_MIN_GAPS`` new gaps, and at once after an
+        idle session went on)."""
+        gaps = self._session_gaps
+        factor = self.config.session_idle_factor
+        if not factor or len(gaps) < _SESSION_MIN_GAPS:
+            return math.inf
+        num_seen = self._num_gaps_seen
+        if num_seen - self._num_gaps_at_idle >= _SESSION_MIN_GAPS or self._session_idle_s == math.inf:
+            ordered = sorted(gaps)
+            quantile = ordered[min(int(_SESSION_GAP_QUANTILE * len(ordered)), len(ordered) - 1)]
+            self._session_idle_s = max(factor * quantile, _SESSION_MIN_IDLE_S)
+            self._num_gaps_at_idle = num_seen
+        return self._session_idle_s
+
+    def _note_session_finished(self, request_id: str, replica_id: str, key: PageKey, tail: PromptTail | None,
+                               finished_s: float) -> None:
+        """``request_id``, which ended at ``key`` / ``tail`` on ``replica_id``, finished: if it is its session's latest
+        request (by id, when ``choose`` was told the session's), the session may turn idle from now on. Another request
+        with the same prompt, which the session's latest continued, finishing is not the session's end."""
+        tails = self._sessions.get(key)
+        session = tails.get(tail) if tails else None
+        if (session is None or session.replica_id != replica_id or session.idle
+                or session.request_id not in (None, request_id)
+                or (session.finished_s is not None and session.finished_s >= finished_s)):
+            return
+        tails[tail] = session._replace(finished_s=finished_s)
+        self._finished_order.append((finished_s, key, tail))
+
+    def _note_session_event(self, replica_id: str, event: str) -> None:
+        events = self.session_events
+        events[(replica_id, event)] = events.get((replica_id, event), 0) + 1
+
+    def drain_session_events(self) -> dict[tuple[str, str], int]:
+        """``session_events`` so far, and start counting from zero (the Ray adapter exports them as counters)."""
+        events, self.session_events = self.session_events, {}
+        return events
 
     def _count(self, decision: RoutingDecision) -> None:
         self.num_decisions_by_reason[decision.reason] += 1
@@ -1040,6 +1161,8 @@ class PrefixAwarePolicy:
         tail = self._request_id_to_tail.pop(request_id, None)
         if last_key is not None:  # its answer pages are stored there now, reported with the next routing stats
             finished_s = self.index.clock()
+            if self._sessions and self.config.session_idle_factor:
+                self._note_session_finished(request_id, counted_on, last_key, tail, finished_s)
             self._answered.setdefault((counted_on, last_key), {})[tail] = finished_s
             self._answered_order.append((finished_s, counted_on, last_key, tail))
             self._forget_answers(finished_s)

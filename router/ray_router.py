@@ -116,6 +116,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         decision = self.policy.choose(page_keys, loads, num_prompt_tokens=num_prompt_tokens, partial_key=partial_key,
                                       request_id=request_id)
         decision_metrics.DECISIONS.add(self._deployment_name(), decision.replica_id, decision.reason.value)
+        if self.policy.session_events:
+            for (replica_id, event), count in self.policy.drain_session_events().items():
+                decision_metrics.SESSION_EVENTS.add(self._deployment_name(), replica_id, event, count)
         if pending_request is not None:
             set_peer_hint(pending_request, hint_for_request(decision))
             self._count_inflight(pending_request, decision.replica_id, num_prompt_tokens, partial_key)
@@ -342,6 +345,7 @@ def router_config(
     session_growth: float = PolicyConfig.session_growth,
     session_start_growth: float = PolicyConfig.session_start_growth,
     session_move_fill: float = PolicyConfig.session_move_fill,
+    session_idle_factor: float = PolicyConfig.session_idle_factor,
     stats_period_s: float = DEFAULT_STATS_PERIOD_S,
     stats_timeout_s: float = DEFAULT_STATS_TIMEOUT_S,
 ) -> RequestRouterConfig:
@@ -354,7 +358,8 @@ def router_config(
                           enable_cost_model=enable_cost_model, enable_tier_routing=enable_tier_routing,
                           page_size=page_size, max_num_batched_tokens=max_num_batched_tokens,
                           eviction_weight=eviction_weight, session_growth=session_growth,
-                          session_start_growth=session_start_growth, session_move_fill=session_move_fill)
+                          session_start_growth=session_start_growth, session_move_fill=session_move_fill,
+                          session_idle_factor=session_idle_factor)
     return RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
         request_router_kwargs=dataclasses.asdict(policy),

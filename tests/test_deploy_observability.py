@@ -55,7 +55,7 @@ def test_dashboard_covers_the_operators_questions():
     titles = " | ".join(panel["title"] for panel in dashboard["panels"]).lower()
     for topic in ("hit rate per replica", "by source", "time to first token", "inter-token", "pages by state",
                   "routing decisions by reason", "tier kv events", "tier and fetch errors", "request phases",
-                  "finished requests by reason", "ray serve"):
+                  "finished requests by reason", "ray serve", "chats taken for ended"):
         assert topic in titles, topic
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(set(ids)) == len(ids)

@@ -247,6 +247,18 @@ def test_prompt_length_costs_and_retention_reach_the_policy_and_decisions_reach_
         assert f'prefixserve_router_decisions_total{{reason="prefix_hit",replica="a"}} {float(after[("engine", "a", "prefix_hit")])}' \
             in text
         assert 'prefixserve_router_decisions_total{reason="cost_away",replica="a"}' in text  # every reason exported
+        # the policy's session events (chats taken for ended, and those that went on) are exported the same way
+        events_before = decision_metrics.SESSION_EVENTS.snapshot()
+        router.policy.session_events.update({("a", "idle"): 2, ("b", "resumed"): 1})
+        await router.choose_replicas([a, b], pending(request, "i2"))
+        assert not router.policy.session_events  # drained into the process's table
+        events = decision_metrics.SESSION_EVENTS.snapshot()
+        assert {k: v - events_before.get(k, 0) for k, v in events.items() if v != events_before.get(k, 0)} == {
+            ("engine", "a", "idle"): 2, ("engine", "b", "resumed"): 1}
+        text = generate_latest(registry).decode()
+        idle_a = float(events[("engine", "a", "idle")])
+        assert f'prefixserve_router_session_events_total{{event="idle",replica="a"}} {idle_a}' in text
+        assert 'prefixserve_router_session_events_total{event="resumed",replica="a"}' in text  # both events exported
 
     run(scenario)
 
@@ -278,6 +290,7 @@ def test_router_cost_model_flag_reaches_the_policy(flags, expected):
     ("--router-session-growth", "router_session_growth", "session_growth", 4.0, 2.5),
     ("--router-session-start-growth", "router_session_start_growth", "session_start_growth", 8.0, 12.0),
     ("--router-session-move-fill", "router_session_move_fill", "session_move_fill", 1.0, 0.8),
+    ("--router-session-idle-factor", "router_session_idle_factor", "session_idle_factor", 1.5, 3.0),
 ])
 def test_router_session_flags_reach_the_policy(flag, field, name, default, value):
     from cluster.app import build_app, request_router_config

@@ -4,6 +4,7 @@ off), the rule the policy had before the cost model and still has with ``enable_
 
 from __future__ import annotations
 
+import math
 from unittest import mock
 
 import pytest
@@ -390,6 +391,8 @@ def test_no_candidates_is_an_error():
         ({"session_start_growth": float("inf")}, "session_start_growth"),
         ({"session_move_fill": -1.0}, "session_move_fill"),
         ({"session_move_fill": float("inf")}, "session_move_fill"),
+        ({"session_idle_factor": -1.0}, "session_idle_factor"),
+        ({"session_idle_factor": float("nan")}, "session_idle_factor"),
     ],
 )
 def test_config_is_validated(kwargs, message):
@@ -899,6 +902,174 @@ def test_a_retried_request_is_not_taken_for_a_turn_of_its_own_session():
     recorded = [session for tails in chat._sessions.values() for session in tails.values() if session.request_id == "t"]
     assert [(session.routed_s, session.continues.replica_id) for session in recorded] == [(4.0, "a")]
 
+def _clocked_policy(config: PolicyConfig) -> tuple[PrefixAwarePolicy, list]:
+    """A policy whose index clock (what ``note_finished`` stamps) reads ``now[0]``, the time the test sets."""
+    now = [0.0]
+    return PrefixAwarePolicy(PrefixIndex(clock=lambda: now[0]), config), now
+
+
+def _turn(policy: PrefixAwarePolicy, now: list, request_id: str, keys: list, candidates: list,
+          at: float) -> RoutingDecision:
+    """A request routed at ``at`` as the Ray adapter does (``choose``, then ``note_routed``); its prompt is full pages
+    (any prompt holding its last page continues it)."""
+    now[0] = at
+    tokens = [0] * (len(keys) * 128)
+    partial_key = token_partial_key(keys, tokens, 128)
+    decision = policy.choose(keys, candidates, num_prompt_tokens=len(tokens), now=at, partial_key=partial_key,
+                             request_id=request_id)
+    policy.note_routed(request_id, decision.replica_id, keys, num_prompt_tokens=len(tokens), partial_key=partial_key)
+    return decision
+
+
+def _finish(policy: PrefixAwarePolicy, now: list, request_id: str, at: float) -> None:
+    now[0] = at
+    policy.note_finished(request_id)
+
+
+def _learn_gaps(policy: PrefixAwarePolicy, now: list, *, count: int = 16, gap: float = 2.0,
+                gaps: list | None = None, name: str = "g") -> None:
+    """Two-turn chats on replica c, from ``now[0]`` on: all first turns at once, finished 1 s later, each second turn
+    sent ``gap`` s (or each of ``gaps``) after that and finished 1 s after it sent (in time order)."""
+    start = now[0]
+    events = []  # (time, order, action)
+    for number, gap in enumerate(gaps if gaps is not None else [gap] * count):
+        history = [key(f"{name}{number}-{n}") for n in range(3)]
+        events += [(start, 0, number, "route", f"{name}{number}t0", history[:2]),
+                   (start + 1.0, 1, number, "finish", f"{name}{number}t0", None),
+                   (start + 1.0 + gap, 2, number, "route", f"{name}{number}t1", history),
+                   (start + 2.0 + gap, 3, number, "finish", f"{name}{number}t1", None)]
+    for at, _, _, action, request_id, keys in sorted(events, key=lambda event: event[:3]):
+        if action == "route":
+            _turn(policy, now, request_id, keys, loads(c=0), at)
+        else:
+            _finish(policy, now, request_id, at)
+
+
+def test_the_idle_time_is_the_factor_times_the_99th_percentile_of_the_latest_gaps():
+    """Gaps of 0-4 s: twice the longest (the 99th percentile of 16), 8 s; only the last 256 gaps count (2 s once 256
+    of 1 s followed those); recomputed every 16 new gaps (15 of 1.9 s change nothing until the 16th: 3.8 s), and at
+    once when a chat taken for ended goes on (a 5 s gap after 16 of 1 s: 10 s); one pause of 30 s among 200 gaps of
+    1 s is above the 99th percentile (2 s); at least 1 s (0.5 x 1 s)."""
+    policy, now = _clocked_policy(PolicyConfig(session_idle_factor=2.0))
+    _learn_gaps(policy, now, gaps=[0.25 * n for n in range(15)])
+    assert policy._idle_s() == math.inf  # 15 gaps: none is idle yet
+    _learn_gaps(policy, now, gaps=[4.0], name="h")
+    assert policy._idle_s() == 8.0
+    _learn_gaps(policy, now, gaps=[1.0] * 256, name="i")
+    assert policy._idle_s() == 2.0
+    _learn_gaps(policy, now, gaps=[1.9] * 15, name="j")
+    assert policy._idle_s() == 2.0  # 15 new gaps: not recomputed yet
+    _learn_gaps(policy, now, gaps=[1.9], name="k")
+    assert policy._idle_s() == pytest.approx(3.8)
+    resumed, now = _clocked_policy(PolicyConfig(session_idle_factor=2.0))
+    _learn_gaps(resumed, now, gaps=[1.0] * 16)
+    assert resumed._idle_s() == 2.0
+    _learn_gaps(resumed, now, gaps=[5.0], name="l")  # idle after 2 s, goes on after 5 s
+    assert resumed.drain_session_events()[("c", "resumed")] == 1
+    assert resumed._idle_s() == pytest.approx(10.0)
+    outlier, now = _clocked_policy(PolicyConfig(session_idle_factor=2.0))
+    _learn_gaps(outlier, now, gaps=[1.0] * 100 + [30.0] + [1.0] * 99)
+    assert outlier._idle_s() == 2.0
+    floor, now = _clocked_policy(PolicyConfig(session_idle_factor=0.5))
+    _learn_gaps(floor, now, gaps=[1.0] * 16)
+    assert floor._idle_s() == 1.0
+
+
+def _chat_on_a(policy: PrefixAwarePolicy, now: list, name: str, num_pages: int, start: float) -> list:
+    """Chat ``name``: two turns on a (``num_pages`` pages, then one more), each finished 0.5 s after it was sent;
+    returns its history (``num_pages`` + 2 page keys)."""
+    history = [key(f"{name}-{n}") for n in range(num_pages + 2)]
+    for turn in range(2):
+        sent = start + turn
+        assert _turn(policy, now, f"{name}t{turn}", history[:num_pages + turn], loads(a=0), sent).replica_id == "a"
+        _finish(policy, now, f"{name}t{turn}", sent + 0.5)
+    return history
+
+
+def test_a_chat_whose_answer_finished_long_ago_stops_counting_until_its_next_turn():
+    """Chats' next turns came 2 s after their answers (16 gaps seen, then X's own 0.5 s): 1.5 x 2 s after its answer
+    finished, a chat that sent nothing since is idle (an "idle" event). It counts in neither a's sessions nor a's
+    pages until its next turn, which still continues it (at home), counts again and is a "resumed" event. Fewer than
+    16 gaps seen (14 and X's), or the factor 0: it counts until its window ends."""
+    for config, num_gaps, idles in ((PolicyConfig(), 16, True), (PolicyConfig(), 14, False),
+                                    (PolicyConfig(session_idle_factor=0.0), 16, False)):
+        policy, now = _clocked_policy(config)
+        _learn_gaps(policy, now, count=num_gaps)
+        history = _chat_on_a(policy, now, "x", 8, 10.0)  # its second turn (9 pages) finished at 11.5
+        policy._forget_sessions(14.4)
+        assert (policy._num_sessions("a"), policy._session_demand("a")) == (1, 9)
+        policy._forget_sessions(14.6)
+        assert (policy._num_sessions("a"), policy._session_demand("a")) == ((0, 0) if idles else (1, 9))
+        events = policy.drain_session_events()
+        assert {replica_event: n for replica_event, n in events.items() if replica_event[0] == "a"} == (
+            {("a", "idle"): 1} if idles else {})
+        decision = _turn(policy, now, "xt2", history, loads(a=0, b=0), 20.0)  # the chat goes on
+        assert (decision.replica_id, decision.matched_pages) == ("a", 9)  # home, where its history is expected
+        assert (policy._num_sessions("a"), policy._session_demand("a")) == (1, 10)
+        assert policy.drain_session_events().get(("a", "resumed"), 0) == idles
+        _check_session_books(policy)
+
+
+def test_a_home_whose_other_chats_ended_keeps_its_chat():
+    """a holds chat X and two chats that ended (their answers finished 9.5 s ago, well past 1.5 x the 2 s gap after
+    which chats' turns come): their 40 pages no longer count, so X's 20 fit a's 50 and its next turn stays home. With
+    the factor 0 they still count until their window ends, a looks outgrown (60 pages) and X moves to b."""
+    for config, moves in ((PolicyConfig(), False), (PolicyConfig(session_idle_factor=0.0), True)):
+        policy, now = _clocked_policy(config)
+        _learn_gaps(policy, now)
+        _chat_on_a(policy, now, "a0", 19, 5.0)
+        _chat_on_a(policy, now, "a1", 19, 5.0)
+        history = _chat_on_a(policy, now, "x", 19, 14.0)
+        policy.index.apply_events("a", [PagesStored(1, tuple(history[:21]))])
+        candidates = [ReplicaLoad("a", 0, 50, 50), ReplicaLoad("b", 0, 50, 50)]
+        decision = _turn(policy, now, "xt2", history[:22] + [key("x-22")], candidates, 16.0)
+        if moves:
+            assert (decision.replica_id, decision.reason) == ("b", RoutingReason.SESSION_MOVE)
+        else:
+            assert (decision.replica_id, decision.matched_pages) == ("a", 21)
+
+
+def test_a_refused_and_retried_turn_keeps_its_chat_counted_while_it_runs():
+    """Serve records a refusal like a finish; the retry (the same request id) makes the chat live again, so it still
+    counts while the retry runs past the idle time, and goes idle only after the retry's own finish. A retry that
+    comes after the refused turn's chat went idle books it again."""
+    for retried_at in (13.2, 17.0):
+        policy, now = _clocked_policy(PolicyConfig())
+        _learn_gaps(policy, now)  # idle after 3 s
+        history = _chat_on_a(policy, now, "x", 8, 10.0)
+        _turn(policy, now, "xt2", history + [key("x-10")], loads(a=0), 13.0)
+        _finish(policy, now, "xt2", 13.1)  # a refused it
+        policy._forget_sessions(retried_at - 0.1)
+        assert (policy._num_sessions("a"), policy._session_demand("a")) == ((1, 11) if retried_at < 16.1 else (0, 0))
+        _turn(policy, now, "xt2", history + [key("x-10")], loads(a=0), retried_at)  # Serve asks again: a takes it
+        assert (policy._num_sessions("a"), policy._session_demand("a")) == (1, 11)
+        policy._forget_sessions(24.0)
+        assert policy._num_sessions("a") == 1
+        _finish(policy, now, "xt2", 25.0)
+        policy._forget_sessions(27.9)
+        assert policy._num_sessions("a") == 1
+        policy._forget_sessions(28.1)
+        assert policy._num_sessions("a") == 0
+        _check_session_books(policy)
+
+
+def test_another_request_with_the_same_prompt_finishing_does_not_end_the_chat():
+    """R2 sends R1's prompt again while R1 runs (a resend under a new id): R2 continues R1's session. R1 finishing is
+    not the session's end: the chat stays counted while R2 runs past the idle time, and goes idle after R2's finish."""
+    policy, now = _clocked_policy(PolicyConfig())
+    _learn_gaps(policy, now)  # idle after 3 s
+    prompt = [key(f"r-{n}") for n in range(6)]
+    for request_id in ("r1", "r2"):
+        assert _turn(policy, now, request_id, prompt, loads(a=0), 10.0).replica_id == "a"
+    _finish(policy, now, "r1", 11.0)
+    policy._forget_sessions(20.0)
+    assert policy._num_sessions("a") == 1
+    _finish(policy, now, "r2", 21.0)
+    policy._forget_sessions(24.1)
+    assert policy._num_sessions("a") == 0
+    _check_session_books(policy)
+
+
 def test_a_session_ends_after_its_window():
     policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig(session_window_s=5.0))
     _route(policy, PROMPT, loads(a=0, b=9), 0.0)
@@ -1033,13 +1204,16 @@ def _check_session_books(policy: PrefixAwarePolicy) -> None:
         assert tails
         for tail, session in tails.items():
             assert (session.key, session.tail) == (page, tail)
+            if tail is not None:
+                lengths.setdefault(page, {})
+                lengths[page][tail.num_tokens] = lengths[page].get(tail.num_tokens, 0) + 1
+            if session.idle:  # in no book
+                assert session.finished_s is not None
+                continue
             by_home[session.replica_id] = by_home.get(session.replica_id, 0) + 1
             home = (session.replica_id, session.counted)
             pages_by_home[home] = pages_by_home.get(home, 0) + session.num_pages
             pages += session.num_pages
-            if tail is not None:
-                lengths.setdefault(page, {})
-                lengths[page][tail.num_tokens] = lengths[page].get(tail.num_tokens, 0) + 1
     counted: dict[str, int] = {}
     for counts in (policy._replica_id_to_num_sessions, policy._replica_id_to_num_new_sessions):
         assert all(count >= 0 for count in counts.values())
@@ -1058,20 +1232,25 @@ def _check_session_books(policy: PrefixAwarePolicy) -> None:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_the_session_books_stay_consistent_under_random_traffic(seed):
+def test_the_session_books_stay_consistent_under_random_traffic(seed, monkeypatch):
     """Random prompts over a 3-token alphabet and 4-token pages (so they share and continue each other's pages and
     tails; half of them a chat's next turn), many at the same instant, with and without partial keys, on replicas of
-    0-40 pages (chats outgrow their homes and move: 11 session moves over the 12 seeds); requests moved by Serve,
+    0-40 pages (chats outgrow their homes and move: 24 session moves over the 12 seeds); requests moved by Serve,
     retried by Serve (the same request id asked again, half of the time after its replica refused it, which completes
-    it), finished, replicas leaving; windows of 0-3 s. After every step the counters match the sessions, and a session recorded by
-    a request still in flight is homed where that request is counted; at the end all expire."""
+    it), finished, replicas leaving; windows of 0-10 s; idle factors 0, 0.5 and 1.5 after 2 gaps seen (68 sessions
+    turn idle in 5 seeds, and 5 of them go on after all, in 2). After every step the counters match the live
+    sessions, and a session recorded by a request still in flight is homed where that request is counted; at the end
+    all expire."""
     import random
 
     rng = random.Random(seed)
     page_size = 4
-    policy = PrefixAwarePolicy(PrefixIndex(), PolicyConfig(page_size=page_size,
-                                                           session_window_s=rng.choice([0.0, 1.0, 3.0]),
-                                                           session_growth=rng.choice([0.5, 4.0, 100.0])))
+    clock = [0.0]
+    policy = PrefixAwarePolicy(PrefixIndex(clock=lambda: clock[0]),
+                               PolicyConfig(page_size=page_size, session_window_s=rng.choice([0.0, 1.0, 3.0, 10.0]),
+                                            session_growth=rng.choice([0.5, 4.0, 100.0]),
+                                            session_idle_factor=rng.choice([0.0, 0.5, 1.5])))
+    monkeypatch.setattr("router.policy._SESSION_MIN_GAPS", 2)  # sessions turn idle within the test's 200 steps
     replicas = ["a", "b", "c"]
     now = 0.0
     unfinished: list[tuple] = []
@@ -1083,6 +1262,7 @@ def test_the_session_books_stay_consistent_under_random_traffic(seed):
             continue
         if rng.random() < 0.5:
             now += rng.choice([0.0, 0.0, 0.5, 1.0, 2.0])
+            clock[0] = now
         # page counts from none (no stats yet) to a few pages, where chats outgrow their homes and move
         candidates = [ReplicaLoad(r, rng.randint(0, 4), rng.randint(0, 40), rng.choice([0, 3, 6, 20, 40]))
                       for r in replicas]
@@ -1120,5 +1300,6 @@ def test_the_session_books_stay_consistent_under_random_traffic(seed):
     policy._forget_sessions(now + 1e9)
     _check_session_books(policy)
     assert not policy._sessions and not policy._session_order and not policy._session_tail_lengths
+    assert not policy._finished_order  # finishes are forgotten with their windows, idle factor or not
     assert sum(policy._replica_id_to_session_pages.values()) == 0
     assert sum(policy._replica_id_to_new_session_pages.values()) == 0

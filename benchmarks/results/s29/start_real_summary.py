@@ -15,6 +15,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def per_replica(path: str) -> list:
     counts: dict = {}
     for line in open(path):
+        if not line.startswith("prefixserve_router_decisions_total"):  # not session 33's session events
+            continue
         match = re.search(r'replica="([^"]+)"\} ([0-9.]+)', line)
         if match:
             counts[match.group(1)] = counts.get(match.group(1), 0) + float(match.group(2))

@@ -1,12 +1,14 @@
 """Session 32: ours against llm-d's scorers on tight multi-turn, seed by seed (run.sh's results): mean hit / p99 over
 the seeds, the mean per-seed p99 difference with a bootstrap 95% interval, and how many seeds each router had the lower
-p99. Usage: python benchmarks/results/s32/router_sim/paired.py > benchmarks/results/s32/router_sim/paired.txt"""
+p99. Usage: python benchmarks/results/s32/router_sim/paired.py [DIR] > DIR/paired.txt (DIR: this folder by default;
+session 33's is benchmarks/results/s33/router_sim)."""
 import json
 import os
 import random
 import statistics
+import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 rows = []
 for name in ("multiturn_tight", "multiturn_tight_dp4_more", "multiturn_tight_dp64_16"):
     rows += json.load(open(os.path.join(HERE, f"{name}.json")))
