@@ -6,7 +6,7 @@
 # AVX2-only CPU: 0.26 of the 2 requests/s served, TTFT mean 9.6 s), so the chats outgrow the caches. Runs alternate
 # the idle rule off (0) and on (1.5, the default). Disk tier and Redis off. From the repo root. Summary:
 # .venv/bin/python benchmarks/results/s29/start_real_summary.py benchmarks/results/s33/idle_real
-OUT=benchmarks/results/s33/idle_real
+OUT=${OUT:-benchmarks/results/s33/idle_real}  # first versions: OUT=benchmarks/results/s33/idle_real_q95, ..._q99_first
 mkdir -p $OUT
 PORT=${PORT:-8433}
 for seed in ${SEEDS:-0 1}; do
