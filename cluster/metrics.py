@@ -226,9 +226,7 @@ class RouterDecisionsCollector(Collector):
         family = CounterMetricFamily(PREFIX + "router_decisions",
                                      "routing decisions of the prefix-aware router, by chosen replica and reason",
                                      labels=["replica", "reason"])
-        totals: dict[tuple[str, str], int] = {}
-        for (_, replica_id, reason), count in self.counts.snapshot().items():
-            totals[(replica_id, reason)] = totals.get((replica_id, reason), 0) + count
+        totals = self.counts.by_replica()
         for replica_id in sorted({replica_id for replica_id, _ in totals}):
             for reason in RoutingReason:
                 family.add_metric([replica_id, reason.value], totals.get((replica_id, reason.value), 0))
@@ -236,9 +234,7 @@ class RouterDecisionsCollector(Collector):
         sessions = CounterMetricFamily(PREFIX + "router_session_events",
                                        "chats the router took for ended (idle) and idle chats that went on (resumed), "
                                        "by home replica", labels=["replica", "event"])
-        events: dict[tuple[str, str], int] = {}
-        for (_, replica_id, event), count in self.session_events.snapshot().items():
-            events[(replica_id, event)] = events.get((replica_id, event), 0) + count
+        events = self.session_events.by_replica()
         for replica_id in sorted({replica_id for replica_id, _ in totals} | {replica_id for replica_id, _ in events}):
             for event in ("idle", "resumed"):
                 sessions.add_metric([replica_id, event], events.get((replica_id, event), 0))

@@ -28,6 +28,13 @@ class DecisionCounts:
         with self._lock:
             return dict(self._counts)
 
+    def by_replica(self) -> dict[tuple[str, str], int]:
+        """The counts by (replica, reason), summed over deployments."""
+        totals: dict[tuple[str, str], int] = {}
+        for (_, replica_id, reason), count in self.snapshot().items():
+            totals[(replica_id, reason)] = totals.get((replica_id, reason), 0) + count
+        return totals
+
     def clear(self) -> None:
         """For tests only."""
         with self._lock:
