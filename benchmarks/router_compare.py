@@ -42,6 +42,8 @@ Usage:
     python benchmarks/router_compare.py [--num-requests 320] [--concurrency 4] [--routers prefix-aware,pow2,...]
     python benchmarks/router_compare.py --routers cost-model,affinity --repeats 2 --workload zipf \
         --model-dir benchmarks/.scratch/tiny-llama-512x8 --dtype bfloat16 --num-cpus-per-replica 1
+``--request-rate R``: open loop instead, R requests per second (seeded Poisson arrivals), so a replica's queue can grow
+(the closed loop bounds it at ``--concurrency``).
 Writes benchmarks/results/router_compare.md and .json (override with --out); ``--smoke`` runs a handful of requests.
 """
 
@@ -360,21 +362,37 @@ async def send(client: Any, url: str, prompt: list[int], args: argparse.Namespac
     return record
 
 
+def arrival_offsets(args: argparse.Namespace, num_requests: int) -> list[float]:
+    """Open loop (``--request-rate`` > 0): each request's send time from the start, a seeded Poisson process."""
+    rng = seeded_rng(args.seed, "arrivals")
+    offsets, now = [], 0.0
+    for _ in range(num_requests):
+        offsets.append(now)
+        now += rng.expovariate(args.request_rate)
+    return offsets
+
+
 async def run_load(url: str, requests: list[Request], args: argparse.Namespace, warmup: bool) -> tuple[list, float]:
-    """Closed loop: ``concurrency`` requests in flight, started in list order."""
+    """Closed loop: ``concurrency`` requests in flight, started in list order. With ``--request-rate`` (not for the
+    warm-up): open loop, each request sent at its Poisson arrival time however many are in flight."""
     import httpx
 
-    limiter = asyncio.Semaphore(args.concurrency)
-    limits = httpx.Limits(max_connections=args.concurrency + 2, max_keepalive_connections=args.concurrency + 2)
+    open_loop = args.request_rate > 0 and not warmup
+    offsets = arrival_offsets(args, len(requests)) if open_loop else None
+    in_flight = len(requests) if open_loop else args.concurrency
+    limiter = asyncio.Semaphore(in_flight)
+    limits = httpx.Limits(max_connections=in_flight + 2, max_keepalive_connections=in_flight + 2)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, trust_env=False) as client:
-        async def one(request: Request) -> Record:
+        async def one(position: int, request: Request) -> Record:
+            if offsets is not None:
+                await asyncio.sleep(max(0.0, start + offsets[position] - time.perf_counter()))
             async with limiter:
                 record = Record(request.index, request.prefix, warmup, sent_s=time.perf_counter() - start)
                 return await send(client, url, request.prompt, args, record)
 
         start = time.perf_counter()
-        records = await asyncio.gather(*(one(request) for request in requests))
+        records = await asyncio.gather(*(one(position, request) for position, request in enumerate(requests)))
         return list(records), time.perf_counter() - start
 
 
@@ -549,7 +567,10 @@ def write_results(rows: list[dict], args: argparse.Namespace, command: str, wall
         f"workload: {args.num_prefixes} system prompts x {args.prefix_len} tokens, {args.num_requests} requests "
         f"({workload_description(args)}, seed {args.seed}), each + a fresh "
         f"{args.suffix_len}-token suffix, {args.output_len} output tokens, greedy, token-id prompts to "
-        f"/v1/completions, concurrency {args.concurrency} (closed loop); 8 sub-page warm-up requests per router "
+        f"/v1/completions, "
+        + (f"open loop at {args.request_rate:g} requests/s (seeded Poisson arrivals)"
+           if args.request_rate > 0 else f"concurrency {args.concurrency} (closed loop)")
+        + "; 8 sub-page warm-up requests per router "
         f"(not measured, cache nothing). "
         + (f"{args.repeats} runs per router, interleaved in the order of the rows; each run a fresh deployment "
            "(empty caches), the same requests; 'pooled' rows: all runs' requests of that router together."
@@ -617,6 +638,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--request-rate", type=float, default=0.0,
+                        help="requests per second, open loop (seeded Poisson arrivals; --concurrency then only "
+                             "bounds the warm-up); 0: closed loop")
     parser.add_argument("--pages-per-replica", type=int, default=40)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=4)

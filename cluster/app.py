@@ -53,6 +53,7 @@ def request_router_config(config: ServeConfig) -> Any:
     return ray_router.router_config(enable_peer_hint=bool(config.enable_dp_cross_replica_prefix_copy),
                                     enable_cost_model=config.router_cost_model,
                                     enable_tier_routing=bool(config.route_on_tier_contents),
+                                    enable_residency_aging=bool(config.router_residency_aging),
                                     page_size=config.page_size,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     eviction_weight=eviction_weight_for(config.kv_cache_protected_fraction),

@@ -121,6 +121,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="route each request to the replica with the least estimated time to first token "
                             "(cached pages, queued work, copy vs recompute); --no-router-cost-model: pure prefix "
                             "affinity with a load-balance fallback")
+    cache.add_argument("--router-residency-aging", action=argparse.BooleanOptionalAction,
+                       default=default("router_residency_aging"),
+                       help="with the cost model: count a replica's cached pages as gone once its LRU eviction has "
+                            "likely reached them, except pages held under a retention (until their TTL) and pages "
+                            "of running requests (default off: every reported page counts until its eviction is "
+                            "reported)")
     cache.add_argument("--router-session-growth", type=float, default=default("router_session_growth"),
                        help="a chat's next turn stays with its session: where a replica's cache is too small for "
                             "the sessions there to grow this many times, the router moves a turn to it only to "

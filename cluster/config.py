@@ -199,6 +199,10 @@ class ServeConfig:
     router_cost_model: bool = True
     """The router picks the replica with the least estimated time to first token (router/policy.py, cost model);
     False: pure affinity with fallback (the replica holding the most leading pages among those not overloaded)."""
+    router_residency_aging: bool = field_default(PolicyConfig, "enable_residency_aging")
+    """The router counts a replica's pages as gone once its LRU eviction has likely reached them, except retained pages
+    (until their TTL) and those of running requests (router/policy.py, "Residency ahead"); off by default: every
+    reported page counts until its eviction is reported. Only with the cost model."""
     router_session_growth: float = field_default(PolicyConfig, "session_growth")
     """A chat's next turn moves to a replica whose cache its sessions would outgrow this many times over only to even
     the sessions out (router/policy.py, "Sessions"); 0: off. Only with the cost model (``router_cost_model``)."""

@@ -169,6 +169,45 @@ def test_a_failed_re_pin_keeps_the_earlier_pin(admin):
     assert admin.post("/admin/prefixes/unpin", json={"prefix_id": prefix_id}).status_code == 200
 
 
+def test_admin_pins_by_messages_and_by_text_hold_through_a_flood_and_a_pin_ttl_ends(client, admin):
+    """The admin routes take a prefix as chat messages (rendered by the chat template, as a chat request's prompt
+    starts) or as prompt text. A chat request that continues the pinned messages reuses the pin after a flood; a
+    text pin with a TTL is listed with it, reused while it lasts, and once its TTL passes without a hit the next
+    flood evicts it. The replicas' eviction histograms are exported on /metrics."""
+    system = [{"role": "system", "content": " ".join(f"term{index}" for index in range(70))}]
+    by_messages = admin.post("/admin/prefixes/pin", json={"messages": system, "priority": 90})
+    assert by_messages.status_code == 200, by_messages.text
+    messages_pin = by_messages.json()
+    assert messages_pin["num_pages"] >= 2 and messages_pin["warmed"]
+    text = " ".join(f"fact{index}" for index in range(70))
+    by_text = admin.post("/admin/prefixes/pin", json={"prompt": text, "priority": 90, "ttl": EXPIRING_TTL_S})
+    assert by_text.status_code == 200, by_text.text
+    text_pin = by_text.json()
+    assert text_pin["num_pages"] >= 2 and text_pin["prefix_id"] != messages_pin["prefix_id"]
+    listing = {entry["prefix_id"]: entry for entry in admin.get("/admin/prefixes").json()["data"]}
+    assert listing[text_pin["prefix_id"]]["ttl_s"] == EXPIRING_TTL_S
+    assert listing[messages_pin["prefix_id"]]["ttl_s"] is None
+    # the text pin, while it lasts: a completion that continues the text reuses its pages (a hit restarts its TTL)
+    hit = client.completions.create(model=MODEL, prompt=text + " and more", max_tokens=1, temperature=0)
+    last_hit = time.monotonic()
+    assert hit.usage.prompt_tokens_details.cached_tokens == text_pin["num_pages"] * PAGE
+    # its TTL passes without a hit; then a flood of unique prompts through the whole pool
+    time.sleep(max(0.0, last_hit + EXPIRING_TTL_S + 0.5 - time.monotonic()))
+    flood(client, 6000)
+    chat = client.chat.completions.create(model=MODEL, messages=system + [{"role": "user", "content": "hello"}],
+                                          max_tokens=1, temperature=0)
+    assert chat.usage.prompt_tokens_details.cached_tokens >= messages_pin["num_pages"] * PAGE
+    again = client.completions.create(model=MODEL, prompt=text + " and more", max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    metrics = admin.get("/metrics").text
+    for name in ("kv_page_idle_before_evict_seconds", "kv_page_reuse_gap_seconds"):
+        counts = re.findall(rf'prefixserve_{name}_count{{replica="[^"]+"}} ([0-9.e+]+)', metrics)
+        assert counts and float(counts[0]) > 0, name
+    assert admin.post("/admin/prefixes/unpin", json={"messages": system}).status_code == 200
+    # the text pin's TTL ended: the replica may already have let it go (404) or still list it (200)
+    assert admin.post("/admin/prefixes/unpin", json={"prefix_id": text_pin["prefix_id"]}).status_code in (200, 404)
+
+
 def test_the_default_segmented_lru_keeps_a_reused_system_prompt_through_a_flood(ray_session, serve_http_port,
                                                                                tiny_llama_dir):
     """No retention asked: a system prompt that one request reused is protected by the replica's segmented LRU (the

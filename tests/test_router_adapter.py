@@ -263,27 +263,34 @@ def test_prompt_length_costs_and_retention_reach_the_policy_and_decisions_reach_
     run(scenario)
 
 
-# ---- issue 12: the cost model on / off from the command line (--router-cost-model / --no-router-cost-model) ----
+# ---- issue 12: the cost model (--router-cost-model / --no-router-cost-model) and residency aging
+# (--router-residency-aging) on / off from the command line ----
 
 
-@pytest.mark.parametrize("flags, expected", [([], True), (["--router-cost-model"], True),
-                                             (["--no-router-cost-model"], False)])
-def test_router_cost_model_flag_reaches_the_policy(flags, expected):
+@pytest.mark.parametrize("flag, field, name, default", [
+    ("router-cost-model", "router_cost_model", "enable_cost_model", True),
+    ("router-residency-aging", "router_residency_aging", "enable_residency_aging", False),
+])
+@pytest.mark.parametrize("given", [None, True, False])
+def test_router_switches_reach_the_policy(flag, field, name, default, given):
     from cluster.app import build_app, request_router_config
     from cluster.cli import build_parser, config_from_args
     from cluster.config import ServeConfig
 
+    flags = [] if given is None else [f"--{flag}" if given else f"--no-{flag}"]
+    expected = default if given is None else given
     config = config_from_args(build_parser().parse_args(["serve", "--devices", "cpu", *flags]))
-    assert config.router_cost_model is expected
-    assert ServeConfig.from_mapping({"devices": "cpu", "router-cost-model": expected}).router_cost_model is expected
+    assert getattr(config, field) is expected
+    assert getattr(ServeConfig.from_mapping({"devices": "cpu", flag: expected}), field) is expected
     router_kwargs = request_router_config(config).request_router_kwargs
-    assert router_kwargs["enable_cost_model"] is expected
+    assert router_kwargs[name] is expected
     # the deployment that build_app makes carries it, and the router Serve builds from it uses it
     app = build_app(dataclasses.replace(config, data_parallel_degree=2, num_cpus_per_replica=0.5))
     deployed = app._bound_deployment.init_args[0]._bound_deployment._deployment_config.request_router_config
-    assert deployed.request_router_kwargs["enable_cost_model"] is expected
+    assert deployed.request_router_kwargs[name] is expected
     router = make_router(**deployed.request_router_kwargs)
-    assert router.policy.config.enable_cost_model is expected
+    assert getattr(router.policy.config, name) is expected
+    assert router.policy._holds_keys is (expected if name == "enable_residency_aging" else False)
 
 
 @pytest.mark.parametrize("flag, field, name, default, value", [
