@@ -667,6 +667,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [name for name in args.routers.split(",") if name not in ROUTER_CASES]
     if unknown:
         parser.error(f"unknown router(s) {unknown}; choose from {', '.join(ROUTER_CASES)}")
+    if args.request_rate < 0:
+        parser.error("--request-rate must be >= 0 (0: closed loop)")
     if args.hidden_size % 4:
         parser.error("--hidden-size must be a multiple of 4 (4 attention heads)")
     return args

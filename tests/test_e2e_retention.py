@@ -200,6 +200,8 @@ def test_admin_pins_by_messages_and_by_text_hold_through_a_flood_and_a_pin_ttl_e
     again = client.completions.create(model=MODEL, prompt=text + " and more", max_tokens=1, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == 0
     metrics = admin.get("/metrics").text
+    # the text pin's pages went because their TTL ended (the messages pin, also priority 90, is still cached)
+    assert 'prefixserve_kv_page_evictions_total{priority="90",reason="ttl"' in metrics
     for name in ("kv_page_idle_before_evict_seconds", "kv_page_reuse_gap_seconds"):
         counts = re.findall(rf'prefixserve_{name}_count{{replica="[^"]+"}} ([0-9.e+]+)', metrics)
         assert counts and float(counts[0]) > 0, name

@@ -1,6 +1,7 @@
 """Session 34 scratch: where a disk-tier load's time goes. 16 float32 pages stored, then per page on 1 and 2 threads:
-the file read alone, read + Arrow parse, the whole read_page_file (read, parse, decrypt into a reused page tensor);
-and the decrypt alone from an in-memory sealed copy. Medians of --rounds.
+the file read alone, read + Arrow parse (with and without full validation), the AES-GCM open alone (of an in-memory
+copy, under a scratch key), the whole read_page_file (read, parse, open into a reused page tensor), and the write
+into the pool. Medians of --rounds.
 
     PYTHONPATH=. .venv/bin/python benchmarks/results/s34/scratch/disk_phases.py --rounds 30
 """
@@ -73,7 +74,8 @@ def main():
             aead.decrypt_into(nonce, plain[i], b"ad", outs[i].view(-1).view(torch.uint8).numpy())
 
         phases = {"read": read_only, "read+parse(full)": parse,
-                  "read+parse(not full)": lambda i: parse(i, False), "decrypt alone": decrypt, "read+parse+decrypt": whole, "pool write": pool_write}
+                  "read+parse(not full)": lambda i: parse(i, False), "decrypt alone": decrypt,
+                  "read+parse+decrypt": whole, "pool write": pool_write}
         for threads in (1, 2):
             executor = ThreadPoolExecutor(threads)
             for name, fn in phases.items():
