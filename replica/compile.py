@@ -13,7 +13,7 @@ tests/test_compiled_runner.py runs a mixed workload and checks it).
 
 Inductor options per dtype (``INDUCTOR_OPTIONS``): no freezing by default. The weights stay graph inputs; the linear
 layers of a CPU model are the small-row kernel's op, which takes a few rows itself and hands the rest to oneDNN's GEMM
-on weights packed once when the model is built (AVX-512 CPUs, ``replica.cpu_kernels.packed_gemm_pays``), else to ATen
+on weights packed once when the model is built (``replica.cpu_kernels.packed_gemm_pays``), else to ATen
 (``replica.llama.linear_kernel``). The packed weights are opaque mkldnn tensors passed in as graph inputs like the
 others, so the graph stays cacheable. An unfrozen graph is cached on disk by inductor's FX graph cache, so an engine
 starts in seconds once its architecture's graph is there. ``freezing`` (weights as graph constants, GEMMs on packed
@@ -146,7 +146,8 @@ def _signature(model: nn.Module, options: dict) -> tuple:
     params = tuple((name, tuple(p.shape), p.dtype, str(p.device)) for name, p in model.named_parameters())
     return (
         type(model).__name__, json.dumps(config, sort_keys=True, default=str), params, torch.get_num_threads(),
-        tuple(sorted(options.items())), cpu_kernels.packed_gemm_pays(), cpu_kernels.pair_linear_pays(),
+        tuple(sorted(options.items())), cpu_kernels.packed_gemm_pays(), cpu_kernels.packed_gemm_from_few_rows(),
+        cpu_kernels.pair_linear_pays(),
     )
 
 

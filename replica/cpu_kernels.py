@@ -17,11 +17,13 @@ Each block of weight rows is read from memory once and dotted against every inpu
 once to the output dtype. float32: up to 16 rows, where ATen's MKL GEMM packs the weight matrix on every call; it
 measured 0.4-0.7x ATen's time for 3-16 rows of the 512 x 8 tiny Llama and 0.7-0.9x for 1-2. bfloat16: up to 8 rows,
 0.5-0.8x oneDNN's AMX GEMM at 1-4 rows; the unpacked ``F.linear`` the unfrozen graph would call instead wins from ~12
-rows (``benchmarks/linear_rows.py``). Larger inputs and other dtypes go to ``at::linear`` inside the op, or, on CPUs
-with AVX-512 (``packed_gemm_pays``), every input of 4 rows or more goes to oneDNN's GEMM on a copy of the weight
-packed once into its blocked layout (``pack_linear_weight``): on the Zen 4 box that measured 1.3-2x faster than the
-tiled kernel and MKL from 4 rows up in both dtypes. 1-3 rows keep the kernel, whose AVX-512 path for them reads the
-weight rows in order (0.5-0.9x oneDNN's time there).
+rows (``benchmarks/linear_rows.py``). Larger inputs and other dtypes go to oneDNN's GEMM on a copy of the weight
+packed once into its blocked layout (``pack_linear_weight``, ``packed_gemm_pays``) where oneDNN can pack the dtype,
+else to ``at::linear`` inside the op. On CPUs with AVX-512 every input of 4 rows or more takes the packed GEMM: on
+the Zen 4 box it measured 1.3-2x faster than the tiled kernel and MKL from 4 rows up in both dtypes, and 1-3 rows keep
+the kernel, whose AVX-512 path for them reads the weight rows in order (0.5-0.9x oneDNN's time there). On AVX2-only
+CPUs the kernel keeps its 1-16 float32 rows (0.73-0.86x oneDNN's time on the Zen 1 EPYC) and the packed GEMM takes 17
+rows and more (0.39-0.72x MKL's ``F.linear`` at 17-128 rows there, BENCHMARKS.md section 0z).
 
 The library is compiled once per machine type (the build directory's name carries a digest of the source, the
 compiler flags and the CPU's flags, since ``-march=native`` code must not run on another CPU) and loaded with
@@ -218,17 +220,28 @@ def pair_linear_pays() -> bool:
 
 
 def packed_gemm_pays(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether linear layers of ``dtype`` should run on packed oneDNN weights: on CPUs with AVX-512, where oneDNN's
-    packed GEMM measured 1.3-2x faster than the small-row kernel and MKL from 4 rows up, in float32 and bfloat16
-    (``benchmarks/linear_rows.py``, BENCHMARKS.md section 0j). On AVX2-only CPUs the kernel and MKL are kept, as
-    measured there (sections 0a-0h). ``PREFIXSERVE_PACKED_LINEAR=0`` / ``1`` overrides, except that bfloat16 weights
-    are never packed where oneDNN cannot reorder them (``can_pack``)."""
+    """Whether linear layers of ``dtype`` should hold their weights packed for oneDNN's GEMM, for inputs of
+    ``packed_gemm_from_few_rows`` rows: float32 on every CPU, bfloat16 on CPUs with AVX-512. There it measured 1.3-2x
+    faster than the small-row kernel and MKL from 4 rows up, in both dtypes (BENCHMARKS.md section 0j); on the
+    AVX2-only Zen 1 EPYC 0.39-0.72x MKL's time at 17-128 float32 rows, where the kernel stops (section 0z). It costs a
+    second copy of the linear weights. ``PREFIXSERVE_PACKED_LINEAR=0`` turns it off; ``1`` packs bfloat16 without
+    AVX-512 too and takes 4 rows and more everywhere (``packed_gemm_from_few_rows``). bfloat16 weights are never
+    packed where oneDNN cannot reorder them (``can_pack``)."""
     if not torch.backends.mkldnn.is_available() or not can_pack(dtype):
         return False
     forced = os.environ.get("PREFIXSERVE_PACKED_LINEAR", "")
     if forced in ("0", "1"):
         return forced == "1"
-    return " avx512f " in f" {_cpu_flags()} "
+    return dtype == torch.float32 or " avx512f " in f" {_cpu_flags()} "
+
+
+def packed_gemm_from_few_rows() -> bool:
+    """Whether the packed GEMM also takes inputs the small-row kernel could (from 4 rows, ``replica.llama``'s
+    ``PACKED_FROM_ROWS``): on CPUs with AVX-512, or with ``PREFIXSERVE_PACKED_LINEAR=1``. Otherwise it takes only
+    inputs past the kernel's limit (``PACKED_FROM_ROWS_AVX2``): on the Zen 1 EPYC the kernel measured 0.73-0.86x
+    oneDNN's time at 1-16 float32 rows (``benchmarks/linear_rows.py --threads 2``, BENCHMARKS.md section 0z)."""
+    return (os.environ.get("PREFIXSERVE_PACKED_LINEAR", "") == "1"
+            or " avx512f " in f" {_cpu_flags()} ")
 
 
 def can_pack(dtype: torch.dtype) -> bool:

@@ -41,6 +41,9 @@ PACKED_FROM_ROWS = 4
 """Where linear layers hold packed oneDNN weights, inputs of this many rows or more use them, smaller ones the
 small-row kernel (its streaming path for 1-3 rows on AVX-512 measured 0.5-0.9x oneDNN's time there, level or slower
 at 4: BENCHMARKS.md section 0k)."""
+PACKED_FROM_ROWS_AVX2 = 17
+"""The same on CPUs without AVX-512 (``cpu_kernels.packed_gemm_from_few_rows`` False): the small-row kernel keeps every
+input it takes (float32: up to 16 rows), and the packed weights take the larger ones instead of MKL."""
 PAIRS_BELOW_ROWS = 17
 """Where bfloat16 linear layers also hold their weights in pair layout (``cpu_kernels.pack_pairs``: CPUs with
 AVX512-BF16), inputs of fewer rows than this run the pair kernel, before the packed oneDNN weights or the small-row
@@ -144,9 +147,10 @@ def linear_kernel(weight: torch.Tensor) -> bool:
     The op takes inputs of a few rows itself (a decode batch, a short prompt: up to 16 float32 rows, 8 bfloat16) and
     hands larger ones to ``at::linear``, so one graph serves every step. ATen's float32 GEMM (MKL) packs the weight
     matrix on every call, and oneDNN's bfloat16 GEMMs spend as long on their call and tile set-up; with 1-8 rows
-    either costs more than streaming the weights once (``benchmarks/linear_rows.py``). On AVX-512 CPUs each layer also
-    holds its weight packed for oneDNN (``cpu_kernels.packed_gemm_pays``), which takes inputs of ``PACKED_FROM_ROWS``
-    rows or more: a second copy of the linear weights, kept because the kernel still wins at 1-2 rows."""
+    either costs more than streaming the weights once (``benchmarks/linear_rows.py``). Where oneDNN can pack the
+    dtype (``cpu_kernels.packed_gemm_pays``) each layer also holds its weight packed for it, which takes inputs of
+    ``PACKED_FROM_ROWS`` rows or more on AVX-512 CPUs and ``PACKED_FROM_ROWS_AVX2`` on others: a second copy of the
+    linear weights, kept because the kernel still wins at few rows."""
     return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
 
 
@@ -274,7 +278,8 @@ class CompactCausalLM(nn.Module):
         self.linear_kernel = linear_kernel(self.embed_weight)
         """``linear_kernel``; the benchmarks switch it (a compiled forward then compiles a graph per setting)."""
         pack = self.linear_kernel and cpu_kernels.packed_gemm_pays(self.embed_weight.dtype)
-        self.packed_from_rows = PACKED_FROM_ROWS if pack else 0
+        few_rows = cpu_kernels.packed_gemm_from_few_rows()
+        self.packed_from_rows = (PACKED_FROM_ROWS if few_rows else PACKED_FROM_ROWS_AVX2) if pack else 0
         """Inputs of this many rows or more run on the packed weights (``cpu_kernels.linear``; a graph constant)."""
         pairs = self.linear_kernel and self.embed_weight.dtype == torch.bfloat16 and cpu_kernels.pair_linear_pays()
         self.pairs_below_rows = PAIRS_BELOW_ROWS if pairs else 0

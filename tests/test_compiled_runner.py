@@ -195,23 +195,30 @@ def assert_matches_transformers(run: ModelRunner, seq: Seq, reference, num_token
     assert generated == expected_tokens
 
 
-@pytest.mark.parametrize(("setting", "backend"), [("1", "eager"), ("1", "compiled"), ("0", "eager")])
+@pytest.mark.parametrize(("setting", "backend"), [("1", "eager"), ("1", "compiled"), ("", "eager"), ("0", "eager")])
 def test_packed_linear_weights_keep_transformers_logits_and_greedy_tokens(llama, monkeypatch, setting, backend):
-    """``PREFIXSERVE_PACKED_LINEAR=1`` forces the packed oneDNN weights (the default on AVX-512 CPUs), ``0`` turns them
-    off; either way a prompt (rows >= ``PACKED_FROM_ROWS``: packed) and lone decodes (the small-row kernel) give
-    transformers' float32 logits and greedy tokens."""
+    """``PREFIXSERVE_PACKED_LINEAR=1`` forces the packed oneDNN weights from 4 rows (the default on AVX-512 CPUs; on
+    others the default takes them from 17 rows, past the small-row kernel), ``0`` turns them off; either way a prompt
+    (rows >= ``packed_from_rows``: packed) and lone decodes (the small-row kernel) give transformers' float32 logits
+    and greedy tokens."""
     from replica import cpu_kernels
-    from replica.llama import PACKED_FROM_ROWS
+    from replica.llama import PACKED_FROM_ROWS, PACKED_FROM_ROWS_AVX2
 
     if not cpu_kernels.available():
         pytest.skip("CPU kernels not built")
-    monkeypatch.setenv("PREFIXSERVE_PACKED_LINEAR", setting)
+    if setting:
+        monkeypatch.setenv("PREFIXSERVE_PACKED_LINEAR", setting)
+    else:
+        monkeypatch.delenv("PREFIXSERVE_PACKED_LINEAR", raising=False)
     run = runner(llama.served, backend=backend)
     compact = run._compiled.forward.module if backend == "compiled" else run._compact
     layer = compact.layers[0]
     packs = (layer.qkv_packed, layer.o_packed, layer.gate_up_packed, layer.down_packed, compact.lm_head_packed)
     if setting == "1":
         assert compact.packed_from_rows == PACKED_FROM_ROWS and all(p is not None and p.is_mkldnn for p in packs)
+    elif setting == "":
+        wide = PACKED_FROM_ROWS if cpu_kernels.packed_gemm_from_few_rows() else PACKED_FROM_ROWS_AVX2
+        assert compact.packed_from_rows == wide and all(p is not None and p.is_mkldnn for p in packs)
     else:
         assert compact.packed_from_rows == 0 and all(p is None for p in packs)
     assert_matches_transformers(run, Seq(random_prompt(200, seed=61), [2, 5]), llama.reference, num_tokens=6)

@@ -123,10 +123,16 @@ def test_bfloat16_weights_are_not_packed_where_onednn_cannot_reorder_them(monkey
     monkeypatch.setenv("PREFIXSERVE_PACKED_LINEAR", "1")
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: fpu avx avx2 fma f16c")
     assert cpu_kernels.packed_gemm_pays(torch.float32) and not cpu_kernels.packed_gemm_pays(torch.bfloat16)
+    assert cpu_kernels.packed_gemm_from_few_rows()  # forced: from 4 rows, as on AVX-512
     monkeypatch.delenv("PREFIXSERVE_PACKED_LINEAR")
-    assert not cpu_kernels.packed_gemm_pays(torch.float32)  # the default packs on AVX-512 only
+    # the default packs float32 on AVX2 too, for the rows past the small-row kernel only
+    assert cpu_kernels.packed_gemm_pays(torch.float32) and not cpu_kernels.packed_gemm_from_few_rows()
+    monkeypatch.setenv("PREFIXSERVE_PACKED_LINEAR", "0")
+    assert not cpu_kernels.packed_gemm_pays(torch.float32)
+    monkeypatch.delenv("PREFIXSERVE_PACKED_LINEAR")
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: avx2 fma avx512f avx512dq avx512bw avx512vl")
     assert cpu_kernels.packed_gemm_pays(torch.float32) and cpu_kernels.packed_gemm_pays(torch.bfloat16)
+    assert cpu_kernels.packed_gemm_from_few_rows()
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: avx2 fma avx_ne_convert")
     assert cpu_kernels.can_pack(torch.bfloat16) and not cpu_kernels.packed_gemm_pays(torch.bfloat16)
 
