@@ -220,8 +220,9 @@ def pair_linear_pays() -> bool:
 
 
 def packed_gemm_pays(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether linear layers of ``dtype`` should hold their weights packed for oneDNN's GEMM, for inputs of
-    ``packed_gemm_from_few_rows`` rows: float32 on every CPU, bfloat16 on CPUs with AVX-512. There it measured 1.3-2x
+    """Whether linear layers of ``dtype`` should hold their weights packed for oneDNN's GEMM (taking the inputs of as
+    many rows as ``packed_gemm_from_few_rows`` says): float32 on CPUs with AVX2, bfloat16 on CPUs with AVX-512 (other
+    CPUs were not measured and keep the kernel and ATen). There it measured 1.3-2x
     faster than the small-row kernel and MKL from 4 rows up, in both dtypes (BENCHMARKS.md section 0j); on the
     AVX2-only Zen 1 EPYC 0.39-0.72x MKL's time at 17-128 float32 rows, where the kernel stops (section 0z). It costs a
     second copy of the linear weights. ``PREFIXSERVE_PACKED_LINEAR=0`` turns it off; ``1`` packs bfloat16 without
@@ -232,7 +233,8 @@ def packed_gemm_pays(dtype: torch.dtype = torch.float32) -> bool:
     forced = os.environ.get("PREFIXSERVE_PACKED_LINEAR", "")
     if forced in ("0", "1"):
         return forced == "1"
-    return dtype == torch.float32 or " avx512f " in f" {_cpu_flags()} "
+    flags = f" {_cpu_flags()} "
+    return " avx512f " in flags or (dtype == torch.float32 and " avx2 " in flags)
 
 
 def packed_gemm_from_few_rows() -> bool:

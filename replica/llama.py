@@ -43,7 +43,8 @@ small-row kernel (its streaming path for 1-3 rows on AVX-512 measured 0.5-0.9x o
 at 4: BENCHMARKS.md section 0k)."""
 PACKED_FROM_ROWS_AVX2 = 17
 """The same on CPUs without AVX-512 (``cpu_kernels.packed_gemm_from_few_rows`` False): the small-row kernel keeps every
-input it takes (float32: up to 16 rows), and the packed weights take the larger ones instead of MKL."""
+input it takes (float32: up to 16 rows, ``kMaxFloatRows`` in ``csrc/small_linear.cpp``), and the packed weights take
+the larger ones instead of MKL."""
 PAIRS_BELOW_ROWS = 17
 """Where bfloat16 linear layers also hold their weights in pair layout (``cpu_kernels.pack_pairs``: CPUs with
 AVX512-BF16), inputs of fewer rows than this run the pair kernel, before the packed oneDNN weights or the small-row

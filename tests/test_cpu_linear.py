@@ -137,6 +137,27 @@ def test_bfloat16_weights_are_not_packed_where_onednn_cannot_reorder_them(monkey
     assert cpu_kernels.can_pack(torch.bfloat16) and not cpu_kernels.packed_gemm_pays(torch.bfloat16)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_compact_float32_model_packs_past_the_kernel_on_avx2_and_from_4_rows_on_avx512(tiny_llama_dir, monkeypatch):
+    """A float32 model holds packed weights for oneDNN on AVX2 CPUs, for inputs of 17 rows or more (the small-row
+    kernel keeps its 1-16), and on AVX-512 CPUs from 4 rows; a CPU with neither packs nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from replica.llama import CompactCausalLM
+
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels not built")
+    source = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    monkeypatch.delenv("PREFIXSERVE_PACKED_LINEAR", raising=False)
+    for flags, rows in (("fpu avx avx2 fma f16c", 17), ("avx2 fma avx512f avx512dq avx512bw avx512vl", 4),
+                        ("fpu sse2 sse4_2", 0)):
+        monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda flags=flags: f"flags\t\t: {flags}")
+        model = CompactCausalLM(source)
+        assert model.packed_from_rows == rows, flags
+        assert (model.layers[0].qkv_packed is not None) is (rows > 0) and (model.lm_head_packed is not None) is (
+            rows > 0), flags
+
+
 def test_the_amx_library_is_built_only_on_a_cpu_with_amx(monkeypatch):
     """Without amx_tile / amx_bf16 / avx512_bf16 the AMX library is not built (it would hold no kernel); with them
     its build is tried once (here it fails: the fake build below returns a reason), and ``has_amx`` is False."""
