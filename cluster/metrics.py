@@ -227,7 +227,8 @@ class RouterDecisionsCollector(Collector):
                                      "routing decisions of the prefix-aware router, by chosen replica and reason",
                                      labels=["replica", "reason"])
         totals = self.counts.by_replica()
-        for replica_id in sorted({replica_id for replica_id, _ in totals}):
+        decided = {replica_id for replica_id, _ in totals}
+        for replica_id in sorted(decided):
             for reason in RoutingReason:
                 family.add_metric([replica_id, reason.value], totals.get((replica_id, reason.value), 0))
         yield family
@@ -235,7 +236,7 @@ class RouterDecisionsCollector(Collector):
                                        "chats the router took for ended (idle) and idle chats that went on (resumed), "
                                        "by home replica", labels=["replica", "event"])
         events = self.session_events.by_replica()
-        for replica_id in sorted({replica_id for replica_id, _ in totals} | {replica_id for replica_id, _ in events}):
+        for replica_id in sorted(decided | {replica_id for replica_id, _ in events}):
             for event in ("idle", "resumed"):
                 sessions.add_metric([replica_id, event], events.get((replica_id, event), 0))
         yield sessions

@@ -67,6 +67,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _cpu_flag_set() -> set[str]:
+    """This CPU's flags (``_cpu_flags``' line as a set of names; the line's "flags" and ":" are never looked up)."""
+    return set(_cpu_flags().split())
+
+
 def _build_name(sources: tuple[Path, ...], prefix: str) -> str:
     digest = hashlib.sha256()
     for part in (*(source.read_bytes() for source in (*sources, *HEADERS)), " ".join(CFLAGS).encode(),
@@ -134,7 +139,7 @@ def has_amx() -> bool:
     if "amx" not in _state and available():
         with _lock:
             if "amx" not in _state:
-                _state["amx"] = AMX_CPU_FLAGS <= set(_cpu_flags().split()) and _load_amx()
+                _state["amx"] = AMX_CPU_FLAGS <= _cpu_flag_set() and _load_amx()
     return bool(_state.get("amx"))
 
 
@@ -222,9 +227,9 @@ def pair_linear_pays() -> bool:
 def packed_gemm_pays(dtype: torch.dtype = torch.float32) -> bool:
     """Whether linear layers of ``dtype`` should hold their weights packed for oneDNN's GEMM (taking the inputs of as
     many rows as ``packed_gemm_from_few_rows`` says): float32 on CPUs with AVX2, bfloat16 on CPUs with AVX-512 (other
-    CPUs were not measured and keep the kernel and ATen). There it measured 1.3-2x
-    faster than the small-row kernel and MKL from 4 rows up, in both dtypes (BENCHMARKS.md section 0j); on the
-    AVX2-only Zen 1 EPYC 0.39-0.72x MKL's time at 17-128 float32 rows, where the kernel stops (section 0z). It costs a
+    CPUs were not measured and keep the kernel and ATen). On AVX-512 it measured 1.3-2x faster than the small-row
+    kernel and MKL from 4 rows up, in both dtypes (BENCHMARKS.md section 0j); on the AVX2-only Zen 1 EPYC 0.39-0.72x
+    MKL's time at 17-128 float32 rows, where the kernel stops (section 0z). It costs a
     second copy of the linear weights. ``PREFIXSERVE_PACKED_LINEAR=0`` turns it off; ``1`` packs bfloat16 without
     AVX-512 too and takes 4 rows and more everywhere (``packed_gemm_from_few_rows``). bfloat16 weights are never
     packed where oneDNN cannot reorder them (``can_pack``)."""
@@ -233,8 +238,8 @@ def packed_gemm_pays(dtype: torch.dtype = torch.float32) -> bool:
     forced = os.environ.get("PREFIXSERVE_PACKED_LINEAR", "")
     if forced in ("0", "1"):
         return forced == "1"
-    flags = f" {_cpu_flags()} "
-    return " avx512f " in flags or (dtype == torch.float32 and " avx2 " in flags)
+    flags = _cpu_flag_set()
+    return "avx512f" in flags or (dtype == torch.float32 and "avx2" in flags)
 
 
 def packed_gemm_from_few_rows() -> bool:
@@ -242,8 +247,7 @@ def packed_gemm_from_few_rows() -> bool:
     ``PACKED_FROM_ROWS``): on CPUs with AVX-512, or with ``PREFIXSERVE_PACKED_LINEAR=1``. Otherwise it takes only
     inputs past the kernel's limit (``PACKED_FROM_ROWS_AVX2``): on the Zen 1 EPYC the kernel measured 0.73-0.86x
     oneDNN's time at 1-16 float32 rows (``benchmarks/linear_rows.py --threads 2``, BENCHMARKS.md section 0z)."""
-    return (os.environ.get("PREFIXSERVE_PACKED_LINEAR", "") == "1"
-            or " avx512f " in f" {_cpu_flags()} ")
+    return os.environ.get("PREFIXSERVE_PACKED_LINEAR", "") == "1" or "avx512f" in _cpu_flag_set()
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -251,5 +255,5 @@ def can_pack(dtype: torch.dtype) -> bool:
     only with AVX-512 BW / VL / DQ or AVX-NE-CONVERT (elsewhere ``_reorder_linear_weight`` raises)."""
     if dtype != torch.bfloat16:
         return True
-    flags = set(_cpu_flags().split())
+    flags = _cpu_flag_set()
     return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
