@@ -242,6 +242,79 @@ def packed_gemm_pays(dtype: torch.dtype = torch.float32) -> bool:
     return "avx512f" in flags or (dtype == torch.float32 and "avx2" in flags)
 
 
+WEIGHT_COPY_SHARE = 0.5
+"""A layer's extra weight copies (the packed oneDNN layout, the pair layout) are made only if together they take at most
+this share of the memory the process can still take when the model is built (``available_memory_bytes``): the KV
+pool's pages and the steps' activations are touched later, and a copy that does not fit would get the replica killed
+at start-up or under load. Without the copies the model runs on the small-row kernel and ATen (slower prompts, the
+same tokens)."""
+
+
+def available_memory_bytes(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """Memory this process can still take, in bytes: the kernel's ``MemAvailable``, lowered to its cgroup's limit less
+    the cgroup's usage where a limit is set (cgroup v2, else v1: a container's memory limit). None if unknown."""
+    available = None
+    try:
+        for line in Path(proc, "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    headroom = _cgroup_headroom(proc, cgroup_root)
+    if headroom is not None:
+        available = headroom if available is None else min(available, headroom)
+    return available
+
+
+def _cgroup_headroom(proc: str, cgroup_root: str) -> int | None:
+    """The least memory limit less usage over the process' cgroup and its ancestors, in the unified hierarchy (v2)
+    and the memory controller's own (v1); None where no level sets a limit or nothing is readable."""
+    try:
+        lines = Path(proc, "self", "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    headrooms = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            base, names = Path(cgroup_root), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, names = Path(cgroup_root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        parts = [part for part in path.strip().split("/") if part]
+        for depth in range(len(parts), -1, -1):  # a container may see only its own level (the mount's root)
+            headroom = _limit_headroom(base.joinpath(*parts[:depth]), *names)
+            if headroom is not None:
+                headrooms.append(headroom)
+    return min(headrooms, default=None)
+
+
+def _limit_headroom(folder: Path, limit_name: str, usage_name: str) -> int | None:
+    try:
+        limit_text = (folder / limit_name).read_text().strip()
+        usage = int((folder / usage_name).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if not limit_text.isdigit() or int(limit_text) >= 1 << 60:  # v2 writes "max", v1 a huge number: no limit
+        return None
+    return max(0, int(limit_text) - usage)
+
+
+def weight_copies_fit(num_bytes: int, what: str) -> bool:
+    """Whether ``num_bytes`` of extra weight copies fit (``WEIGHT_COPY_SHARE`` of ``available_memory_bytes``); logs a
+    warning naming ``what`` when they do not."""
+    available = available_memory_bytes()
+    if available is None or num_bytes <= WEIGHT_COPY_SHARE * available:
+        return True
+    log.warning("not keeping %s weight copies: they need %.2f GiB and %.2f GiB of memory is available (at most %d%% "
+                "goes to them); prompts run slower, tokens are the same", what, num_bytes / 2**30, available / 2**30,
+                round(WEIGHT_COPY_SHARE * 100))
+    return False
+
+
 def packed_gemm_from_few_rows() -> bool:
     """Whether the packed GEMM also takes inputs the small-row kernel could (from 4 rows, ``replica.llama``'s
     ``PACKED_FROM_ROWS``): on CPUs with AVX-512, or with ``PREFIXSERVE_PACKED_LINEAR=1``. Otherwise it takes only

@@ -278,11 +278,16 @@ class CompactCausalLM(nn.Module):
         self.embed_weight = _frozen(inner.embed_tokens.weight)
         self.linear_kernel = linear_kernel(self.embed_weight)
         """``linear_kernel``; the benchmarks switch it (a compiled forward then compiles a graph per setting)."""
-        pack = self.linear_kernel and cpu_kernels.packed_gemm_pays(self.embed_weight.dtype)
+        lm_head = model.get_output_embeddings()
+        # what one extra copy of the linear weights takes (``pack`` and ``pairs`` each make one)
+        copy_bytes = sum(p.nbytes for p in inner.layers.parameters() if p.dim() == 2) + lm_head.weight.nbytes
+        pack = (self.linear_kernel and cpu_kernels.packed_gemm_pays(self.embed_weight.dtype)
+                and cpu_kernels.weight_copies_fit(copy_bytes, "packed oneDNN"))
         few_rows = cpu_kernels.packed_gemm_from_few_rows()
         self.packed_from_rows = (PACKED_FROM_ROWS if few_rows else PACKED_FROM_ROWS_AVX2) if pack else 0
         """Inputs of this many rows or more run on the packed weights (``cpu_kernels.linear``; a graph constant)."""
-        pairs = self.linear_kernel and self.embed_weight.dtype == torch.bfloat16 and cpu_kernels.pair_linear_pays()
+        pairs = (self.linear_kernel and self.embed_weight.dtype == torch.bfloat16 and cpu_kernels.pair_linear_pays()
+                 and cpu_kernels.weight_copies_fit(copy_bytes * (2 if pack else 1), "pair-layout"))
         self.pairs_below_rows = PAIRS_BELOW_ROWS if pairs else 0
         """Inputs of fewer rows run the pair kernel on weights in pair layout (a graph constant; 0: none)."""
         embed_scale = getattr(inner.embed_tokens, "embed_scale", None)
@@ -310,7 +315,6 @@ class CompactCausalLM(nn.Module):
             for layer_idx, layer in enumerate(inner.layers)
         )
         self.norm = RMSNorm(inner.norm, gemma)
-        lm_head = model.get_output_embeddings()
         self.lm_head_weight = _frozen(lm_head.weight)  # the embedding itself when the source ties them
         self.lm_head_bias = _frozen(getattr(lm_head, "bias", None))
         self.lm_head_packed = _packed(self.lm_head_weight, pack)

@@ -247,3 +247,54 @@ def test_compact_bfloat16_model_holds_pairs_unless_switched_off(tiny_llama_dir, 
     assert off.pairs_below_rows == 0 and off.layers[0].qkv_pairs is None
     float32 = CompactCausalLM(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval())
     assert float32.pairs_below_rows == 0
+
+
+def test_packed_weights_are_made_only_when_the_copy_fits_in_half_the_available_memory(tiny_llama_dir, monkeypatch,
+                                                                                       caplog):
+    """The packed copy of the linear weights (the decoder layers' matrices and the LM head) is made when it takes at
+    most half the memory the process can still take, and skipped with a warning when it takes a byte more."""
+    from transformers import AutoModelForCausalLM
+
+    from replica.llama import CompactCausalLM
+
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels not built")
+    source = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    copy_bytes = (sum(p.nbytes for p in source.model.layers.parameters() if p.dim() == 2)
+                  + source.get_output_embeddings().weight.nbytes)
+    monkeypatch.delenv("PREFIXSERVE_PACKED_LINEAR", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: fpu avx avx2 fma f16c")
+    monkeypatch.setattr(cpu_kernels, "available_memory_bytes", lambda: 2 * copy_bytes)
+    fits = CompactCausalLM(source)
+    assert fits.packed_from_rows == 17 and fits.layers[-1].down_packed is not None
+    monkeypatch.setattr(cpu_kernels, "available_memory_bytes", lambda: 2 * copy_bytes - 1)
+    with caplog.at_level("WARNING", logger=cpu_kernels.log.name):
+        short = CompactCausalLM(source)
+    assert short.packed_from_rows == 0 and short.lm_head_packed is None
+    assert all(layer.qkv_packed is None and layer.down_packed is None for layer in short.layers)
+    assert "not keeping packed oneDNN weight copies" in caplog.text
+
+
+def test_available_memory_is_the_least_of_memavailable_and_every_cgroup_levels_headroom(tmp_path):
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
+    (proc / "self" / "cgroup").write_text("4:memory:/job\n0::/pod/worker\n")
+
+    def level(folder, limit, usage, v1=False):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{limit}\n")
+        (folder / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{usage}\n")
+
+    assert cpu_kernels.available_memory_bytes(str(proc), str(root)) == 8000000 * 1024  # no cgroup files: MemAvailable
+    level(root / "pod" / "worker", "max", 5 << 30)  # the leaf sets no limit, its parent does
+    level(root / "pod", 6 << 30, 5 << 30)
+    level(root / "memory" / "job", 9223372036854771712, 1 << 30, v1=True)  # v1's "no limit"
+    assert cpu_kernels.available_memory_bytes(str(proc), str(root)) == 1 << 30
+    level(root / "memory", 4 << 30, (4 << 30) + 5, v1=True)  # over its limit: nothing left
+    assert cpu_kernels.available_memory_bytes(str(proc), str(root)) == 0
+    (proc / "meminfo").unlink()
+    (root / "memory" / "memory.limit_in_bytes").unlink()
+    assert cpu_kernels.available_memory_bytes(str(proc), str(root)) == 1 << 30
+    (proc / "self" / "cgroup").unlink()
+    assert cpu_kernels.available_memory_bytes(str(proc), str(root)) is None
