@@ -243,16 +243,20 @@ def packed_gemm_pays(dtype: torch.dtype = torch.float32) -> bool:
 
 
 WEIGHT_COPY_SHARE = 0.5
-"""A layer's extra weight copies (the packed oneDNN layout, the pair layout) are made only if together they take at most
-this share of the memory the process can still take when the model is built (``available_memory_bytes``): the KV
-pool's pages and the steps' activations are touched later, and a copy that does not fit would get the replica killed
-at start-up or under load. Without the copies the model runs on the small-row kernel and ATen (slower prompts, the
-same tokens)."""
+"""The model's extra copies of its linear weights (the packed oneDNN layout, the pair layout; the decoder layers'
+matrices and the LM head) are made only if together they take at most this share of the memory the process can still
+take when the model is built (``available_memory_bytes``), less what the build takes anyway (the KV pool, whose pages
+are touched later, and the fused QKV and gate/up matrices). A copy that does not fit would get the replica killed at
+start-up or under load; without the copies the model runs on the small-row kernel and ATen (slower prompts, the same
+tokens). Replicas starting together on one node each see the same free memory: give each less with
+``PREFIXSERVE_WEIGHT_COPY_SHARE`` (a fraction; 0 never copies, a large value always does)."""
+WEIGHT_COPY_SHARE_ENV = "PREFIXSERVE_WEIGHT_COPY_SHARE"
 
 
 def available_memory_bytes(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
-    """Memory this process can still take, in bytes: the kernel's ``MemAvailable``, lowered to its cgroup's limit less
-    the cgroup's usage where a limit is set (cgroup v2, else v1: a container's memory limit). None if unknown."""
+    """Memory this process can still take, in bytes: the kernel's ``MemAvailable``, lowered to the least headroom of
+    its cgroups (v2 and v1, the process' level and its ancestors: a container's memory limit) where one is lower.
+    None if unknown."""
     available = None
     try:
         for line in Path(proc, "meminfo").read_text().splitlines():
@@ -268,23 +272,24 @@ def available_memory_bytes(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgro
 
 
 def _cgroup_headroom(proc: str, cgroup_root: str) -> int | None:
-    """The least memory limit less usage over the process' cgroup and its ancestors, in the unified hierarchy (v2)
-    and the memory controller's own (v1); None where no level sets a limit or nothing is readable."""
+    """The least (limit - working set) over the process' cgroup and its ancestors, in the unified hierarchy (v2) and
+    the memory controller's own (v1); None where no level sets a limit or nothing is readable."""
     try:
         lines = Path(proc, "self", "cgroup").read_text().splitlines()
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a cgroup name that is not UTF-8
         return None
     headrooms = []
     for line in lines:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if hierarchy == "0" and controllers == "":
-            base, names = Path(cgroup_root), ("memory.max", "memory.current")
+            base, names = Path(cgroup_root), ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            base, names = Path(cgroup_root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            base, names = (Path(cgroup_root, "memory"),
+                           ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
         else:
             continue
-        parts = [part for part in path.strip().split("/") if part]
+        parts = [part for part in path.strip().split("/") if part and part != ".."]
         for depth in range(len(parts), -1, -1):  # a container may see only its own level (the mount's root)
             headroom = _limit_headroom(base.joinpath(*parts[:depth]), *names)
             if headroom is not None:
@@ -292,7 +297,9 @@ def _cgroup_headroom(proc: str, cgroup_root: str) -> int | None:
     return min(headrooms, default=None)
 
 
-def _limit_headroom(folder: Path, limit_name: str, usage_name: str) -> int | None:
+def _limit_headroom(folder: Path, limit_name: str, usage_name: str, inactive_file: str) -> int | None:
+    """One level's limit less its working set: usage less the inactive file cache (``memory.stat``), which the kernel
+    reclaims before it kills (the model files just read sit there); None without a limit."""
     try:
         limit_text = (folder / limit_name).read_text().strip()
         usage = int((folder / usage_name).read_text().strip())
@@ -300,18 +307,32 @@ def _limit_headroom(folder: Path, limit_name: str, usage_name: str) -> int | Non
         return None
     if not limit_text.isdigit() or int(limit_text) >= 1 << 60:  # v2 writes "max", v1 a huge number: no limit
         return None
+    try:
+        for line in (folder / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == inactive_file:
+                usage -= min(usage, int(value))
+                break
+    except (OSError, ValueError):
+        pass
     return max(0, int(limit_text) - usage)
 
 
-def weight_copies_fit(num_bytes: int, what: str) -> bool:
-    """Whether ``num_bytes`` of extra weight copies fit (``WEIGHT_COPY_SHARE`` of ``available_memory_bytes``); logs a
-    warning naming ``what`` when they do not."""
+def weight_copies_fit(num_bytes: int, what: str, reserved_bytes: int = 0) -> bool:
+    """Whether ``num_bytes`` of extra weight copies fit: at most ``WEIGHT_COPY_SHARE`` (or the environment's
+    ``PREFIXSERVE_WEIGHT_COPY_SHARE``) of ``available_memory_bytes`` less ``reserved_bytes``. Logs a warning naming
+    ``what`` when they do not."""
     available = available_memory_bytes()
-    if available is None or num_bytes <= WEIGHT_COPY_SHARE * available:
+    try:
+        share = float(os.environ.get(WEIGHT_COPY_SHARE_ENV, "") or WEIGHT_COPY_SHARE)
+    except ValueError:
+        share = WEIGHT_COPY_SHARE
+    if available is None or num_bytes <= share * max(0, available - reserved_bytes):
         return True
-    log.warning("not keeping %s weight copies: they need %.2f GiB and %.2f GiB of memory is available (at most %d%% "
-                "goes to them); prompts run slower, tokens are the same", what, num_bytes / 2**30, available / 2**30,
-                round(WEIGHT_COPY_SHARE * 100))
+    log.warning("not keeping %s: they need %.2f GiB, and %.2f GiB of memory is available besides the %.2f GiB the "
+                "model and KV pool take anyway (at most %g of it goes to them; %s sets that); prompts run slower, "
+                "tokens are the same", what, num_bytes / 2**30, max(0, available - reserved_bytes) / 2**30,
+                reserved_bytes / 2**30, share, WEIGHT_COPY_SHARE_ENV)
     return False
 
 

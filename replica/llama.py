@@ -267,7 +267,9 @@ class CompactCausalLM(nn.Module):
     """``forward(ids_pos [2, T] int64, logits_index [S] int64) -> float32 logits [S, vocab]`` for one packed step;
     attention reads the step's metadata from ``replica.attention_op.forward_context``."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, reserved_bytes: int = 0) -> None:
+        """``reserved_bytes``: memory the replica will take besides the model (its KV pool), which extra weight copies
+        must leave (``cpu_kernels.weight_copies_fit``)."""
         super().__init__()
         reason = unsupported_reason(model)
         if reason is not None:
@@ -279,15 +281,21 @@ class CompactCausalLM(nn.Module):
         self.linear_kernel = linear_kernel(self.embed_weight)
         """``linear_kernel``; the benchmarks switch it (a compiled forward then compiles a graph per setting)."""
         lm_head = model.get_output_embeddings()
-        # what one extra copy of the linear weights takes (``pack`` and ``pairs`` each make one)
+        # what one extra copy of the linear weights takes (``pack`` and ``pairs`` each make one), and what the build
+        # takes anyway besides ``reserved_bytes``: the fused QKV and gate/up matrices (the source's stay alive)
         copy_bytes = sum(p.nbytes for p in inner.layers.parameters() if p.dim() == 2) + lm_head.weight.nbytes
+        fused_bytes = sum(linear.weight.nbytes for layer in inner.layers
+                          for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                         layer.mlp.gate_proj, layer.mlp.up_proj))
+        reserved = reserved_bytes + fused_bytes
         pack = (self.linear_kernel and cpu_kernels.packed_gemm_pays(self.embed_weight.dtype)
-                and cpu_kernels.weight_copies_fit(copy_bytes, "packed oneDNN"))
+                and cpu_kernels.weight_copies_fit(copy_bytes, "packed oneDNN weight copies", reserved))
         few_rows = cpu_kernels.packed_gemm_from_few_rows()
         self.packed_from_rows = (PACKED_FROM_ROWS if few_rows else PACKED_FROM_ROWS_AVX2) if pack else 0
         """Inputs of this many rows or more run on the packed weights (``cpu_kernels.linear``; a graph constant)."""
         pairs = (self.linear_kernel and self.embed_weight.dtype == torch.bfloat16 and cpu_kernels.pair_linear_pays()
-                 and cpu_kernels.weight_copies_fit(copy_bytes * (2 if pack else 1), "pair-layout"))
+                 and cpu_kernels.weight_copies_fit(copy_bytes * (2 if pack else 1), "pair-layout weight copies"
+                                                   + (" beside the packed ones" if pack else ""), reserved))
         self.pairs_below_rows = PAIRS_BELOW_ROWS if pairs else 0
         """Inputs of fewer rows run the pair kernel on weights in pair layout (a graph constant; 0: none)."""
         embed_scale = getattr(inner.embed_tokens, "embed_scale", None)

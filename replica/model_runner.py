@@ -241,13 +241,15 @@ class ModelRunner:
         self._compact: CompactCausalLM | None = None
         self.decode_graphs: DecodeGraphs | None = None
         """Decode steps as CUDA graphs (``replica.cuda_graphs``); None where they don't apply."""
+        host_kv_bytes = self.kv_cache.nbytes if self.device.type == "cpu" else 0  # what weight copies must leave
         if backend == "transformers":
             model.set_attn_implementation(register_paged_attention())
         elif backend == "compiled":
-            self._compiled = cached_compiled_forward(model, lambda: CompactCausalLM(model), compile_options)
+            self._compiled = cached_compiled_forward(
+                model, lambda: CompactCausalLM(model, host_kv_bytes), compile_options)
             self._warm_up(step_threads)
         else:
-            self._compact = CompactCausalLM(model)
+            self._compact = CompactCausalLM(model, host_kv_bytes)
         if graph_decode is None:
             graph_decode = self.device.type == "cuda" and not enforce_eager
         if graph_decode and self.backend != "transformers":

@@ -187,6 +187,13 @@ def start_serve_on_a_free_port(attempts: int = 3) -> None:
             serve.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def weight_copies_whatever_the_free_memory(monkeypatch):
+    """The packed and pair weight copies are made whatever memory this machine has free, so that the tests of the
+    paths that use them do not depend on it (``cpu_kernels.weight_copies_fit``; its own tests clear this)."""
+    monkeypatch.setenv("PREFIXSERVE_WEIGHT_COPY_SHARE", "1e12")
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     """A tiny random Llama (hidden 64, 2 layers, GQA 4/2 heads, vocab 1024) with a chat template, written once."""

@@ -249,10 +249,13 @@ def test_compact_bfloat16_model_holds_pairs_unless_switched_off(tiny_llama_dir, 
     assert float32.pairs_below_rows == 0
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not available")
 def test_packed_weights_are_made_only_when_the_copy_fits_in_half_the_available_memory(tiny_llama_dir, monkeypatch,
                                                                                        caplog):
-    """The packed copy of the linear weights (the decoder layers' matrices and the LM head) is made when it takes at
-    most half the memory the process can still take, and skipped with a warning when it takes a byte more."""
+    """The packed copy of the linear weights (the decoder layers' matrices and the LM head, counted here from the
+    config) is made when it takes at most half the memory the process can still take less what the build takes
+    anyway (the KV pool given, the fused QKV and gate/up matrices), and skipped with a warning when the memory is one
+    byte less. ``PREFIXSERVE_WEIGHT_COPY_SHARE`` changes the share."""
     from transformers import AutoModelForCausalLM
 
     from replica.llama import CompactCausalLM
@@ -260,41 +263,100 @@ def test_packed_weights_are_made_only_when_the_copy_fits_in_half_the_available_m
     if not cpu_kernels.available():
         pytest.skip("CPU kernels not built")
     source = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    copy_bytes = (sum(p.nbytes for p in source.model.layers.parameters() if p.dim() == 2)
-                  + source.get_output_embeddings().weight.nbytes)
+    config = source.config
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = {"q": q * hidden, "k": kv * hidden, "v": kv * hidden, "o": hidden * q, "gate": inter * hidden,
+                 "up": inter * hidden, "down": hidden * inter}
+    copy_bytes = 4 * (config.num_hidden_layers * sum(per_layer.values()) + config.vocab_size * hidden)
+    fused_bytes = 4 * config.num_hidden_layers * sum(per_layer[name] for name in ("q", "k", "v", "gate", "up"))
+    kv_pool = 12345
+    available = 2 * copy_bytes + fused_bytes + kv_pool
     monkeypatch.delenv("PREFIXSERVE_PACKED_LINEAR", raising=False)
+    monkeypatch.delenv("PREFIXSERVE_WEIGHT_COPY_SHARE", raising=False)
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: fpu avx avx2 fma f16c")
-    monkeypatch.setattr(cpu_kernels, "available_memory_bytes", lambda: 2 * copy_bytes)
-    fits = CompactCausalLM(source)
+    monkeypatch.setattr(cpu_kernels, "available_memory_bytes", lambda: available)
+    fits = CompactCausalLM(source, kv_pool)
     assert fits.packed_from_rows == 17 and fits.layers[-1].down_packed is not None
-    monkeypatch.setattr(cpu_kernels, "available_memory_bytes", lambda: 2 * copy_bytes - 1)
+    monkeypatch.setattr(cpu_kernels, "available_memory_bytes", lambda: available - 1)
     with caplog.at_level("WARNING", logger=cpu_kernels.log.name):
-        short = CompactCausalLM(source)
+        short = CompactCausalLM(source, kv_pool)
     assert short.packed_from_rows == 0 and short.lm_head_packed is None
     assert all(layer.qkv_packed is None and layer.down_packed is None for layer in short.layers)
     assert "not keeping packed oneDNN weight copies" in caplog.text
+    monkeypatch.setenv("PREFIXSERVE_WEIGHT_COPY_SHARE", "0.51")
+    assert CompactCausalLM(source, kv_pool).packed_from_rows == 17
+    monkeypatch.setenv("PREFIXSERVE_WEIGHT_COPY_SHARE", "0")
+    assert CompactCausalLM(source, kv_pool).packed_from_rows == 0
+
+
+def test_pair_copies_must_fit_beside_the_packed_ones(tiny_llama_dir, monkeypatch):
+    """A bfloat16 model asks for room for one copy for the packed weights, then for two (packed and pairs) together;
+    without the packed copy, for one."""
+    from transformers import AutoModelForCausalLM
+
+    from replica.llama import CompactCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    asked = []
+
+    def record(num_bytes, what, reserved_bytes=0):
+        asked.append((num_bytes, what.split()[0], reserved_bytes))
+        return True
+
+    monkeypatch.setattr(cpu_kernels, "weight_copies_fit", record)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "packed_gemm_pays", lambda dtype: True)
+    monkeypatch.setattr(cpu_kernels, "pair_linear_pays", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "pack_linear_weight", lambda weight: weight.clone())
+    monkeypatch.setattr(cpu_kernels, "pack_pairs", lambda weight: weight.clone())
+    CompactCausalLM(source, 100)
+    copy = sum(p.nbytes for p in source.model.layers.parameters() if p.dim() == 2) + source.lm_head.weight.nbytes
+    assert [(num, what) for num, what, _ in asked] == [(copy, "packed"), (2 * copy, "pair-layout")]
+    assert asked[0][2] == asked[1][2] > 100
+    asked.clear()
+    monkeypatch.setattr(cpu_kernels, "packed_gemm_pays", lambda dtype: False)
+    CompactCausalLM(source, 100)
+    assert [(num, what) for num, what, _ in asked] == [(copy, "pair-layout")]
 
 
 def test_available_memory_is_the_least_of_memavailable_and_every_cgroup_levels_headroom(tmp_path):
+    """``MemAvailable``, lowered to the least (limit - working set) over the cgroup levels of v2 and v1: a leaf
+    without a limit under a limited parent, v1's "no limit" number, inactive file cache not counted as used, a level
+    over its limit; None when nothing is known."""
     proc, root = tmp_path / "proc", tmp_path / "cgroup"
     (proc / "self").mkdir(parents=True)
     (proc / "meminfo").write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
     (proc / "self" / "cgroup").write_text("4:memory:/job\n0::/pod/worker\n")
 
-    def level(folder, limit, usage, v1=False):
+    def level(folder, limit, usage, v1=False, inactive_file=None):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{limit}\n")
         (folder / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{usage}\n")
+        if inactive_file is not None:
+            name = "total_inactive_file" if v1 else "inactive_file"
+            (folder / "memory.stat").write_text(f"anon 1\n{name} {inactive_file}\nactive_file 7\n")
 
-    assert cpu_kernels.available_memory_bytes(str(proc), str(root)) == 8000000 * 1024  # no cgroup files: MemAvailable
+    def available():
+        return cpu_kernels.available_memory_bytes(str(proc), str(root))
+
+    assert available() == 8000000 * 1024  # no cgroup files: MemAvailable
+    level(root / "memory" / "job", 9223372036854771712, 1 << 30, v1=True)  # v1's "no limit"
+    assert available() == 8000000 * 1024
     level(root / "pod" / "worker", "max", 5 << 30)  # the leaf sets no limit, its parent does
     level(root / "pod", 6 << 30, 5 << 30)
-    level(root / "memory" / "job", 9223372036854771712, 1 << 30, v1=True)  # v1's "no limit"
-    assert cpu_kernels.available_memory_bytes(str(proc), str(root)) == 1 << 30
+    assert available() == 1 << 30
+    level(root / "pod", 6 << 30, 5 << 30, inactive_file=2 << 30)  # reclaimable file cache is not in use
+    assert available() == 3 << 30
     level(root / "memory", 4 << 30, (4 << 30) + 5, v1=True)  # over its limit: nothing left
-    assert cpu_kernels.available_memory_bytes(str(proc), str(root)) == 0
+    assert available() == 0
     (proc / "meminfo").unlink()
     (root / "memory" / "memory.limit_in_bytes").unlink()
-    assert cpu_kernels.available_memory_bytes(str(proc), str(root)) == 1 << 30
+    assert available() == 3 << 30
+    (root / "pod" / "memory.max").unlink()
+    assert available() is None  # no meminfo, no limit anywhere
+    (proc / "self" / "cgroup").write_bytes(b"0::/\xff\xfe\n")  # a cgroup name that is not UTF-8
+    assert available() is None
     (proc / "self" / "cgroup").unlink()
-    assert cpu_kernels.available_memory_bytes(str(proc), str(root)) is None
+    assert available() is None
