@@ -229,10 +229,10 @@ def packed_gemm_pays(dtype: torch.dtype = torch.float32) -> bool:
     many rows as ``packed_gemm_from_few_rows`` says): float32 on CPUs with AVX2, bfloat16 on CPUs with AVX-512 (other
     CPUs were not measured and keep the kernel and ATen). On AVX-512 it measured 1.3-2x faster than the small-row
     kernel and MKL from 4 rows up, in both dtypes (BENCHMARKS.md section 0j); on the AVX2-only Zen 1 EPYC 0.39-0.72x
-    MKL's time at 17-128 float32 rows, where the kernel stops (section 0z). It costs a
-    second copy of the linear weights. ``PREFIXSERVE_PACKED_LINEAR=0`` turns it off; ``1`` packs bfloat16 without
-    AVX-512 too and takes 4 rows and more everywhere (``packed_gemm_from_few_rows``). bfloat16 weights are never
-    packed where oneDNN cannot reorder them (``can_pack``)."""
+    MKL's time at 17-128 float32 rows, where the kernel stops (section 0z). It costs a second copy of the linear
+    weights, made only where it fits (``weight_copies_fit``). ``PREFIXSERVE_PACKED_LINEAR=0`` turns it off; ``1``
+    packs bfloat16 without AVX-512 too and takes 4 rows and more everywhere (``packed_gemm_from_few_rows``). bfloat16
+    weights are never packed where oneDNN cannot reorder them (``can_pack``)."""
     if not torch.backends.mkldnn.is_available() or not can_pack(dtype):
         return False
     forced = os.environ.get("PREFIXSERVE_PACKED_LINEAR", "")
