@@ -1,5 +1,7 @@
 """The disk tier's load alone: 16-page prefixes stored once, then loaded again and again (rotating over several sets
 so they come from the page cache, not from the CPU's caches), without the pool write or anything around it.
+``--pool``: instead, the load followed by the copy into the pool (what the engine did before session 36) against the
+load decrypting straight into the pool's pages (replica/landing.py), alternated.
 
 ``--before PATH`` also times the ``DiskTier.load`` of another version of replica/tiers/disk_tier.py on the same tier
 and files, alternating with this checkout's (e.g. ``git show REV:replica/tiers/disk_tier.py > /tmp/old_disk_tier.py``).
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sets", type=int, default=4, help="prefixes stored and loaded in turn")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--before", help="another disk_tier.py whose DiskTier.load is timed beside this one")
+    parser.add_argument("--pool", action="store_true",
+                        help="time the load with the copy into the pool against decrypting into the pool's pages")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     ensure_model()
@@ -57,6 +61,21 @@ def main(argv=None) -> int:
             disk.flush(30)
             sets.append((keys, slices))
         versions = {"this checkout": lambda keys, slices: disk.load(keys, slices)}
+        if args.pool:  # with the write into the pool (page i of set s into its own pool page), as the engine does it
+            runner = reader.runner
+            first_page = {id(keys): index * len(keys) for index, (keys, _) in enumerate(sets)}
+
+            def copied(keys, slices):
+                loaded = disk.load(keys, slices)
+                for offset, kv in enumerate(loaded):
+                    runner.write_page(first_page[id(keys)] + offset, kv)
+                return loaded
+
+            def landed(keys, slices):
+                start = first_page[id(keys)]
+                return disk.load(keys, slices, [runner.read_page(start + offset) for offset in range(len(keys))])
+
+            versions = {"load, then copy into the pool": copied, "load into the pool pages (landing)": landed}
         if args.before:
             before = load_method(args.before)
             versions["before"] = lambda keys, slices: before(disk, keys, slices)

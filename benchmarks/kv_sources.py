@@ -1,7 +1,9 @@
 """Time to obtain the KV pages of a shared prefix from each source, side by side in one run:
 recompute (prefill), peer copy (another process on this node: straight from its shared pool, and as between nodes
 through Ray's object store or over the holder's TCP page stream), Redis host tier, Arrow disk tier.
-Each fetch includes the write into the reader's page pool; wall time and the reading thread's CPU time are reported
+Each fetch includes the write into the reader's page pool (page i of the prefix into pool page i; "into pool pages":
+the tier decrypts straight into those pages, as the engine does since session 36, replica/landing.py); wall time and
+the reading thread's CPU time are reported
 (the peer rows' CPU excludes the holder process, Ray's threads and the shared-pool copy's worker thread).
 Then TTFT of a request (prefix + new suffix) whose prefix is: in the replica's own cache (local hit, the reference),
 on the other replica (peer copy on), only in Redis, only on disk, or nowhere (recompute); with the ratio to the local
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import inspect
 import os
 import shutil
 import socket
@@ -224,6 +227,10 @@ def main(argv=None) -> int:
         host_unix = build_tiers(page_format, redis_url=redis_unix_url, disk_cache_dir=None, disk_budget_bytes=0)[0]  # the same keys, through the unix socket
         results = {"recompute": [], "peer (shared memory)": [], "peer (object store)": [],
                    "peer (TCP page stream)": [], "Redis (TCP)": [], "Redis (unix socket)": [], "disk": []}
+        landing = "out" in inspect.signature(host.load).parameters  # a checkout with landing pages
+        if landing:
+            for name in ("Redis (TCP)", "Redis (unix socket)", "disk"):
+                results[f"{name}, into pool pages"] = []
         cpu = {name: [] for name in results}
         peers = {}
         if args.tiers_only:
@@ -255,7 +262,6 @@ def main(argv=None) -> int:
             PrefixFetcher(page_format, tiers=[host, disk]).store(pages)
             host.flush(30)
             disk.flush(30)
-            page_id = 0
             if not args.tiers_only:
                 ray.get(holder.compute.remote(prefix))
             for name, client in peers.items():
@@ -263,7 +269,7 @@ def main(argv=None) -> int:
                 # store) the pages, then they are written into the reader's pool
                 start, cpu_start = time.perf_counter(), time.thread_time()
                 got = loop.run_until_complete(client.fetch("holder", keys))
-                for page in got:
+                for page_id, page in enumerate(got):
                     reader.runner.write_page(page_id, page.kv)
                 results[name].append(time.perf_counter() - start)
                 cpu[name].append(time.thread_time() - cpu_start)
@@ -272,11 +278,17 @@ def main(argv=None) -> int:
             for name, tier in (("Redis (TCP)", host), ("Redis (unix socket)", host_unix), ("disk", disk)):
                 start, cpu_start = time.perf_counter(), time.thread_time()
                 loaded = tier.load(keys, slices)
-                for kv in loaded:
+                for page_id, kv in enumerate(loaded):
                     reader.runner.write_page(page_id, kv)
                 results[name].append(time.perf_counter() - start)
                 cpu[name].append(time.thread_time() - cpu_start)
                 assert len(loaded) == len(keys), name
+                if landing:  # the engine's path since session 36: decrypted straight into the pages (landing.py)
+                    start, cpu_start = time.perf_counter(), time.thread_time()
+                    loaded = tier.load(keys, slices, [reader.runner.read_page(page_id) for page_id in range(len(keys))])
+                    results[f"{name}, into pool pages"].append(time.perf_counter() - start)
+                    cpu[f"{name}, into pool pages"].append(time.thread_time() - cpu_start)
+                    assert len(loaded) == len(keys), name
 
         med = statistics.median
         base = med(results["recompute"])

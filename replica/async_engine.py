@@ -32,6 +32,7 @@ from common.routing_stats import EXPORT_WAIT_S
 from replica.engine import AdmissionPlan, LLMEngine
 from replica.fetch_sharing import FetchPlan, FetchRegistry, SharedFetch, collect_pages, run_deferred
 from replica.kv_sources import PrefixFetcher
+from replica.landing import LandingPages, landing_page_ids
 from replica.page_record import PageRecord
 from replica.page_stream import StreamLocation, node_address
 from replica.shared_pool import SharedPoolBundle
@@ -115,6 +116,11 @@ class AsyncEngine:
         """Open output channels by id (event-loop state: opened, closed and read on the callers' loop)."""
         self._kv_events: deque[KVEvent] = deque()
         self._fetches = FetchRegistry()
+        self._landings: set[LandingPages] = set()
+        """Fetches' landing pages whose references have not gone back yet (engine-thread state, replica/landing.py)."""
+        self._holds: dict[object, list[int]] = {}
+        """Landing pages of queued requests' records that a request's plan took (``Segment.pages``), by participant:
+        held until the request is queued with them (it then holds its own references) or leaves."""
         self.export_wait_s = EXPORT_WAIT_S
         self._export_pool = concurrent.futures.ThreadPoolExecutor(EXPORT_THREADS, thread_name_prefix="kv-export")
         if engine.runner.shared_pool is not None:  # peers of this node ask over a socket once they know it
@@ -254,11 +260,55 @@ class AsyncEngine:
             peer_hint=peer_hint, can_fetch=can_fetch, pending=self.engine.pending_fetched_pages(),
             computing=self.engine.keys_being_computed())
         for fetch in fetch_plan.new_fetches:
+            self._reserve_landing(fetch, plan.page_keys[: missing.start])
             self._start_fetch(fetch, loop)
         if fetch_plan.ready:  # nothing to wait for: queue it with the pages at hand
             self.engine.add(plan, collect_pages(fetch_plan, [()] * len(fetch_plan.segments), keys, token_ids))
             return None
+        self._hold(participant, fetch_plan)
         return plan, fetch_plan
+
+    def _reserve_landing(self, fetch: SharedFetch, keep: list) -> None:
+        """Engine thread: pool pages for ``fetch`` to decrypt its pages into, if a shared tier is its first source
+        (not a peer: its pages come in tensors of their own) and the pool can spare them (``LLMEngine.reserve_landing``;
+        ``keep``: the request's local hit)."""
+        fetcher = self.fetcher
+        if (not fetcher.tiers or (fetcher.peer_client is not None and fetch.peer_hint
+                                  and fetch.peer_hint != fetcher.own_replica_id)):
+            return
+        page_ids = self.engine.reserve_landing(len(fetch.keys), keep)
+        if page_ids:
+            fetch.landing = LandingPages(page_ids, self.engine.landing_views(page_ids), self._give_back_landing)
+            self._landings.add(fetch.landing)
+
+    def _give_back_landing(self, landing: LandingPages) -> None:
+        """Any thread: release a fetch's references on its landing pages, on the engine thread."""
+        def give_back() -> None:
+            if landing in self._landings:
+                self._landings.discard(landing)
+                self.engine.kv.release(landing.page_ids)
+
+        if threading.current_thread() is self._thread:
+            give_back()
+        else:
+            self._submit(give_back)
+
+    def _hold(self, participant: object, fetch_plan: FetchPlan) -> None:
+        """Engine thread: a reference on each landing page among the pages ``fetch_plan`` took from queued requests
+        (the request holding them may be admitted or go away before this one is queued)."""
+        page_ids = [page_id for segment in fetch_plan.segments if segment.fetch is None
+                    for page_id in landing_page_ids(segment.pages)]
+        if page_ids:
+            self.engine.kv.acquire(page_ids, reuse=False)
+            self._holds[participant] = page_ids
+
+    def _leave(self, participant: object) -> None:
+        """Engine thread: the request is queued with its pages, or went away: drop its shares in fetches and its
+        holds."""
+        self._fetches.leave(participant)
+        page_ids = self._holds.pop(participant, None)
+        if page_ids:
+            self.engine.kv.release(page_ids)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -309,7 +359,7 @@ class AsyncEngine:
         try:
             return await self.fetcher.fetch(list(fetch.keys), [list(tokens) for tokens in fetch.token_ids],
                                             peer_hint=fetch.peer_hint, parent_key=fetch.parent_key,
-                                            defer_store=fetch.deferred)
+                                            defer_store=fetch.deferred, landing=fetch.landing)
         except Exception:  # noqa: BLE001 - sources degrade to recompute, never fail the request
             logger.exception("fetching prefix pages failed; recomputing them")
             return []
@@ -419,11 +469,14 @@ class AsyncEngine:
                 pending=engine.pending_fetched_pages(), computing=engine.keys_being_computed())
             for fetch in fetch_plan.new_fetches:
                 self._start_fetch(fetch, loop)
+            self._hold(participant, fetch_plan)
             return num_local, fetch_plan
 
         def import_pages(num_local: int, pages: list[PageRecord]) -> tuple[int, int]:
-            self._fetches.leave(participant)
-            return engine.import_prefix(keys, num_local, pages, salted=request.cache_salt is not None)
+            try:  # copied from landing pages (if any) while the fetch still holds them
+                return engine.import_prefix(keys, num_local, pages, salted=request.cache_salt is not None)
+            finally:
+                self._leave(participant)
 
         fetch_plan = None
         try:
@@ -437,7 +490,7 @@ class AsyncEngine:
                 return PrefetchResult(replica_id, num_pages, num_pages_present=num_local, error=error)
             num_copied, _ = await self._call(lambda: import_pages(num_local, pages))
         finally:
-            self._submit(lambda: self._fetches.leave(participant))  # no-op once imported
+            self._submit(lambda: self._leave(participant))  # no-op once imported
             if fetch_plan is not None:
                 run_deferred(segment.fetch for segment in fetch_plan.segments if segment.fetch is not None)
         error = None
@@ -484,7 +537,9 @@ class AsyncEngine:
         return await self._call(self.engine.kv.retained_keys)
 
     async def check_integrity(self) -> None:
-        await self._call(self.engine.check_integrity)
+        """``LLMEngine.check_integrity``, counting the references fetches and plans hold on landing pages."""
+        await self._call(lambda: self.engine.check_integrity(
+            [landing.page_ids for landing in self._landings] + list(self._holds.values())))
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -528,15 +583,16 @@ class AsyncEngine:
         self._wake.set()
 
     def _add(self, plan: AdmissionPlan, fetched: list[PageRecord], participant: object) -> None:
-        self._fetches.leave(participant)  # in one engine-thread call: the pages are queued as the fetch is dropped
-        try:
+        try:  # in one engine-thread call: the pages are queued (with the request's references) as the fetch is dropped
             self.engine.add(plan, fetched)
         except Exception as exc:  # noqa: BLE001 - reported to the request's caller
             self._deliver(plan.request.request_id, exc)
+        finally:
+            self._leave(participant)
 
     def _abandon(self, request_id: str, participant: object) -> None:
         """The caller went away: drop its shares in fetches (they go on for others) and abort it if queued."""
-        self._fetches.leave(participant)
+        self._leave(participant)
         self.engine.abort(request_id)
 
     @property

@@ -31,6 +31,7 @@ from common.types import (CachedTokens, EngineRequest, EngineStats, PinPrefix, P
 from replica.config import PREFILL_THREADS_MIN_KEYS, PREFILL_THREADS_MIN_TOKENS, EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
 from replica.kv_manager import KVCacheManager
+from replica.landing import landing_page_ids
 from replica.model_runner import ChunkInput, ModelRunner
 from replica.page_record import PageRecord
 from replica.sampling import sample_tokens
@@ -218,9 +219,28 @@ class LLMEngine:
             num_retained_pages=(request.retention.num_pages(len(request.prompt_token_ids), self.config.page_size)
                                 if request.retention is not None and self.enable_prefix_caching else 0),
         )
-        self._tracked[request.request_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, request.sampling.stop),
-                                                     queued_at=time.monotonic())
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
+        self.kv.acquire(landing_page_ids(seq.fetched), reuse=False)  # the queued request's own references
+        self._tracked[request.request_id] = _Tracked(seq, detokenizer, queued_at=time.monotonic())
         self.scheduler.add(seq)
+
+    def reserve_landing(self, num_pages: int, keep: list[PageKey] | tuple = ()) -> list[int]:
+        """Pool pages for a shared-tier fetch of ``num_pages`` pages to decrypt into (replica/landing.py), each with
+        one reference the caller gives back with ``kv.release``; none (``[]``) unless the pool's KV lies in host
+        memory and all of them fit in half of the free pages (the rest stays for the running requests).
+        ``keep``: the request's leading page keys (its local hit is not evicted to make room)."""
+        if self.device.type != "cpu" or num_pages <= 0:
+            return []
+        kept = self.kv.match_prefix(list(keep))
+        self.kv.acquire(kept, reuse=False)
+        try:
+            return self.kv.allocate(num_pages) if num_pages <= self.kv.num_free_pages // 2 else []
+        finally:
+            self.kv.release(kept)
+
+    def landing_views(self, page_ids: list[int]) -> list[torch.Tensor]:
+        """The KV of pool pages (``reserve_landing``'s) as tensors a tier load writes into."""
+        return [self.runner.read_page(page_id) for page_id in page_ids]
 
     def add_request(self, request: EngineRequest) -> None:
         """``add(plan(request))``: queue a request that fetches nothing from outside (tests, benchmarks)."""
@@ -385,7 +405,8 @@ class LLMEngine:
         (a page another request committed meanwhile is shared instead)."""
         for item in imports:
             page_id = item.seq.page_ids[item.page_index]
-            self.runner.write_page(page_id, item.page.kv)
+            if page_id != item.page.landing_page:  # a landing page is in the page table already: no copy
+                self.runner.write_page(page_id, item.page.kv)
             index, keys = item.page_index, item.seq.page_keys
             result = self.kv.commit_page(page_id, item.page.key, item.page.token_ids,
                                          parent_key=keys[index - 1] if index and len(keys) >= index else None,
@@ -601,9 +622,12 @@ class LLMEngine:
                                   stats.num_pages_present, self.kv.num_proactive_hit_pages,
                                   self.kv.num_proactive_hit_requests)
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, other_holders: list[list[int]] | tuple = ()) -> None:
+        """Pool, cache and page tables consistent: every reference is a running request's page, a queued request's
+        landing page, or one of ``other_holders`` (the pages held by fetches, see ``AsyncEngine.check_integrity``)."""
         tables = [seq.page_ids for seq in self.scheduler.running]
-        self.kv.check_integrity(tables)
+        tables += [landing_page_ids(seq.fetched) for seq in self.scheduler.waiting]
+        self.kv.check_integrity(tables + [list(ids) for ids in other_holders])
         for seq in self.scheduler.waiting:
             if seq.page_ids:
                 raise AssertionError(f"waiting request {seq.request_id} holds pages")

@@ -23,7 +23,8 @@ Lifetime and failure (the registry is engine-thread state; fetches run on the ev
 - a failed or empty fetch resolves to ``[]``: every request that joined it recomputes those pages;
 - a request that leaves (its client went away) only drops its share; the fetch goes on for the others.
 
-The registry holds no torch objects; the pages themselves (``PageRecord``) are only carried through.
+The registry holds no torch objects but a fetch's landing pages (replica/landing.py), which it drops when it
+unregisters the fetch; the pages themselves (``PageRecord``) are only carried through.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Mapping, Sequence
 
 from common.page_keys import PageKey
+from replica.landing import LandingPages
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,9 @@ class SharedFetch:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     num_participants: int = 0
     """Requests that joined (or started) it and have not yet handed their pages to the scheduler or left."""
+
+    landing: LandingPages | None = None
+    """Pool pages reserved for its pages (replica/landing.py); dropped when the fetch is unregistered."""
 
     deferred: list = field(default_factory=list)
     """Work to run once its pages have served a first token (writing pages copied from a peer to the shared tiers:
@@ -174,6 +179,8 @@ class FetchRegistry:
         """Shutdown: resolve every unresolved fetch to no pages (nobody waits forever) and forget everything."""
         for fetch in self.fetches():
             fetch.resolve([])
+            if fetch.landing is not None:
+                fetch.landing.drop()
         self._key_to_fetch.clear()
         self._participant_to_fetches.clear()
 
@@ -186,6 +193,8 @@ class FetchRegistry:
             found = self._key_to_fetch.get(key)
             if found is not None and found[0] is fetch:
                 del self._key_to_fetch[key]
+        if fetch.landing is not None:  # every request that joined holds its own references now, or left
+            fetch.landing.drop()
 
 
 def collect_pages(plan: FetchPlan, results: Sequence[Sequence], keys: Sequence[PageKey],

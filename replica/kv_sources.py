@@ -39,6 +39,7 @@ from typing import Callable, Protocol, Sequence
 from common.page_format import PageFormat
 from common.page_keys import PageKey
 from common.types import FETCH_SOURCES, CacheSource, SourceStats
+from replica.landing import LandingPages
 from replica.page_record import PageRecord
 from replica.tiers.base import KVTier, RetentionUpdate, StoredPage
 from replica.tiers.seal import TierKey
@@ -102,12 +103,14 @@ class PrefixFetcher:
         parent_key: PageKey | None = None,
         defer_store: list | None = None,
         use_tiers: bool = True,
+        landing: LandingPages | None = None,
     ) -> list[PageRecord]:
         """The leading run of ``keys`` found in the sources, in order (peer, host, disk), verified. ``parent_key``:
         the key of the page before ``keys[0]`` (None if ``keys[0]`` is page 0); pages copied from a peer are being
         reused, so they are written to the tiers: at once, or, given ``defer_store``, by a callable appended to it
         that the caller runs on the event loop when it likes (after the first token: sealing and sending them
-        would take CPU from the prefill that waits for them). ``use_tiers=False``: the peer only."""
+        would take CPU from the prefill that waits for them). ``use_tiers=False``: the peer only. ``landing``: pool
+        pages reserved for ``keys`` (replica/landing.py): the tiers decrypt into them, and the records say so."""
         pages: list[PageRecord] = []
         if self.peer_client is not None and peer_hint and peer_hint != self.own_replica_id:
             pages.extend(await self._fetch_from_peer(peer_hint, keys, token_ids_per_page))
@@ -123,7 +126,7 @@ class PrefixFetcher:
             if len(pages) == len(keys):
                 break
             start = len(pages)
-            loaded = await self._fetch_from_tier(tier, keys[start:], token_ids_per_page[start:])
+            loaded = await self._fetch_from_tier(tier, keys[start:], token_ids_per_page[start:], landing, start)
             self._mark_known(page.key for page in loaded)
             pages.extend(loaded)
         return pages
@@ -148,19 +151,37 @@ class PrefixFetcher:
             pages.append(page if page.source is CacheSource.PEER else dataclasses.replace(page, source=CacheSource.PEER))
         return self._account(stats, pages, started)
 
-    async def _fetch_from_tier(self, tier: KVTier, keys, token_ids_per_page) -> list[PageRecord]:
+    async def _fetch_from_tier(self, tier: KVTier, keys, token_ids_per_page,
+                               landing: LandingPages | None = None, first: int = 0) -> list[PageRecord]:
         """The tier's leading pages of ``keys``; never raises (a timeout or an error is a miss: recompute). One failed
         attempt counts one error, whether the tier reported it (its counter moved during the load; loads that overlap
-        may see each other's) or the load raised or timed out."""
+        may see each other's) or the load raised or timed out. ``landing``: the fetch's pool pages, ``keys[0]`` being
+        its page ``first``."""
         stats = self.source_to_stats[tier.source]
         started = time.perf_counter()
         errors_before = tier.stats().errors
         failed = False
+        out = None
+        if landing is not None and landing.writable and first + len(keys) <= len(landing.views):
+            out = landing.views[first : first + len(keys)]
         try:  # no separate ``lookup``: a load stops at the first miss, and one round trip fewer is what matters here
-            load = asyncio.get_running_loop().run_in_executor(self._load_executor, tier.load, keys, token_ids_per_page)
-            tensors = await asyncio.wait_for(load, self.tier_timeout_s)
+            if out is None:
+                job = self._load_executor.submit(tier.load, keys, token_ids_per_page)
+            else:
+                landing.begin_load()
+                try:
+                    job = self._load_executor.submit(tier.load, keys, token_ids_per_page, out)
+                except BaseException:
+                    landing.end_load()
+                    raise
+                # on the job, not on the awaiting task: a load that timed out goes on writing into the pages until
+                # its thread returns, and only then may they be released
+                job.add_done_callback(lambda _: landing.end_load())
+            tensors = await asyncio.wait_for(asyncio.wrap_future(job), self.tier_timeout_s)
         except asyncio.TimeoutError:
             failed = True
+            if out is not None:
+                landing.writable = False
             logger.warning("the %s tier did not answer within %.1f s; recomputing", tier.name, self.tier_timeout_s)
             return []
         except Exception as exc:  # noqa: BLE001 - a tier failure means "recompute", never a failed request
@@ -169,8 +190,10 @@ class PrefixFetcher:
             return []
         finally:
             stats.errors += int(failed or tier.stats().errors > errors_before)
-        pages = [PageRecord(key, tuple(tokens), kv, tier.source)
-                 for key, tokens, kv in zip(keys, token_ids_per_page, tensors)]
+        landed = [None] * len(tensors) if out is None else [
+            landing.page_ids[first + index] if kv is out[index] else None for index, kv in enumerate(tensors)]
+        pages = [PageRecord(key, tuple(tokens), kv, tier.source, landing_page=page_id)
+                 for key, tokens, kv, page_id in zip(keys, token_ids_per_page, tensors, landed)]
         return self._account(stats, pages, started)
 
     @staticmethod

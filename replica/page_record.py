@@ -8,7 +8,9 @@ The same record travels the whole way, so nothing is renamed or re-verified on t
     engine step --newly cached pages--> PageRecord --page sink--> tiers' background writers         a pool page
 
 ``token_ids`` are the tokens the page holds; a record from outside the replica has been checked against the request's
-key and tokens by the ``PrefixFetcher`` (once), and is used as is after that.
+key and tokens by the ``PrefixFetcher`` (once), and is used as is after that. A tier load on a CPU replica usually
+decrypts straight into pool pages reserved for it (``landing_page``, replica/landing.py): the engine then puts that
+page in the request's page table instead of writing ``kv`` into another.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class PageRecord:
     """Wall-clock end of that retention (``math.inf``: pinned)."""
     salted: bool = False
     """Page 0 of a chain whose keys fold in a cache salt (for the tiers' KV events)."""
+    landing_page: int | None = None
+    """The pool page a tier load decrypted ``kv`` into (``kv`` is then that page's view; replica/landing.py): a
+    request holding the record holds a reference on the page, and adopts the page instead of copying ``kv``."""
 
     @property
     def num_bytes(self) -> int:

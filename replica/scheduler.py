@@ -20,7 +20,10 @@ scheduler gives a request's retention to its hit pages on admission and to its n
 
 The scheduler never touches the free queue; it asks the ``KVCacheManager``. It never writes model memory either: pages
 fetched from outside the replica that an admitted request uses are listed in ``SchedulerOutput.imports`` and the
-engine writes them into their pool pages before the step runs.
+engine writes them into their pool pages before the step runs. A page a tier load already decrypted into the pool (a
+landing page, replica/landing.py) goes into the request's page table as it is; the request's references on landing
+pages it does not use (its local hit grew meanwhile) go back on admission, and all of them if it is aborted while
+queued.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from common.page_keys import PageKey
 from common.types import CacheSource
 from replica.kv_manager import KVCacheManager
+from replica.landing import landing_page_ids
 from replica.page_record import PageRecord
 from replica.sequence import Sequence, SequenceStatus
 
@@ -55,7 +59,8 @@ class CommittedPage:
 
 @dataclass(frozen=True)
 class PageImport:
-    """A fetched page to write into the pool page ``seq.page_ids[page_index]`` and commit to the prefix cache."""
+    """A fetched page to write into the pool page ``seq.page_ids[page_index]`` (already there when that is the page's
+    ``landing_page``) and commit to the prefix cache."""
 
     seq: Sequence
     page_index: int
@@ -114,6 +119,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self.kv.release(landing_page_ids(seq.fetched))  # its references on fetched pages it never imported
+            seq.fetched = ()
         self.kv.release(seq.page_ids)
         seq.page_ids = []
         seq.status = SequenceStatus.FINISHED
@@ -167,14 +174,24 @@ class Scheduler:
             num_computed = num_cached_pages * self.page_size
             num_new = min(seq.num_tokens - num_computed, budget)
             num_pages_total = -(-(num_computed + num_new) // self.page_size)
-            num_pages_needed = num_pages_total - len(hit_page_ids)
+            num_landed = sum(page.landing_page is not None for page in imported)  # in the pool (landing.py)
+            num_pages_needed = num_pages_total - len(hit_page_ids) - num_landed
             if num_pages_needed > self.kv.num_free_after_acquiring(hit_page_ids):
                 break
             self.waiting.popleft()
             # a preempted request re-admitted matches pages it computed itself: not a reuse (only its first admission
             # counts)
             self.kv.acquire(hit_page_ids, reuse=seq.num_cached_prompt_tokens is None)
-            seq.page_ids = hit_page_ids + self.kv.allocate(num_pages_needed)
+            new_page_ids = self.kv.allocate(num_pages_needed)
+            # an imported landing page takes its place in the page table (the request's reference on it becomes the
+            # page's); the references on fetched pages it does not use go back
+            adopted = {id(page) for page in imported if page.landing_page is not None}
+            self.kv.release([page.landing_page for page in seq.fetched
+                             if page.landing_page is not None and id(page) not in adopted])
+            fresh = iter(new_page_ids)
+            seq.page_ids = (hit_page_ids
+                            + [page.landing_page if id(page) in adopted else next(fresh) for page in imported]
+                            + list(fresh))
             out.imports.extend(PageImport(seq, len(hit_page_ids) + offset, page) for offset, page in enumerate(imported))
             seq.num_computed_tokens = num_computed
             seq.num_committed_pages = num_cached_pages

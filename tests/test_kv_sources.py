@@ -4,7 +4,9 @@ prefix came from local pages, a peer replica, the Redis host tier, the Arrow dis
 
 import asyncio
 import copy
+import dataclasses
 import os
+import threading
 import time
 
 import pytest
@@ -15,7 +17,8 @@ from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
-from common.types import CacheSource, EngineRequest
+from common.types import CacheSource, EngineRequest, TierStats
+from replica.tiers.base import KVTier
 from replica.tiers.seal import TierKey
 
 
@@ -377,30 +380,46 @@ def test_pages_copied_from_a_peer_are_written_after_the_first_token(tiny, prompt
         copier.shutdown()
 
 
+class StubTier(KVTier):
+    """A tier that stores nothing; a test gives it ``load`` (and ``errors``, which ``stats`` reports)."""
+
+    available = True
+    errors = 0
+
+    def lookup(self, keys):
+        return 0
+
+    def store(self, pages):
+        return 0
+
+    def flush(self, timeout=None):
+        return True
+
+    def close(self, timeout=5.0):
+        pass
+
+    def stats(self):
+        return TierStats(errors=self.errors)
+
+
 def test_a_tier_load_that_raises_is_a_counted_miss_and_keeps_the_fetch_going():
     """A tier whose load raises (a bug, or its executor shut down) is a miss like any other fault: ``fetch`` does not
     raise, and counts one error per failed attempt, also when two loads overlap."""
     import threading
 
     from common.page_format import PageFormat
-    from common.types import TierStats
-    from replica.tiers.base import KVTier
 
     fmt = PageFormat(model_fingerprint="fp", dtype="float32", page_size=128, num_layers=1, num_kv_heads=1,
                              head_dim=4)
 
-    class FaultyTier(KVTier):
+    class FaultyTier(StubTier):
         source = CacheSource.DISK
-        available = True
         page_format = fmt
 
         def __init__(self, raise_error: bool):
             self.raise_error = raise_error
             self.errors = 0
             self.barrier = threading.Barrier(2)
-
-        def lookup(self, keys):
-            return 0
 
         def load(self, keys, token_ids_per_page):
             if self.raise_error:
@@ -409,18 +428,6 @@ def test_a_tier_load_that_raises_is_a_counted_miss_and_keeps_the_fetch_going():
             self.errors += 1
             self.barrier.wait()
             return []
-
-        def store(self, pages):
-            return 0
-
-        def flush(self, timeout=None):
-            return True
-
-        def close(self, timeout=5.0):
-            pass
-
-        def stats(self):
-            return TierStats(errors=self.errors)
 
     keys, tokens = [b"k" * 32], [list(range(128))]
 
@@ -435,3 +442,283 @@ def test_a_tier_load_that_raises_is_a_counted_miss_and_keeps_the_fetch_going():
     assert overlapping.source_to_stats[CacheSource.DISK].errors == 2  # not 4: each attempt counts once
     raising.close()
     overlapping.close()
+
+
+class CountingWrites:
+    """Wraps a runner's ``write_page``: the pages copied into the pool (a landing page is never copied)."""
+
+    def __init__(self, runner):
+        self.page_ids = []
+        self._write = runner.write_page
+        runner.write_page = self
+
+    def __call__(self, page_id, kv):
+        self.page_ids.append(page_id)
+        self._write(page_id, kv)
+
+
+def reserved_pages(async_engine):
+    """Spy on ``reserve_landing``: the page ids of each reservation, in order."""
+    engine = async_engine.engine
+    reserve, calls = engine.reserve_landing, []
+
+    def spy(num_pages, keep=()):
+        calls.append(reserve(num_pages, keep))
+        return calls[-1]
+
+    engine.reserve_landing = spy
+    return calls
+
+
+def wait_for_no_pages_in_use(async_engine):
+    """The fetch's references go back on the engine thread once it is unregistered: a moment after the output."""
+    deadline = time.monotonic() + 10
+    while async_engine.engine.kv.num_pages_in_use and time.monotonic() < deadline:
+        time.sleep(0.01)
+    asyncio.run(async_engine.check_integrity())
+    assert async_engine.engine.kv.num_pages_in_use == 0
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_tier_pages_are_decrypted_into_pool_pages_that_the_request_adopts(tiny, prompts, tmp_path, redis_server, tier):
+    """A request whose prefix is in a shared tier (no peer): the engine reserves pool pages as it plans the fetch,
+    the tier decrypts into them, and the request puts them in its page table: no copy into the pool, the same tokens,
+    bit-identical KV, and every reference back once it is done."""
+    first, second = prompts
+    sources = {"redis_url": redis_server} if tier == "host" else {"disk_dir": str(tmp_path / "disk")}
+    holder = make_async_engine(tiny, "A", **sources)
+    reader = make_async_engine(tiny, "B", **sources)
+    try:
+        asyncio.run(ask(holder, first, "a"))
+        flush(holder)
+        writes = CountingWrites(reader.engine.runner)
+        reservations = reserved_pages(reader)
+        tokens, cached = asyncio.run(ask(reader, second, "b"))
+        assert tokens == tiny.generate(second, NUM_OUT)
+        assert cached.as_dict()[tier] == PREFIX_PAGES * 128
+        assert len(reservations) == 1 and len(reservations[0]) == PREFIX_PAGES
+        assert writes.page_ids == []
+        keys = reader.engine.page_keys(second)[:PREFIX_PAGES]
+        assert [reader.engine.kv.cache.lookup(key) for key in keys] == reservations[0]
+        for key in keys:
+            assert torch.equal(page_kv(reader, key), page_kv(holder, key))
+        wait_for_no_pages_in_use(reader)
+    finally:
+        holder.shutdown()
+        reader.shutdown()
+
+
+def test_with_too_few_free_pages_a_tier_load_lands_in_its_own_tensors(tiny, prompts, tmp_path):
+    """``reserve_landing`` takes at most half of the free pages: a fetch that needs more loads into tensors of its
+    own, copied into the pool at admission as before. Same tokens."""
+    first, second = prompts
+    disk = str(tmp_path / "disk")
+    holder = make_async_engine(tiny, "A", disk_dir=disk)
+    reader = make_async_engine(tiny, "B", disk_dir=disk, num_pages=5)  # 2 of 5 free pages may land, 3 are needed
+    try:
+        asyncio.run(ask(holder, first, "a"))
+        flush(holder)
+        writes = CountingWrites(reader.engine.runner)
+        reservations = reserved_pages(reader)
+        tokens, cached = asyncio.run(ask(reader, second, "b"))
+        assert tokens == tiny.generate(second, NUM_OUT) and cached.disk == PREFIX_PAGES * 128
+        assert reservations == [[]] and len(writes.page_ids) == PREFIX_PAGES
+        wait_for_no_pages_in_use(reader)
+    finally:
+        holder.shutdown()
+        reader.shutdown()
+
+
+def test_landing_pages_of_a_queued_request_go_back_when_it_is_aborted_or_its_local_hit_grew(tiny, prompts):
+    """At the engine: records on landing pages held by queued requests. One request is aborted while queued (its
+    references go back); another finds its prefix cached by the time it is admitted (the records are not used, the
+    references go back); a third adopts them. Every reference accounted for at each point."""
+    first, second = prompts
+    holder = LLMEngine(EngineConfig(num_pages=32, replica_id="A"), copy.deepcopy(tiny.served))
+    engine = LLMEngine(EngineConfig(num_pages=32, replica_id="B"), copy.deepcopy(tiny.served))
+    holder.add_request(EngineRequest("h", first, greedy(1)))
+    while holder.has_work():
+        holder.step()
+    keys = holder.page_keys(second)[:PREFIX_PAGES]
+    exported = holder.export_pages(keys)
+
+    def landed(tag):
+        page_ids = engine.reserve_landing(PREFIX_PAGES)
+        assert len(page_ids) == PREFIX_PAGES
+        for page_id, page in zip(page_ids, exported):
+            engine.runner.write_page(page_id, page.kv)  # what the tier load does
+        records = [dataclasses.replace(page, source=CacheSource.DISK, landing_page=page_id)
+                   for page, page_id in zip(exported, page_ids)]
+        plan = engine.plan(EngineRequest(tag, second, greedy(NUM_OUT)))
+        assert plan.missing.start == 0
+        return plan, records, page_ids
+
+    plan, records, page_ids = landed("aborted")
+    engine.add(plan, records)
+    engine.kv.release(page_ids)  # the fetch's own references go back: the queued request holds one each
+    engine.check_integrity()
+    assert engine.kv.num_pages_in_use == PREFIX_PAGES
+    engine.abort("aborted")
+    engine.check_integrity()
+    assert engine.kv.num_pages_in_use == 0
+
+    plan, records, page_ids = landed("adopts")
+    engine.add(plan, records)
+    engine.check_integrity([page_ids])  # the fetch's references count while it still holds them
+    engine.kv.release(page_ids)
+    late_plan, late_records, late_ids = landed("hit-grew")  # planned before "adopts" cached the prefix
+    engine.add(late_plan, late_records)
+    engine.kv.release(late_ids)
+    writes = CountingWrites(engine.runner)
+    outputs = {}
+    while engine.has_work():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                assert out.cached_tokens.disk == (PREFIX_PAGES * 128 if out.request_id == "adopts" else 0)
+        engine.check_integrity()
+    expected = tiny.generate(second, NUM_OUT)
+    assert outputs == {"adopts": expected, "hit-grew": expected}
+    assert writes.page_ids == []
+    assert [engine.kv.cache.lookup(key) for key in keys] == page_ids
+    assert engine.kv.num_pages_in_use == 0
+    assert all(engine.kv.pool.is_free(page_id) for page_id in late_ids)
+
+
+def test_a_tier_load_that_times_out_keeps_its_landing_pages_until_its_thread_returns():
+    """A load past ``tier_timeout_s`` goes on writing into the pages it was given: the fetch's next tier does not get
+    them, and they go back only once the late load has returned."""
+    from common.page_format import PageFormat
+    from replica.landing import LandingPages
+
+    fmt = PageFormat(model_fingerprint="fp", dtype="float32", page_size=128, num_layers=1, num_kv_heads=1,
+                     head_dim=4)
+    go_on = threading.Event()
+
+    class Tier(StubTier):
+        page_format = fmt
+
+        def __init__(self, source, stall):
+            self.source, self.stall, self.outs = source, stall, []
+
+        def load(self, keys, token_ids_per_page, out=None):
+            self.outs.append(out)
+            if self.stall:
+                go_on.wait(10)
+                for tensor in out:
+                    tensor.fill_(-1.0)  # late writes: nobody may be using these pages any more
+                return []
+            return [torch.ones(fmt.kv_shape) for _ in keys]
+
+    slow, fast = Tier(CacheSource.HOST, stall=True), Tier(CacheSource.DISK, stall=False)
+    fetcher = PrefixFetcher(fmt, tiers=[slow, fast], tier_timeout_s=0.2)
+    released = []
+    views = [torch.zeros(fmt.kv_shape) for _ in range(2)]
+    landing = LandingPages([5, 8], views, lambda pages: released.append(pages.page_ids))
+    keys, tokens = [b"a" * 32, b"b" * 32], [list(range(128)), list(range(128, 256))]
+    try:
+        pages = asyncio.run(fetcher.fetch(keys, tokens, landing=landing))
+        assert slow.outs == [views] and fast.outs == [None]  # the second tier loads into tensors of its own
+        assert [page.landing_page for page in pages] == [None, None] and len(pages) == 2
+        landing.drop()
+        assert released == []  # the stalled load may still write
+        go_on.set()
+        deadline = time.monotonic() + 10
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert released == [[5, 8]]
+    finally:
+        go_on.set()
+        fetcher.close()
+
+
+def test_a_plan_holds_landing_pages_it_took_from_a_queued_request_that_then_goes_away(tiny, tmp_path):
+    """Pages on their way can come from a queued request's records (``pending``): a later request with a longer
+    prompt takes r1's three landing pages and fetches two more. r1 is aborted while that fetch runs: the plan's own
+    references keep the pages, so the later request still gets the right KV. Every reference accounted for."""
+    disk = str(tmp_path / "disk")
+    holder = make_async_engine(tiny, "A", disk_dir=disk)
+    reader = make_async_engine(tiny, "B", disk_dir=disk, max_num_seqs=1)
+    long_prompt = random_prompt(5 * 128 + 30, seed=60)
+    short_prompt = long_prompt[: 3 * 128] + random_prompt(25, seed=61)
+    tier = reader.fetcher.tiers[0]
+    load, gate = tier.load, threading.Event()
+
+    def gated_load(keys, token_ids_per_page, out=None):
+        if len(keys) == 2:  # the later request's own fetch
+            gate.wait(30)
+        return load(keys, token_ids_per_page, out)
+
+    async def waiting():
+        return await reader._call(lambda: [(seq.request_id, len(seq.fetched))
+                                           for seq in reader.engine.scheduler.waiting])
+
+    async def until(condition):
+        for _ in range(3000):
+            if await condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    async def scenario():
+        await ask(holder, long_prompt, "h")
+        flush(holder)
+        tier.load = gated_load
+        blocker = asyncio.ensure_future(collect(reader, random_prompt(40, seed=62), "blocker", 60))
+        await until(lambda: reader._call(lambda: len(reader.engine.scheduler.running) == 1))
+        r1 = asyncio.ensure_future(ask(reader, short_prompt, "r1"))
+        await until(lambda: _eq(waiting(), [("r1", 3)]))
+        r2 = asyncio.ensure_future(ask(reader, long_prompt, "r2"))
+        await until(lambda: reader._call(lambda: len(reader._holds) == 1))
+        r1.cancel()
+        await until(lambda: _eq(waiting(), []))
+        await reader.check_integrity()
+        held = await reader._call(lambda: list(reader._holds.values()))
+        assert len(held) == 1 and len(held[0]) == 3
+        gate.set()
+        tokens, cached = await r2
+        await blocker
+        return tokens, cached
+
+    async def _eq(awaitable, expected):
+        return await awaitable == expected
+
+    try:
+        tokens, cached = asyncio.run(scenario())
+        assert tokens == tiny.generate(long_prompt, NUM_OUT)
+        assert cached.disk == 5 * 128
+        wait_for_no_pages_in_use(reader)
+        assert reader._holds == {}
+    finally:
+        gate.set()
+        holder.shutdown()
+        reader.shutdown()
+
+
+async def collect(async_engine, prompt, request_id, num_out):
+    tokens = []
+    async for out in async_engine.generate(EngineRequest(request_id, prompt, greedy(num_out))):
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+def test_reserving_landing_pages_keeps_the_request_s_local_hit_and_half_of_the_free_pages(tiny):
+    """``reserve_landing`` never evicts the request's own local hit, and takes pages only while they are at most half
+    of what is free once that hit is set aside (none otherwise: the fetch then loads into tensors of its own)."""
+    engine = LLMEngine(EngineConfig(num_pages=10, replica_id="A"), copy.deepcopy(tiny.served))
+    prompt = random_prompt(6 * 128 + 10, seed=70)
+    engine.add_request(EngineRequest("warm", prompt, greedy(1)))
+    while engine.has_work():
+        engine.step()
+    keys = engine.page_keys(prompt)[:6]
+    hit = engine.kv.match_prefix(keys)
+    assert len(hit) == 6 and engine.kv.num_free_pages == 10
+    assert engine.reserve_landing(3, keys) == []  # 4 free beside the hit: 3 > 4 // 2
+    assert engine.kv.match_prefix(keys) == hit and engine.kv.num_pages_in_use == 0
+    reserved = engine.reserve_landing(2, keys[:4])  # 6 free beside pages 0-3: pages 4 and 5 may go
+    assert len(reserved) == 2 and not set(reserved) & set(hit[:4])
+    assert engine.kv.match_prefix(keys)[:4] == hit[:4]
+    engine.check_integrity([reserved])
+    engine.kv.release(reserved)
+    engine.check_integrity()
+    assert engine.kv.num_pages_in_use == 0

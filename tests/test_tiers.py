@@ -906,3 +906,34 @@ def test_the_tier_writer_thread_yields_the_cpu_to_the_engine():
         assert seen == [min(own + WRITER_NICE, 19)]
     finally:
         writer.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_into_pool_pages_writes_those_pages_and_nothing_else(make_tier, kind, dtype):
+    """``load(..., out=...)`` with pages of a KV pool (views whose layers lie apart, replica/landing.py): the pages
+    found are decrypted there, bit-identical, and returned as those very tensors; the load stops at an entry with
+    other tokens; no other byte of the pool changes. Five pages: Redis reads them in two parts at once."""
+    page_format = make_format(dtype)
+    tier = make_tier(kind, page_format)
+    pages = make_pages(page_format, 5)
+    tier.store(pages[:4])
+    assert tier.flush(timeout=10)
+    plant_entry(tier, pages[4].key, make_pages(page_format, 1, seed=9)[0])  # page 4's key, other tokens
+    num_layers, _, page_size, num_kv_heads, head_dim = page_format.kv_shape
+    pool = torch.full((num_layers, 2, 12, page_size, num_kv_heads, head_dim), 7.0, dtype=getattr(torch, dtype))
+    slots = [9, 2, 5, 0, 11]
+    out = [pool[:, :, slot] for slot in slots]
+    assert not out[0].is_contiguous()
+
+    loaded = tier.load(keys_of(pages), tokens_of(pages), out)
+
+    assert len(loaded) == 4 and all(kv is view for kv, view in zip(loaded, out))
+    assert_bit_identical([pool[:, :, slot] for slot in slots[:4]], pages[:4])
+    untouched = [slot for slot in range(12) if slot not in slots]
+    assert bool((pool[:, :, untouched] == 7.0).all())
+    assert bool((pool[:, :, slots[4]] == 7.0).all())  # the entry with other tokens is rejected before decrypting
+    with pytest.raises(ValueError, match="tensors to load into"):
+        tier.load(keys_of(pages), tokens_of(pages), out[:2])
+    with pytest.raises(ValueError, match="shape"):
+        tier.load(keys_of(pages[:1]), tokens_of(pages[:1]), [pool[:1, :, 0]])

@@ -217,13 +217,17 @@ class KVTier(abc.ABC):
         """How many LEADING ``keys`` are probably present. Cheap (one round trip / a few stats); may be wrong."""
 
     @abc.abstractmethod
-    def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
+             out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The KV of the leading pages that are present and verified, stopping at the first miss.
 
         ``token_ids_per_page[i]`` are the tokens page ``keys[i]`` must hold. Each returned tensor is owned by the
         caller (CPU, shape ``page_format.kv_shape``, dtype ``page_format.dtype``, bit-identical to what was
         stored). A corrupt, foreign or mismatching entry is deleted, counted in ``discarded_corrupt``, and ends the
         load. Raises ValueError if the two sequences differ in length or a page has not ``page_size`` tokens.
+        ``out``: where to put page i's KV (``out[i]``, e.g. a page of the KV pool: no copy into the pool afterwards);
+        the returned tensors are then ``out``'s leading ones. ``out[i]`` past the returned pages may hold garbage;
+        nothing is written into ``out`` once ``load`` has returned or raised.
         """
 
     @abc.abstractmethod
@@ -258,14 +262,24 @@ class KVTier(abc.ABC):
 
 
 def check_load_args(
-    page_format: PageFormat, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]
+    page_format: PageFormat, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
+    out: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """ValueError unless ``load`` got one full page of token ids per key."""
+    """ValueError unless ``load`` got one full page of token ids per key (and, given ``out``, one CPU tensor of the
+    page's shape and dtype per key)."""
     if len(keys) != len(token_ids_per_page):
         raise ValueError(f"load got {len(keys)} keys but {len(token_ids_per_page)} token-id pages")
     for token_ids in token_ids_per_page:
         if len(token_ids) != page_format.page_size:
             raise ValueError(f"each page holds {page_format.page_size} tokens, got {len(token_ids)}")
+    if out is not None:
+        if len(out) != len(keys):
+            raise ValueError(f"load got {len(keys)} keys but {len(out)} tensors to load into")
+        dtype = getattr(torch, page_format.dtype)
+        for tensor in out:
+            if tuple(tensor.shape) != page_format.kv_shape or tensor.dtype != dtype or tensor.device.type != "cpu":
+                raise ValueError(f"load needs CPU {page_format.dtype} tensors of shape {page_format.kv_shape} to load "
+                                 f"into, got {tensor.dtype} {list(tensor.shape)} on {tensor.device}")
 
 
 def prepare_pages_for_store(page_format: PageFormat, pages: Sequence[StoredPage]) -> list[StoredPage]:

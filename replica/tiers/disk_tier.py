@@ -45,6 +45,7 @@ import stat
 import tempfile
 import threading
 import time
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -430,15 +431,16 @@ class DiskTier(QueuedWriteTier):
             num_retained += rank > 0
         return num_present, num_retained
 
-    def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
+             out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Read, verify and touch each page in order; stop at the first missing or rejected one, or at the timeout."""
-        check_load_args(self._page_format, keys, token_ids_per_page)
+        check_load_args(self._page_format, keys, token_ids_per_page, out)
         if not self.available:
             return []
         start_time = time.perf_counter()
         deadline = start_time + self._load_timeout_s
         loaded: list[torch.Tensor] = []
-        pages = new_page_tensors(self._page_format, len(keys))  # decrypted straight into these
+        pages = new_page_tensors(self._page_format, len(keys)) if out is None else out  # decrypted straight into these
         results: list[object] = [None] * len(keys)
         end = [len(keys)]  # the first page known missing, rejected or timed out: no worker starts a page past it
         end_lock = threading.Lock()
@@ -474,6 +476,7 @@ class DiskTier(QueuedWriteTier):
         finally:
             with end_lock:
                 end[0] = 0  # a worker still running (an exception above) stops at its next page
+            wait(futures)  # and has stopped writing into ``pages`` before this returns (``out`` may be the pool's)
             self._record_load(len(loaded), start_time)
         return loaded
 

@@ -310,13 +310,14 @@ class RedisTier(QueuedWriteTier):
         num_retained = sum(1 for until in replies[1 : 2 * num_present : 2] if until is not None and until > now)
         return num_present, num_retained
 
-    def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
+             out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """MGET in batches of ``load_batch_pages`` (one round trip for a usual prefix); verify each page in order,
         decrypting it straight into its tensor; stop at the first miss."""
-        check_load_args(self._page_format, keys, token_ids_per_page)
+        check_load_args(self._page_format, keys, token_ids_per_page, out)
         start_time = time.perf_counter()
         loaded: list[torch.Tensor] = []
-        pages = new_page_tensors(self._page_format, len(keys))
+        pages = new_page_tensors(self._page_format, len(keys)) if out is None else out
         try:
             for batch_start in range(0, len(keys), self._load_batch_pages):
                 batch_keys = keys[batch_start : batch_start + self._load_batch_pages]
@@ -346,8 +347,11 @@ class RedisTier(QueuedWriteTier):
         except RuntimeError:  # closed meanwhile: the parts already started write into ``out`` too; let them end
             wait(later)
             return self._load_batch(keys, token_ids_per_page, out)
-        parts = [self._load_batch(keys[: bounds[1]], token_ids_per_page[: bounds[1]], out[: bounds[1]])]
-        parts.extend(future.result() for future in later)
+        try:
+            parts = [self._load_batch(keys[: bounds[1]], token_ids_per_page[: bounds[1]], out[: bounds[1]])]
+            parts.extend(future.result() for future in later)
+        finally:  # nothing writes into ``out`` (perhaps the KV pool's pages) once this has returned or raised
+            wait(later)
         loaded: list[torch.Tensor] = []
         for part, start, stop in zip(parts, bounds, bounds[1:]):
             loaded.extend(part)

@@ -1,0 +1,84 @@
+"""Landing pages: pool pages a shared-tier fetch decrypts its pages into, so that no copy into the pool follows.
+
+A page loaded from Redis or the disk tier used to be decrypted into a fresh tensor and then copied into the pool page
+the scheduler gave it at admission: the copy was a third pass over the bytes (4.7 ms of a 16-page, 32 MiB load's
+22 ms on a 2-core EPYC; BENCHMARKS.md 0za). Now the engine thread reserves the pool pages when it plans the fetch,
+the load decrypts straight into them (``codec.writable_bytes``: a page of the pool is 2 x layers runs), and the
+request adopts them at admission::
+
+    plan (engine thread)   reserve_landing: n pages allocated (refcount 1, held by the fetch), local hits kept
+    fetch (load threads)   tier.load(..., out=views): page i decrypted into pool page ids[i]
+    add (engine thread)    each queued request holding a record takes a reference (Engine.add)
+    fetch dropped          the fetch's references go back, once no load thread writes into the pages any more
+    admission              the scheduler puts the landing page in the request's page table (its reference becomes
+                           the page's); a record it does not use (the local hit grew) gives its reference back
+    abort while queued     the request's references go back (Scheduler.finish)
+
+A page is never handed to anyone else while a load may still write into it: the fetch's reference goes back only when
+both the fetch is done with (``drop``) and every load into the pages has returned (``end_load``; a load that timed
+out keeps running on its thread). Pages a load did not fill (a miss, a rejected entry) are only ever released.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+
+class LandingPages:
+    """The pool pages reserved for one fetch (``page_ids[i]`` for the fetch's page i; ``views[i]`` its KV)."""
+
+    def __init__(self, page_ids: Sequence[int], views: Sequence[torch.Tensor],
+                 release: Callable[[LandingPages], None]) -> None:
+        """``release(self)``: gives the fetch's references on ``page_ids`` back; called once, from any thread (it
+        hands the work to the engine thread)."""
+        self.page_ids = list(page_ids)
+        self.views = list(views)
+        self._release = release
+        self._lock = threading.Lock()
+        self._num_loads = 0
+        self._dropped = False
+        self._released = False
+        self.writable = True
+        """False once a load into ``views`` timed out: its thread may still be writing, so no other load may use
+        them (the fetch's later tiers load into fresh tensors)."""
+
+    def begin_load(self) -> None:
+        """A load into ``views`` starts (call before handing them to a tier)."""
+        with self._lock:
+            if self._released:
+                raise RuntimeError("landing pages used after they were released")
+            self._num_loads += 1
+
+    def end_load(self) -> None:
+        """A load into ``views`` has returned or raised: its thread writes into them no more."""
+        with self._lock:
+            self._num_loads -= 1
+            release = self._dropped and self._num_loads == 0 and not self._released
+            self._released |= release
+        if release:
+            self._release(self)
+
+    def drop(self) -> None:
+        """The fetch is done with the pages (idempotent): release them now, or when the last load returns."""
+        with self._lock:
+            release = not self._dropped and self._num_loads == 0
+            self._dropped = True
+            self._released |= release
+        if release:
+            self._release(self)
+
+    @property
+    def released(self) -> bool:
+        with self._lock:
+            return self._released
+
+    def __repr__(self) -> str:
+        return f"LandingPages({self.page_ids}, loads={self._num_loads}, dropped={self._dropped})"
+
+
+def landing_page_ids(pages) -> list[int]:
+    """The landing pages of ``pages`` (``PageRecord``s), in order."""
+    return [page.landing_page for page in pages if page.landing_page is not None]
