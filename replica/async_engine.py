@@ -276,10 +276,19 @@ class AsyncEngine:
         if (not fetcher.tiers or (fetcher.peer_client is not None and fetch.peer_hint
                                   and fetch.peer_hint != fetcher.own_replica_id)):
             return
+        in_flight = sum(len(landing.page_ids) for landing in self._landings)
+        if in_flight + len(fetch.keys) > self.engine.kv.num_pages // 2:
+            return  # fetches in flight hold half of the pool already (a miss keeps its pages until it is known)
         page_ids = self.engine.reserve_landing(len(fetch.keys), keep)
-        if page_ids:
-            fetch.landing = LandingPages(page_ids, self.engine.landing_views(page_ids), self._give_back_landing)
-            self._landings.add(fetch.landing)
+        if not page_ids:
+            return
+        try:
+            views = self.engine.landing_views(page_ids)
+        except BaseException:
+            self.engine.kv.release(page_ids)
+            raise
+        fetch.landing = LandingPages(page_ids, views, self._give_back_landing)
+        self._landings.add(fetch.landing)
 
     def _give_back_landing(self, landing: LandingPages) -> None:
         """Any thread: release a fetch's references on its landing pages, on the engine thread."""

@@ -417,15 +417,15 @@ class KVCacheManager:
         self._events.append(AllPagesCleared(seq=self._event_seq))
 
     # ---- checks --------------------------------------------------------------------------------------------------
-    def check_integrity(self, page_tables: Sequence[Sequence[int]] = ()) -> None:
-        """Pool and cache consistent; if the running requests' page tables are given, reference counts equal the
+    def check_integrity(self, page_tables: Sequence[Sequence[int]] | None = None) -> None:
+        """Pool and cache consistent; if the holders' page tables are given (even none), reference counts equal the
         number of tables holding each page."""
         self.pool.check_integrity()
         self.cache.check_integrity()
         self.exports.check_integrity(self.cache.key_to_page)
         if self.num_free_pages + self.num_pages_in_use != self.num_pages:
             raise AssertionError("free + in use != total")
-        if page_tables:
+        if page_tables is not None:
             expected = [0] * self.num_pages
             for table in page_tables:
                 for page_id in table:

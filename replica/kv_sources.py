@@ -162,13 +162,12 @@ class PrefixFetcher:
         errors_before = tier.stats().errors
         failed = False
         out = None
-        if landing is not None and landing.writable and first + len(keys) <= len(landing.views):
+        if landing is not None and first + len(keys) <= len(landing.views) and landing.begin_load():
             out = landing.views[first : first + len(keys)]
         try:  # no separate ``lookup``: a load stops at the first miss, and one round trip fewer is what matters here
             if out is None:
                 job = self._load_executor.submit(tier.load, keys, token_ids_per_page)
             else:
-                landing.begin_load()
                 try:
                     job = self._load_executor.submit(tier.load, keys, token_ids_per_page, out)
                 except BaseException:

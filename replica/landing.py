@@ -45,12 +45,14 @@ class LandingPages:
         """False once a load into ``views`` timed out: its thread may still be writing, so no other load may use
         them (the fetch's later tiers load into fresh tensors)."""
 
-    def begin_load(self) -> None:
-        """A load into ``views`` starts (call before handing them to a tier)."""
+    def begin_load(self) -> bool:
+        """A load into ``views`` may start (call before handing them to a tier): False if the pages went back
+        already (the fetch was abandoned: shutdown), and the load must use tensors of its own."""
         with self._lock:
-            if self._released:
-                raise RuntimeError("landing pages used after they were released")
+            if self._released or not self.writable:
+                return False
             self._num_loads += 1
+            return True
 
     def end_load(self) -> None:
         """A load into ``views`` has returned or raised: its thread writes into them no more."""

@@ -23,11 +23,13 @@ fetched from outside the replica that an admitted request uses are listed in ``S
 engine writes them into their pool pages before the step runs. A page a tier load already decrypted into the pool (a
 landing page, replica/landing.py) goes into the request's page table as it is; the request's references on landing
 pages it does not use (its local hit grew meanwhile) go back on admission, and all of them if it is aborted while
-queued.
+queued. When pages run short (the head of the queue does not fit, or a running request needs a page) the queued
+requests' landing pages are taken back first: their KV is copied out and imported later like any fetched page.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -104,6 +106,7 @@ class Scheduler:
         self.num_prompt_tokens_queried = 0
         self.num_prompt_tokens_hit = 0
         self.num_prompt_tokens_hit_local = 0  # of those, found in this replica's own pages
+        self.num_landing_pages_detached = 0  # landing pages taken back from queued requests (``_detach_landing``)
 
     # ---- queues --------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -142,6 +145,8 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             num_pages_needed = self._num_pages_needed(seq, num_new)
             while num_pages_needed > self.kv.num_free_pages:
+                if self._detach_landing():
+                    continue  # pages queued requests held for fetched KV: taken back before preempting anyone
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
@@ -177,6 +182,8 @@ class Scheduler:
             num_landed = sum(page.landing_page is not None for page in imported)  # in the pool (landing.py)
             num_pages_needed = num_pages_total - len(hit_page_ids) - num_landed
             if num_pages_needed > self.kv.num_free_after_acquiring(hit_page_ids):
+                if self._detach_landing():
+                    continue  # the same request again, with the pages queued requests held for fetched KV back
                 break
             self.waiting.popleft()
             # a preempted request re-admitted matches pages it computed itself: not a reuse (only its first admission
@@ -218,6 +225,29 @@ class Scheduler:
             in_flight_keys.update(page_keys[num_cached_pages:])
             imported_keys.update(page.key for page in imported)
         self.waiting.extendleft(reversed(deferred))
+
+    def _detach_landing(self) -> bool:
+        """Give back the landing pages queued requests hold (replica/landing.py): each record's KV is copied into a
+        tensor of its own, which is then imported like any fetched page. Called when the pool runs short: those
+        references would otherwise keep pages from the request at the head of the queue (which may need more pages
+        than are free while requests behind it hold the rest, with nothing running to free any) or make a running
+        request preempt another. True if any reference went back."""
+        copies: dict[int, PageRecord] = {}  # by landing page: a record several queued requests share is copied once
+        for seq in self.waiting:
+            if not any(page.landing_page is not None for page in seq.fetched):
+                continue
+            fetched = []
+            for page in seq.fetched:
+                if page.landing_page is not None:
+                    if page.landing_page not in copies:
+                        copies[page.landing_page] = dataclasses.replace(page, kv=page.kv.clone(), landing_page=None)
+                    self.kv.release([page.landing_page])
+                    page = copies[page.landing_page]
+                fetched.append(page)
+            seq.fetched = tuple(fetched)
+        if copies:
+            self.num_landing_pages_detached += len(copies)
+        return bool(copies)
 
     def _usable_fetched(self, seq: Sequence, num_hit_pages: int, max_match: int) -> list[PageRecord]:
         """The fetched pages that continue the local hit without a gap (the fetcher verified them against the request's

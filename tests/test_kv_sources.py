@@ -522,7 +522,7 @@ def test_with_too_few_free_pages_a_tier_load_lands_in_its_own_tensors(tiny, prom
         reservations = reserved_pages(reader)
         tokens, cached = asyncio.run(ask(reader, second, "b"))
         assert tokens == tiny.generate(second, NUM_OUT) and cached.disk == PREFIX_PAGES * 128
-        assert reservations == [[]] and len(writes.page_ids) == PREFIX_PAGES
+        assert all(page_ids == [] for page_ids in reservations) and len(writes.page_ids) == PREFIX_PAGES
         wait_for_no_pages_in_use(reader)
     finally:
         holder.shutdown()
@@ -672,6 +672,7 @@ def test_a_plan_holds_landing_pages_it_took_from_a_queued_request_that_then_goes
         await until(lambda: reader._call(lambda: len(reader._holds) == 1))
         r1.cancel()
         await until(lambda: _eq(waiting(), []))
+        await reader._call(spoil_free_pages)  # a page r2 did not hold would now hold garbage
         await reader.check_integrity()
         held = await reader._call(lambda: list(reader._holds.values()))
         assert len(held) == 1 and len(held[0]) == 3
@@ -679,6 +680,12 @@ def test_a_plan_holds_landing_pages_it_took_from_a_queued_request_that_then_goes
         tokens, cached = await r2
         await blocker
         return tokens, cached
+
+    def spoil_free_pages():
+        kv = reader.engine.kv
+        for page_id in range(kv.num_pages):
+            if kv.pool.is_free(page_id):
+                reader.engine.runner.kv_cache[:, :, page_id].fill_(float("nan"))
 
     async def _eq(awaitable, expected):
         return await awaitable == expected
@@ -707,18 +714,53 @@ def test_reserving_landing_pages_keeps_the_request_s_local_hit_and_half_of_the_f
     of what is free once that hit is set aside (none otherwise: the fetch then loads into tensors of its own)."""
     engine = LLMEngine(EngineConfig(num_pages=10, replica_id="A"), copy.deepcopy(tiny.served))
     prompt = random_prompt(6 * 128 + 10, seed=70)
-    engine.add_request(EngineRequest("warm", prompt, greedy(1)))
-    while engine.has_work():
-        engine.step()
+    for request_id, tokens in (("warm", prompt), ("other", random_prompt(3 * 128 + 10, seed=71))):
+        engine.add_request(EngineRequest(request_id, tokens, greedy(1)))  # "other" is cached after "warm": the
+        while engine.has_work():  # least recently used pages are the hit's
+            engine.step()
     keys = engine.page_keys(prompt)[:6]
     hit = engine.kv.match_prefix(keys)
     assert len(hit) == 6 and engine.kv.num_free_pages == 10
     assert engine.reserve_landing(3, keys) == []  # 4 free beside the hit: 3 > 4 // 2
     assert engine.kv.match_prefix(keys) == hit and engine.kv.num_pages_in_use == 0
-    reserved = engine.reserve_landing(2, keys[:4])  # 6 free beside pages 0-3: pages 4 and 5 may go
-    assert len(reserved) == 2 and not set(reserved) & set(hit[:4])
-    assert engine.kv.match_prefix(keys)[:4] == hit[:4]
+    reserved = engine.reserve_landing(2, keys)  # from the free page and "other"'s, never the hit's
+    assert len(reserved) == 2 and not set(reserved) & set(hit)
+    assert engine.kv.match_prefix(keys) == hit
     engine.check_integrity([reserved])
     engine.kv.release(reserved)
     engine.check_integrity()
+    assert engine.kv.num_pages_in_use == 0
+
+
+def test_landing_pages_held_by_queued_requests_go_back_when_the_head_of_the_queue_needs_them(tiny, prompts):
+    """Queued requests hold their landing pages until admitted; the request at the head of the queue may need more
+    pages than they leave free, with nothing running to free any. The scheduler then takes them back (their KV copied
+    into tensors of their own, imported later as before) instead of waiting forever; both requests get their tokens."""
+    first, second = prompts
+    holder = LLMEngine(EngineConfig(num_pages=32, replica_id="A"), copy.deepcopy(tiny.served))
+    holder.add_request(EngineRequest("h", first, greedy(1)))
+    while holder.has_work():
+        holder.step()
+    exported = holder.export_pages(holder.page_keys(second)[:PREFIX_PAGES])
+    engine = LLMEngine(EngineConfig(num_pages=8, replica_id="B"), copy.deepcopy(tiny.served))
+    cold = random_prompt(6 * 128 + 10, seed=75)  # 7 pages: fits the pool, not beside 3 landing pages
+    engine.add(engine.plan(EngineRequest("cold", cold, greedy(NUM_OUT))))
+    page_ids = engine.reserve_landing(PREFIX_PAGES)
+    assert len(page_ids) == PREFIX_PAGES
+    for page_id, page in zip(page_ids, exported):
+        engine.runner.write_page(page_id, page.kv)
+    records = [dataclasses.replace(page, source=CacheSource.DISK, landing_page=page_id)
+               for page, page_id in zip(exported, page_ids)]
+    engine.add(engine.plan(EngineRequest("warm", second, greedy(NUM_OUT))), records)
+    engine.kv.release(page_ids)  # the fetch is done with them
+    outputs = {}
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.check_integrity()
+    assert not engine.has_work(), "the queue is stuck"
+    assert outputs == {"cold": tiny.generate(cold, NUM_OUT), "warm": tiny.generate(second, NUM_OUT)}
+    assert engine.scheduler.num_landing_pages_detached == PREFIX_PAGES
     assert engine.kv.num_pages_in_use == 0

@@ -72,8 +72,7 @@ class Releases:
 def test_pages_go_back_once_the_fetch_drops_them_and_no_load_writes_into_them():
     releases = Releases()
     landing = LandingPages([4, 6], [torch.zeros(1), torch.zeros(1)], releases)
-    landing.begin_load()
-    landing.begin_load()
+    assert landing.begin_load() and landing.begin_load()
     landing.drop()  # the fetch is done with them, but two loads still run (one timed out, say)
     assert releases.calls == [] and not landing.released
     landing.end_load()
@@ -82,8 +81,10 @@ def test_pages_go_back_once_the_fetch_drops_them_and_no_load_writes_into_them():
     assert releases.calls == [[4, 6]] and landing.released
     landing.drop()  # idempotent
     assert releases.calls == [[4, 6]]
-    with pytest.raises(RuntimeError, match="released"):
-        landing.begin_load()
+    assert landing.begin_load() is False  # gone back: a later load uses tensors of its own
+    timed_out = LandingPages([7], [torch.zeros(1)], releases)
+    timed_out.writable = False
+    assert timed_out.begin_load() is False
 
     idle = LandingPages([1], [torch.zeros(1)], releases)
     idle.drop()

@@ -461,8 +461,10 @@ class DiskTier(QueuedWriteTier):
 
         # the pages are read and decrypted side by side (codec.load_pool), one task per worker rather than per page:
         # the per-page Python holds the GIL, and 16 hand-offs through the pool cost more than the second thread gave
-        futures = [load_pool().submit(load_share, first) for first in range(num_workers)]
+        futures = []
         try:
+            for first in range(num_workers):
+                futures.append(load_pool().submit(load_share, first))
             for future in futures:
                 future.result()
             for kv in results:
