@@ -18,6 +18,7 @@ The disk tier keeps the same header in the Arrow schema metadata and the sealed 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import struct
 import sys
@@ -189,25 +190,32 @@ def writable_bytes(tensor: torch.Tensor):
     spares the copy into the pool). ValueError for a layout whose innermost dimension is strided."""
     if tensor.is_contiguous():
         return tensor.view(-1).view(torch.uint8).numpy()
-    if tensor.stride(-1) != 1:
-        raise ValueError(f"the innermost dimension is strided ({tensor.stride()})")
-    inner, run = tensor.dim(), 1  # tensor.shape[inner:] lies contiguously
-    while inner > 0 and (tensor.shape[inner - 1] == 1 or tensor.stride(inner - 1) == run):
-        inner -= 1
-        run *= tensor.shape[inner]
     if tensor.device.type != "cpu":
         raise ValueError("not a CPU tensor")
-    size = tensor.element_size()
-    offsets = [0]  # byte offset of each run from the tensor's first element, in order
-    for dim in range(inner - 1, -1, -1):
-        step = tensor.stride(dim) * size
-        offsets = [i * step + offset for i in range(tensor.shape[dim]) for offset in offsets]
-    run *= size
-    # one buffer over the tensor's span (it lives as long as ``tensor``, which the caller holds), sliced per run:
-    # ~20 us a page against ~150 us for numpy views of each run
+    offsets, run = _run_offsets(tuple(tensor.shape), tensor.stride(), tensor.element_size())
+    # one buffer over the tensor's span (it lives as long as ``tensor``, which the caller holds), sliced per run
     span = (ctypes.c_char * (offsets[-1] + run)).from_address(tensor.data_ptr())
     whole = memoryview(span).cast("B")
     return [whole[offset : offset + run] for offset in offsets]
+
+
+@functools.lru_cache(maxsize=64)
+def _run_offsets(shape: tuple[int, ...], strides: tuple[int, ...], element_size: int) -> tuple[tuple[int, ...], int]:
+    """Byte offsets from the first element of the contiguous runs of a tensor laid out so, in order, and a run's
+    bytes (computed once per layout: a pool's pages all share one)."""
+    if strides[-1] != 1:
+        raise ValueError(f"the innermost dimension is strided ({strides})")
+    if any(stride < 0 for stride in strides):
+        raise ValueError(f"negative strides ({strides})")
+    inner, run = len(shape), 1  # shape[inner:] lies contiguously
+    while inner > 0 and (shape[inner - 1] == 1 or strides[inner - 1] == run):
+        inner -= 1
+        run *= shape[inner]
+    offsets = [0]
+    for dim in range(inner - 1, -1, -1):
+        step = strides[dim] * element_size
+        offsets = [i * step + offset for i in range(shape[dim]) for offset in offsets]
+    return tuple(offsets), run * element_size
 
 
 LOAD_WORKERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
