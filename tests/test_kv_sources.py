@@ -479,6 +479,17 @@ def wait_for_no_pages_in_use(async_engine):
     assert async_engine.engine.kv.num_pages_in_use == 0
 
 
+def read_what_the_holder_stored(holder, reader, first, second):
+    """The holder computes ``first`` and flushes its tier writes; the reader then serves ``second`` (the same prefix)
+    while its pool writes and landing reservations are counted: (writes, reservations, tokens, cached tokens)."""
+    asyncio.run(ask(holder, first, "a"))
+    flush(holder)
+    writes = CountingWrites(reader.engine.runner)
+    reservations = reserved_pages(reader)
+    tokens, cached = asyncio.run(ask(reader, second, "b"))
+    return writes, reservations, tokens, cached
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_tier_pages_are_decrypted_into_pool_pages_that_the_request_adopts(tiny, prompts, tmp_path, redis_server, tier):
     """A request whose prefix is in a shared tier (no peer): the engine reserves pool pages as it plans the fetch,
@@ -489,11 +500,7 @@ def test_tier_pages_are_decrypted_into_pool_pages_that_the_request_adopts(tiny, 
     holder = make_async_engine(tiny, "A", **sources)
     reader = make_async_engine(tiny, "B", **sources)
     try:
-        asyncio.run(ask(holder, first, "a"))
-        flush(holder)
-        writes = CountingWrites(reader.engine.runner)
-        reservations = reserved_pages(reader)
-        tokens, cached = asyncio.run(ask(reader, second, "b"))
+        writes, reservations, tokens, cached = read_what_the_holder_stored(holder, reader, first, second)
         assert tokens == tiny.generate(second, NUM_OUT)
         assert cached.as_dict()[tier] == PREFIX_PAGES * 128
         assert len(reservations) == 1 and len(reservations[0]) == PREFIX_PAGES
@@ -516,11 +523,7 @@ def test_with_too_few_free_pages_a_tier_load_lands_in_its_own_tensors(tiny, prom
     holder = make_async_engine(tiny, "A", disk_dir=disk)
     reader = make_async_engine(tiny, "B", disk_dir=disk, num_pages=5)  # 2 of 5 free pages may land, 3 are needed
     try:
-        asyncio.run(ask(holder, first, "a"))
-        flush(holder)
-        writes = CountingWrites(reader.engine.runner)
-        reservations = reserved_pages(reader)
-        tokens, cached = asyncio.run(ask(reader, second, "b"))
+        writes, reservations, tokens, cached = read_what_the_holder_stored(holder, reader, first, second)
         assert tokens == tiny.generate(second, NUM_OUT) and cached.disk == PREFIX_PAGES * 128
         assert all(page_ids == [] for page_ids in reservations) and len(writes.page_ids) == PREFIX_PAGES
         wait_for_no_pages_in_use(reader)

@@ -242,8 +242,8 @@ def open_payload(header_bytes: bytes | memoryview, page_format: PageFormat, tier
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The verified KV of a sealed entry, decrypted straight into ``out`` (a CPU tensor of the page's shape and dtype:
     one slot of ``new_page_tensors``, or a page of the KV pool, see ``writable_bytes``; a new tensor if None) and
-    returned; RejectedEntry if it must not
-    be reused (``out`` then holds garbage the caller must not use: nothing is returned for it)."""
+    returned; RejectedEntry if it must not be reused (``out`` then holds garbage the caller must not use: nothing is
+    returned for it)."""
     header = PageHeader.unpack(header_bytes)
     header.check(page_format, tier_key, token_ids)
     if len(sealed) != header.num_bytes + TAG_BYTES:
