@@ -36,6 +36,24 @@ def load_method(path: str):
     return module.DiskTier.load
 
 
+def stored_prefixes(dtype: str, prefix_len: int, num_sets: int, folder: str):
+    """The reader engine (one thread), its page format, and a disk tier in ``folder`` holding ``num_sets`` prefixes of
+    ``prefix_len`` tokens with random KV (seeds 50, 51, ...): (reader, page_format, disk, [(keys, token slices)])."""
+    torch.set_num_threads(1)
+    ensure_model()
+    reader = build_engine(engine_config(argparse.Namespace(dtype=dtype), "reader"))
+    page_format = page_format_of(reader)
+    template = page_template(reader, tokens(prefix_len, seed=0), PAGE_SIZE)
+    (disk,) = build_tiers(page_format, redis_url=None, disk_cache_dir=folder, disk_budget_bytes=4 << 30)
+    sets = []
+    for index in range(num_sets):
+        keys, slices, pages = random_pages(reader, template, tokens(prefix_len, seed=50 + index), PAGE_SIZE)
+        PrefixFetcher(page_format, tiers=[disk]).store(pages)
+        disk.flush(30)
+        sets.append((keys, slices))
+    return reader, page_format, disk, sets
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16")
@@ -46,20 +64,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pool", action="store_true",
                         help="time the load with the copy into the pool against decrypting into the pool's pages")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    ensure_model()
-    reader = build_engine(engine_config(args, "reader"))
-    page_format = page_format_of(reader)
-    template = page_template(reader, tokens(args.prefix_len, seed=0), PAGE_SIZE)
     folder = tempfile.mkdtemp(prefix="prefixserve-disk-load-")
     try:
-        (disk,) = build_tiers(page_format, redis_url=None, disk_cache_dir=folder, disk_budget_bytes=4 << 30)
-        sets = []
-        for index in range(args.sets):
-            keys, slices, pages = random_pages(reader, template, tokens(args.prefix_len, seed=50 + index), PAGE_SIZE)
-            PrefixFetcher(page_format, tiers=[disk]).store(pages)
-            disk.flush(30)
-            sets.append((keys, slices))
+        reader, page_format, disk, sets = stored_prefixes(args.dtype, args.prefix_len, args.sets, folder)
         versions = {"this checkout": lambda keys, slices: disk.load(keys, slices)}
         if args.pool:  # with the write into the pool (page i of set s into its own pool page), as the engine does it
             runner = reader.runner

@@ -165,16 +165,15 @@ class PrefixFetcher:
         if landing is not None and first + len(keys) <= len(landing.views) and landing.begin_load():
             out = landing.views[first : first + len(keys)]
         try:  # no separate ``lookup``: a load stops at the first miss, and one round trip fewer is what matters here
-            if out is None:
-                job = self._load_executor.submit(tier.load, keys, token_ids_per_page)
-            else:
-                try:
-                    job = self._load_executor.submit(tier.load, keys, token_ids_per_page, out)
-                except BaseException:
+            try:
+                job = self._load_executor.submit(tier.load, keys, token_ids_per_page, *([] if out is None else [out]))
+            except BaseException:
+                if out is not None:
                     landing.end_load()
-                    raise
-                # on the job, not on the awaiting task: a load that timed out goes on writing into the pages until
-                # its thread returns, and only then may they be released
+                raise
+            if out is not None:
+                # on the job, not on the awaiting task: a load that timed out goes on writing into the pages until its
+                # thread returns, and only then may they be released
                 job.add_done_callback(lambda _: landing.end_load())
             tensors = await asyncio.wait_for(asyncio.wrap_future(job), self.tier_timeout_s)
         except asyncio.TimeoutError:

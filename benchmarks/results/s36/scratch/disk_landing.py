@@ -14,9 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from benchmarks.kv_sources import engine_config, ensure_model, page_template, random_pages, tokens
-from replica.engine import build_engine
-from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
+from benchmarks.disk_load import stored_prefixes
 from replica.tiers import arrow_file
 
 
@@ -26,17 +24,9 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    ensure_model()
-    reader = build_engine(engine_config(args, "reader"))
-    page_format = page_format_of(reader)
-    template = page_template(reader, tokens(2048, seed=0), 128)
     folder = tempfile.mkdtemp(prefix="s36-disk-landing-")
     try:
-        (disk,) = build_tiers(page_format, redis_url=None, disk_cache_dir=folder, disk_budget_bytes=4 << 30)
-        keys, slices, pages = random_pages(reader, template, tokens(2048, seed=50), 128)
-        PrefixFetcher(page_format, tiers=[disk]).store(pages)
-        disk.flush(30)
+        reader, page_format, disk, [(keys, slices)] = stored_prefixes(args.dtype, 2048, 1, folder)
         paths = [disk._path_of(disk.page_id(key)) for key in keys]
         outs = [torch.empty(page_format.kv_shape, dtype=getattr(torch, page_format.dtype)) for _ in keys]
         runner = reader.runner
