@@ -40,6 +40,7 @@ from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import build_engine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
+from replica.landing import LandingPages
 from common.types import EngineRequest
 from replica.page_record import PageRecord
 from replica.peer_copy import PeerExportRequest, ServePeerClient, bundle_pages, unbundle_pages
@@ -231,6 +232,10 @@ def main(argv=None) -> int:
         if landing:
             for name in ("Redis (TCP)", "Redis (unix socket)", "disk"):
                 results[f"{name}, into pool pages"] = []
+        peer_landing = "landing" in inspect.signature(ServePeerClient.fetch).parameters and not args.tiers_only
+        if peer_landing:
+            for name in ("peer (shared memory)", "peer (TCP page stream)"):
+                results[f"{name}, into pool pages"] = []
         cpu = {name: [] for name in results}
         peers = {}
         if args.tiers_only:
@@ -275,6 +280,16 @@ def main(argv=None) -> int:
                 cpu[name].append(time.thread_time() - cpu_start)
                 assert len(got) == len(keys), name
                 del got
+            for name in ("peer (shared memory)", "peer (TCP page stream)") if peer_landing else ():
+                # since session 37 the engine's path: copied / received straight into the pages (landing.py)
+                views = [reader.runner.read_page(page_id) for page_id in range(len(keys))]
+                start, cpu_start = time.perf_counter(), time.thread_time()
+                got = loop.run_until_complete(peers[name].fetch(
+                    "holder", keys, LandingPages(list(range(len(keys))), views, lambda _: None)))
+                results[f"{name}, into pool pages"].append(time.perf_counter() - start)
+                cpu[f"{name}, into pool pages"].append(time.thread_time() - cpu_start)
+                assert len(got) == len(keys) and all(page.landing_page is not None for page in got), name
+                del got
             for name, tier in (("Redis (TCP)", host), ("Redis (unix socket)", host_unix), ("disk", disk)):
                 start, cpu_start = time.perf_counter(), time.thread_time()
                 loaded = tier.load(keys, slices)
@@ -294,7 +309,8 @@ def main(argv=None) -> int:
         base = med(results["recompute"])
         num_bytes = len(keys) * page_format.page_num_bytes
         print(f"\n{len(keys)} pages = {num_bytes / 2**20:.1f} MiB; effective GB/s = bytes / median wall time "
-              "(fetch + verify + decrypt + write into the pool); CPU = the reading thread's time.thread_time")
+              "(fetch + verify + decrypt + write into the pool); CPU = the calling thread's time.thread_time "
+              "(work on the sources' own threads is not in it: a peer copy, a disk load, half of a Redis load)")
         print(f"\n| source ({args.prefix_len}-token prefix, {len(keys)} pages, {args.dtype}) | median | min | "
               "speed-up vs recompute | effective GB/s | reader thread CPU median | GB/s per CPU-second |")
         print("|---|---|---|---|---|---|---|")

@@ -101,6 +101,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, fetcher: PrefixFetcher | None = None) -> None:
         self.engine = engine
         self.fetcher = fetcher
+        if fetcher is not None:  # pages a peer copied into landing pages are read back by key for the tiers
+            fetcher.read_back = engine.export_pages_concurrently
         if fetcher is not None and fetcher.tiers and engine.enable_prefix_caching:
             engine.page_sink = fetcher.on_computed
             engine.retention_sink = fetcher.on_retention
@@ -269,12 +271,15 @@ class AsyncEngine:
         return plan, fetch_plan
 
     def _reserve_landing(self, fetch: SharedFetch, keep: list) -> None:
-        """Engine thread: pool pages for ``fetch`` to decrypt its pages into, if a shared tier is its first source
-        (not a peer: its pages come in tensors of their own) and the pool can spare them (``LLMEngine.reserve_landing``;
-        ``keep``: the request's local hit)."""
+        """Engine thread: pool pages for ``fetch`` to write its pages into, if its first source can (a shared tier
+        decrypts into them; a peer's shared memory is copied, or its page stream received, into them: not a peer
+        asked through Ray) and the pool can spare them (``LLMEngine.reserve_landing``; ``keep``: the request's local
+        hit)."""
         fetcher = self.fetcher
-        if (not fetcher.tiers or (fetcher.peer_client is not None and fetch.peer_hint
-                                  and fetch.peer_hint != fetcher.own_replica_id)):
+        if fetcher.peer_client is not None and fetch.peer_hint and fetch.peer_hint != fetcher.own_replica_id:
+            if not fetcher.copies_into_pool(fetch.peer_hint):
+                return
+        elif not fetcher.tiers:
             return
         in_flight = sum(len(landing.page_ids) for landing in self._landings)
         if in_flight + len(fetch.keys) > self.engine.kv.num_pages // 2:

@@ -39,7 +39,7 @@ from typing import Callable, Protocol, Sequence
 from common.page_format import PageFormat
 from common.page_keys import PageKey
 from common.types import FETCH_SOURCES, CacheSource, SourceStats
-from replica.landing import LandingPages
+from replica.landing import LandingPages, submit_into
 from replica.page_record import PageRecord
 from replica.tiers.base import KVTier, RetentionUpdate, StoredPage
 from replica.tiers.seal import TierKey
@@ -55,6 +55,17 @@ class PeerClient(Protocol):
     it may raise on any transport failure (the fetcher catches and falls back)."""
 
     async def fetch(self, peer_id: str, keys: Sequence[PageKey]) -> list[PageRecord]:
+        ...
+
+
+class PoolCopyingPeerClient(PeerClient, Protocol):
+    """A peer client that can write a peer's pages straight into pool pages (replica/peer_copy.py)."""
+
+    def copies_into_pool(self, peer_id: str) -> bool:
+        ...
+
+    async def fetch(self, peer_id: str, keys: Sequence[PageKey], landing: LandingPages | None = None
+                    ) -> list[PageRecord]:
         ...
 
 
@@ -85,6 +96,10 @@ class PrefixFetcher:
         self._known_lock = threading.Lock()
         self._key_to_known_until: collections.OrderedDict[PageKey, float] = collections.OrderedDict()
         self._background: set[asyncio.Future] = set()
+        self.read_back: Callable[[list[PageKey]], list[PageRecord]] | None = None
+        """Copies of the leading pages of the keys this replica has cached, from any thread (the engine's
+        ``export_pages_concurrently``): how pages a peer copied into pool pages are read for the tiers later, when
+        those pool pages may hold other KV. Without it a peer's pages come in tensors of their own."""
         self._load_executor = concurrent.futures.ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-tier-fetch")
         """Tier loads run on these few threads, not on whichever of the event loop's: the pages' memory then goes back
         to these threads' malloc arenas and the next load reuses it, already mapped in (a load's 32 MiB of fresh
@@ -93,6 +108,11 @@ class PrefixFetcher:
     @property
     def enabled(self) -> bool:
         return bool(self.tiers or self.peer_client)
+
+    def copies_into_pool(self, peer_id: str) -> bool:
+        """True if a fetch from ``peer_id`` would copy its pages straight into landing pages (``fetch``)."""
+        copies = getattr(self.peer_client, "copies_into_pool", None)
+        return copies is not None and (self.read_back is not None or not self.tiers) and copies(peer_id)
 
     async def fetch(
         self,
@@ -110,14 +130,21 @@ class PrefixFetcher:
         reused, so they are written to the tiers: at once, or, given ``defer_store``, by a callable appended to it
         that the caller runs on the event loop when it likes (after the first token: sealing and sending them
         would take CPU from the prefill that waits for them). ``use_tiers=False``: the peer only. ``landing``: pool
-        pages reserved for ``keys`` (replica/landing.py): the tiers decrypt into them, and the records say so."""
+        pages reserved for ``keys`` (replica/landing.py): the tiers decrypt into them, a peer's copy writes into them
+        when its path can (``copies_into_pool``), and the records say so."""
         pages: list[PageRecord] = []
         if self.peer_client is not None and peer_hint and peer_hint != self.own_replica_id:
-            pages.extend(await self._fetch_from_peer(peer_hint, keys, token_ids_per_page))
+            into_pool = landing if self.copies_into_pool(peer_hint) else None
+            pages.extend(await self._fetch_from_peer(peer_hint, keys, token_ids_per_page, into_pool))
             if pages and self.tiers:  # off the request's path: the copies for the writers run on a worker thread
                 copied = list(pages)
-                store = functools.partial(self._store_in_background,
-                                          [page for page in copied if not self._is_known(page.key)], parent_key, copied)
+                wanted = [page for page in copied if not self._is_known(page.key)]
+                if any(page.landing_page is not None for page in copied):
+                    # pool pages the request adopts: by the time this runs they may hold other KV, so they are read
+                    # back by key (a page evicted meanwhile is only a write lost)
+                    store = functools.partial(self._store_read_back, [page.key for page in wanted], parent_key, copied)
+                else:
+                    store = functools.partial(self._store_in_background, wanted, parent_key, copied)
                 if defer_store is None:
                     store()
                 else:
@@ -131,11 +158,12 @@ class PrefixFetcher:
             pages.extend(loaded)
         return pages
 
-    async def _fetch_from_peer(self, peer_id, keys, token_ids_per_page) -> list[PageRecord]:
+    async def _fetch_from_peer(self, peer_id, keys, token_ids_per_page,
+                               landing: LandingPages | None = None) -> list[PageRecord]:
         stats = self.source_to_stats[CacheSource.PEER]
         started = time.perf_counter()
         try:
-            raw = await self.peer_client.fetch(peer_id, keys)
+            raw = await self.peer_client.fetch(peer_id, keys, *([] if landing is None else [landing]))
         except Exception as exc:  # noqa: BLE001 - a peer failure means "recompute", never a failed request
             stats.errors += 1
             logger.warning("peer copy from %s failed (%s: %s); falling back to the shared tiers", peer_id,
@@ -162,19 +190,10 @@ class PrefixFetcher:
         errors_before = tier.stats().errors
         failed = False
         out = None
-        if landing is not None and first + len(keys) <= len(landing.views) and landing.begin_load():
-            out = landing.views[first : first + len(keys)]
         try:  # no separate ``lookup``: a load stops at the first miss, and one round trip fewer is what matters here
-            try:
-                job = self._load_executor.submit(tier.load, keys, token_ids_per_page, *([] if out is None else [out]))
-            except BaseException:
-                if out is not None:
-                    landing.end_load()
-                raise
-            if out is not None:
-                # on the job, not on the awaiting task: a load that timed out goes on writing into the pages until its
-                # thread returns, and only then may they be released
-                job.add_done_callback(lambda _: landing.end_load())
+            job, out = submit_into(self._load_executor,
+                                   lambda out: tier.load(keys, token_ids_per_page, *([] if out is None else [out])),
+                                   landing, first, len(keys))
             tensors = await asyncio.wait_for(asyncio.wrap_future(job), self.tier_timeout_s)
         except asyncio.TimeoutError:
             failed = True
@@ -242,16 +261,23 @@ class PrefixFetcher:
                              chain: Sequence[PageRecord]) -> None:
         """``_store_chain`` on a worker thread (the tiers copy the pages before queueing them: ~1 ms per MiB that the
         request need not wait for). Never raises; a failure is logged."""
-        if not pages:
-            return
+        if pages:
+            self._in_background(lambda: self._store_chain(pages, parent_key, chain))
 
-        def store() -> None:
+    def _store_read_back(self, keys: list[PageKey], parent_key: PageKey | None, chain: Sequence[PageRecord]) -> None:
+        """``_store_in_background`` of the pages ``keys`` as this replica caches them now (``read_back``: the leading
+        run of them still cached)."""
+        if keys:
+            self._in_background(lambda: self._store_chain(self.read_back(keys), parent_key, chain))
+
+    def _in_background(self, store: Callable[[], None]) -> None:
+        def run() -> None:
             try:
-                self._store_chain(pages, parent_key, chain)
+                store()
             except Exception:  # noqa: BLE001 - a lost tier write is only a lost cache entry
                 logger.exception("queueing copied pages for the shared tiers failed")
 
-        task = asyncio.get_running_loop().run_in_executor(None, store)
+        task = asyncio.get_running_loop().run_in_executor(None, run)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -1,4 +1,5 @@
-"""Landing pages: pool pages a shared-tier fetch decrypts its pages into, so that no copy into the pool follows.
+"""Landing pages: pool pages a fetch writes its pages into (a shared tier decrypts into them, a peer on this node is
+copied into them out of its shared memory), so that no copy into the pool follows.
 
 A page loaded from Redis or the disk tier used to be decrypted into a fresh tensor and then copied into the pool page
 the scheduler gave it at admission: the copy was a third pass over the bytes (4.7 ms of a 16-page, 32 MiB load's
@@ -14,6 +15,16 @@ request adopts them at admission::
                            the page's); a record it does not use (the local hit grew) gives its reference back
     abort while queued     the request's references go back (Scheduler.finish)
 
+The same holds for a peer (since session 37) whose pages come by a path that can write them (``ServePeerClient.
+copies_into_pool``): on this node ``PoolReader.copy`` copies them out of its shared memory into the landing pages
+(replica/shared_pool.py); on another node ``StreamClient.fetch`` receives its page stream into them run by run
+(replica/page_stream.py). Both used to fill fresh tensors that were then copied into the pool at admission. A peer
+asked through Ray's object store (the first ask, or no stream) brings tensors of its own: no pages are reserved for
+it. A peer's pages are also written to the shared tiers after the first token, when the landing pages may hold other
+KV already (the request finished, the pages were evicted and reused): that write reads them back by key
+(``PrefixFetcher.read_back``: what is cached under the key then, or nothing), never through the records. So a write
+can be lost (the request went away before admission, or only its first pages are cached yet): only a cache entry.
+
 A page is never handed to anyone else while a load may still write into it: the fetch's reference goes back only when
 both the fetch is done with (``drop``) and every load into the pages has returned (``end_load``; a load that timed
 out keeps running on its thread). Pages a load did not fill (a miss, a rejected entry) are only ever released.
@@ -21,6 +32,7 @@ out keeps running on its thread). Pages a load did not fill (a miss, a rejected 
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from typing import Callable, Sequence
 
@@ -79,6 +91,26 @@ class LandingPages:
 
     def __repr__(self) -> str:
         return f"LandingPages({self.page_ids}, loads={self._num_loads}, dropped={self._dropped})"
+
+
+def submit_into(executor: concurrent.futures.Executor, load: Callable[[list | None], object],
+                landing: LandingPages | None, first: int, count: int) -> tuple[concurrent.futures.Future, list | None]:
+    """Run ``load(out)`` on ``executor``: ``out`` is ``landing``'s views ``first .. first + count`` when they may be
+    written (``begin_load``), else None (the load makes tensors of its own). The views count as being written until the
+    job returns, not until its caller stops waiting (a load that timed out goes on writing on its thread). Returns the
+    job and ``out``."""
+    out = None
+    if landing is not None and first + count <= len(landing.views) and landing.begin_load():
+        out = landing.views[first : first + count]
+    try:
+        job = executor.submit(load, out)
+    except BaseException:
+        if out is not None:
+            landing.end_load()
+        raise
+    if out is not None:
+        job.add_done_callback(lambda _: landing.end_load())
+    return job, out
 
 
 def landing_page_ids(pages) -> list[int]:

@@ -5,7 +5,8 @@ the holder's copy of the pages into a new array, Ray storing it, the object's tr
 16 MiB on this project's 2-core box, of which the round trip alone is 3 ms and the copy and ``ray.put`` 5-7 ms
 (``benchmarks/kv_breakdown.py --object-store``, BENCHMARKS.md 0i). Here the holder writes the pages' bytes from its
 pool onto a TCP connection (``sendmsg`` of each page's per-layer K and V slices: no copy in the holder's process) and
-the receiver reads them into an array per page, which the engine writes into its pool as it does a host bundle's::
+the receiver reads them into an array per page, which the engine writes into its pool as it does a host bundle's, or,
+given landing pages (replica/landing.py), straight into its pool pages, run by run::
 
     receiver                                              holder (StreamServer: an accept thread, a thread per peer)
       first fetch: export_pages through Ray       ---->
@@ -58,6 +59,7 @@ import torch
 from common.page_format import DTYPE_NAME_TO_NUMPY, dtype_name
 from common.page_keys import KEY_NUM_BYTES, PageKey
 from replica.pool_socket import PeerServer, receive_exactly, receive_into
+from replica.tiers.codec import writable_runs
 
 logger = logging.getLogger(__name__)
 
@@ -267,16 +269,18 @@ class StreamClient:
         """Where callers on an event loop run ``fetch`` (blocking reads off the event loop)."""
         self.slots = PageSlots()
 
-    def fetch(self, location: StreamLocation, keys: list[PageKey]):
+    def fetch(self, location: StreamLocation, keys: list[PageKey], out: list[torch.Tensor] | None = None):
         """(keys, token_ids, pages, dtype) of the leading pages of ``keys`` the holder held and still held after
         sending them: ``pages`` are numpy arrays [layers, 2, page size, kv heads, head dim] of the dtype's bits, one per
-        page, in reused memory (``PageSlots``). Raises ``OSError`` / ``ConnectionError`` on any failure."""
+        page, in reused memory (``PageSlots``); or, given ``out`` (tensors of that shape and dtype: pool pages, replica/
+        landing.py), page i is received straight into ``out[i]``, which is returned. Raises ``OSError`` /
+        ``ConnectionError`` on any failure."""
         if len(keys) > MAX_KEYS or any(len(key) != KEY_NUM_BYTES for key in keys):
             raise ValueError(f"at most {MAX_KEYS} page keys of {KEY_NUM_BYTES} bytes")
         sock = self._connection(location)
         try:
             sock.sendall(_HEADER.pack(REQUEST_MAGIC, len(keys)) + b"".join(keys))
-            answer = self._read_answer(sock, keys)
+            answer = self._read_answer(sock, keys, out)
         except BaseException:
             sock.close()
             raise
@@ -296,7 +300,7 @@ class StreamClient:
         for sock in idle:
             sock.close()
 
-    def _read_answer(self, sock: socket.socket, keys: list[PageKey]):
+    def _read_answer(self, sock: socket.socket, keys: list[PageKey], out: list[torch.Tensor] | None = None):
         magic, num_pages, num_tokens, dtype_code, *page_shape = _ANSWER_HEADER.unpack(
             _receive(sock, _ANSWER_HEADER.size))
         if magic != ANSWER_MAGIC:
@@ -323,10 +327,16 @@ class StreamClient:
         token_ids = [flat[bounds[index]:bounds[index + 1]] for index in range(num_pages)]
         layers, two, page_size, heads, dim = page_shape
         name = dtype_name(dtype)
-        pages = [self.slots.take((layers, two, page_size, heads, dim), DTYPE_NAME_TO_NUMPY[name])
-                 for _ in range(num_pages)]
-        for page in pages:
-            if not receive_into(sock, memoryview(page).cast("B")):
+        if out is not None and len(out) >= num_pages and all(
+                tuple(view.shape) == tuple(page_shape) and view.dtype == dtype for view in out[:num_pages]):
+            pages = out[:num_pages]  # a pool page is 2 x layers runs: each received where it belongs
+            buffers = [run for page in pages for run in writable_runs(page)]
+        else:
+            pages = [self.slots.take((layers, two, page_size, heads, dim), DTYPE_NAME_TO_NUMPY[name])
+                     for _ in range(num_pages)]
+            buffers = [memoryview(page).cast("B") for page in pages]
+        for buffer in buffers:
+            if not receive_into(sock, buffer):
                 raise ConnectionError("the holder closed the connection mid-answer")
         (num_valid,) = _VALID.unpack(_receive(sock, _VALID.size))
         if num_valid > num_pages:

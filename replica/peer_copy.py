@@ -19,6 +19,7 @@ holder's memory, the host bundle above is used (a copy on the holder, the object
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -32,6 +33,7 @@ from common.page_format import dtype_name
 from common.page_keys import PageKey
 from common.types import CacheSource
 from replica.cuda_ipc import CudaIpcBundle, IpcTarget, PeerRelease, local_ipc_target, open_bundle
+from replica.landing import LandingPages, submit_into
 from replica.page_record import PageRecord
 from replica.page_stream import StreamClient, StreamLocation
 from replica.pool_socket import ExportClient
@@ -195,8 +197,16 @@ class ServePeerClient:
             self._handle = serve.get_deployment_handle(self.deployment_name, self.app_name)
         return self._handle
 
-    async def fetch(self, peer_id: str, keys) -> list[PageRecord]:
-        pages = await self._ask_stream(peer_id, list(keys))
+    def copies_into_pool(self, peer_id: str) -> bool:
+        """True if pages from ``peer_id`` come by a path that can write them straight into pool pages (``fetch``'s
+        ``landing``): a copy out of its shared memory (its export socket is known) or its page stream."""
+        return self.device.type == "cpu" and (peer_id in self._export_sockets or peer_id in self._streams)
+
+    async def fetch(self, peer_id: str, keys, landing: LandingPages | None = None) -> list[PageRecord]:
+        """The leading pages of ``keys`` that ``peer_id`` holds. ``landing``: pool pages reserved for them
+        (replica/landing.py): a copy out of the peer's shared memory or its page stream writes into those (the
+        records say so); Ray's object store and CUDA IPC bring tensors of their own."""
+        pages = await self._ask_stream(peer_id, list(keys), landing)
         if pages is not None:
             self.transport_stats.pages["tcp"] += len(pages)
             return pages
@@ -211,8 +221,7 @@ class ServePeerClient:
                 self._streams[peer_id] = bundle.stream
         if isinstance(bundle, SharedPoolBundle):
             try:  # one copy of ~5 GB/s: off the event loop, on the reader's own thread
-                pages = await asyncio.get_running_loop().run_in_executor(self.pool_reader.executor,
-                                                                         self.pool_reader.copy_pages, bundle)
+                pages = await self.pool_reader.copy(bundle, landing)
             except Exception as exc:  # noqa: BLE001 - e.g. another pid namespace: take the host path
                 logger.warning("copying from %s's shared pool failed (%s); copying through the object store",
                                peer_id, exc)
@@ -257,17 +266,22 @@ class ServePeerClient:
         self.transport_stats.socket_exports += 1
         return SharedPoolBundle(found, token_ids, page_ids, generations, location)
 
-    async def _ask_stream(self, peer_id: str, keys: list[PageKey]) -> list[PageRecord] | None:
+    async def _ask_stream(self, peer_id: str, keys: list[PageKey],
+                          landing: LandingPages | None = None) -> list[PageRecord] | None:
         """The pages the holder sends over its page stream, or None (no stream known, or it failed: then forgotten).
-        The blocking reads run on the stream client's own thread, like a shared-pool copy."""
+        The blocking reads run on the stream client's own thread, like a shared-pool copy; into ``landing``'s pool
+        pages when they may be written."""
         location = self._streams.get(peer_id)
         if location is None:
             return None
+        out = None
         try:
-            found, token_ids, arrays, dtype = await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(self.stream_client.executor, self.stream_client.fetch,
-                                                           location, keys), timeout=self.timeout_s)
+            job, out = submit_into(self.stream_client.executor,
+                                   functools.partial(self.stream_client.fetch, location, keys), landing, 0, len(keys))
+            found, token_ids, arrays, dtype = await asyncio.wait_for(asyncio.wrap_future(job), timeout=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - gone, restarted, timed out, a port not open: ask through Ray
+            if out is not None and isinstance(exc, asyncio.TimeoutError):
+                landing.writable = False  # the read may go on writing into the pages: the next source may not
             logger.warning("the page stream of %s at %s failed (%r); asking through Ray for %.0f s", peer_id,
                            location, exc, SOCKET_RETRY_S)
             self.transport_stats.stream_failures += 1
@@ -276,8 +290,10 @@ class ServePeerClient:
             return None
         self.transport_stats.stream_exports += 1
         dtype = getattr(torch, dtype)
-        return [PageRecord(key, tuple(tokens), torch.from_numpy(array).view(dtype), CacheSource.PEER)
-                for key, tokens, array in zip(found, token_ids, arrays)]
+        return [PageRecord(key, tuple(tokens), array, CacheSource.PEER, landing_page=landing.page_ids[index])
+                if out is not None and array is out[index] else
+                PageRecord(key, tuple(tokens), torch.from_numpy(array).view(dtype), CacheSource.PEER)
+                for index, (key, tokens, array) in enumerate(zip(found, token_ids, arrays))]
 
     def close(self) -> None:
         """Close the idle connections to holders' export sockets and page streams."""

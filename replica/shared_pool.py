@@ -13,15 +13,16 @@ one generation counter per page after the KV. A peer on the same node copies the
                                                               generations: a page whose generation moved is dropped,
                                                               with the pages after it
 
-One copy of each byte on the receiver, none on the holder, nothing through Ray's object store (whose copies and waits
-took 20-90 ms for 32 MiB here, benchmarks/kv_sources.py), and no pin or lease: the holder's engine never waits for a
-receiver. That is safe because of the export index's rule (replica/export_index.py): a published page's KV does not
-change while its key is published, and the engine withdraws a key before it hands the page out again. ``withdraw``
-now also increments the page's generation, under the same lock, before the page can be written. The receiver reads the
-generation after its copy: if it still equals the one in the answer, the key was not withdrawn before the copy ended,
-so no byte it copied was overwritten (x86-64 keeps both sides' stores and loads in program order; elsewhere the locks
-and thread hand-offs on both sides order them). A page that moved is not an error: the fetch stops there and the
-request gets the rest from the tiers or recomputes it.
+One copy of each byte on the receiver (given landing pages, replica/landing.py, straight into its own pool pages; else
+into fresh tensors, then into the pool at admission), none on the holder, nothing through Ray's object store (whose
+copies and waits took 20-90 ms for 32 MiB here, benchmarks/kv_sources.py), and no pin or lease: the holder's engine
+never waits for a receiver. That is safe because of the export index's rule (replica/export_index.py): a published
+page's KV does not change while its key is published, and the engine withdraws a key before it hands the page out
+again. ``withdraw`` now also increments the page's generation, under the same lock, before the page can be written. The
+receiver reads the generation after its copy: if it still equals the one in the answer, the key was not withdrawn
+before the copy ended, so no byte it copied was overwritten (x86-64 keeps both sides' stores and loads in program
+order; elsewhere the locks and thread hand-offs on both sides order them). A page that moved is not an error: the fetch
+stops there and the request gets the rest from the tiers or recomputes it.
 
 Who may read: the file is the holder's open descriptor, reached as ``/proc/<pid>/fd/<fd>``, which only processes of
 the same user (with ptrace-read rights over the holder) can open; nothing is left on any file system, and the memory
@@ -36,9 +37,11 @@ store between them.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import mmap
@@ -55,6 +58,7 @@ from common.page_format import DTYPE_NAME_TO_NUMPY, dtype_name
 from common.page_keys import PageKey
 from common.types import CacheSource
 from replica.cuda_ipc import host_id
+from replica.landing import LandingPages, submit_into
 from replica.page_record import PageRecord
 from replica.page_stream import StreamLocation, StreamServer
 from replica.pool_socket import ExportServer
@@ -234,13 +238,31 @@ class PoolReader:
         self.num_stale_pages = 0
         """Pages dropped because the holder reused them while they were copied (or before)."""
 
-    def copy_pages(self, bundle: SharedPoolBundle) -> list[PageRecord]:
-        """The leading pages of ``bundle`` whose generation held through the copy, as tensors owned here. Raises
-        ``OSError`` / ``ValueError`` if the holder's pool cannot be opened or is not the one the bundle names."""
+    async def copy(self, bundle: SharedPoolBundle, landing: LandingPages | None = None) -> list[PageRecord]:
+        """``copy_pages`` on this reader's thread, into ``landing``'s pool pages when they may be written (their
+        records then name them: ``PageRecord.landing_page``; replica/landing.py)."""
+        job, out = submit_into(self.executor, functools.partial(self.copy_pages, bundle), landing, 0, bundle.num_pages)
+        pages = await asyncio.wrap_future(job)
+        if out is None:
+            return pages
+        return [dataclasses.replace(page, landing_page=landing.page_ids[index]) if page.kv is out[index] else page
+                for index, page in enumerate(pages)]
+
+    def copy_pages(self, bundle: SharedPoolBundle, out: list[torch.Tensor] | None = None) -> list[PageRecord]:
+        """The leading pages of ``bundle`` whose generation held through the copy, as tensors owned here, or written
+        into ``out[i]`` for page i when ``out`` has a page of the holder's shape and dtype for each (else tensors of
+        their own: the caller's check of the pages refuses them). Raises ``OSError`` / ``ValueError`` if the holder's
+        pool cannot be opened or is not the one the bundle names."""
         if not bundle.num_pages:
             return []
         kv, generations = self._mapped(bundle.location)
-        copies = [kv[:, :, page_id].clone() for page_id in bundle.page_ids]
+        if out is not None and len(out) >= bundle.num_pages and all(
+                view.shape == kv.shape[:2] + kv.shape[3:] and view.dtype == kv.dtype for view in out[: bundle.num_pages]):
+            copies = out[: bundle.num_pages]  # straight into the receiver's pool pages: one pass over the bytes
+            for view, page_id in zip(copies, bundle.page_ids):
+                view.copy_(kv[:, :, page_id])
+        else:
+            copies = [kv[:, :, page_id].clone() for page_id in bundle.page_ids]
         now = generations[bundle.page_ids].tolist()  # after the copies: see the module docstring
         num_valid = 0
         while num_valid < len(copies) and now[num_valid] == bundle.generations[num_valid]:

@@ -17,6 +17,8 @@ from replica.async_engine import AsyncEngine
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
 from replica.kv_sources import PrefixFetcher, build_tiers, page_format_of
+from replica.landing import LandingPages
+from replica.shared_pool import PoolReader
 from common.types import CacheSource, EngineRequest, TierStats
 from replica.tiers.base import KVTier
 from replica.tiers.seal import TierKey
@@ -592,7 +594,6 @@ def test_a_tier_load_that_times_out_keeps_its_landing_pages_until_its_thread_ret
     """A load past ``tier_timeout_s`` goes on writing into the pages it was given: the fetch's next tier does not get
     them, and they go back only once the late load has returned."""
     from common.page_format import PageFormat
-    from replica.landing import LandingPages
 
     fmt = PageFormat(model_fingerprint="fp", dtype="float32", page_size=128, num_layers=1, num_kv_heads=1,
                      head_dim=4)
@@ -767,3 +768,103 @@ def test_landing_pages_held_by_queued_requests_go_back_when_the_head_of_the_queu
     assert outputs == {"cold": tiny.generate(cold, NUM_OUT), "warm": tiny.generate(second, NUM_OUT)}
     assert engine.scheduler.num_landing_pages_detached == PREFIX_PAGES
     assert engine.kv.num_pages_in_use == 0
+
+
+class SameNodePeerClient(LocalPeerClient):
+    """The same-node transport without Ray: the holder names its pages in its pool's shared memory (``share_pages``)
+    and the reader copies them out with ``PoolReader``, into landing pages when given some (what ``ServePeerClient``
+    does once it knows the holder's export socket)."""
+
+    def __init__(self, peers: dict) -> None:
+        super().__init__(peers)
+        self.reader = PoolReader()
+
+    def copies_into_pool(self, peer_id):
+        return True
+
+    async def fetch(self, peer_id, keys, landing=None):
+        self.num_calls += 1
+        bundle = await self.peers[peer_id].share_pages(list(keys))
+        return await self.reader.copy(bundle, landing)
+
+
+def test_a_peer_on_the_same_node_copies_into_pool_pages_that_the_request_adopts(tiny, prompts, tmp_path):
+    """A request whose prefix a peer on this node holds: the engine reserves pool pages as it plans the fetch, the
+    copy out of the peer's shared memory writes into them, and the request puts them in its page table: no copy into
+    the pool, the same tokens, bit-identical KV, every reference back; the pages are written to the tier after the
+    first token, read back by key: the tier's copy is the holder's KV."""
+    first, second = prompts
+    holder = make_async_engine(tiny, "A", write_policy="reused")
+    client = SameNodePeerClient({"A": holder})
+    reader = make_async_engine(tiny, "B", disk_dir=str(tmp_path / "disk"), peer_client=client,
+                               write_policy="reused")
+    try:
+        asyncio.run(ask(holder, first, "a"))
+        writes = CountingWrites(reader.engine.runner)
+        reservations = reserved_pages(reader)
+        tokens, cached = asyncio.run(ask(reader, second, "b", peer_hint="A"))
+        assert tokens == tiny.generate(second, NUM_OUT) and cached.peer == PREFIX_PAGES * 128
+        assert client.num_calls == 1 and len(reservations) == 1 and len(reservations[0]) == PREFIX_PAGES
+        assert writes.page_ids == []
+        keys = reader.engine.page_keys(second)[:PREFIX_PAGES]
+        assert [reader.engine.kv.cache.lookup(key) for key in keys] == reservations[0]
+        for key in keys:
+            assert torch.equal(page_kv(reader, key), page_kv(holder, key))
+        wait_for_no_pages_in_use(reader)
+        deadline = time.monotonic() + 10
+        while reader.fetcher._background and time.monotonic() < deadline:
+            time.sleep(0.01)
+        flush(reader)
+        tier = reader.fetcher.tiers[0]
+        assert tier.stats().pages_stored == PREFIX_PAGES
+        slices = [second[i * 128:(i + 1) * 128] for i in range(PREFIX_PAGES)]
+        for key, kv in zip(keys, tier.load(keys, slices)):
+            assert torch.equal(kv, page_kv(holder, key))
+    finally:
+        holder.shutdown()
+        reader.shutdown()
+
+
+def test_pages_a_peer_copied_into_pool_pages_are_written_as_cached_when_the_write_runs(tiny, prompts, tmp_path):
+    """The tier write of a peer's pages runs after the first token; landing pages may hold other KV by then (the
+    request finished, the pages were evicted and reused). So the write reads the pages back by key: what is cached
+    under them then, or nothing. Here the landing pages are overwritten with NaN before the write runs."""
+    first, _ = prompts
+    holder = make_async_engine(tiny, "A", write_policy="reused")
+    try:
+        asyncio.run(ask(holder, first, "a"))
+        keys = holder.engine.page_keys(first)[:PREFIX_PAGES]
+        tokens_per_page = [first[i * 128:(i + 1) * 128] for i in range(PREFIX_PAGES)]
+        fmt = holder.fetcher.page_format
+        pool = torch.zeros((fmt.kv_shape[0], 2, PREFIX_PAGES + 2, *fmt.kv_shape[2:]), dtype=holder.engine.runner.dtype)
+
+        def fetch_then_store(read_back, directory):
+            tiers = build_tiers(fmt, redis_url=None, disk_cache_dir=str(tmp_path / directory),
+                                disk_budget_bytes=1 << 30, tier_key=TIER_KEY)
+            fetcher = PrefixFetcher(fmt, tiers=tiers, peer_client=SameNodePeerClient({"A": holder}),
+                                    own_replica_id="C")
+            fetcher.read_back = read_back
+            targets = [3, 0, 4]
+            landing = LandingPages(targets, [pool[:, :, page_id] for page_id in targets], lambda _: None)
+            later: list = []
+
+            async def run():
+                pages = await fetcher.fetch(keys, tokens_per_page, peer_hint="A", defer_store=later, landing=landing)
+                assert [page.landing_page for page in pages] == targets
+                pool.fill_(float("nan"))  # the pages went back and hold other KV now
+                later.pop()()
+                await asyncio.gather(*fetcher._background)
+
+            asyncio.run(run())
+            assert tiers[0].flush(timeout=10)
+            stored = tiers[0].load(keys, tokens_per_page)
+            fetcher.close()
+            return stored
+
+        stored = fetch_then_store(holder.engine.export_pages_concurrently, "cached")
+        assert len(stored) == PREFIX_PAGES
+        for key, kv in zip(keys, stored):
+            assert torch.equal(kv, page_kv(holder, key))
+        assert fetch_then_store(lambda wanted: [], "evicted") == []  # no longer cached: nothing written
+    finally:
+        holder.shutdown()

@@ -247,3 +247,65 @@ def test_receive_slots_are_reused_only_once_nothing_refers_to_the_page_received_
     assert again.ctypes.data == address  # back once the last view went
     beyond = [slots.take((4, 4), "<f4") for _ in range(3)]  # over max_bytes: plain arrays, never kept
     assert slots._kept_bytes == 3 * 64 and all(page.shape == (4, 4) for page in beyond)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_peer_on_another_node_receives_pages_straight_into_its_pool_pages(tiny, dtype):
+    """Landing pages (replica/landing.py) across nodes: the page stream's bytes are received into the receiver's pool
+    pages run by run; each record is the page it wrote and names it; no other byte of the receiver's pool changes;
+    pages of another shape or dtype get slots of their own instead."""
+    from replica.landing import LandingPages
+
+    pool = SharedPool((3, 2, 6, 8, 2, 4), dtype)
+    pool.kv.copy_(torch.randn(pool.kv.shape).to(dtype))
+    keys = [bytes([n + 1]) * 32 for n in range(3)]
+    page_ids = [4, 1, 5]
+
+    def answer(asked):
+        held = [key for key, _ in zip(keys, asked)]
+        ids = page_ids[:len(held)]
+        return pool.bundle(held, [[n] for n in range(len(held))], ids, pool.generations[ids].tolist())
+
+    pool.serve_stream(answer, "127.0.0.1")
+    client = StreamClient(timeout_s=10)
+    receiver = torch.full((3, 2, 7, 8, 2, 4), 5.0, dtype=dtype)
+    before = receiver.clone()
+    targets = [6, 0, 3]
+    views = [receiver[:, :, page_id] for page_id in targets]
+    found, _tokens, pages, _dtype = client.fetch(pool.stream_location, keys, views)
+    assert found == keys and all(page is view for page, view in zip(pages, views))
+    for n, page_id in enumerate(targets):
+        assert torch.equal(receiver[:, :, page_id], pool.kv[:, :, page_ids[n]])
+    assert torch.equal(receiver[:, :, [1, 2, 4, 5]], before[:, :, [1, 2, 4, 5]])
+
+    other_dtype = torch.zeros((3, 2, 7, 8, 2, 4), dtype=torch.float16)
+    other_shape = torch.zeros((3, 2, 7, 8, 1, 4), dtype=dtype)  # one KV head instead of two
+    for other in (other_dtype, other_shape):
+        _found, _tokens, pages, _dtype = client.fetch(pool.stream_location, keys, [other[:, :, n] for n in targets])
+        assert len(pages) == 3 and all(not isinstance(page, torch.Tensor) for page in pages) and not other.any()
+
+    # through the peer client: the records name the landing pages; released only once the fetch drops them
+    holder, holder_pool = streaming_holder(tiny, prompt(2 * PAGE + 3, seed=41))
+    peer = ServePeerClient("unused", "unused", timeout_s=10, handle=HostBundleHandle(holder, holder_pool))
+    peer.node_id = None
+    holder_keys = holder.page_keys(prompt(2 * PAGE + 3, seed=41))
+    pool_kv = torch.zeros((holder.runner.kv_cache.shape[0], 2, 4, *holder.runner.kv_cache.shape[3:]),
+                          dtype=holder.runner.kv_cache.dtype)
+    released = []
+    landing = LandingPages([2, 0], [pool_kv[:, :, 2], pool_kv[:, :, 0]], released.append)
+
+    async def scenario():
+        await peer.fetch("holder", holder_keys)  # learns the stream through the handle
+        assert peer.copies_into_pool("holder")
+        return await peer.fetch("holder", holder_keys, landing)
+
+    got = asyncio.run(scenario())
+    assert [page.landing_page for page in got] == [2, 0] and peer.transport_stats.pages["tcp"] == 2
+    want = holder.export_pages(holder_keys)
+    assert all(torch.equal(page.kv, theirs.kv) and page.kv is view for page, theirs, view in
+               zip(got, want, landing.views))
+    assert released == []
+    landing.drop()
+    assert released == [landing]
+    peer.close()
+    pool.close()

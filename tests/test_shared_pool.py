@@ -390,3 +390,58 @@ def test_the_export_server_keeps_accepting_after_a_failed_accept_and_the_client_
         asyncio.run(asyncio.wait_for(client.ask(name, os.getpid(), keys), timeout=10))
     thread.join(timeout=10)
     listener.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_peer_copies_into_the_receiver_s_pool_pages_and_nothing_else(dtype):
+    """Landing pages (replica/landing.py) on the same node: the receiver copies a holder's pages straight into pool
+    pages of its own; each record is the page it wrote and names it; no other byte of the receiver's pool changes; a
+    page reused during the copy ends the run there; given pages of another shape or dtype, or too few, it copies into
+    tensors of its own (and names no page)."""
+    from replica.landing import LandingPages
+
+    index = ExportIndex()
+    pool = SharedPool((2, 2, 4, 8, 1, 4), dtype)
+    index.generations = pool.generations
+    pool.kv.copy_(torch.randn(pool.kv.shape).to(dtype))
+    keys = [bytes([n + 1]) * 32 for n in range(4)]
+    for page_id, key in enumerate(keys):
+        index.publish(key, page_id, (page_id,))
+    found, generations = index.published_prefix(keys)
+    bundle = pool.bundle([page.key for page in found], [page.token_ids for page in found],
+                         [page.page_id for page in found], generations)
+    receiver = torch.full((2, 2, 6, 8, 1, 4), 7.0, dtype=dtype)
+    before = receiver.clone()
+    targets = [4, 0, 5, 2]
+    released = []
+    landing = LandingPages(targets, [receiver[:, :, page_id] for page_id in targets], released.append)
+    reader = PoolReader()
+
+    copied = asyncio.run(reader.copy(bundle, landing))
+    assert [page.key for page in copied] == keys and [page.landing_page for page in copied] == targets
+    assert all(page.kv is view for page, view in zip(copied, landing.views))
+    for n, page_id in enumerate(targets):
+        assert torch.equal(receiver[:, :, page_id], pool.kv[:, :, n])
+    assert torch.equal(receiver[:, :, [1, 3]], before[:, :, [1, 3]])
+    assert released == []  # the copy returned, but the fetch still holds them
+    landing.drop()
+    assert released == [landing]
+    assert asyncio.run(reader.copy(bundle, landing))[0].landing_page is None  # released: tensors of its own
+
+    index.withdraw(keys[2])  # reused since the answer: the run ends before it
+    receiver.copy_(before)
+    assert [page.key for page in reader.copy_pages(bundle, [receiver[:, :, page_id] for page_id in targets])] == \
+        keys[:2]
+    index.publish(keys[2], 2, (2,))
+    bundle = pool.bundle(keys, [(n,) for n in range(4)], list(range(4)), pool.generations[:4].tolist())
+    other_dtype = torch.zeros((2, 2, 6, 8, 1, 4), dtype=torch.float16)
+    other_shape = torch.zeros((2, 2, 6, 4, 1, 4), dtype=dtype)  # half the page size
+    for out in ([other_dtype[:, :, page_id] for page_id in targets],
+                [other_shape[:, :, page_id] for page_id in targets],
+                [receiver[:, :, page_id] for page_id in targets[:3]]):
+        landing = LandingPages(targets[: len(out)], out, released.append)
+        copied = asyncio.run(reader.copy(bundle, landing))
+        assert [page.key for page in copied] == keys and all(page.landing_page is None for page in copied)
+        assert all(torch.equal(page.kv, pool.kv[:, :, n]) for n, page in enumerate(copied))
+    assert not other_dtype.any() and not other_shape.any()
+    pool.close()

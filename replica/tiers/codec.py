@@ -199,6 +199,12 @@ def writable_bytes(tensor: torch.Tensor):
     return [whole[offset : offset + run] for offset in offsets]
 
 
+def writable_runs(tensor: torch.Tensor) -> list[memoryview]:
+    """``writable_bytes`` as a list of byte memoryviews (one for a contiguous tensor)."""
+    found = writable_bytes(tensor)
+    return found if isinstance(found, list) else [memoryview(found).cast("B")]
+
+
 @functools.lru_cache(maxsize=64)
 def _run_offsets(shape: tuple[int, ...], strides: tuple[int, ...], element_size: int) -> tuple[tuple[int, ...], int]:
     """Byte offsets from the first element of the contiguous runs of a tensor laid out so, in order, and a run's
