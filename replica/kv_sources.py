@@ -52,20 +52,11 @@ logger = logging.getLogger(__name__)
 
 class PeerClient(Protocol):
     """Copies pages from another replica. ``fetch`` returns the leading pages the peer holds (verified by the caller);
-    it may raise on any transport failure (the fetcher catches and falls back)."""
+    it may raise on any transport failure (the fetcher catches and falls back). A client that can write a peer's pages
+    straight into pool pages also has ``copies_into_pool(peer_id) -> bool`` and takes ``fetch(peer_id, keys,
+    landing)`` (replica/peer_copy.py, replica/landing.py)."""
 
     async def fetch(self, peer_id: str, keys: Sequence[PageKey]) -> list[PageRecord]:
-        ...
-
-
-class PoolCopyingPeerClient(PeerClient, Protocol):
-    """A peer client that can write a peer's pages straight into pool pages (replica/peer_copy.py)."""
-
-    def copies_into_pool(self, peer_id: str) -> bool:
-        ...
-
-    async def fetch(self, peer_id: str, keys: Sequence[PageKey], landing: LandingPages | None = None
-                    ) -> list[PageRecord]:
         ...
 
 

@@ -1,5 +1,5 @@
-"""Landing pages: pool pages a fetch writes its pages into (a shared tier decrypts into them, a peer on this node is
-copied into them out of its shared memory), so that no copy into the pool follows.
+"""Landing pages: pool pages a fetch writes its pages into (a shared tier decrypts into them, a peer's pages are
+copied or received into them), so that no copy into the pool follows.
 
 A page loaded from Redis or the disk tier used to be decrypted into a fresh tensor and then copied into the pool page
 the scheduler gave it at admission: the copy was a third pass over the bytes (4.7 ms of a 16-page, 32 MiB load's
