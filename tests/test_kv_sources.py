@@ -492,6 +492,19 @@ def read_what_the_holder_stored(holder, reader, first, second):
     return writes, reservations, tokens, cached
 
 
+def assert_adopted_landing_pages(holder, reader, prompt, writes, reservations):
+    """The reader reserved the prefix's pages once, wrote none into its pool, caches the prefix in the reserved pages
+    with the holder's KV, and has every reference back. Returns the prefix's keys."""
+    assert len(reservations) == 1 and len(reservations[0]) == PREFIX_PAGES
+    assert writes.page_ids == []
+    keys = reader.engine.page_keys(prompt)[:PREFIX_PAGES]
+    assert [reader.engine.kv.cache.lookup(key) for key in keys] == reservations[0]
+    for key in keys:
+        assert torch.equal(page_kv(reader, key), page_kv(holder, key))
+    wait_for_no_pages_in_use(reader)
+    return keys
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_tier_pages_are_decrypted_into_pool_pages_that_the_request_adopts(tiny, prompts, tmp_path, redis_server, tier):
     """A request whose prefix is in a shared tier (no peer): the engine reserves pool pages as it plans the fetch,
@@ -505,13 +518,7 @@ def test_tier_pages_are_decrypted_into_pool_pages_that_the_request_adopts(tiny, 
         writes, reservations, tokens, cached = read_what_the_holder_stored(holder, reader, first, second)
         assert tokens == tiny.generate(second, NUM_OUT)
         assert cached.as_dict()[tier] == PREFIX_PAGES * 128
-        assert len(reservations) == 1 and len(reservations[0]) == PREFIX_PAGES
-        assert writes.page_ids == []
-        keys = reader.engine.page_keys(second)[:PREFIX_PAGES]
-        assert [reader.engine.kv.cache.lookup(key) for key in keys] == reservations[0]
-        for key in keys:
-            assert torch.equal(page_kv(reader, key), page_kv(holder, key))
-        wait_for_no_pages_in_use(reader)
+        assert_adopted_landing_pages(holder, reader, second, writes, reservations)
     finally:
         holder.shutdown()
         reader.shutdown()
@@ -804,13 +811,8 @@ def test_a_peer_on_the_same_node_copies_into_pool_pages_that_the_request_adopts(
         reservations = reserved_pages(reader)
         tokens, cached = asyncio.run(ask(reader, second, "b", peer_hint="A"))
         assert tokens == tiny.generate(second, NUM_OUT) and cached.peer == PREFIX_PAGES * 128
-        assert client.num_calls == 1 and len(reservations) == 1 and len(reservations[0]) == PREFIX_PAGES
-        assert writes.page_ids == []
-        keys = reader.engine.page_keys(second)[:PREFIX_PAGES]
-        assert [reader.engine.kv.cache.lookup(key) for key in keys] == reservations[0]
-        for key in keys:
-            assert torch.equal(page_kv(reader, key), page_kv(holder, key))
-        wait_for_no_pages_in_use(reader)
+        assert client.num_calls == 1
+        keys = assert_adopted_landing_pages(holder, reader, second, writes, reservations)
         deadline = time.monotonic() + 10
         while reader.fetcher._background and time.monotonic() < deadline:
             time.sleep(0.01)

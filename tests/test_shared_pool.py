@@ -75,18 +75,25 @@ def test_a_peer_copies_shared_pages_bit_exact_and_drops_them_once_reused(tiny):
     assert reader.copy_pages(again) == []
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_page_reused_while_it_is_copied_ends_the_run_there(dtype):
+def publish_every_page(pool: SharedPool):
+    """An export index over ``pool`` with page i published under key i + 1: (index, keys, found, the holder's answer
+    for them)."""
     index = ExportIndex()
-    pool = SharedPool((1, 2, 4, 8, 1, 4), dtype)
     index.generations = pool.generations
-    pool.kv.copy_(torch.arange(pool.kv.numel(), dtype=torch.float32).view(pool.kv.shape).to(dtype))
-    keys = [bytes([n + 1]) * 32 for n in range(4)]
+    keys = [bytes([n + 1]) * 32 for n in range(pool.kv.shape[2])]
     for page_id, key in enumerate(keys):
         index.publish(key, page_id, (page_id,))
     found, generations = index.published_prefix(keys)
     bundle = pool.bundle([page.key for page in found], [page.token_ids for page in found],
                          [page.page_id for page in found], generations)
+    return index, keys, found, bundle
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_page_reused_while_it_is_copied_ends_the_run_there(dtype):
+    pool = SharedPool((1, 2, 4, 8, 1, 4), dtype)
+    pool.kv.copy_(torch.arange(pool.kv.numel(), dtype=torch.float32).view(pool.kv.shape).to(dtype))
+    index, keys, found, bundle = publish_every_page(pool)
     reader = PoolReader()
     kv, gens = reader._mapped(bundle.location)
 
@@ -400,16 +407,9 @@ def test_a_peer_copies_into_the_receiver_s_pool_pages_and_nothing_else(dtype):
     tensors of its own (and names no page)."""
     from replica.landing import LandingPages
 
-    index = ExportIndex()
     pool = SharedPool((2, 2, 4, 8, 1, 4), dtype)
-    index.generations = pool.generations
     pool.kv.copy_(torch.randn(pool.kv.shape).to(dtype))
-    keys = [bytes([n + 1]) * 32 for n in range(4)]
-    for page_id, key in enumerate(keys):
-        index.publish(key, page_id, (page_id,))
-    found, generations = index.published_prefix(keys)
-    bundle = pool.bundle([page.key for page in found], [page.token_ids for page in found],
-                         [page.page_id for page in found], generations)
+    index, keys, _found, bundle = publish_every_page(pool)
     receiver = torch.full((2, 2, 6, 8, 1, 4), 7.0, dtype=dtype)
     before = receiver.clone()
     targets = [4, 0, 5, 2]
