@@ -29,6 +29,7 @@ from replica.page_record import PageRecord
 from replica.peer_copy import (PeerExportRequest, ServePeerClient, bundle_pages,
                                unbundle_pages)
 from common.types import SamplingParams
+from test_kv_sources import CountingWrites, reserved_pages
 
 PAGE_SIZE = 128
 NUM_OUT = 8
@@ -168,14 +169,11 @@ def test_prefix_copied_from_a_replica_in_another_process(tiny_llama_dir, referen
             handle.call("generate", other + prompt(11, seed=5))
             third = other + prompt(13, seed=6)
             engine = receiver.engine.engine  # and copies into pool pages it reserved (landing pages), none after
-            writes, reservations = [], []
-            write_page, reserve = engine.runner.write_page, engine.reserve_landing
-            engine.runner.write_page = lambda page_id, kv: (writes.append(page_id), write_page(page_id, kv))
-            engine.reserve_landing = lambda *args: reservations.append(reserve(*args)) or reservations[-1]
+            writes, reservations = CountingWrites(engine.runner), reserved_pages(receiver.engine)
             tokens, cached = asyncio.run(ask(receiver, third, "receiver-request-2", peer_hint="holder"))
             assert tokens == reference_tokens(third)
             assert cached == {"local": 0, "peer": 2 * PAGE_SIZE, "host": 0, "disk": 0}
-            assert writes == [] and len(reservations) == 1 and len(reservations[0]) == 2
+            assert writes.page_ids == [] and len(reservations) == 1 and len(reservations[0]) == 2
             assert [engine.kv.cache.lookup(key) for key in engine.page_keys(third)[:2]] == reservations[0]
             assert handle.calls.count("export_pages") == exports
             assert client.transport_stats.socket_exports >= 1 and client.transport_stats.socket_failures == 0
