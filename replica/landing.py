@@ -4,7 +4,7 @@ copied or received into them), so that no copy into the pool follows.
 A page loaded from Redis or the disk tier used to be decrypted into a fresh tensor and then copied into the pool page
 the scheduler gave it at admission: the copy was a third pass over the bytes (4.7 ms of a 16-page, 32 MiB load's
 22 ms on a 2-core EPYC; BENCHMARKS.md 0za). Now the engine thread reserves the pool pages when it plans the fetch,
-the load decrypts straight into them (``codec.writable_bytes``: a page of the pool is 2 x layers runs), and the
+the load decrypts straight into them (``writable_bytes``: a page of the pool is 2 x layers runs), and the
 request adopts them at admission::
 
     plan (engine thread)   reserve_landing: n pages allocated (refcount 1, held by the fetch), local hits kept
@@ -33,6 +33,8 @@ out keeps running on its thread). Pages a load did not fill (a miss, a rejected 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import functools
 import threading
 from typing import Callable, Sequence
 
@@ -116,3 +118,44 @@ def submit_into(executor: concurrent.futures.Executor, load: Callable[[list | No
 def landing_page_ids(pages) -> list[int]:
     """The landing pages of ``pages`` (``PageRecord``s), in order."""
     return [page.landing_page for page in pages if page.landing_page is not None]
+
+
+def writable_bytes(tensor: torch.Tensor):
+    """``tensor``'s memory as what ``TierKey.open_into`` writes: one buffer if it is contiguous, else its contiguous
+    runs in order (a page of the KV pool ``[layers, 2, page_size, kv_heads, head_dim]`` is a view of
+    ``[layers, 2, num_pages, ...]``: 2 x layers runs of ``page_size x kv_heads x head_dim`` elements; decrypting there
+    spares the copy into the pool). ValueError for a layout whose innermost dimension is strided."""
+    if tensor.is_contiguous():
+        return tensor.view(-1).view(torch.uint8).numpy()
+    if tensor.device.type != "cpu":
+        raise ValueError("not a CPU tensor")
+    offsets, run = _run_offsets(tuple(tensor.shape), tensor.stride(), tensor.element_size())
+    # one buffer over the tensor's span (it lives as long as ``tensor``, which the caller holds), sliced per run
+    span = (ctypes.c_char * (offsets[-1] + run)).from_address(tensor.data_ptr())
+    whole = memoryview(span).cast("B")
+    return [whole[offset : offset + run] for offset in offsets]
+
+
+def writable_runs(tensor: torch.Tensor) -> list[memoryview]:
+    """``writable_bytes`` as a list of byte memoryviews (one for a contiguous tensor)."""
+    found = writable_bytes(tensor)
+    return found if isinstance(found, list) else [memoryview(found).cast("B")]
+
+
+@functools.lru_cache(maxsize=64)
+def _run_offsets(shape: tuple[int, ...], strides: tuple[int, ...], element_size: int) -> tuple[tuple[int, ...], int]:
+    """Byte offsets from the first element of the contiguous runs of a tensor laid out so, in order, and a run's
+    bytes (computed once per layout: a pool's pages all share one)."""
+    if strides[-1] != 1:
+        raise ValueError(f"the innermost dimension is strided ({strides})")
+    if any(stride < 0 for stride in strides):
+        raise ValueError(f"negative strides ({strides})")
+    inner, run = len(shape), 1  # shape[inner:] lies contiguously
+    while inner > 0 and (shape[inner - 1] == 1 or strides[inner - 1] == run):
+        inner -= 1
+        run *= shape[inner]
+    offsets = [0]
+    for dim in range(inner - 1, -1, -1):
+        step = strides[dim] * element_size
+        offsets = [i * step + offset for i in range(shape[dim]) for offset in offsets]
+    return tuple(offsets), run * element_size

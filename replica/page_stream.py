@@ -58,8 +58,8 @@ import torch
 
 from common.page_format import DTYPE_NAME_TO_NUMPY, dtype_name
 from common.page_keys import KEY_NUM_BYTES, PageKey
+from replica.landing import writable_runs
 from replica.pool_socket import PeerServer, receive_exactly, receive_into
-from replica.tiers.codec import writable_runs
 
 logger = logging.getLogger(__name__)
 

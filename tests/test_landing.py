@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from replica.landing import LandingPages
-from replica.tiers.codec import RejectedEntry, decode_blob, encode_blob, writable_bytes
+from replica.landing import LandingPages, writable_bytes
+from replica.tiers.codec import RejectedEntry, decode_blob, encode_blob
 from replica.tiers.seal import SealError, TierKey, new_nonce
 from test_tiers import make_format, make_pages
 

@@ -17,8 +17,6 @@ The disk tier keeps the same header in the Arrow schema metadata and the sealed 
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import struct
 import sys
@@ -31,6 +29,7 @@ import msgpack
 import torch
 
 from common.page_format import PageFormat
+from replica.landing import writable_bytes
 from replica.tiers.base import StoredPage
 from replica.tiers.seal import NONCE_BYTES, TAG_BYTES, SealError, TierKey, new_nonce
 
@@ -181,47 +180,6 @@ def new_page_tensors(page_format: PageFormat, num_pages: int) -> list[torch.Tens
     itself (16 float32 pages: 0.8 against 2.5 GB/s)."""
     dtype = getattr(torch, page_format.dtype)
     return [torch.empty(page_format.kv_shape, dtype=dtype) for _ in range(num_pages)]
-
-
-def writable_bytes(tensor: torch.Tensor):
-    """``tensor``'s memory as what ``TierKey.open_into`` writes: one buffer if it is contiguous, else its contiguous
-    runs in order (a page of the KV pool ``[layers, 2, page_size, kv_heads, head_dim]`` is a view of
-    ``[layers, 2, num_pages, ...]``: 2 x layers runs of ``page_size x kv_heads x head_dim`` elements; decrypting there
-    spares the copy into the pool). ValueError for a layout whose innermost dimension is strided."""
-    if tensor.is_contiguous():
-        return tensor.view(-1).view(torch.uint8).numpy()
-    if tensor.device.type != "cpu":
-        raise ValueError("not a CPU tensor")
-    offsets, run = _run_offsets(tuple(tensor.shape), tensor.stride(), tensor.element_size())
-    # one buffer over the tensor's span (it lives as long as ``tensor``, which the caller holds), sliced per run
-    span = (ctypes.c_char * (offsets[-1] + run)).from_address(tensor.data_ptr())
-    whole = memoryview(span).cast("B")
-    return [whole[offset : offset + run] for offset in offsets]
-
-
-def writable_runs(tensor: torch.Tensor) -> list[memoryview]:
-    """``writable_bytes`` as a list of byte memoryviews (one for a contiguous tensor)."""
-    found = writable_bytes(tensor)
-    return found if isinstance(found, list) else [memoryview(found).cast("B")]
-
-
-@functools.lru_cache(maxsize=64)
-def _run_offsets(shape: tuple[int, ...], strides: tuple[int, ...], element_size: int) -> tuple[tuple[int, ...], int]:
-    """Byte offsets from the first element of the contiguous runs of a tensor laid out so, in order, and a run's
-    bytes (computed once per layout: a pool's pages all share one)."""
-    if strides[-1] != 1:
-        raise ValueError(f"the innermost dimension is strided ({strides})")
-    if any(stride < 0 for stride in strides):
-        raise ValueError(f"negative strides ({strides})")
-    inner, run = len(shape), 1  # shape[inner:] lies contiguously
-    while inner > 0 and (shape[inner - 1] == 1 or strides[inner - 1] == run):
-        inner -= 1
-        run *= shape[inner]
-    offsets = [0]
-    for dim in range(inner - 1, -1, -1):
-        step = strides[dim] * element_size
-        offsets = [i * step + offset for i in range(shape[dim]) for offset in offsets]
-    return tuple(offsets), run * element_size
 
 
 LOAD_WORKERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))

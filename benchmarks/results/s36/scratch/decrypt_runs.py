@@ -7,7 +7,7 @@ pages), one-shot then the copy into the pool (before). Medians of 40 rounds.
 import os, time, statistics, torch
 from concurrent.futures import ThreadPoolExecutor
 from replica.tiers.seal import TierKey, new_nonce
-from replica.tiers.codec import writable_bytes
+from replica.landing import writable_bytes
 for dtype in (torch.bfloat16, torch.float32):
     L,P,H,D = 8,128,4,64
     pool = torch.zeros(L,2,128,P,H,D,dtype=dtype)
