@@ -675,7 +675,9 @@ def test_a_plan_holds_landing_pages_it_took_from_a_queued_request_that_then_goes
         await ask(holder, long_prompt, "h")
         flush(holder)
         tier.load = gated_load
-        blocker = asyncio.ensure_future(collect(reader, random_prompt(40, seed=62), "blocker", 60))
+        # the blocker runs until the checks below are done (cancelled then): one that ended by itself on a fast box
+        # let r1 be admitted before it was aborted, so r2 found r1's pages cached locally
+        blocker = asyncio.ensure_future(collect(reader, random_prompt(40, seed=62), "blocker", 2000))
         await until(lambda: reader._call(lambda: len(reader.engine.scheduler.running) == 1))
         r1 = asyncio.ensure_future(ask(reader, short_prompt, "r1"))
         await until(lambda: _eq(waiting(), [("r1", 3)]))
