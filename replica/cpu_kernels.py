@@ -2,8 +2,9 @@
 
 ``prefill_attention`` is the prefill half: one call per prompt chunk and layer attends the chunk's tokens to their
 whole context, cached runs and own tokens, with one running softmax, on AMX tiles where the CPU has them
-(bfloat16, ``csrc/amx_attention.cpp``) and on AVX2 + FMA vectors in float32 (``csrc/prefill_attention.cpp``); the
-sources say how.
+(bfloat16, ``csrc/amx_attention.cpp``) and on AVX2 + FMA vectors in float32, 512-bit ones with AVX-512
+(``csrc/prefill_attention.cpp``; 1.5x the AVX2 build's speed on the Zen 5 EPYC, BENCHMARKS.md 0zd); the sources say
+how.
 
 ``decode_attention`` is the decode half of the CPU paged attention (``replica.paged_attention._attend_segments``):
 one call per layer attends every decode row of the step to its context where it lies in the pool, in one pass per
@@ -168,7 +169,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     context: the keys are the pool slots of ``runs`` [R, 2] int64 (first slot, length) in order, the last ``tokens``
     of them the chunk's own tokens (causal). Contiguous; ``k_cache`` / ``v_cache`` are a layer's pool
     [slots, kv_heads, head_dim]. bfloat16 of head size 32, 64 or 128 runs on AMX tiles where the CPU has them
-    (``has_amx``); float32 on AVX2 vectors (``has_vector_prefill``); bfloat16 elsewhere by AVX512-BF16 pair dot
+    (``has_amx``); float32 on AVX2 or AVX-512 vectors (``has_vector_prefill``); bfloat16 elsewhere by AVX512-BF16 pair dot
     products where the CPU has them (``has_bf16_dot``), else widened to float32 as it is read."""
     if query.dtype == torch.bfloat16 and query.shape[-1] in AMX_HEAD_SIZES and has_amx():
         torch.ops.prefixserve_cpu.prefill_attention(query, k_cache, v_cache, runs, scale, out)

@@ -1,4 +1,4 @@
-// Prefill attention in float32 on AVX2 + FMA vectors (any x86-64 CPU of the last decade; the AMX kernel in
+// Prefill attention in float32 on AVX2 + FMA vectors, 512-bit ones where the CPU has AVX-512 (the AMX kernel in
 // amx_attention.cpp covers bfloat16 where the CPU has AMX tiles): one prompt chunk's query tokens against their whole
 // context, the cached part and the chunk's own tokens (causal), wherever its pages lie in the pool. See
 // replica/cpu_kernels.py (``prefill_attention``). bfloat16 on a CPU without AMX comes here too: with AVX512-BF16 (e.g. a
@@ -11,14 +11,16 @@
 // 64 new tokens after 2048 cached ones, where one flash call on contiguous keys takes ~4.4 ms.
 //
 // Here one pass per (kv head, 16 query rows) keeps a single running softmax over every key, read in place from the
-// pool. Both products are computed transposed, so that each 8-float vector holds one key's (or one head dim's) value
-// for 8 of the rows and the softmax needs no horizontal reductions:
+// pool. Both products are computed transposed, so that each vector (``V16``: one 512-bit register with AVX-512, two
+// 8-float halves on AVX2) holds one key's (or one head dim's) value for the 16 rows and the softmax needs no
+// horizontal reductions:
 //
 //   S^T = K Q^T     Q^T (head dim x 16 rows, pre-scaled by scale * log2(e)) packed once per item; each key's dims
-//                   are broadcast from the pool, 6 keys x 2 row vectors of running sums at a time (12 registers)
+//                   are broadcast from the pool, kTile keys of running sums at a time (AVX-512: 8 registers;
+//                   AVX2: 6 keys x 2 halves, 12 registers)
 //   softmax         per block of up to 64 keys: elementwise maximum over the keys, exp2 by a polynomial (degree 6,
 //                   relative error ~1e-7), the running sums and O^T rescaled when a row's maximum moves
-//   O^T += V^T P^T  each key's values broadcast from the pool, 6 head dims x 2 row vectors at a time
+//   O^T += V^T P^T  each key's values broadcast from the pool, kTile head dims at a time
 //
 // Query rows are (token, query head of the kv head) pairs, so the query heads sharing a kv head (GQA) read its keys
 // once. An item is one kv head and up to 8 blocks of 16 rows: each block of 64 keys and values is attended by all of the
@@ -70,6 +72,71 @@ inline __m256 exp2_8(__m256 t) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), keep);
 }
 
+#if defined(__AVX512F__)
+inline __m512 exp2_16(__m512 t) {  // 2^t as exp2_8, 16 floats; t below -126 gives exactly 0
+  const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
+  for (int k = 1; k < 7; ++k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[k]));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+
+// The float32 kernel's vector: the 16 rows of a row block. One 512-bit register with AVX-512 (on the Zen 5 EPYC the
+// AVX2 build of this kernel ran at 221 GFLOP/s on two cores, half of what its 512-bit FMA units give), else two 8-float
+// halves. kTile: the keys (or head dims) of one register tile, accumulated side by side.
+constexpr int kTile = 8;
+struct V16 {
+  __m512 v;
+  static V16 zero() { return {_mm512_setzero_ps()}; }
+  static V16 all(float x) { return {_mm512_set1_ps(x)}; }
+  static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V16 operator+(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 operator-(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V16 operator*(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 operator/(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline V16 exp2v(V16 t) { return {exp2_16(t.v)}; }
+inline V16 hidden_from(V16 s, float at, V16 limit) {  // kNoScore in the rows whose limit is at most ``at``
+  return {_mm512_mask_mov_ps(s.v, _mm512_cmp_ps_mask(_mm512_set1_ps(at), limit.v, _CMP_GE_OQ),
+                             _mm512_set1_ps(kNoScore))};
+}
+inline bool differs(V16 a, float x) { return _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(x), _CMP_NEQ_UQ) != 0; }
+#else
+constexpr int kTile = 6;  // 6 x 2 halves: 12 of the 16 AVX2 registers
+struct V16 {
+  __m256 lo, hi;
+  static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V16 all(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+};
+inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 operator+(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 operator-(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V16 operator*(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 operator/(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 exp2v(V16 t) { return {exp2_8(t.lo), exp2_8(t.hi)}; }
+inline V16 hidden_from(V16 s, float at, V16 limit) {  // kNoScore in the rows whose limit is at most ``at``
+  const __m256 position = _mm256_set1_ps(at), none = _mm256_set1_ps(kNoScore);
+  return {_mm256_blendv_ps(s.lo, none, _mm256_cmp_ps(position, limit.lo, _CMP_GE_OQ)),
+          _mm256_blendv_ps(s.hi, none, _mm256_cmp_ps(position, limit.hi, _CMP_GE_OQ))};
+}
+inline bool differs(V16 a, float x) {
+  const __m256 value = _mm256_set1_ps(x);
+  return _mm256_movemask_ps(_mm256_cmp_ps(a.lo, value, _CMP_NEQ_UQ)) |
+         _mm256_movemask_ps(_mm256_cmp_ps(a.hi, value, _CMP_NEQ_UQ));
+}
+#endif
+
 // bfloat16 <-> float32: a bfloat16 is the top half of a float32; float32 -> bfloat16 rounds to nearest even (as torch)
 inline float bf16_to_f32(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -110,50 +177,37 @@ struct Chunk {
   bool bf16;
 };
 
-// S^T for N (<= 6) consecutive keys at ``key`` (pool rows ``slot_stride`` apart) against the item's 16 rows
+// S^T for N (<= kTile) consecutive keys at ``key`` (pool rows ``slot_stride`` apart) against the item's 16 rows
 template <int N>
 inline void scores(const float* key, int64_t slot_stride, const float* qt, int64_t head_dim, float* st) {
-  __m256 acc[N][2];
-  for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+  V16 acc[N];
+  for (int n = 0; n < N; ++n) acc[n] = V16::zero();
   for (int64_t d = 0; d < head_dim; ++d) {
-    const __m256 q0 = _mm256_loadu_ps(qt + d * kRows), q1 = _mm256_loadu_ps(qt + d * kRows + 8);
-    for (int n = 0; n < N; ++n) {
-      const __m256 kb = _mm256_broadcast_ss(key + n * slot_stride + d);
-      acc[n][0] = _mm256_fmadd_ps(kb, q0, acc[n][0]);
-      acc[n][1] = _mm256_fmadd_ps(kb, q1, acc[n][1]);
-    }
+    const V16 q = V16::load(qt + d * kRows);
+    for (int n = 0; n < N; ++n) acc[n] = fmadd(V16::all(key[n * slot_stride + d]), q, acc[n]);
   }
-  for (int n = 0; n < N; ++n) {
-    _mm256_storeu_ps(st + n * kRows, acc[n][0]);
-    _mm256_storeu_ps(st + n * kRows + 8, acc[n][1]);
-  }
+  for (int n = 0; n < N; ++n) acc[n].store(st + n * kRows);
 }
 
 // O^T[d .. d+N) += V^T P^T over ``count`` consecutive keys at ``value`` (head dims d.. of each)
 template <int N>
 inline void values(const float* value, int64_t slot_stride, const float* pt, int64_t count, float* ot) {
-  __m256 acc[N][2];
-  for (int n = 0; n < N; ++n) {
-    acc[n][0] = _mm256_loadu_ps(ot + n * kRows);
-    acc[n][1] = _mm256_loadu_ps(ot + n * kRows + 8);
-  }
+  V16 acc[N];
+  for (int n = 0; n < N; ++n) acc[n] = V16::load(ot + n * kRows);
   for (int64_t j = 0; j < count; ++j) {
-    const __m256 p0 = _mm256_loadu_ps(pt + j * kRows), p1 = _mm256_loadu_ps(pt + j * kRows + 8);
+    const V16 p = V16::load(pt + j * kRows);
     const float* vj = value + j * slot_stride;
-    for (int n = 0; n < N; ++n) {
-      const __m256 vb = _mm256_broadcast_ss(vj + n);
-      acc[n][0] = _mm256_fmadd_ps(vb, p0, acc[n][0]);
-      acc[n][1] = _mm256_fmadd_ps(vb, p1, acc[n][1]);
-    }
+    for (int n = 0; n < N; ++n) acc[n] = fmadd(V16::all(vj[n]), p, acc[n]);
   }
-  for (int n = 0; n < N; ++n) {
-    _mm256_storeu_ps(ot + n * kRows, acc[n][0]);
-    _mm256_storeu_ps(ot + n * kRows + 8, acc[n][1]);
-  }
+  for (int n = 0; n < N; ++n) acc[n].store(ot + n * kRows);
 }
 
 void scores_any(int n, const float* key, int64_t stride, const float* qt, int64_t dim, float* st) {
   switch (n) {
+#if defined(__AVX512F__)
+    case 8: scores<8>(key, stride, qt, dim, st); break;
+    case 7: scores<7>(key, stride, qt, dim, st); break;
+#endif
     case 6: scores<6>(key, stride, qt, dim, st); break;
     case 5: scores<5>(key, stride, qt, dim, st); break;
     case 4: scores<4>(key, stride, qt, dim, st); break;
@@ -165,6 +219,10 @@ void scores_any(int n, const float* key, int64_t stride, const float* qt, int64_
 
 void values_any(int n, const float* value, int64_t stride, const float* pt, int64_t count, float* ot) {
   switch (n) {
+#if defined(__AVX512F__)
+    case 8: values<8>(value, stride, pt, count, ot); break;
+    case 7: values<7>(value, stride, pt, count, ot); break;
+#endif
     case 6: values<6>(value, stride, pt, count, ot); break;
     case 5: values<5>(value, stride, pt, count, ot); break;
     case 4: values<4>(value, stride, pt, count, ot); break;
@@ -202,7 +260,7 @@ struct RowBlock {
 struct Rows : RowBlock {
   float* qt;  // [dim, 16], rows past the chunk zero
   float* ot;  // [dim, 16]
-  __m256 m0, m1, l0, l1;
+  V16 m, l;
 };
 
 void start_rows(const Chunk& c, int64_t h, int64_t first, float* qt, float* ot, Rows& s) {
@@ -219,8 +277,8 @@ void start_rows(const Chunk& c, int64_t h, int64_t first, float* qt, float* ot, 
       qt[d * kRows + i] = (c.bf16 ? bf16_to_f32(static_cast<const uint16_t*>(c.query)[at + d])
                                   : static_cast<const float*>(c.query)[at + d]) * factor;
   }
-  s.m0 = s.m1 = _mm256_set1_ps(kNoScore);
-  s.l0 = s.l1 = _mm256_setzero_ps();
+  s.m = V16::all(kNoScore);
+  s.l = V16::zero();
 }
 
 // ``count`` consecutive keys at ``key`` / ``value``, the context's ``position``-th onwards, into one row block's state
@@ -228,58 +286,39 @@ void start_rows(const Chunk& c, int64_t h, int64_t first, float* qt, float* ot, 
 void attend_block(const Chunk& c, Rows& s, const float* key, const float* value, int64_t stride, int64_t count,
                   int64_t position, float* pt) {
   const int64_t dim = c.head_dim;
-  for (int64_t j = 0; j < count; j += 6)
-    scores_any(static_cast<int>(std::min<int64_t>(6, count - j)), key + j * stride, stride, s.qt, dim,
+  for (int64_t j = 0; j < count; j += kTile)
+    scores_any(static_cast<int>(std::min<int64_t>(kTile, count - j)), key + j * stride, stride, s.qt, dim,
                pt + j * kRows);
-  const __m256 limit0 = _mm256_load_ps(s.limit), limit1 = _mm256_load_ps(s.limit + 8);
-  __m256 b0 = _mm256_set1_ps(kNoScore), b1 = b0;
+  const V16 limit = V16::load(s.limit);
+  V16 top = V16::all(kNoScore);
   const bool masked = position + count > s.min_limit;
   for (int64_t j = 0; j < count; ++j) {
-    __m256 s0 = _mm256_load_ps(pt + j * kRows), s1 = _mm256_load_ps(pt + j * kRows + 8);
+    V16 row = V16::load(pt + j * kRows);
     if (masked) {
-      const __m256 at = _mm256_set1_ps(static_cast<float>(position + j));
-      s0 = _mm256_blendv_ps(s0, _mm256_set1_ps(kNoScore), _mm256_cmp_ps(at, limit0, _CMP_GE_OQ));
-      s1 = _mm256_blendv_ps(s1, _mm256_set1_ps(kNoScore), _mm256_cmp_ps(at, limit1, _CMP_GE_OQ));
-      _mm256_store_ps(pt + j * kRows, s0);
-      _mm256_store_ps(pt + j * kRows + 8, s1);
+      row = hidden_from(row, static_cast<float>(position + j), limit);
+      row.store(pt + j * kRows);
     }
-    b0 = _mm256_max_ps(b0, s0);
-    b1 = _mm256_max_ps(b1, s1);
+    top = vmax(top, row);
   }
-  const __m256 n0 = _mm256_max_ps(s.m0, b0), n1 = _mm256_max_ps(s.m1, b1);
-  const __m256 a0 = exp2_8(_mm256_sub_ps(s.m0, n0)), a1 = exp2_8(_mm256_sub_ps(s.m1, n1));
-  s.m0 = n0;
-  s.m1 = n1;
-  __m256 sum0 = _mm256_setzero_ps(), sum1 = sum0;
+  const V16 next = vmax(s.m, top), rescale = exp2v(s.m - next);
+  s.m = next;
+  V16 sum = V16::zero();
   for (int64_t j = 0; j < count; ++j) {
-    const __m256 p0 = exp2_8(_mm256_sub_ps(_mm256_load_ps(pt + j * kRows), n0));
-    const __m256 p1 = exp2_8(_mm256_sub_ps(_mm256_load_ps(pt + j * kRows + 8), n1));
-    _mm256_store_ps(pt + j * kRows, p0);
-    _mm256_store_ps(pt + j * kRows + 8, p1);
-    sum0 = _mm256_add_ps(sum0, p0);
-    sum1 = _mm256_add_ps(sum1, p1);
+    const V16 p = exp2v(V16::load(pt + j * kRows) - next);
+    p.store(pt + j * kRows);
+    sum = sum + p;
   }
-  s.l0 = _mm256_fmadd_ps(s.l0, a0, sum0);
-  s.l1 = _mm256_fmadd_ps(s.l1, a1, sum1);
-  const __m256 ones = _mm256_set1_ps(1.0f);
-  const bool moved = _mm256_movemask_ps(_mm256_cmp_ps(a0, ones, _CMP_NEQ_UQ)) |
-                     _mm256_movemask_ps(_mm256_cmp_ps(a1, ones, _CMP_NEQ_UQ));
-  float* ot = s.ot;
-  if (moved && position > 0) {
-    for (int64_t d = 0; d < dim; ++d) {
-      _mm256_store_ps(ot + d * kRows, _mm256_mul_ps(_mm256_load_ps(ot + d * kRows), a0));
-      _mm256_store_ps(ot + d * kRows + 8, _mm256_mul_ps(_mm256_load_ps(ot + d * kRows + 8), a1));
-    }
-  }
-  for (int64_t d = 0; d < dim; d += 6)
-    values_any(static_cast<int>(std::min<int64_t>(6, dim - d)), value + d, stride, pt, count, ot + d * kRows);
+  s.l = fmadd(s.l, rescale, sum);
+  if (position > 0 && differs(rescale, 1.0f))
+    for (int64_t d = 0; d < dim; ++d) (V16::load(s.ot + d * kRows) * rescale).store(s.ot + d * kRows);
+  for (int64_t d = 0; d < dim; d += kTile)
+    values_any(static_cast<int>(std::min<int64_t>(kTile, dim - d)), value + d, stride, pt, count, s.ot + d * kRows);
 }
 
 void finish_rows(const Chunk& c, int64_t h, const Rows& s) {
   const int64_t dim = c.head_dim;
-  alignas(32) float inverse[kRows];
-  _mm256_store_ps(inverse, _mm256_div_ps(_mm256_set1_ps(1.0f), s.l0));
-  _mm256_store_ps(inverse + 8, _mm256_div_ps(_mm256_set1_ps(1.0f), s.l1));
+  alignas(64) float inverse[kRows];
+  (V16::all(1.0f) / s.l).store(inverse);
   for (int64_t i = 0; i < s.rows; ++i) {
     const int64_t at = s.at(c, h, i);
     if (c.bf16) {
@@ -372,16 +411,6 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
 namespace bf16dot {
 
 constexpr int64_t kPairs = kKeys / 2;
-
-inline __m512 exp2_16(__m512 t) {  // 2^t as exp2_8, 16 floats; t below -126 gives exactly 0
-  const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
-  for (int k = 1; k < 7; ++k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[k]));
-  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
-}
 
 inline __m512bh pair_of(const uint16_t* at) {  // the 32 bits at ``at`` (two bfloat16) in every lane
   uint32_t bits;

@@ -1,0 +1,5 @@
+import sys
+import pytest
+from replica import cpu_kernels
+cpu_kernels.CFLAGS = cpu_kernels.CFLAGS + ["-mno-avx512f"]  # the AVX2 build of the kernels, on this AVX-512 CPU
+sys.exit(pytest.main(sys.argv[1:]))
