@@ -222,3 +222,42 @@ def test_packed_linear_weights_keep_transformers_logits_and_greedy_tokens(llama,
     else:
         assert compact.packed_from_rows == 0 and all(p is None for p in packs)
     assert_matches_transformers(run, Seq(random_prompt(200, seed=61), [2, 5]), llama.reference, num_tokens=6)
+
+
+def test_calls_check_the_top_module_s_attributes_not_the_module_tree(llama):
+    """``replica.compile.skip_module_guards``: a call does not re-check the model's ~750 module-tree guards (its tensors,
+    submodules, hooks), but an attribute of the compiled module itself still selects its own graph (a benchmark
+    switches ``packed_from_rows`` and ``linear_kernel`` and must get the path it asked for)."""
+    from types import SimpleNamespace
+
+    from replica.compile import skip_module_guards
+
+    def entry(name, on_module):
+        return SimpleNamespace(name=name, orig_guard=SimpleNamespace(
+            source=SimpleNamespace(is_unspecialized_nn_module=lambda: on_module)))
+
+    entries = [entry("self.packed_from_rows", True), entry("self.linear_kernel", True),
+               entry("self._modules['layers']._modules['0'].q_norm", True), entry("self._modules['norm']", True),
+               entry("self.embed_weight.shape", True), entry("L['ids_pos']", False), entry("G['torch']", False)]
+    assert skip_module_guards(entries) == [True, True, False, False, False, True, True]
+
+    model = copy.deepcopy(llama.served)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.25)  # weights of its own: no other test shares this compiled forward
+    compiled = runner(model, backend="compiled")
+    prompt = random_prompt(20, seed=60)
+    first = compiled.run([ChunkInput(prompt, 0, [0], sample=True)])
+    assert compiled.num_compiles == 1
+    compact = compiled._compiled.forward.module
+    setting = compact.packed_from_rows
+    compact.packed_from_rows = setting + 1
+    again = compiled.run([ChunkInput(prompt, 0, [1], sample=True)])
+    assert compiled.num_compiles == 2  # the attribute's guard is kept: its own graph
+    compact.packed_from_rows = setting
+    compiled.run([ChunkInput(prompt, 0, [2], sample=True)])
+    assert compiled.num_compiles == 2  # back to the first graph
+    torch.testing.assert_close(again, first, rtol=0, atol=1e-4)
+    compact.norm.eps *= 2  # inside the module tree: not checked any more (the model is not changed once built)
+    compiled.run([ChunkInput(prompt, 0, [3], sample=True)])
+    assert compiled.num_compiles == 2
