@@ -1,3 +1,4 @@
+# PYTHONPATH=. .venv/bin/python benchmarks/results/s38/scratch/avx2_build.py <benchmarks/prefill_kernel.py arguments>: that benchmark with the kernels built for AVX2 only (-mno-avx512f)
 import runpy
 import sys
 from replica import cpu_kernels

@@ -1,3 +1,4 @@
+# PYTHONPATH=.:tests .venv/bin/python benchmarks/results/s38/scratch/avx2_tests.py -q tests/test_paged_attention.py -p no:cacheprovider: the tests against the AVX2-only build of the kernels
 import sys
 import pytest
 from replica import cpu_kernels
