@@ -23,7 +23,8 @@ setting is changed. Frozen graphs hold packed mkldnn constants, which the FX gra
 
 Each ``CompiledForward`` compiles its own copy of the forward's code object: dynamo keys its cache (and its
 recompile limit) on the code object, so runners of different models never share, evict or exceed each other's
-entries; frozen parameters are also guarded by identity.
+entries. A call checks the inputs' guards and the top module's own attributes, not the module tree
+(``skip_module_guards``): the model is not changed once it is built.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def skip_module_guards(entries) -> list[bool]:
     ~750 checks on the module tree (its tensors' shapes and dtypes, its submodules' types, hooks and constants), which
     never change once the model is built. They took ~0.2 ms of every call on a Zen 5 EPYC (8% of a bfloat16 decode
     step of the tiny Llama), the kept ones ~0.03 ms (BENCHMARKS.md 0zd). A submodule's attribute changed after the
-    first call is not seen: the model is built once and not changed."""
+    first call is not seen (nor, with ``freezing``, a frozen weight replaced): the model is built once and not
+    changed. Names are Dynamo's for the compiled method's ``self`` argument (``L['self'].x`` shown as ``self.x``)."""
     return [not entry.orig_guard.source.is_unspecialized_nn_module() or TOP_ATTRIBUTE.fullmatch(entry.name) is not None
             for entry in entries]
 

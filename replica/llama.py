@@ -49,7 +49,8 @@ PAIRS_BELOW_ROWS = 17
 """Where bfloat16 linear layers also hold their weights in pair layout (``cpu_kernels.pack_pairs``: CPUs with
 AVX512-BF16), inputs of fewer rows than this run the pair kernel, before the packed oneDNN weights or the small-row
 kernel are considered: 0.65-0.82x the best other path's time at 1-8 rows on the Zen 4 box, 0.78-0.85x at 9-16
-(``benchmarks/linear_rows.py``, BENCHMARKS.md section 0n)."""
+(``benchmarks/linear_rows.py``, BENCHMARKS.md section 0n); on the Zen 5 box 0.65-0.93x at 1-12 rows, 0.87-0.93x at
+13-16 (section 0zd)."""
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 """Rope types whose inverse frequencies are fixed at construction (``dynamic`` and ``longrope`` change them with the
 sequence length, which a packed batch of sequences of different lengths cannot reproduce)."""

@@ -198,7 +198,7 @@ def test_pair_layout_puts_two_inputs_of_one_output_side_by_side_in_blocks_of_32_
 
 
 @needs_pairs
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16])  # 9-16: 8 rows, then the rest
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16])  # 13-16: 8 rows, then the rest
 @pytest.mark.parametrize("out_features", [7, 32, 70, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_pair_kernel_matches_float64_up_to_one_rounding(rows, out_features, with_bias):

@@ -689,9 +689,10 @@ def test_a_plan_holds_landing_pages_it_took_from_a_queued_request_that_then_goes
         await reader.check_integrity()
         held = await reader._call(lambda: list(reader._holds.values()))
         assert len(held) == 1 and len(held[0]) == 3
+        blocker.cancel()
         gate.set()
         tokens, cached = await r2
-        await blocker
+        await asyncio.gather(blocker, return_exceptions=True)
         return tokens, cached
 
     def spoil_free_pages():

@@ -49,7 +49,7 @@ namespace {
 
 #ifdef PREFIXSERVE_VEC_PREFILL
 
-constexpr int64_t kRows = 16;          // query rows per item: two 8-float vectors
+constexpr int64_t kRows = 16;          // query rows per item: one V16 (below)
 constexpr int64_t kKeys = 64;          // keys per softmax block
 constexpr int64_t kMaxDim = 256;
 constexpr float kNoScore = -1.0e30f;   // finite "minus infinity" (-ffast-math)
@@ -340,10 +340,10 @@ constexpr int64_t kPackFrom = 4;  // fewest row blocks that a key block is packe
 void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
   const int64_t dim = c.head_dim, state = dim * kRows;
   thread_local std::vector<float> scratch;
-  const size_t need = static_cast<size_t>((2 * blocks * state) + kKeys * kRows + 2 * kKeys * dim + 8);
+  const size_t need = static_cast<size_t>((2 * blocks * state) + kKeys * kRows + 2 * kKeys * dim + 16);
   if (scratch.size() < need) scratch.resize(need);
   float* base = scratch.data();
-  base += (8 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 8) % 8;  // 32-byte aligned
+  base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;  // 64-byte aligned: a V16 a line
   float* pt = base + 2 * blocks * state;
   Rows rows[kGroup];
   float max_limit = 0.0f;

@@ -237,10 +237,14 @@ inline const float* as_float(const c10::BFloat16* p, int64_t n, std::vector<floa
 // reduction at the end, and every weight is read from memory once, in order, for all the rows together; the M x 2
 // sums stay in registers. On the Zen 4 box, one thread (benchmarks/linear_rows.py, the tiny Llama's layers;
 // BENCHMARKS.md 0n): 2.07-2.83 ms for 1-8 rows, where the streaming kernel above took 2.62-3.25 ms for 1-3 rows and
-// oneDNN's packed GEMM 3.31-4.38 ms for 4-8. From ~8 rows the multiply-adds, not memory, bound it: 9-16 rows run as 8
-// rows and the rest, the block read again from cache (0.78-0.85x oneDNN's time there).
+// oneDNN's packed GEMM 3.31-4.38 ms for 4-8. From ~8 rows the multiply-adds, not memory, bound it there. Up to
+// kPairPass rows take one pass over each block (2 x 12 sums, the block's two vectors and the broadcast input: 27 of
+// the 32 registers); 13-16 rows run as 8 rows and the rest, the block read again from cache. On the Zen 5 box, whose
+// 512-bit units do twice Zen 4's multiply-adds a cycle, one pass took 9-12 rows in 1.48-2.02 ms where 8 + the rest
+// took 2.55-2.64 (oneDNN's packed GEMM 2.3-2.7; BENCHMARKS.md 0zd).
 constexpr int64_t kPairCols = 32;
 constexpr int64_t kMaxPairRows = 16;
+constexpr int kPairPass = 12;
 
 at::Tensor pack_pairs(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.size(1) % 2 == 0,
@@ -293,7 +297,7 @@ void pair_rows(const uint32_t* x, int64_t Kp, const c10::BFloat16* pairs, const 
                int64_t N, int64_t begin, int64_t end) {
   for (int64_t b = begin; b < end; ++b) {
     const c10::BFloat16* block = pairs + b * Kp * 2 * kPairCols;
-    if constexpr (M <= 8) {
+    if constexpr (M <= kPairPass) {
       pair_block<M>(x, Kp, block, bias, y, N, b * kPairCols);
     } else {  // rows 8.. read the block again, from cache
       pair_block<8>(x, Kp, block, bias, y, N, b * kPairCols);
