@@ -44,16 +44,18 @@ from torch import nn
 from replica import cpu_kernels
 
 INDUCTOR_OPTIONS = {
-    torch.bfloat16: {"freezing": False},
-    torch.float32: {"freezing": False},
+    torch.bfloat16: {"freezing": False, "size_asserts": False},
+    torch.float32: {"freezing": False, "size_asserts": False},
 }
 """Inductor options per weight dtype (others: ``DEFAULT_OPTIONS``). Session 2 froze bfloat16 graphs: packed oneDNN
 weights made decode 1.3-1.5x faster than oneDNN's per-call path. Since the small-row kernel takes decode batches and
 short prompts (``replica.cpu_kernels``), freezing no longer pays: on the AMX Xeon, ``vllm bench serve``
 prefix_repetition ran at 1.62 req/s unfrozen against 1.46-1.50 frozen (BENCHMARKS.md section 0, session 5), and a
 frozen graph keeps a second, packed copy of every weight hot beside the one the kernel reads. float32 was never frozen:
-MKL's small-M path beat oneDNN's packed weights at batch 1-2."""
-DEFAULT_OPTIONS = {"freezing": False}
+MKL's small-M path beat oneDNN's packed weights at batch 1-2. ``size_asserts`` off: the generated code no longer
+checks the size and stride of each of its ~160 inputs (the weights, fixed once built; the step's inputs are Dynamo's
+to guard) on every call: 0.11 ms of a 2.2 ms bfloat16 decode step on the Zen 5 box (BENCHMARKS.md 0zd)."""
+DEFAULT_OPTIONS = {"freezing": False, "size_asserts": False}
 MAX_TOKENS = 1 << 20
 """Upper bound of the dynamic token dimension (dynamo needs one; ``max_tokens`` lowers it on a GPU)."""
 _code_copies = iter(range(1 << 62))
