@@ -662,6 +662,12 @@ def resolve_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
     return torch.float32, "auto: this CPU has no native bf16 matmuls"
 
 
+def dtype_line(config: EngineConfig) -> str:
+    """The start-up log's line saying which dtype ``config``'s replica runs in, and why."""
+    dtype, reason = resolve_dtype(config)
+    return f"replica {config.replica_id} runs in {str(dtype).removeprefix('torch.')} ({reason})"
+
+
 def compile_threads(config: EngineConfig) -> int:
     """Threads the model is compiled (and warmed up) on. Inductor generates its C++ kernels for the count at compile
     time: compiled on one thread they have no parallel loops at all, and compiled on fewer than this machine's CPUs
@@ -682,7 +688,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     torch.set_num_threads(compile_threads(config))
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     dtype, reason = resolve_dtype(config)
-    logger.info("replica %s runs in %s (%s)", config.replica_id, str(dtype).removeprefix("torch."), reason)
+    logger.info("%s", dtype_line(config))
     loaded = load_model(model_dir, dtype, config.devices)
     device = "cuda" if config.devices == "gpu" else "cpu"
     engine = LLMEngine(
