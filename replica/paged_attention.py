@@ -505,8 +505,11 @@ def _attend_segments(
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
     by_kv_head = query.view(num_tokens, num_kv_heads, group, head_dim)
-    plan = segment_plan(meta, window, decode_kernel=_decode_kernel_for(query),
-                        prefill_kernel=_prefill_kernel_for(query, k_cache, v_cache))
+    kernels = meta._step_cache.get("kernels")
+    if kernels is None:  # the same for every layer of a step (one dtype, head size and pool): decided once
+        kernels = meta._step_cache["kernels"] = (_decode_kernel_for(query),
+                                                 _prefill_kernel_for(query, k_cache, v_cache))
+    plan = segment_plan(meta, window, decode_kernel=kernels[0], prefill_kernel=kernels[1])
     outs: list[torch.Tensor] = []  # [r, kv_heads, group, D] each
     lses: list[torch.Tensor] = []  # [r, kv_heads, group] float32 each
     for segment in plan.segments:
