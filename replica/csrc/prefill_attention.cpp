@@ -232,13 +232,20 @@ void values_any(int n, const float* value, int64_t stride, const float* pt, int6
   }
 }
 
-// Which 16 query rows a row block holds and how far each sees (the part both kernels' row states share)
+// Which 16 query rows a row block holds, how far each sees, and their running softmax: O^T (unnormalized), maxima and
+// sums (log2 domain). The part both kernels' row states share.
 struct RowBlock {
   alignas(64) float limit[kRows];  // a row sees keys below its limit
   int64_t rows, first, min_limit;
   float max_limit;
+  float* ot;  // [dim, 16]
+  V16 m, l;
 
-  void begin(const Chunk& c, int64_t first_row) {
+  void begin(const Chunk& c, int64_t first_row, float* out_t) {
+    ot = out_t;
+    std::fill(ot, ot + c.head_dim * kRows, 0.0f);
+    m = V16::all(kNoScore);
+    l = V16::zero();
     first = first_row;
     rows = std::min(kRows, c.num_rows - first);
     max_limit = 0.0f;
@@ -249,27 +256,52 @@ struct RowBlock {
     min_limit = static_cast<int64_t>(limit[0]);
   }
 
+  // A block's scores S^T ([count, 16] at ``st``, keys from the context's ``position``-th on): hides each row's keys
+  // past its causal limit, moves the maxima ``m`` over the block, and returns the factor the earlier sums and O^T take
+  V16 advance(float* st, int64_t count, int64_t position) {
+    const V16 limits = V16::load(limit);
+    const bool masked = position + count > min_limit;
+    V16 top = V16::all(kNoScore);
+    for (int64_t j = 0; j < count; ++j) {
+      V16 row = V16::load(st + j * kRows);
+      if (masked) {
+        row = hidden_from(row, static_cast<float>(position + j), limits);
+        row.store(st + j * kRows);
+      }
+      top = vmax(top, row);
+    }
+    const V16 next = vmax(m, top), factor = exp2v(m - next);
+    m = next;
+    return factor;
+  }
+
+  // the block's probabilities summed to ``sum``: the sums and O^T rescaled by ``factor`` (O^T only where a maximum
+  // moved) before the block's values are added
+  void rescale(V16 factor, V16 sum, int64_t position, int64_t dim) {
+    l = fmadd(l, factor, sum);
+    if (position > 0 && differs(factor, 1.0f))
+      for (int64_t d = 0; d < dim; ++d) (V16::load(ot + d * kRows) * factor).store(ot + d * kRows);
+  }
+
+  // 1 / the rows' sums, into ``inverse`` [16]
+  void inverse_sums(float* inverse) const { (V16::all(1.0f) / l).store(inverse); }
+
   // where row i's query (and output) starts in [tokens, heads, dim], for kv head h
   int64_t at(const Chunk& c, int64_t h, int64_t i) const {
     return ((first + i) / c.group * c.num_heads + h * c.group + (first + i) % c.group) * c.head_dim;
   }
 };
 
-// The running state of up to 16 query rows of one kv head: Q^T (pre-scaled), O^T (unnormalized), the causal limits,
-// running maxima and sums (log2 domain)
+// The state of up to 16 query rows of one kv head: the row block and Q^T (pre-scaled)
 struct Rows : RowBlock {
   float* qt;  // [dim, 16], rows past the chunk zero
-  float* ot;  // [dim, 16]
-  V16 m, l;
 };
 
 void start_rows(const Chunk& c, int64_t h, int64_t first, float* qt, float* ot, Rows& s) {
   const int64_t dim = c.head_dim;
   s.qt = qt;
-  s.ot = ot;
-  s.begin(c, first);
+  s.begin(c, first, ot);
   std::fill(qt, qt + dim * kRows, 0.0f);
-  std::fill(ot, ot + dim * kRows, 0.0f);
   const float factor = c.scale * kLog2e;
   for (int64_t i = 0; i < s.rows; ++i) {
     const int64_t at = s.at(c, h, i);
@@ -277,8 +309,6 @@ void start_rows(const Chunk& c, int64_t h, int64_t first, float* qt, float* ot, 
       qt[d * kRows + i] = (c.bf16 ? bf16_to_f32(static_cast<const uint16_t*>(c.query)[at + d])
                                   : static_cast<const float*>(c.query)[at + d]) * factor;
   }
-  s.m = V16::all(kNoScore);
-  s.l = V16::zero();
 }
 
 // ``count`` consecutive keys at ``key`` / ``value``, the context's ``position``-th onwards, into one row block's state
@@ -289,28 +319,14 @@ void attend_block(const Chunk& c, Rows& s, const float* key, const float* value,
   for (int64_t j = 0; j < count; j += kTile)
     scores_any(static_cast<int>(std::min<int64_t>(kTile, count - j)), key + j * stride, stride, s.qt, dim,
                pt + j * kRows);
-  const V16 limit = V16::load(s.limit);
-  V16 top = V16::all(kNoScore);
-  const bool masked = position + count > s.min_limit;
-  for (int64_t j = 0; j < count; ++j) {
-    V16 row = V16::load(pt + j * kRows);
-    if (masked) {
-      row = hidden_from(row, static_cast<float>(position + j), limit);
-      row.store(pt + j * kRows);
-    }
-    top = vmax(top, row);
-  }
-  const V16 next = vmax(s.m, top), rescale = exp2v(s.m - next);
-  s.m = next;
+  const V16 factor = s.advance(pt, count, position);
   V16 sum = V16::zero();
   for (int64_t j = 0; j < count; ++j) {
-    const V16 p = exp2v(V16::load(pt + j * kRows) - next);
+    const V16 p = exp2v(V16::load(pt + j * kRows) - s.m);
     p.store(pt + j * kRows);
     sum = sum + p;
   }
-  s.l = fmadd(s.l, rescale, sum);
-  if (position > 0 && differs(rescale, 1.0f))
-    for (int64_t d = 0; d < dim; ++d) (V16::load(s.ot + d * kRows) * rescale).store(s.ot + d * kRows);
+  s.rescale(factor, sum, position, dim);
   for (int64_t d = 0; d < dim; d += kTile)
     values_any(static_cast<int>(std::min<int64_t>(kTile, dim - d)), value + d, stride, pt, count, s.ot + d * kRows);
 }
@@ -318,7 +334,7 @@ void attend_block(const Chunk& c, Rows& s, const float* key, const float* value,
 void finish_rows(const Chunk& c, int64_t h, const Rows& s) {
   const int64_t dim = c.head_dim;
   alignas(64) float inverse[kRows];
-  (V16::all(1.0f) / s.l).store(inverse);
+  s.inverse_sums(inverse);
   for (int64_t i = 0; i < s.rows; ++i) {
     const int64_t at = s.at(c, h, i);
     if (c.bf16) {
@@ -420,23 +436,17 @@ inline __m512bh pair_of(const uint16_t* at) {  // the 32 bits at ``at`` (two bfl
 
 struct Rows16 : RowBlock {
   uint32_t* qp;  // [dim / 2, 16] bfloat16 pairs, rows past the chunk zero
-  float* ot;     // [dim, 16]
-  __m512 m, l;
 };
 
 void start_rows(const Chunk& c, int64_t h, int64_t first, uint32_t* qp, float* ot, Rows16& s) {
   const int64_t dim = c.head_dim;
   s.qp = qp;
-  s.ot = ot;
-  s.begin(c, first);
+  s.begin(c, first, ot);
   std::fill(qp, qp + dim / 2 * kRows, 0u);
-  std::fill(ot, ot + dim * kRows, 0.0f);
   for (int64_t i = 0; i < s.rows; ++i) {
     const uint16_t* q = static_cast<const uint16_t*>(c.query) + s.at(c, h, i);
     for (int64_t p = 0; p < dim / 2; ++p) std::memcpy(qp + p * kRows + i, q + 2 * p, sizeof(uint32_t));
   }
-  s.m = _mm512_set1_ps(kNoScore);
-  s.l = _mm512_setzero_ps();
 }
 
 // S^T for N (<= 8) consecutive keys at ``key`` (pool rows ``stride`` apart), scaled by ``factor``
@@ -496,21 +506,8 @@ void attend_block(const Chunk& c, Rows16& s, const uint16_t* key, int64_t stride
   for (int64_t j = 0; j < count; j += 8)
     scores_any(static_cast<int>(std::min<int64_t>(8, count - j)), key + j * stride, stride, s.qp, dim, factor,
                st + j * kRows);
-  const __m512 limit = _mm512_load_ps(s.limit);
-  const bool masked = position + count > s.min_limit;
-  __m512 top = _mm512_set1_ps(kNoScore);
-  for (int64_t j = 0; j < count; ++j) {
-    __m512 row = _mm512_load_ps(st + j * kRows);
-    if (masked) {
-      const __mmask16 hidden = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(position + j)), limit, _CMP_GE_OQ);
-      row = _mm512_mask_mov_ps(row, hidden, _mm512_set1_ps(kNoScore));
-      _mm512_store_ps(st + j * kRows, row);
-    }
-    top = _mm512_max_ps(top, row);
-  }
-  const __m512 next = _mm512_max_ps(s.m, top);
-  const __m512 rescale = exp2_16(_mm512_sub_ps(s.m, next));
-  s.m = next;
+  const V16 rescale = s.advance(st, count, position);
+  const __m512 next = s.m.v;
   // P^T: key pairs (2j, 2j+1) interleaved per row, the odd key of an odd count zero
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -523,10 +520,7 @@ void attend_block(const Chunk& c, Rows16& s, const uint16_t* key, int64_t stride
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // [p0 of the 16 rows, p1 of the 16 rows]
     _mm512_store_si512(pp + j / 2 * kRows, _mm512_permutexvar_epi16(interleave, both));
   }
-  s.l = _mm512_fmadd_ps(s.l, rescale, sum);
-  if (position > 0 && _mm512_cmp_ps_mask(rescale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
-    for (int64_t d = 0; d < dim; ++d)
-      _mm512_store_ps(s.ot + d * kRows, _mm512_mul_ps(_mm512_load_ps(s.ot + d * kRows), rescale));
+  s.rescale(rescale, V16{sum}, position, dim);
   const int64_t pairs = (count + 1) / 2;
   for (int64_t d = 0; d < dim; d += 8)
     values_any(static_cast<int>(std::min<int64_t>(8, dim - d)), vp + d, dim, pp, pairs, s.ot + d * kRows);
@@ -535,7 +529,7 @@ void attend_block(const Chunk& c, Rows16& s, const uint16_t* key, int64_t stride
 void finish_rows(const Chunk& c, int64_t h, const Rows16& s) {
   const int64_t dim = c.head_dim;
   alignas(64) float inverse[kRows];
-  _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), s.l));
+  s.inverse_sums(inverse);
   for (int64_t i = 0; i < s.rows; ++i) {
     uint16_t* o = static_cast<uint16_t*>(c.out) + s.at(c, h, i);
     for (int64_t d = 0; d < dim; ++d) o[d] = f32_to_bf16(s.ot[d * kRows + i] * inverse[i]);
