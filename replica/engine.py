@@ -662,10 +662,9 @@ def resolve_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
     return torch.float32, "auto: this CPU has no native bf16 matmuls"
 
 
-def dtype_line(config: EngineConfig) -> str:
-    """The start-up log's line saying which dtype ``config``'s replica runs in, and why."""
-    dtype, reason = resolve_dtype(config)
-    return f"replica {config.replica_id} runs in {str(dtype).removeprefix('torch.')} ({reason})"
+def dtype_line(replica_id: str, dtype: torch.dtype, reason: str) -> str:
+    """The start-up log's line saying which dtype a replica runs in, and why (``resolve_dtype``'s answer)."""
+    return f"replica {replica_id} runs in {str(dtype).removeprefix('torch.')} ({reason})"
 
 
 def compile_threads(config: EngineConfig) -> int:
@@ -688,7 +687,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     torch.set_num_threads(compile_threads(config))
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     dtype, reason = resolve_dtype(config)
-    logger.info("%s", dtype_line(config))
+    logger.info("%s", dtype_line(config.replica_id, dtype, reason))
     loaded = load_model(model_dir, dtype, config.devices)
     device = "cuda" if config.devices == "gpu" else "cpu"
     engine = LLMEngine(

@@ -43,7 +43,7 @@ from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
 from replica.cost_meter import ReplicaCostMeter, retained_groups
 from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
-from replica.engine import dtype_line
+from replica.engine import dtype_line, resolve_dtype
 from replica.event_log import ReplicaEventLog, TierEventRelay
 from replica.kv_event_publisher import build_publisher
 from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient, bundle_pages
@@ -113,7 +113,7 @@ class ServeReplica:
             peer_client = self_peer_client("cuda" if config.devices == "gpu" else "cpu")
         self.engine = build_async_engine(config, peer_client=peer_client)
         # Serve's logger: its handlers reach `prefixserve serve`'s output (the engine's own logger has none there)
-        logging.getLogger("ray.serve").info("%s", dtype_line(config))
+        logging.getLogger("ray.serve").info("%s", dtype_line(replica_id, *resolve_dtype(config)))
         device = self.engine.engine.device
         self.ipc_exporter = IpcExporter(device) if device.type == "cuda" else None
         self._event_log = ReplicaEventLog(replica_id)

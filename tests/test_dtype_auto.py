@@ -16,10 +16,10 @@ def test_auto_follows_the_cpu_and_the_line_says_why(monkeypatch, native):
     dtype, reason = engine.resolve_dtype(config)
     if native:
         assert dtype == torch.bfloat16 and reason == "auto: this CPU has native bf16 matmuls (AMX / AVX512-BF16)"
-        assert engine.dtype_line(config) == f"replica replica-7 runs in bfloat16 ({reason})"
+        assert engine.dtype_line(config.replica_id, dtype, reason) == f"replica replica-7 runs in bfloat16 ({reason})"
     else:
         assert dtype == torch.float32 and reason == "auto: this CPU has no native bf16 matmuls"
-        assert engine.dtype_line(config) == f"replica replica-7 runs in float32 ({reason})"
+        assert engine.dtype_line(config.replica_id, dtype, reason) == f"replica replica-7 runs in float32 ({reason})"
 
 
 def test_an_explicit_dtype_and_a_gpu_are_not_the_cpu_s_call(monkeypatch):
