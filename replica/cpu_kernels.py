@@ -169,8 +169,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     context: the keys are the pool slots of ``runs`` [R, 2] int64 (first slot, length) in order, the last ``tokens``
     of them the chunk's own tokens (causal). Contiguous; ``k_cache`` / ``v_cache`` are a layer's pool
     [slots, kv_heads, head_dim]. bfloat16 of head size 32, 64 or 128 runs on AMX tiles where the CPU has them
-    (``has_amx``); float32 on AVX2 or AVX-512 vectors (``has_vector_prefill``); bfloat16 elsewhere by AVX512-BF16 pair dot
-    products where the CPU has them (``has_bf16_dot``), else widened to float32 as it is read."""
+    (``has_amx``); float32 on AVX2 or AVX-512 vectors (``has_vector_prefill``); bfloat16 elsewhere by AVX512-BF16
+    pair dot products where the CPU has them (``has_bf16_dot``), else widened to float32 as it is read."""
     if query.dtype == torch.bfloat16 and query.shape[-1] in AMX_HEAD_SIZES and has_amx():
         torch.ops.prefixserve_cpu.prefill_attention(query, k_cache, v_cache, runs, scale, out)
     else:
