@@ -41,7 +41,7 @@ def main() -> None:
     weights = [torch.randn(n, k).to(dtype) for _ in range(args.layers) for k, n in SHAPES]
     weights.append(torch.randn(8192, 512).to(dtype))
     mkl = dtype == torch.float32  # MKL's packed GEMM (inductor's frozen float32 graphs) exists for float32 only
-    pairs = dtype == torch.bfloat16 and cpu_kernels.has_pair_linear()  # the pair-layout kernel (AVX512-BF16)
+    pairs = cpu_kernels.has_pair_linear(dtype)  # the pair-layout kernel (AVX-512; bfloat16: AVX512-BF16)
     pair_weights = [cpu_kernels.pack_pairs(w) for w in weights] if pairs else []
     print(f"| rows ({args.dtype}) | small-row kernel ms | oneDNN packed ms | F.linear ms | kernel / best other |"
           + (" MKL packed ms |" if mkl else "") + (" pair kernel ms | pair / best other |" if pairs else ""))

@@ -168,7 +168,7 @@ def _signature(model: nn.Module, options: dict) -> tuple:
     return (
         type(model).__name__, json.dumps(config, sort_keys=True, default=str), params, torch.get_num_threads(),
         tuple(sorted(options.items())), cpu_kernels.packed_gemm_pays(), cpu_kernels.packed_gemm_from_few_rows(),
-        cpu_kernels.pair_linear_pays(),
+        cpu_kernels.pair_linear_pays(torch.float32), cpu_kernels.pair_linear_pays(torch.bfloat16),
     )
 
 

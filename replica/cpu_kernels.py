@@ -186,8 +186,8 @@ def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernel: bool = True,
            packed: torch.Tensor | None = None, packed_from_rows: int = 0, pairs: torch.Tensor | None = None,
            pairs_below_rows: int = 0) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a 2-D ``x``. With ``pairs`` (``pack_pairs(weight)``), bfloat16 inputs of
-    fewer than ``pairs_below_rows`` rows (at most 16) run the pair-layout kernel. Else, with ``packed``
+    """``F.linear(x, weight, bias)`` for a 2-D ``x``. With ``pairs`` (``pack_pairs(weight)``), inputs of fewer than
+    ``pairs_below_rows`` rows (at most 16; float32: from 2 rows) run the pair-layout kernel. Else, with ``packed``
     (``pack_linear_weight(weight)``), inputs of at least ``packed_from_rows`` rows run oneDNN's GEMM on it. Otherwise
     float32 inputs of at most 16 rows (bfloat16: 8) are computed by the small-row kernel in ``csrc/small_linear.cpp``
     (``use_kernel=False``: ``at::linear``, for tests), and everything else by ATen."""
@@ -195,14 +195,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                             pairs_below_rows)
 
 
-def has_pair_linear() -> bool:
-    """Whether ``pack_pairs`` and the pair-layout bfloat16 kernel exist: the kernels are built with AVX512-BF16."""
-    return available() and bool(torch.ops.prefixserve_cpu.has_pair_linear())
+def has_pair_linear(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``pack_pairs`` and the pair-layout kernel exist for ``dtype``: the kernels are built with AVX-512
+    (float32) or AVX512-BF16 (bfloat16)."""
+    return (dtype in (torch.float32, torch.bfloat16) and available()
+            and bool(torch.ops.prefixserve_cpu.has_pair_linear(dtype == torch.float32)))
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 ``weight`` [out, in] reordered once into the pair layout of ``csrc/small_linear.cpp``: blocks of 32
-    output columns, each holding two consecutive inputs side by side, [ceil(out / 32), in / 2, 32, 2]."""
+    """``weight`` [out, in] reordered once into the pair layout of ``csrc/small_linear.cpp``: blocks of 32 output
+    columns, each holding E consecutive inputs side by side, [ceil(out / 32), in / E, 32, E] (bfloat16: E = 2, a
+    pair; float32: E = 1)."""
     return torch.ops.prefixserve_cpu.pack_pairs(weight.detach())
 
 
@@ -217,12 +220,13 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
 
-def pair_linear_pays() -> bool:
-    """Whether bfloat16 linear layers should also keep their weights in pair layout (``pack_pairs``) for inputs of a
-    few rows: wherever the kernels are built with AVX512-BF16 (``has_pair_linear``), where the pair kernel measured
-    0.65-0.85x the best other path's time at 1-16 rows (``benchmarks/linear_rows.py``, BENCHMARKS.md section 0n). It
-    costs a copy of the weights. ``PREFIXSERVE_PAIR_LINEAR=0`` turns it off."""
-    return os.environ.get("PREFIXSERVE_PAIR_LINEAR", "") != "0" and has_pair_linear()
+def pair_linear_pays(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether linear layers of ``dtype`` should also keep their weights in pair layout (``pack_pairs``) for inputs
+    of a few rows: wherever the kernels are built for it (``has_pair_linear``). bfloat16 (AVX512-BF16): the pair
+    kernel measured 0.65-0.85x the best other path's time at 1-16 rows (``benchmarks/linear_rows.py``, BENCHMARKS.md
+    section 0n); float32 (AVX-512): 0.78-0.95x at 2-16 rows on the Zen 5 box (section 0ze). It costs a copy of the
+    weights. ``PREFIXSERVE_PAIR_LINEAR=0`` turns it off."""
+    return os.environ.get("PREFIXSERVE_PAIR_LINEAR", "") != "0" and has_pair_linear(dtype)
 
 
 def packed_gemm_pays(dtype: torch.dtype = torch.float32) -> bool:

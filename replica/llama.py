@@ -46,11 +46,12 @@ PACKED_FROM_ROWS_AVX2 = 17
 input it takes (float32: up to 16 rows, ``kMaxFloatRows`` in ``csrc/small_linear.cpp``), and the packed weights take
 the larger ones instead of MKL."""
 PAIRS_BELOW_ROWS = 17
-"""Where bfloat16 linear layers also hold their weights in pair layout (``cpu_kernels.pack_pairs``: CPUs with
-AVX512-BF16), inputs of fewer rows than this run the pair kernel, before the packed oneDNN weights or the small-row
-kernel are considered: 0.65-0.82x the best other path's time at 1-8 rows on the Zen 4 box, 0.78-0.85x at 9-16
-(``benchmarks/linear_rows.py``, BENCHMARKS.md section 0n); on the Zen 5 box 0.65-0.93x at 1-12 rows, 0.87-0.93x at
-13-16 (section 0zd)."""
+"""Where linear layers also hold their weights in pair layout (``cpu_kernels.pack_pairs``: bfloat16 on CPUs with
+AVX512-BF16, float32 on CPUs with AVX-512), inputs of fewer rows than this (float32: from 2 rows) run the pair kernel,
+before the packed oneDNN weights or the small-row kernel are considered. bfloat16: 0.65-0.82x the best other path's
+time at 1-8 rows on the Zen 4 box, 0.78-0.85x at 9-16 (``benchmarks/linear_rows.py``, BENCHMARKS.md section 0n); on
+the Zen 5 box 0.65-0.93x at 1-12 rows, 0.87-0.93x at 13-16 (section 0zd). float32 on the Zen 5 box: 0.78-0.95x at
+2-16 rows (section 0ze)."""
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 """Rope types whose inverse frequencies are fixed at construction (``dynamic`` and ``longrope`` change them with the
 sequence length, which a packed batch of sequences of different lengths cannot reproduce)."""
@@ -294,7 +295,7 @@ class CompactCausalLM(nn.Module):
         few_rows = cpu_kernels.packed_gemm_from_few_rows()
         self.packed_from_rows = (PACKED_FROM_ROWS if few_rows else PACKED_FROM_ROWS_AVX2) if pack else 0
         """Inputs of this many rows or more run on the packed weights (``cpu_kernels.linear``; a graph constant)."""
-        pairs = (self.linear_kernel and self.embed_weight.dtype == torch.bfloat16 and cpu_kernels.pair_linear_pays()
+        pairs = (self.linear_kernel and cpu_kernels.pair_linear_pays(self.embed_weight.dtype)
                  and cpu_kernels.weight_copies_fit(copy_bytes * (2 if pack else 1), "pair-layout weight copies"
                                                    + (" beside the packed ones" if pack else ""), reserved))
         self.pairs_below_rows = PAIRS_BELOW_ROWS if pairs else 0

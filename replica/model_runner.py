@@ -122,7 +122,8 @@ def _linear_path(compact: CompactCausalLM | None) -> str:
         return "ATen"
     if compact.pairs_below_rows:
         rest = "oneDNN's GEMM on weights packed at start-up" if compact.packed_from_rows else "ATen"
-        return f"the bfloat16 pair kernel below {compact.pairs_below_rows} rows, then {rest}"
+        dtype = str(compact.embed_weight.dtype).removeprefix("torch.")
+        return f"the {dtype} pair kernel below {compact.pairs_below_rows} rows, then {rest}"
     if compact.packed_from_rows:
         return (f"the small-row C++ kernel below {compact.packed_from_rows} rows, then oneDNN's GEMM on weights packed "
                 "at start-up")

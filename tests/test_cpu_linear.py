@@ -184,6 +184,9 @@ def test_packed_rows_differ_from_the_kernel_so_the_switch_is_real():
 
 
 needs_pairs = pytest.mark.skipif(not cpu_kernels.has_pair_linear(), reason="kernels not built with AVX512-BF16")
+needs_float_pairs = pytest.mark.skipif(not cpu_kernels.has_pair_linear(torch.float32),
+                                       reason="kernels not built with AVX-512")
+PAIR_DTYPES = [pytest.param(torch.bfloat16, marks=needs_pairs), pytest.param(torch.float32, marks=needs_float_pairs)]
 
 
 @needs_pairs
@@ -197,27 +200,45 @@ def test_pair_layout_puts_two_inputs_of_one_output_side_by_side_in_blocks_of_32_
     assert not pairs[1, :, 5:].any()  # columns past the last output are zeros
 
 
-@needs_pairs
+@needs_float_pairs
+def test_float32_pair_layout_holds_one_input_per_unit_in_blocks_of_32_outputs():
+    weight = torch.arange(37 * 5, dtype=torch.float32).view(37, 5) + 0.25
+    pairs = cpu_kernels.pack_pairs(weight)
+    assert pairs.shape == (2, 5, 32, 1) and pairs.dtype == torch.float32
+    for n in range(37):
+        for k in range(5):
+            assert pairs[n // 32, k, n % 32, 0] == weight[n, k]
+    assert not pairs[1, :, 5:].any()
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16])  # 13-16: 8 rows, then the rest
 @pytest.mark.parametrize("out_features", [7, 32, 70, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_pair_kernel_matches_float64_up_to_one_rounding(rows, out_features, with_bias):
+def test_pair_kernel_matches_float64_up_to_one_rounding(dtype, rows, out_features, with_bias):
     generator = torch.Generator().manual_seed(rows * 100 + out_features)
-    x = torch.randn(rows, 96, generator=generator).bfloat16()
-    weight = torch.randn(out_features, 96, generator=generator).bfloat16()
-    bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
-    out = cpu_kernels.linear(x, weight, bias, pairs=cpu_kernels.pack_pairs(weight), pairs_below_rows=17)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    x = torch.randn(rows, 96, generator=generator).to(dtype)
+    weight = torch.randn(out_features, 96, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
+    pairs = cpu_kernels.pack_pairs(weight)
+    out = cpu_kernels.linear(x, weight, bias, pairs=pairs, pairs_below_rows=17)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
     reference = _reference(x, weight, bias)
-    torch.testing.assert_close(out.double(), reference, rtol=2**-8, atol=1e-3)
-    assert (out.double() == reference.bfloat16().double()).float().mean() > 0.9
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(out.double(), reference, rtol=2**-8, atol=1e-3)
+        assert (out.double() == reference.bfloat16().double()).float().mean() > 0.9
+    else:
+        torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-4)
+        if rows > 1:  # the pair kernel answered (one float32 row streams from the weight itself)
+            doubled = cpu_kernels.linear(x, weight, bias, pairs=cpu_kernels.pack_pairs(weight * 2), pairs_below_rows=17)
+            torch.testing.assert_close(doubled.double(), _reference(x, weight * 2, bias), rtol=1e-5, atol=1e-4)
 
 
 @needs_pairs
 def test_pair_kernel_answers_below_its_row_count_only():
     """Below ``pairs_below_rows`` the pair kernel answers, from there the packed GEMM (or the small-row kernel) as
-    before; a float32 input never takes it. (Its bfloat16 sums are bit for bit oneDNN's, so the pairs given here hold
-    twice the weight, an exact scaling, to show which path answered.)"""
+    before. (Its bfloat16 sums are bit for bit oneDNN's, so the pairs given here hold twice the weight, an exact
+    scaling, to show which path answered.)"""
     generator = torch.Generator().manual_seed(8)
     weight = torch.randn(300, 128, generator=generator).bfloat16()
     doubled_pairs, packed = cpu_kernels.pack_pairs(weight * 2), cpu_kernels.pack_linear_weight(weight)
@@ -227,26 +248,49 @@ def test_pair_kernel_answers_below_its_row_count_only():
         switched = cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, 17)
         assert torch.equal(switched, plain * 2 if rows < 17 else plain), rows
         assert torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, rows), plain)
-    x32 = torch.randn(3, 128, generator=generator)
-    assert torch.equal(cpu_kernels.linear(x32, weight.float(), None, True, None, 0, doubled_pairs, 17),
-                       cpu_kernels.linear(x32, weight.float()))
 
 
-@needs_pairs
-def test_compact_bfloat16_model_holds_pairs_unless_switched_off(tiny_llama_dir, monkeypatch):
+@needs_float_pairs
+def test_float32_pair_kernel_answers_from_two_rows_below_its_row_count_and_never_for_another_dtype():
+    """float32: from 2 rows to ``pairs_below_rows`` the pair kernel answers (pairs of twice the weight show it); one
+    row and 17 rows go to the small-row kernel and the packed GEMM as before. Pairs of the other dtype are not taken:
+    the input's dtype must match."""
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(300, 128, generator=generator)
+    doubled_pairs, packed = cpu_kernels.pack_pairs(weight * 2), cpu_kernels.pack_linear_weight(weight)
+    for rows in (1, 2, 3, 4, 8, 9, 12, 16, 17):
+        x = torch.randn(rows, 128, generator=generator)
+        plain = cpu_kernels.linear(x, weight, None, True, packed, 4)
+        switched = cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, 17)
+        if 2 <= rows < 17:
+            torch.testing.assert_close(switched, plain * 2, rtol=1e-5, atol=1e-4)
+        else:
+            assert torch.equal(switched, plain), rows
+        assert torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, rows), plain)
+    if cpu_kernels.has_pair_linear(torch.bfloat16):
+        x16 = torch.randn(3, 128, generator=generator).bfloat16()
+        bf16_weight = weight.bfloat16()
+        assert torch.equal(cpu_kernels.linear(x16, bf16_weight, None, True, None, 0, doubled_pairs, 17),
+                           cpu_kernels.linear(x16, bf16_weight))
+        x32 = torch.randn(3, 128, generator=generator)
+        assert torch.equal(cpu_kernels.linear(x32, weight, None, True, None, 0,
+                                              cpu_kernels.pack_pairs(bf16_weight * 2), 17),
+                           cpu_kernels.linear(x32, weight))
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES)
+def test_compact_model_holds_pairs_unless_switched_off(tiny_llama_dir, monkeypatch, dtype):
     from transformers import AutoModelForCausalLM
 
     from replica.llama import PAIRS_BELOW_ROWS, CompactCausalLM
 
-    source = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    source = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=dtype).eval()
     model = CompactCausalLM(source)
     assert model.pairs_below_rows == PAIRS_BELOW_ROWS and model.layers[0].qkv_pairs is not None
-    assert model.lm_head_pairs is not None
+    assert model.lm_head_pairs is not None and model.lm_head_pairs.dtype == dtype
     monkeypatch.setenv("PREFIXSERVE_PAIR_LINEAR", "0")
     off = CompactCausalLM(source)
     assert off.pairs_below_rows == 0 and off.layers[0].qkv_pairs is None
-    float32 = CompactCausalLM(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval())
-    assert float32.pairs_below_rows == 0
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not available")
@@ -308,7 +352,7 @@ def test_pair_copies_must_fit_beside_the_packed_ones(tiny_llama_dir, monkeypatch
     monkeypatch.setattr(cpu_kernels, "weight_copies_fit", record)
     monkeypatch.setattr(cpu_kernels, "available", lambda: True)
     monkeypatch.setattr(cpu_kernels, "packed_gemm_pays", lambda dtype: True)
-    monkeypatch.setattr(cpu_kernels, "pair_linear_pays", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "pair_linear_pays", lambda dtype: True)
     monkeypatch.setattr(cpu_kernels, "pack_linear_weight", lambda weight: weight.clone())
     monkeypatch.setattr(cpu_kernels, "pack_pairs", lambda weight: weight.clone())
     CompactCausalLM(source, 100)

@@ -9,6 +9,7 @@
 // MKL's float32 GEMM packs the weight matrix on every call, and oneDNN's bfloat16 GEMM spends as long setting up its
 // call and tiles: with 1-16 rows, either costs more than streaming the weights once.
 //
+// On AVX-512 a second copy of the weights in pair layout (pack_pairs, below) serves 1-16 rows faster still.
 // Larger inputs, other dtypes, and shapes the tiles do not cover go to at::linear unchanged. The prefetch of the
 // next block may name addresses past the last weight row; a prefetch never faults.
 #include <ATen/ATen.h>
@@ -141,7 +142,8 @@ void small_rows(const float* x, const W* w, const float* bias, W* y, int64_t M, 
 // are reduced together (``reduce16``: 4 rounds of shuffle + add for 16 outputs). The tiles above read 4 weight rows
 // side by side, 1 KiB apart; on a Zen 4 core they streamed a bfloat16 step's weights at ~11 GB/s, where one thread
 // reads memory at ~22 (benchmarks/linear_rows.py, 1 row, 1 thread: 4.35 -> 2.78 ms bfloat16, 6.60 -> 5.12 float32).
-// At 4 rows oneDNN's packed GEMM was level or faster (replica/llama.py sends 4+ rows there).
+// At 4 rows oneDNN's packed GEMM was level or faster (replica/llama.py sends 4+ rows there). Where a model also
+// holds its weights in pair layout (below), that kernel takes 2+ float32 rows, and bfloat16 rows, first.
 constexpr int kStreamRows = 3;
 
 using prefixserve::kKeyOf;
@@ -226,60 +228,87 @@ inline const float* as_float(const c10::BFloat16* p, int64_t n, std::vector<floa
   return buffer.data();
 }
 
-#if defined(__AVX512BF16__)
-// bfloat16 weights in pair layout, for 1..kMaxPairRows input rows (decode batches, short prompts) on AVX512-BF16.
-// pack_pairs reorders w [N, K] once into blocks of kPairCols output columns, each block contiguous:
+#if defined(__AVX512F__)
+// Weights in pair layout, for 1..kMaxPairRows input rows (decode batches, short prompts) on AVX-512: bfloat16 where
+// the CPU has AVX512-BF16, float32 on any AVX-512 CPU. pack_pairs reorders w [N, K] once into blocks of kPairCols
+// output columns, each block contiguous, in 4-byte units of E = 4 / sizeof(T) consecutive inputs (bfloat16: a pair,
+// float32: one):
 //
-//   pairs[block][k / 2][column][k % 2]      (zero past the last column)
+//   pairs[block][k / E][column][k % E]      (zero past the last column)
 //
-// so that one 64-byte load holds 16 columns' weights for two consecutive k, and vdpbf16ps multiplies them by one
-// input row's two values broadcast to every lane: each lane keeps the running sum of one output, with no horizontal
-// reduction at the end, and every weight is read from memory once, in order, for all the rows together; the M x 2
-// sums stay in registers. On the Zen 4 box, one thread (benchmarks/linear_rows.py, the tiny Llama's layers;
-// BENCHMARKS.md 0n): 2.07-2.83 ms for 1-8 rows, where the streaming kernel above took 2.62-3.25 ms for 1-3 rows and
-// oneDNN's packed GEMM 3.31-4.38 ms for 4-8. From ~8 rows the multiply-adds, not memory, bound it there. Up to
-// kPairPass rows take one pass over each block (2 x 12 sums, the block's two vectors and the broadcast input: 27 of
+// so that one 64-byte load holds 16 columns' weights for one unit, and one multiply-add (vdpbf16ps, vfmadd231ps)
+// takes them with one input row's unit broadcast to every lane: each lane keeps the running sum of one output, with no
+// horizontal reduction at the end, and every weight is read from memory once, in order, for all the rows together;
+// the M x 2 sums stay in registers. On the Zen 4 box, one thread (benchmarks/linear_rows.py, the tiny Llama's layers;
+// BENCHMARKS.md 0n): bfloat16 2.07-2.83 ms for 1-8 rows, where the streaming kernel above took 2.62-3.25 ms for 1-3
+// rows and oneDNN's packed GEMM 3.31-4.38 ms for 4-8. From ~8 rows the multiply-adds, not memory, bound it there. Up
+// to kPairPass rows take one pass over each block (2 x 12 sums, the block's two vectors and the broadcast input: 27 of
 // the 32 registers); 13-16 rows run as 8 rows and the rest, the block read again from cache. On the Zen 5 box, whose
-// 512-bit units do twice Zen 4's multiply-adds a cycle, one pass took 9-12 rows in 1.48-2.02 ms where 8 + the rest
-// took 2.55-2.64 (oneDNN's packed GEMM 2.3-2.7; BENCHMARKS.md 0zd).
+// 512-bit units do twice Zen 4's multiply-adds a cycle, one pass took 9-12 bfloat16 rows in 1.48-2.02 ms where 8 + the
+// rest took 2.55-2.64 (oneDNN's packed GEMM 2.3-2.7; BENCHMARKS.md 0zd). float32 (BENCHMARKS.md 0ze): the streaming
+// kernel read 3 rows' weights three times over there, and oneDNN's GEMM ran 4-16 rows at 3.7-5.7 ms, where one
+// thread streams the float32 weights in ~2.3.
 constexpr int64_t kPairCols = 32;
 constexpr int64_t kMaxPairRows = 16;
 constexpr int kPairPass = 12;
 
+// One float32 row runs on the weight's own layout instead (stream_rows): 2.17-2.21 ms against the pair kernel's
+// 2.30-2.46 on the Zen 5 box (benchmarks/linear_rows.py, one thread), where 2 rows already took 2.60 against 2.88.
+inline int64_t pair_from_rows(at::ScalarType dtype) { return dtype == at::kFloat ? 2 : 1; }
+
+template <typename T>
+constexpr bool kPairKernel = std::is_same_v<T, float>
+#if defined(__AVX512BF16__)
+                             || std::is_same_v<T, c10::BFloat16>
+#endif
+    ;
+
 at::Tensor pack_pairs(const at::Tensor& weight) {
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.size(1) % 2 == 0,
-              "pack_pairs takes a 2-D bfloat16 weight with an even number of columns");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || (bf16 && weight.size(1) % 2 == 0)),
+              "pack_pairs takes a 2-D float32 weight, or a bfloat16 one with an even number of columns");
   const at::Tensor w = weight.contiguous();
-  const int64_t N = w.size(0), Kp = w.size(1) / 2, blocks = (N + kPairCols - 1) / kPairCols;
-  at::Tensor out = at::zeros({blocks, Kp, kPairCols, 2}, w.options());
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr<c10::BFloat16>());
-  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<c10::BFloat16>());
+  const int64_t E = bf16 ? 2 : 1, N = w.size(0), Ku = w.size(1) / E, blocks = (N + kPairCols - 1) / kPairCols;
+  at::Tensor out = at::zeros({blocks, Ku, kPairCols, E}, w.options());
+  const uint32_t* src = static_cast<const uint32_t*>(w.data_ptr());
+  uint32_t* dst = static_cast<uint32_t*>(out.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t c = 0; c < kPairCols && b * kPairCols + c < N; ++c) {
-        const uint32_t* row = src + (b * kPairCols + c) * Kp;
-        for (int64_t kp = 0; kp < Kp; ++kp) dst[(b * Kp + kp) * kPairCols + c] = row[kp];
+        const uint32_t* row = src + (b * kPairCols + c) * Ku;
+        for (int64_t k = 0; k < Ku; ++k) dst[(b * Ku + k) * kPairCols + c] = row[k];
       }
   });
   return out;
 }
 
-// M input rows against the NV 16-column vectors of one block, stored to y[:, n0 .. n0 + kPairCols)
-template <int M>
-inline void pair_block(const uint32_t* x, int64_t Kp, const c10::BFloat16* block, const float* bias,
-                       c10::BFloat16* y, int64_t N, int64_t n0) {
+// sum += x's unit (broadcast) times 16 columns' weights of one unit
+inline __m512 pair_madd(float, __m512 sum, uint32_t x, __m512i w) {
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(x))), _mm512_castsi512_ps(w), sum);
+}
+inline void pair_store(float* y, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(y, mask, v); }
+#if defined(__AVX512BF16__)
+inline __m512 pair_madd(c10::BFloat16, __m512 sum, uint32_t x, __m512i w) {
+  return _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(static_cast<int>(x)), (__m512bh)w);
+}
+inline void pair_store(c10::BFloat16* y, __mmask16 mask, __m512 v) {  // rounded to nearest even, as c10's conversion
+  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
+// M input rows (Ku units each) against the NV 16-column vectors of one block, stored to y[:, n0 .. n0 + kPairCols)
+template <int M, typename T>
+inline void pair_block(const uint32_t* x, int64_t Ku, const uint32_t* block, const float* bias, T* y, int64_t N,
+                       int64_t n0) {
   constexpr int NV = kPairCols / 16;
   __m512 acc[M][NV];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
-  const c10::BFloat16* w = block;
-  for (int64_t kp = 0; kp < Kp; ++kp) {
-    __m512bh wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + kp * 2 * kPairCols + v * 32);
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * Kp + kp]));
-      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb, wv[v]);
-    }
+  for (int64_t k = 0; k < Ku; ++k) {
+    __m512i wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(block + k * kPairCols + v * 16);
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = pair_madd(T(), acc[m][v], x[m * Ku + k], wv[v]);
   }
   for (int v = 0; v < NV; ++v) {
     const int64_t c = n0 + v * 16;
@@ -287,63 +316,65 @@ inline void pair_block(const uint32_t* x, int64_t Kp, const c10::BFloat16* block
     const int64_t count = std::min<int64_t>(16, N - c);
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
-    for (int m = 0; m < M; ++m)  // rounded to nearest even, as c10's conversion
-      _mm256_mask_storeu_epi16(y + m * N + c, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b)));
+    for (int m = 0; m < M; ++m) pair_store(y + m * N + c, mask, _mm512_add_ps(acc[m][v], b));
   }
 }
 
-template <int M>
-void pair_rows(const uint32_t* x, int64_t Kp, const c10::BFloat16* pairs, const float* bias, c10::BFloat16* y,
-               int64_t N, int64_t begin, int64_t end) {
+template <int M, typename T>
+void pair_rows(const uint32_t* x, int64_t Ku, const uint32_t* pairs, const float* bias, T* y, int64_t N,
+               int64_t begin, int64_t end) {
   for (int64_t b = begin; b < end; ++b) {
-    const c10::BFloat16* block = pairs + b * Kp * 2 * kPairCols;
+    const uint32_t* block = pairs + b * Ku * kPairCols;
     if constexpr (M <= kPairPass) {
-      pair_block<M>(x, Kp, block, bias, y, N, b * kPairCols);
+      pair_block<M>(x, Ku, block, bias, y, N, b * kPairCols);
     } else {  // rows 8.. read the block again, from cache
-      pair_block<8>(x, Kp, block, bias, y, N, b * kPairCols);
-      pair_block<M - 8>(x + 8 * Kp, Kp, block, bias, y + 8 * N, N, b * kPairCols);
+      pair_block<8>(x, Ku, block, bias, y, N, b * kPairCols);
+      pair_block<M - 8>(x + 8 * Ku, Ku, block, bias, y + 8 * N, N, b * kPairCols);
     }
   }
 }
 
-template <int... Ms>
-void pair_dispatch(std::integer_sequence<int, Ms...>, int64_t M, const uint32_t* x, int64_t Kp,
-                   const c10::BFloat16* pairs, const float* bias, c10::BFloat16* y, int64_t N, int64_t begin,
-                   int64_t end) {
-  ((M == Ms + 1 ? pair_rows<Ms + 1>(x, Kp, pairs, bias, y, N, begin, end) : void()), ...);
+template <typename T, int... Ms>
+void pair_dispatch(std::integer_sequence<int, Ms...>, int64_t M, const uint32_t* x, int64_t Ku,
+                   const uint32_t* pairs, const float* bias, T* y, int64_t N, int64_t begin, int64_t end) {
+  ((M == Ms + 1 ? pair_rows<Ms + 1>(x, Ku, pairs, bias, y, N, begin, end) : void()), ...);
 }
 
 bool pair_covered(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& weight,
                   const c10::optional<at::Tensor>& bias) {
-  return x.scalar_type() == at::kBFloat16 && pairs.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
-         x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxPairRows && pairs.dim() == 4 &&
-         pairs.is_contiguous() && x.size(1) == 2 * pairs.size(1) && pairs.size(2) == kPairCols &&
+  const at::ScalarType dtype = x.scalar_type();
+  const bool kernel = dtype == at::kFloat ? kPairKernel<float> : dtype == at::kBFloat16 && kPairKernel<c10::BFloat16>;
+  const int64_t E = dtype == at::kBFloat16 ? 2 : 1;
+  return kernel && pairs.scalar_type() == dtype && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 &&
+         x.size(0) <= kMaxPairRows && pairs.dim() == 4 && pairs.is_contiguous() && pairs.size(3) == E &&
+         x.size(1) == E * pairs.size(1) && pairs.size(2) == kPairCols &&
          pairs.size(0) == (weight.size(0) + kPairCols - 1) / kPairCols &&
-         (!bias.has_value() || !bias->defined() || bias->scalar_type() == at::kBFloat16);
+         (!bias.has_value() || !bias->defined() || bias->scalar_type() == dtype);
 }
 
+template <typename T>
 at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias) {
-  const int64_t M = x.size(0), Kp = pairs.size(1), N = weight.size(0);
+  const int64_t M = x.size(0), Ku = pairs.size(1), N = weight.size(0);
   thread_local std::vector<float> bias_buffer;
-  const float* bp = (bias.has_value() && bias->defined())
-                        ? as_float(bias->contiguous().data_ptr<c10::BFloat16>(), N, bias_buffer)
-                        : nullptr;
+  const float* bp =
+      (bias.has_value() && bias->defined()) ? as_float(bias->contiguous().data_ptr<T>(), N, bias_buffer) : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
-  const c10::BFloat16* wp = pairs.data_ptr<c10::BFloat16>();
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  // blocks of 32 columns, 8 per task at least (K = 512: 256 KiB of weights) to amortise the thread hand-off
+  const uint32_t* xp = static_cast<const uint32_t*>(x.data_ptr());
+  const uint32_t* wp = static_cast<const uint32_t*>(pairs.data_ptr());
+  T* yp = y.data_ptr<T>();
+  // blocks of 32 columns, 8 per task at least (K = 512: 256 KiB of bfloat16 weights) to amortise the thread hand-off
   at::parallel_for(0, pairs.size(0), 8, [&](int64_t begin, int64_t end) {
-    pair_dispatch(std::make_integer_sequence<int, kMaxPairRows>{}, M, xp, Kp, wp, bp, yp, N, begin, end);
+    pair_dispatch<T>(std::make_integer_sequence<int, kMaxPairRows>{}, M, xp, Ku, wp, bp, yp, N, begin, end);
   });
   return y;
 }
 #endif
 
-bool has_pair_linear() {
-#if defined(__AVX512BF16__)
-  return true;
+// Whether pack_pairs and the pair-layout kernel exist for float32 (AVX-512) or bfloat16 (AVX512-BF16) weights
+bool has_pair_linear(bool float32) {
+#if defined(__AVX512F__)
+  return float32 ? kPairKernel<float> : kPairKernel<c10::BFloat16>;
 #else
   return false;
 #endif
@@ -415,15 +446,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return stack[0].toTensor();
 }
 
-// x [M, K] . weight^T: with a packed weight, oneDNN's packed GEMM from packed_from_rows rows up; below that (or with
-// none) the kernel where it covers the input, else ATen.
+// x [M, K] . weight^T: with weights in pair layout, the pair kernel for the rows it takes (pair_from_rows up to
+// pairs_below_rows); else with a packed weight, oneDNN's packed GEMM from packed_from_rows rows up; below that (or
+// with none) the kernel where it covers the input, else ATen.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool use_kernel,
                   const c10::optional<at::Tensor>& packed, int64_t packed_from_rows,
                   const c10::optional<at::Tensor>& pairs, int64_t pairs_below_rows) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   if (pairs.has_value() && pairs->defined() && pair_covered(x, *pairs, weight, bias) &&
-      x.size(0) < pairs_below_rows)
-    return pair_linear(x, *pairs, weight, bias);
+      x.size(0) < pairs_below_rows && x.size(0) >= pair_from_rows(x.scalar_type())) {
+#if defined(__AVX512BF16__)
+    if (x.scalar_type() == at::kBFloat16) return pair_linear<c10::BFloat16>(x, *pairs, weight, bias);
+#endif
+    return pair_linear<float>(x, *pairs, weight, bias);
+  }
 #endif
   if (packed.has_value() && packed->defined() && x.dim() == 2 && x.size(0) >= packed_from_rows)
     return packed_linear(x, *packed, bias);
@@ -441,8 +477,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 TORCH_LIBRARY_FRAGMENT(prefixserve_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, bool use_kernel=True, Tensor? packed=None, "
         "int packed_from_rows=0, Tensor? pairs=None, int pairs_below_rows=0) -> Tensor");
-  m.def("has_pair_linear() -> bool", &has_pair_linear);
-#if defined(__AVX512BF16__)
+  m.def("has_pair_linear(bool float32=False) -> bool", &has_pair_linear);
+#if defined(__AVX512F__)
   m.def("pack_pairs(Tensor weight) -> Tensor", &pack_pairs);
 #endif
 }
