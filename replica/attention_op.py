@@ -49,7 +49,11 @@ def current_metadata() -> PagedAttentionMetadata:
     return metadata
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
+_library = torch.library.Library("prefixserve", "DEF")
+_library.define("paged_attention(Tensor query, Tensor key, Tensor value, int layer_idx, float scaling, "
+                "int sliding_window) -> Tensor")
+
+
 def paged_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scaling: float, sliding_window: int
 ) -> torch.Tensor:
@@ -60,6 +64,12 @@ def paged_attention(
     )
 
 
-@paged_attention.register_fake
+# Registered with the plain operator library rather than ``torch.library.custom_op``: the engine runs inference only,
+# and custom_op's autograd layer and output-aliasing check took ~6 us of Python a call where this takes ~3 (a decode
+# step of the tiny Llama makes 8 calls; BENCHMARKS.md 0ze). One implementation for every device.
+_library.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(OP_NAME)
 def _(query, key, value, layer_idx, scaling, sliding_window):
     return torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -127,6 +127,16 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                                vector_code)
 
 
+def decode_layer(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                 slot_mapping: torch.Tensor, num_real: int, plan, scale: float) -> torch.Tensor:
+    """One layer of a step of decode rows only: store the first ``num_real`` rows of ``key`` / ``value`` [T, KVH, D]
+    into layer ``layer`` of the contiguous pool ``kv_cache`` [L, 2, ..., KVH, D] at ``slot_mapping``, then
+    ``decode_attention`` with ``plan`` (a ``paged_attention.DecodeKernelPlan``) into a new [T, H, D] tensor (padding
+    rows zero), in one call."""
+    return torch.ops.prefixserve_cpu.decode_layer(query, key, value, kv_cache, layer, slot_mapping, num_real,
+                                                  plan.segments, plan.rows, plan.components, scale)
+
+
 AMX_HEAD_SIZES = (32, 64, 128)
 """Head sizes the AMX prefill kernel takes."""
 AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})

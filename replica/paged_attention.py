@@ -268,8 +268,12 @@ def attend(
     if not isinstance(meta, PagedAttentionMetadata):  # a graphed decode step (replica.cuda_graphs)
         return meta.attend(layer_idx, query, key, value, scaling, sliding_window)
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
     num_real = num_tokens - meta.num_padding
+    decode_only = _decode_only_plan(meta, query, sliding_window)
+    if decode_only is not None:  # the common decode step: store and attend in one C++ call
+        return cpu_kernels.decode_layer(query, key, value, meta.kv_cache, layer_idx, meta.slot_mapping, num_real,
+                                        decode_only, head_dim**-0.5 if scaling is None else scaling)
+    num_kv_heads = key.shape[1]
     k_cache, v_cache = store_kv(meta.kv_cache, layer_idx, meta.slot_mapping,
                                 key[:num_real] if meta.num_padding else key,
                                 value[:num_real] if meta.num_padding else value)
@@ -550,6 +554,22 @@ def _attend_segments(
         cpu_kernels.decode_attention(query.contiguous(), k_cache, v_cache, kernels.segments, kernels.rows,
                                      kernels.components, output, head_dim**-0.5 if scaling is None else scaling)
     return output
+
+
+def _decode_only_plan(meta: PagedAttentionMetadata, query: torch.Tensor,
+                      window: int | None) -> "DecodeKernelPlan | None":
+    """The decode kernel's plan when this step is decode rows only and ``_attend_segments`` would hand them all to the
+    C++ decode kernel (CPU, a dtype it takes, a contiguous pool of the query's dtype); else None. Once per step and
+    window: ``attend`` then stores and attends each layer in one call (``cpu_kernels.decode_layer``)."""
+    cache_key = ("decode_only", window)
+    if cache_key not in meta._step_cache:
+        plan = None
+        if (query.device.type == "cpu" and _CPU_SEGMENTS and not meta.prefills and meta.decode is not None
+                and meta.kv_cache.dtype == query.dtype and meta.kv_cache.is_contiguous()
+                and _decode_kernel_for(query)):
+            plan = segment_plan(meta, window, decode_kernel=True).decode_kernel
+        meta._step_cache[cache_key] = plan
+    return meta._step_cache[cache_key]
 
 
 def _prefill_kernel_for(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

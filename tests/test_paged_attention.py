@@ -66,6 +66,8 @@ def both_paths(meta, query, key, value, window, monkeypatch, kernel=False):
         if segments and meta.decode is not None:  # the decode rows went where they were sent
             plan = step._step_cache[("segments", window, kernel, False)]  # float32: no AMX prefill kernel
             assert (plan.decode_kernel is not None) == kernel
+            # a step of decode rows only stores and attends each layer in one C++ call (cpu_kernels.decode_layer)
+            assert (step._step_cache[("decode_only", window)] is not None) == (kernel and not meta.prefills)
     return results
 
 
@@ -106,6 +108,30 @@ def test_bfloat16_close_to_float32(kernel, head_dim, monkeypatch):
     out = attend(meta16, 0, query.bfloat16(), key.bfloat16(), value.bfloat16(), None, None)
     assert out.dtype is torch.bfloat16
     torch.testing.assert_close(out.float(), reference, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_only_step_in_one_call_matches_the_generic_path(dtype, monkeypatch):
+    """``decode_layer`` (store + decode kernel in one call) against ATen's generic path: rows sharing a prefix, a
+    row alone, a padding row; the same pool afterwards, the padding row zero."""
+    meta, query, key, value = build_step(CASES["decodes sharing a prefix"], num_kv_heads=2, dtype=dtype, padding=1,
+                                         head_dim=64)
+    (fast, cache_a), (generic, cache_b) = both_paths(meta, query, key, value, None, monkeypatch, kernel=True)
+    assert torch.equal(cache_a, cache_b)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast, generic, rtol=tolerance, atol=tolerance)
+    assert torch.count_nonzero(fast[-1]) == 0
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")
+def test_decode_layer_refuses_a_slot_outside_the_pool():
+    meta, query, key, value = build_step(CASES["decodes sharing a prefix"], num_kv_heads=2, dtype=torch.float32)
+    plan = pa.segment_plan(meta, None, decode_kernel=True).decode_kernel
+    bad = meta.slot_mapping.clone()
+    bad[1] = meta.kv_cache.shape[2] * meta.kv_cache.shape[3]  # pages x page size: one past the last slot
+    with pytest.raises(RuntimeError, match="slot outside the pool"):
+        cpu_kernels.decode_layer(query, key, value, meta.kv_cache, 0, bad, bad.numel(), plan, 0.125)
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")

@@ -489,11 +489,55 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
   }
 }
 
+// One layer's attention in a step of decode rows only (replica.paged_attention.attend's fast path): the first
+// num_real rows of key / value [T, KVH, D] are stored into layer `layer` of kv_cache [L, 2, ..., KVH, D] at
+// slot_mapping [num_real], then decode_attention answers every decode row; returns out [T, H, D], rows past num_real
+// (padding) zero. One call where attend made ~20 tensor calls from Python for the same work (~25 us a layer).
+at::Tensor decode_layer(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                        int64_t layer, const at::Tensor& slot_mapping, int64_t num_real, const at::Tensor& segments,
+                        const at::Tensor& seg_rows, const at::Tensor& components, double scale) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && query.dim() == 3 && query.size(0) == key.size(0),
+              "decode_layer: bad shapes");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() >= 3 && kv_cache.size(1) == 2 && layer >= 0 &&
+                  layer < kv_cache.size(0),
+              "decode_layer: bad pool or layer");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+              "decode_layer: dtypes differ");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && num_real >= 0 &&
+                  slot_mapping.numel() == num_real && num_real <= key.size(0),
+              "decode_layer: bad slot mapping");
+  const int64_t kv_heads = key.size(1), head_dim = key.size(2);
+  const at::Tensor layer_cache = kv_cache.select(0, layer);
+  at::Tensor k_cache = layer_cache.select(0, 0).view({-1, kv_heads, head_dim});
+  at::Tensor v_cache = layer_cache.select(0, 1).view({-1, kv_heads, head_dim});
+  const at::Tensor k = key.contiguous(), v = value.contiguous();
+  const int64_t row_bytes = kv_heads * head_dim * static_cast<int64_t>(k.element_size());
+  const int64_t num_slots = k_cache.size(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const char* k_src = static_cast<const char*>(k.data_ptr());
+  const char* v_src = static_cast<const char*>(v.data_ptr());
+  char* k_dst = static_cast<char*>(k_cache.data_ptr());
+  char* v_dst = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t i = 0; i < num_real; ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "decode_layer: slot outside the pool");
+    std::memcpy(k_dst + slots[i] * row_bytes, k_src + i * row_bytes, row_bytes);
+    std::memcpy(v_dst + slots[i] * row_bytes, v_src + i * row_bytes, row_bytes);
+  }
+  at::Tensor out = at::zeros(query.sizes(), query.options());
+  decode_attention(query.contiguous(), k_cache, v_cache, segments, seg_rows, components, out, scale, true);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(prefixserve_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor segments, Tensor seg_rows, "
         "Tensor components, Tensor(a!) out, float scale, bool vector_code=True) -> ()");
+  m.def("decode_layer(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, Tensor slot_mapping, "
+        "int num_real, Tensor segments, Tensor seg_rows, Tensor components, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(prefixserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(prefixserve_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_layer", &decode_layer);
+}
