@@ -131,7 +131,7 @@ class CompiledForward:
             raise ValueError("the compiled forward takes two tokens or more (the runner pads a lone decode)")
         num_rows = logits_index.shape[0]
         if num_rows == 1:
-            logits_index = logits_index.repeat(2)
+            logits_index = torch.cat((logits_index, logits_index))  # (repeat(2) measured 70 us a call here)
         torch._dynamo.mark_dynamic(ids_pos, 1, min=2, max=self.max_tokens)
         torch._dynamo.mark_dynamic(logits_index, 0, min=2, max=self.max_tokens)
         logits = self._compiled(ids_pos, logits_index)

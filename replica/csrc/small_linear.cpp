@@ -243,7 +243,7 @@ inline const float* as_float(const c10::BFloat16* p, int64_t n, std::vector<floa
 // BENCHMARKS.md 0n): bfloat16 2.07-2.83 ms for 1-8 rows, where the streaming kernel above took 2.62-3.25 ms for 1-3
 // rows and oneDNN's packed GEMM 3.31-4.38 ms for 4-8. From ~8 rows the multiply-adds, not memory, bound it there. Up
 // to kPairPass rows take one pass over each block (2 x 12 sums, the block's two vectors and the broadcast input: 27 of
-// the 32 registers); 13-16 rows run as 8 rows and the rest, the block read again from cache. On the Zen 5 box, whose
+// the 32 registers); 13-16 rows run as 12 rows and the rest, the block read again from cache. On the Zen 5 box, whose
 // 512-bit units do twice Zen 4's multiply-adds a cycle, one pass took 9-12 bfloat16 rows in 1.48-2.02 ms where 8 + the
 // rest took 2.55-2.64 (oneDNN's packed GEMM 2.3-2.7; BENCHMARKS.md 0zd). float32 (BENCHMARKS.md 0ze): the streaming
 // kernel read 3 rows' weights three times over there, and oneDNN's GEMM ran 4-16 rows at 3.7-5.7 ms, where one
@@ -251,6 +251,11 @@ inline const float* as_float(const c10::BFloat16* p, int64_t n, std::vector<floa
 constexpr int64_t kPairCols = 32;
 constexpr int64_t kMaxPairRows = 16;
 constexpr int kPairPass = 12;
+// Passes of more than 8 rows are bound by their multiply-adds about as much as by memory, and the hardware prefetcher
+// fell behind there: they ask for the block's weights kPairPrefetch units ahead themselves (2 KiB; past the block's
+// end a prefetch only names an address). 12 rows, one thread (benchmarks/linear_rows.py, Zen 5): float32 3.8-4.2 ms
+// against 4.9-5.2 without, bfloat16 1.75-1.83 against 1.91-1.95; 2-8 rows were level or slower with it.
+constexpr int64_t kPairPrefetch = 16;
 
 // One float32 row runs on the weight's own layout instead (stream_rows): 2.17-2.21 ms against the pair kernel's
 // 2.30-2.46 on the Zen 5 box (benchmarks/linear_rows.py, one thread), where 2 rows already took 2.60 against 2.88.
@@ -305,6 +310,10 @@ inline void pair_block(const uint32_t* x, int64_t Ku, const uint32_t* block, con
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < Ku; ++k) {
+    if constexpr (M > 8) {  // see kPairPrefetch
+      _mm_prefetch(reinterpret_cast<const char*>(block + (k + kPairPrefetch) * kPairCols), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + (k + kPairPrefetch) * kPairCols + 16), _MM_HINT_T0);
+    }
     __m512i wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(block + k * kPairCols + v * 16);
     for (int m = 0; m < M; ++m)
@@ -327,9 +336,9 @@ void pair_rows(const uint32_t* x, int64_t Ku, const uint32_t* pairs, const float
     const uint32_t* block = pairs + b * Ku * kPairCols;
     if constexpr (M <= kPairPass) {
       pair_block<M>(x, Ku, block, bias, y, N, b * kPairCols);
-    } else {  // rows 8.. read the block again, from cache
-      pair_block<8>(x, Ku, block, bias, y, N, b * kPairCols);
-      pair_block<M - 8>(x + 8 * Ku, Ku, block, bias, y + 8 * N, N, b * kPairCols);
+    } else {  // rows kPairPass.. read the block again, from cache
+      pair_block<kPairPass>(x, Ku, block, bias, y, N, b * kPairCols);
+      pair_block<M - kPairPass>(x + kPairPass * Ku, Ku, block, bias, y + kPairPass * N, N, b * kPairCols);
     }
   }
 }
