@@ -127,14 +127,19 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                                vector_code)
 
 
-def decode_layer(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+def attend_layer(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                  slot_mapping: torch.Tensor, num_real: int, plan, scale: float) -> torch.Tensor:
-    """One layer of a step of decode rows only: store the first ``num_real`` rows of ``key`` / ``value`` [T, KVH, D]
-    into layer ``layer`` of the contiguous pool ``kv_cache`` [L, 2, ..., KVH, D] at ``slot_mapping``, then
-    ``decode_attention`` with ``plan`` (a ``paged_attention.DecodeKernelPlan``) into a new [T, H, D] tensor (padding
-    rows zero), in one call."""
-    return torch.ops.prefixserve_cpu.decode_layer(query, key, value, kv_cache, layer, slot_mapping, num_real,
-                                                  plan.segments, plan.rows, plan.components, scale)
+    """One layer of a step whose every part runs on these kernels, in one call: store the first ``num_real`` rows of
+    ``key`` / ``value`` [T, KVH, D] into layer ``layer`` of the contiguous pool ``kv_cache`` [L, 2, ..., KVH, D] at
+    ``slot_mapping``, then attend ``plan``'s prompt chunks (``prefill_attention``'s float32 / pair-dot kernel) and
+    decode rows (``decode_attention``) into a new [T, H, D] tensor (other rows zero). ``plan``: a
+    ``paged_attention.KernelStepPlan``."""
+    decode = plan.decode
+    none = plan.run_offsets[:0]
+    return torch.ops.prefixserve_cpu.attend_layer(
+        query, key, value, kv_cache, layer, slot_mapping, num_real, plan.prefill_rows, plan.prefill_runs,
+        plan.run_offsets, decode.segments if decode else none, decode.rows if decode else none,
+        decode.components if decode else none, scale)
 
 
 AMX_HEAD_SIZES = (32, 64, 128)

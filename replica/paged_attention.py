@@ -269,10 +269,10 @@ def attend(
         return meta.attend(layer_idx, query, key, value, scaling, sliding_window)
     num_tokens, num_heads, head_dim = query.shape
     num_real = num_tokens - meta.num_padding
-    decode_only = _decode_only_plan(meta, query, sliding_window)
-    if decode_only is not None:  # the common decode step: store and attend in one C++ call
-        return cpu_kernels.decode_layer(query, key, value, meta.kv_cache, layer_idx, meta.slot_mapping, num_real,
-                                        decode_only, head_dim**-0.5 if scaling is None else scaling)
+    one_call = _kernel_step_plan(meta, query, sliding_window)
+    if one_call is not None:  # every part on the C++ kernels (the usual step): store and attend in one call
+        return cpu_kernels.attend_layer(query, key, value, meta.kv_cache, layer_idx, meta.slot_mapping, num_real,
+                                        one_call, head_dim**-0.5 if scaling is None else scaling)
     num_kv_heads = key.shape[1]
     k_cache, v_cache = store_kv(meta.kv_cache, layer_idx, meta.slot_mapping,
                                 key[:num_real] if meta.num_padding else key,
@@ -556,20 +556,53 @@ def _attend_segments(
     return output
 
 
-def _decode_only_plan(meta: PagedAttentionMetadata, query: torch.Tensor,
-                      window: int | None) -> "DecodeKernelPlan | None":
-    """The decode kernel's plan when this step is decode rows only and ``_attend_segments`` would hand them all to the
-    C++ decode kernel (CPU, a dtype it takes, a contiguous pool of the query's dtype); else None. Once per step and
-    window: ``attend`` then stores and attends each layer in one call (``cpu_kernels.decode_layer``)."""
-    cache_key = ("decode_only", window)
-    if cache_key not in meta._step_cache:
-        plan = None
-        if (query.device.type == "cpu" and _CPU_SEGMENTS and not meta.prefills and meta.decode is not None
-                and meta.kv_cache.dtype == query.dtype and meta.kv_cache.is_contiguous()
-                and _decode_kernel_for(query)):
-            plan = segment_plan(meta, window, decode_kernel=True).decode_kernel
-        meta._step_cache[cache_key] = plan
-    return meta._step_cache[cache_key]
+@dataclass
+class KernelStepPlan:
+    """A step whose every part runs on the C++ kernels, as ``cpu_kernels.attend_layer`` takes it (once per step and
+    window)."""
+
+    prefill_rows: torch.Tensor
+    """[P, 2] int64: each prompt chunk's first row and row count."""
+    prefill_runs: torch.Tensor
+    """[R, 2] int64: the chunks' key runs (first slot, length), one chunk after another."""
+    run_offsets: torch.Tensor
+    """[P + 1] int64: chunk p's runs are ``prefill_runs[run_offsets[p]:run_offsets[p + 1]]``."""
+    decode: "DecodeKernelPlan | None"
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+
+
+def _kernel_step_plan(meta: PagedAttentionMetadata, query: torch.Tensor, window: int | None) -> KernelStepPlan | None:
+    """The step as one call a layer (``cpu_kernels.attend_layer``) when ``_attend_segments`` would send every part of
+    it to a C++ kernel: decode rows to the decode kernel, prompt chunks to the float32 / pair-dot prefill kernel (not
+    AMX, no sliding window), on a contiguous pool of the query's dtype; else None."""
+    cache_key = ("one call", window)
+    if cache_key in meta._step_cache:
+        return meta._step_cache[cache_key]
+    plan = None
+    pool = meta.kv_cache
+    if (query.device.type == "cpu" and _CPU_SEGMENTS and pool.dtype == query.dtype and pool.is_contiguous()
+            and (meta.prefills or meta.decode is not None)):
+        decode_kernel = _decode_kernel_for(query)  # as _attend_segments asks (one segment plan for both)
+        amx = (query.dtype == torch.bfloat16 and query.shape[-1] in cpu_kernels.AMX_HEAD_SIZES
+               and cpu_kernels.has_amx())
+        prefill_kernel = (bool(meta.prefills) and window is None and not amx
+                          and _prefill_kernel_for(query, pool, pool))
+        if (meta.decode is None or decode_kernel) and (not meta.prefills or prefill_kernel):
+            segments = segment_plan(meta, window, decode_kernel=decode_kernel, prefill_kernel=prefill_kernel)
+            if not segments.segments and not segments.direct:
+                chunks = segments.prefill_kernel
+                offsets = [0]
+                for _, runs in chunks:
+                    offsets.append(offsets[-1] + runs.shape[0])
+                rows = [(meta.prefills[index].q_start, meta.prefills[index].q_len) for index, _ in chunks]
+                plan = KernelStepPlan(
+                    torch.tensor(rows, dtype=torch.long).reshape(-1, 2),
+                    torch.cat([runs for _, runs in chunks]) if chunks else _NO_ROWS.view(0, 2),
+                    torch.tensor(offsets, dtype=torch.long), segments.decode_kernel)
+    meta._step_cache[cache_key] = plan
+    return plan
 
 
 def _prefill_kernel_for(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

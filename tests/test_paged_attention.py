@@ -66,8 +66,9 @@ def both_paths(meta, query, key, value, window, monkeypatch, kernel=False):
         if segments and meta.decode is not None:  # the decode rows went where they were sent
             plan = step._step_cache[("segments", window, kernel, False)]  # float32: no AMX prefill kernel
             assert (plan.decode_kernel is not None) == kernel
-            # a step of decode rows only stores and attends each layer in one C++ call (cpu_kernels.decode_layer)
-            assert (step._step_cache[("decode_only", window)] is not None) == (kernel and not meta.prefills)
+            # with every part on the C++ kernels a layer stores and attends in one call (cpu_kernels.attend_layer);
+            # here the prompt chunks are not (the prefill kernel is off), so only a step of decode rows does
+            assert (step._step_cache[("one call", window)] is not None) == (kernel and not meta.prefills)
     return results
 
 
@@ -113,7 +114,7 @@ def test_bfloat16_close_to_float32(kernel, head_dim, monkeypatch):
 @pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_decode_only_step_in_one_call_matches_the_generic_path(dtype, monkeypatch):
-    """``decode_layer`` (store + decode kernel in one call) against ATen's generic path: rows sharing a prefix, a
+    """``attend_layer`` (store + decode kernel in one call) against ATen's generic path: rows sharing a prefix, a
     row alone, a padding row; the same pool afterwards, the padding row zero."""
     meta, query, key, value = build_step(CASES["decodes sharing a prefix"], num_kv_heads=2, dtype=dtype, padding=1,
                                          head_dim=64)
@@ -125,13 +126,17 @@ def test_a_decode_only_step_in_one_call_matches_the_generic_path(dtype, monkeypa
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")
-def test_decode_layer_refuses_a_slot_outside_the_pool():
+def test_attend_layer_refuses_a_slot_or_a_chunk_outside_its_bounds():
     meta, query, key, value = build_step(CASES["decodes sharing a prefix"], num_kv_heads=2, dtype=torch.float32)
-    plan = pa.segment_plan(meta, None, decode_kernel=True).decode_kernel
+    plan = pa._kernel_step_plan(meta, query, None)
     bad = meta.slot_mapping.clone()
     bad[1] = meta.kv_cache.shape[2] * meta.kv_cache.shape[3]  # pages x page size: one past the last slot
     with pytest.raises(RuntimeError, match="slot outside the pool"):
-        cpu_kernels.decode_layer(query, key, value, meta.kv_cache, 0, bad, bad.numel(), plan, 0.125)
+        cpu_kernels.attend_layer(query, key, value, meta.kv_cache, 0, bad, bad.numel(), plan, 0.125)
+    chunk = pa.KernelStepPlan(torch.tensor([[3, 9]]), torch.tensor([[0, 9]]), torch.tensor([0, 1]), None)
+    with pytest.raises(RuntimeError, match="prompt chunk outside the step"):  # rows 3..11 of a 5-row step
+        cpu_kernels.attend_layer(query, key, value, meta.kv_cache, 0, meta.slot_mapping,
+                                 meta.slot_mapping.numel(), chunk, 0.125)
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")
@@ -243,6 +248,8 @@ def test_float32_prefill_kernel_matches_run_by_run_attention(case, head_dim, mon
     out = attend(step, 0, query, key, value, None, None)
     plan = step._step_cache[("segments", None, pa._decode_kernel_for(query), True)]
     assert [index for index, _ in plan.prefill_kernel] == list(range(len(meta.prefills)))  # every chunk went there
+    # every part of the step on the kernels: each layer is one call (cpu_kernels.attend_layer), chunks and decode rows
+    assert (step._step_cache[("one call", None)] is not None) == (not meta.decode or pa._decode_kernel_for(query))
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, run_by_run, rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(out[-1]) == 0
@@ -317,6 +324,8 @@ def test_amx_prefill_kernel_matches_float32_attention(case, head_dim, monkeypatc
     out = attend(step, 0, query, key, value, None, None)
     plan = step._step_cache[("segments", None, pa._decode_kernel_for(query), True)]
     assert [index for index, _ in plan.prefill_kernel] == list(range(len(meta.prefills)))  # every chunk went there
+    # every part of the step on the kernels: each layer is one call (cpu_kernels.attend_layer), chunks and decode rows
+    assert (step._step_cache[("one call", None)] is not None) == (not meta.decode or pa._decode_kernel_for(query))
     # bfloat16 output: half a unit in the last place is 2^-9 relative; measured errors were at most ATen flash's own
     # (<= 0.0076 at |values| up to 3.7), and one key of ~100 dropped or added moves a row by ~0.01
     torch.testing.assert_close(out.float(), reference, rtol=0.004, atol=0.004)

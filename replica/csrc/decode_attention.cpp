@@ -12,6 +12,7 @@
 // shared state.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -489,24 +490,36 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
   }
 }
 
-// One layer's attention in a step of decode rows only (replica.paged_attention.attend's fast path): the first
-// num_real rows of key / value [T, KVH, D] are stored into layer `layer` of kv_cache [L, 2, ..., KVH, D] at
-// slot_mapping [num_real], then decode_attention answers every decode row; returns out [T, H, D], rows past num_real
-// (padding) zero. One call where attend made ~20 tensor calls from Python for the same work (~25 us a layer).
-at::Tensor decode_layer(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                        int64_t layer, const at::Tensor& slot_mapping, int64_t num_real, const at::Tensor& segments,
-                        const at::Tensor& seg_rows, const at::Tensor& components, double scale) {
+// One layer's attention in a step whose every part runs on these kernels (replica.paged_attention.attend's one-call
+// path): the first num_real rows of key / value [T, KVH, D] are stored into layer `layer` of kv_cache
+// [L, 2, ..., KVH, D] at slot_mapping [num_real]; each prompt chunk p (prefill_rows[p] = first row, rows) is attended
+// by the float32 / pair-dot prefill kernel over its key runs prefill_runs[run_offsets[p] .. run_offsets[p + 1]); the
+// decode rows (segments / seg_rows / components, none when components is empty) by decode_attention. Returns out
+// [T, H, D], rows none of them names (padding) zero. One call where attend made ~20 tensor calls from Python for the
+// same work (~25 us a layer).
+at::Tensor attend_layer(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                        int64_t layer, const at::Tensor& slot_mapping, int64_t num_real,
+                        const at::Tensor& prefill_rows, const at::Tensor& prefill_runs,
+                        const at::Tensor& run_offsets, const at::Tensor& segments, const at::Tensor& seg_rows,
+                        const at::Tensor& components, double scale) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && query.dim() == 3 && query.size(0) == key.size(0),
-              "decode_layer: bad shapes");
+              "attend_layer: bad shapes");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() >= 3 && kv_cache.size(1) == 2 && layer >= 0 &&
                   layer < kv_cache.size(0),
-              "decode_layer: bad pool or layer");
+              "attend_layer: bad pool or layer");
   TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
-              "decode_layer: dtypes differ");
+              "attend_layer: dtypes differ");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && num_real >= 0 &&
                   slot_mapping.numel() == num_real && num_real <= key.size(0),
-              "decode_layer: bad slot mapping");
-  const int64_t kv_heads = key.size(1), head_dim = key.size(2);
+              "attend_layer: bad slot mapping");
+  const int64_t num_prefills = prefill_rows.numel() / 2;
+  TORCH_CHECK(prefill_rows.scalar_type() == at::kLong && prefill_rows.is_contiguous() &&
+                  prefill_rows.numel() % 2 == 0 && run_offsets.scalar_type() == at::kLong &&
+                  run_offsets.is_contiguous() && run_offsets.numel() == num_prefills + 1 &&
+                  prefill_runs.scalar_type() == at::kLong && prefill_runs.is_contiguous() &&
+                  prefill_runs.numel() % 2 == 0,
+              "attend_layer: bad prompt chunks");
+  const int64_t kv_heads = key.size(1), head_dim = key.size(2), num_tokens = query.size(0);
   const at::Tensor layer_cache = kv_cache.select(0, layer);
   at::Tensor k_cache = layer_cache.select(0, 0).view({-1, kv_heads, head_dim});
   at::Tensor v_cache = layer_cache.select(0, 1).view({-1, kv_heads, head_dim});
@@ -519,12 +532,31 @@ at::Tensor decode_layer(const at::Tensor& query, const at::Tensor& key, const at
   char* k_dst = static_cast<char*>(k_cache.data_ptr());
   char* v_dst = static_cast<char*>(v_cache.data_ptr());
   for (int64_t i = 0; i < num_real; ++i) {
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "decode_layer: slot outside the pool");
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "attend_layer: slot outside the pool");
     std::memcpy(k_dst + slots[i] * row_bytes, k_src + i * row_bytes, row_bytes);
     std::memcpy(v_dst + slots[i] * row_bytes, v_src + i * row_bytes, row_bytes);
   }
+  const at::Tensor q = query.contiguous();
   at::Tensor out = at::zeros(query.sizes(), query.options());
-  decode_attention(query.contiguous(), k_cache, v_cache, segments, seg_rows, components, out, scale, true);
+  if (num_prefills > 0) {  // the prefill kernel lives in another source file: reached through the dispatcher
+    static const auto prefill = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("prefixserve_cpu::prefill_attention_f32", "")
+                                    .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                const at::Tensor&, double, at::Tensor&, bool)>();
+    const int64_t* rows = prefill_rows.data_ptr<int64_t>();
+    const int64_t* offsets = run_offsets.data_ptr<int64_t>();
+    const int64_t num_runs = prefill_runs.numel() / 2;
+    const at::Tensor runs = prefill_runs.view({num_runs, 2});
+    for (int64_t p = 0; p < num_prefills; ++p) {
+      TORCH_CHECK(rows[2 * p] >= 0 && rows[2 * p + 1] > 0 && rows[2 * p] + rows[2 * p + 1] <= num_tokens &&
+                      0 <= offsets[p] && offsets[p] < offsets[p + 1] && offsets[p + 1] <= num_runs,
+                  "attend_layer: prompt chunk outside the step");
+      at::Tensor chunk_out = out.narrow(0, rows[2 * p], rows[2 * p + 1]);
+      prefill.call(q.narrow(0, rows[2 * p], rows[2 * p + 1]), k_cache, v_cache,
+                   runs.narrow(0, offsets[p], offsets[p + 1] - offsets[p]), scale, chunk_out, true);
+    }
+  }
+  if (components.numel() > 0) decode_attention(q, k_cache, v_cache, segments, seg_rows, components, out, scale, true);
   return out;
 }
 
@@ -533,11 +565,12 @@ at::Tensor decode_layer(const at::Tensor& query, const at::Tensor& key, const at
 TORCH_LIBRARY(prefixserve_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor segments, Tensor seg_rows, "
         "Tensor components, Tensor(a!) out, float scale, bool vector_code=True) -> ()");
-  m.def("decode_layer(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, Tensor slot_mapping, "
-        "int num_real, Tensor segments, Tensor seg_rows, Tensor components, float scale) -> Tensor");
+  m.def("attend_layer(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, Tensor slot_mapping, "
+        "int num_real, Tensor prefill_rows, Tensor prefill_runs, Tensor run_offsets, Tensor segments, "
+        "Tensor seg_rows, Tensor components, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixserve_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
-  m.impl("decode_layer", &decode_layer);
+  m.impl("attend_layer", &attend_layer);
 }
