@@ -585,8 +585,8 @@ def _kernel_step_plan(meta: PagedAttentionMetadata, query: torch.Tensor, window:
     if (query.device.type == "cpu" and _CPU_SEGMENTS and pool.dtype == query.dtype and pool.is_contiguous()
             and (meta.prefills or meta.decode is not None)):
         decode_kernel = _decode_kernel_for(query)  # as _attend_segments asks (one segment plan for both)
-        amx = (query.dtype == torch.bfloat16 and query.shape[-1] in cpu_kernels.AMX_HEAD_SIZES
-               and cpu_kernels.has_amx())
+        amx = (bool(meta.prefills) and query.dtype == torch.bfloat16  # (has_amx may build the AMX library)
+               and query.shape[-1] in cpu_kernels.AMX_HEAD_SIZES and cpu_kernels.has_amx())
         prefill_kernel = (bool(meta.prefills) and window is None and not amx
                           and _prefill_kernel_for(query, pool, pool))
         if (meta.decode is None or decode_kernel) and (not meta.prefills or prefill_kernel):

@@ -212,7 +212,7 @@ def test_float32_pair_layout_holds_one_input_per_unit_in_blocks_of_32_outputs():
 
 
 @pytest.mark.parametrize("dtype", PAIR_DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16])  # 13-16: 8 rows, then the rest
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])  # 13-16: 12, then the rest
 @pytest.mark.parametrize("out_features", [7, 32, 70, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_pair_kernel_matches_float64_up_to_one_rounding(dtype, rows, out_features, with_bias):
@@ -232,6 +232,22 @@ def test_pair_kernel_matches_float64_up_to_one_rounding(dtype, rows, out_feature
         if rows > 1:  # the pair kernel answered (one float32 row streams from the weight itself)
             doubled = cpu_kernels.linear(x, weight, bias, pairs=cpu_kernels.pack_pairs(weight * 2), pairs_below_rows=17)
             torch.testing.assert_close(doubled.double(), _reference(x, weight * 2, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES)
+def test_pair_kernel_leaves_a_strided_or_mismatched_bias_to_the_other_paths(dtype):
+    """A bias that is not contiguous, or not one value per output, is not the pair kernel's to read: the input goes
+    to the other paths (which answer a strided bias right and refuse a short one)."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 64, generator=generator).to(dtype)
+    weight = torch.randn(40, 64, generator=generator).to(dtype)
+    strided = torch.randn(80, generator=generator).to(dtype)[::2]
+    pairs = cpu_kernels.pack_pairs(weight)
+    out = cpu_kernels.linear(x, weight, strided, pairs=pairs, pairs_below_rows=17)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.double(), _reference(x, weight, strided), rtol=tolerance, atol=tolerance)
+    with pytest.raises(RuntimeError):
+        cpu_kernels.linear(x, weight, strided[:39].contiguous(), pairs=pairs, pairs_below_rows=17)
 
 
 @needs_pairs

@@ -256,6 +256,26 @@ def test_float32_prefill_kernel_matches_run_by_run_attention(case, head_dim, mon
 
 
 @pytest.mark.skipif(not VECTOR_CPU, reason="needs a CPU with AVX2 and FMA")
+def test_one_call_writes_and_reads_its_own_layer_of_the_pool(monkeypatch):
+    """A 2-layer pool, layer 1: the one call (prompt chunks and decode rows) stores into layer 1 only and attends over
+    it, as the generic path does; layer 0 is left as it was."""
+    meta, query, key, value = build_step(LONG_CASES["two prefills and decodes"], num_kv_heads=2, dtype=torch.float32,
+                                         padding=1, head_dim=64)
+    other = torch.randn_like(meta.kv_cache)
+    outs, pools = [], []
+    for segments in (True, False):
+        monkeypatch.setattr(pa, "_CPU_SEGMENTS", segments)
+        pool = torch.cat([other, meta.kv_cache])
+        step = PagedAttentionMetadata(pool, meta.slot_mapping, meta.prefills, meta.decode, num_padding=1)
+        outs.append(attend(step, 1, query, key, value, None, None))
+        pools.append(pool)
+        if segments:
+            assert step._step_cache[("one call", None)] is not None
+    assert torch.equal(pools[0], pools[1]) and torch.equal(pools[0][0], other[0])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not VECTOR_CPU, reason="needs a CPU with AVX2 and FMA")
 @pytest.mark.parametrize("threads", [1, 8])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_float32_prefill_kernel_rescales_and_masks(head_dim, threads):
@@ -324,8 +344,8 @@ def test_amx_prefill_kernel_matches_float32_attention(case, head_dim, monkeypatc
     out = attend(step, 0, query, key, value, None, None)
     plan = step._step_cache[("segments", None, pa._decode_kernel_for(query), True)]
     assert [index for index, _ in plan.prefill_kernel] == list(range(len(meta.prefills)))  # every chunk went there
-    # every part of the step on the kernels: each layer is one call (cpu_kernels.attend_layer), chunks and decode rows
-    assert (step._step_cache[("one call", None)] is not None) == (not meta.decode or pa._decode_kernel_for(query))
+    # the AMX kernel is not one of attend_layer's: these steps keep the call per part
+    assert step._step_cache[("one call", None)] is None
     # bfloat16 output: half a unit in the last place is 2^-9 relative; measured errors were at most ATen flash's own
     # (<= 0.0076 at |values| up to 3.7), and one key of ~100 dropped or added moves a row by ~0.01
     torch.testing.assert_close(out.float(), reference, rtol=0.004, atol=0.004)

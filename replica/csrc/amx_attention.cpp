@@ -375,7 +375,7 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const
   const int64_t* run = runs.data_ptr<int64_t>();
   std::vector<int64_t> slots;
   for (int64_t r = 0; r < runs.size(0); ++r) {  // bounds: a bad plan must not read outside the pool
-    TORCH_CHECK(run[2 * r] >= 0 && run[2 * r + 1] >= 0 && run[2 * r] + run[2 * r + 1] <= num_slots,
+    TORCH_CHECK(run[2 * r] >= 0 && run[2 * r + 1] >= 0 && run[2 * r + 1] <= num_slots - run[2 * r],
                 "prefill_attention: run outside the pool");
     for (int64_t i = 0; i < run[2 * r + 1]; ++i) slots.push_back(run[2 * r] + i);
   }

@@ -424,8 +424,9 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
               "decode_attention: dtypes differ");
   TORCH_CHECK(segments.scalar_type() == at::kLong && seg_rows.scalar_type() == at::kLong &&
                   components.scalar_type() == at::kLong && segments.is_contiguous() && seg_rows.is_contiguous() &&
-                  components.is_contiguous(),
-              "decode_attention: index tensors must be contiguous int64");
+                  components.is_contiguous() && segments.dim() == 2 && segments.size(1) == 4 &&
+                  components.dim() == 2 && components.size(1) == 4,
+              "decode_attention: index tensors must be contiguous int64, segments and components [N, 4]");
   const int64_t num_heads = query.size(1), head_dim = query.size(2), num_kv_heads = k_cache.size(1);
   const int64_t num_slots = k_cache.size(0), num_tokens = query.size(0);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(2) == head_dim, "decode_attention: head mismatch");
@@ -435,7 +436,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
   const int64_t* rows = seg_rows.data_ptr<int64_t>();
   const int64_t* comp = components.data_ptr<int64_t>();
   for (int64_t s = 0; s < num_segments; ++s) {  // bounds: a bad plan must not read outside the pool
-    TORCH_CHECK(seg[s * 4] >= 0 && seg[s * 4 + 1] >= 0 && seg[s * 4] + seg[s * 4 + 1] <= num_slots,
+    TORCH_CHECK(seg[s * 4] >= 0 && seg[s * 4 + 1] >= 0 && seg[s * 4 + 1] <= num_slots - seg[s * 4],
                 "decode_attention: segment outside the pool");
     TORCH_CHECK(0 <= seg[s * 4 + 2] && seg[s * 4 + 2] <= seg[s * 4 + 3] && seg[s * 4 + 3] <= num_seg_rows,
                 "decode_attention: bad segment rows");

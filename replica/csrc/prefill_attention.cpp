@@ -628,7 +628,7 @@ void prefill_attention_f32(const at::Tensor& query, const at::Tensor& k_cache, c
   const int64_t* run = runs.data_ptr<int64_t>();
   int64_t length = 0;
   for (int64_t r = 0; r < runs.size(0); ++r) {  // bounds: a bad plan must not read outside the pool
-    TORCH_CHECK(run[2 * r] >= 0 && run[2 * r + 1] >= 0 && run[2 * r] + run[2 * r + 1] <= num_slots,
+    TORCH_CHECK(run[2 * r] >= 0 && run[2 * r + 1] >= 0 && run[2 * r + 1] <= num_slots - run[2 * r],
                 "prefill_attention_f32: run outside the pool");
     length += run[2 * r + 1];
   }

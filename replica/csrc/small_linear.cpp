@@ -356,18 +356,18 @@ bool pair_covered(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor
   const int64_t E = dtype == at::kBFloat16 ? 2 : 1;
   return kernel && pairs.scalar_type() == dtype && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 &&
          x.size(0) <= kMaxPairRows && pairs.dim() == 4 && pairs.is_contiguous() && pairs.size(3) == E &&
-         x.size(1) == E * pairs.size(1) && pairs.size(2) == kPairCols &&
-         pairs.size(0) == (weight.size(0) + kPairCols - 1) / kPairCols &&
-         (!bias.has_value() || !bias->defined() || bias->scalar_type() == dtype);
+         x.size(1) == E * pairs.size(1) && pairs.size(2) == kPairCols && weight.dim() == 2 &&
+         weight.size(1) == x.size(1) && pairs.size(0) == (weight.size(0) + kPairCols - 1) / kPairCols &&
+         (!bias.has_value() || !bias->defined() ||
+          (bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == weight.size(0)));
 }
 
 template <typename T>
 at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), Ku = pairs.size(1), N = weight.size(0);
-  thread_local std::vector<float> bias_buffer;
-  const float* bp =
-      (bias.has_value() && bias->defined()) ? as_float(bias->contiguous().data_ptr<T>(), N, bias_buffer) : nullptr;
+  thread_local std::vector<float> bias_buffer;  // (pair_covered: a bias is contiguous, N values)
+  const float* bp = (bias.has_value() && bias->defined()) ? as_float(bias->data_ptr<T>(), N, bias_buffer) : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());
   const uint32_t* xp = static_cast<const uint32_t*>(x.data_ptr());
   const uint32_t* wp = static_cast<const uint32_t*>(pairs.data_ptr());
