@@ -178,6 +178,12 @@ def has_vector_prefill() -> bool:
     return available() and bool(torch.ops.prefixserve_cpu.has_vector_prefill())
 
 
+def prefill_on_amx(query: torch.Tensor) -> bool:
+    """Whether ``prefill_attention`` runs this query's chunks on AMX tiles: bfloat16, a head size the AMX kernel
+    takes, and ``has_amx`` (asked last: it may build the AMX library)."""
+    return query.dtype == torch.bfloat16 and query.shape[-1] in AMX_HEAD_SIZES and has_amx()
+
+
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
                       scale: float, out: torch.Tensor) -> None:
     """Write into ``out`` [tokens, heads, head_dim] the attention of a prompt chunk's ``query`` (same shape) to its
@@ -186,7 +192,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     [slots, kv_heads, head_dim]. bfloat16 of head size 32, 64 or 128 runs on AMX tiles where the CPU has them
     (``has_amx``); float32 on AVX2 or AVX-512 vectors (``has_vector_prefill``); bfloat16 elsewhere by AVX512-BF16
     pair dot products where the CPU has them (``has_bf16_dot``), else widened to float32 as it is read."""
-    if query.dtype == torch.bfloat16 and query.shape[-1] in AMX_HEAD_SIZES and has_amx():
+    if prefill_on_amx(query):
         torch.ops.prefixserve_cpu.prefill_attention(query, k_cache, v_cache, runs, scale, out)
     else:
         torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache, v_cache, runs, scale, out)

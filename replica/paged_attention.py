@@ -585,9 +585,7 @@ def _kernel_step_plan(meta: PagedAttentionMetadata, query: torch.Tensor, window:
     if (query.device.type == "cpu" and _CPU_SEGMENTS and pool.dtype == query.dtype and pool.is_contiguous()
             and (meta.prefills or meta.decode is not None)):
         decode_kernel = _decode_kernel_for(query)  # as _attend_segments asks (one segment plan for both)
-        amx = (bool(meta.prefills) and query.dtype == torch.bfloat16  # (has_amx may build the AMX library)
-               and query.shape[-1] in cpu_kernels.AMX_HEAD_SIZES and cpu_kernels.has_amx())
-        prefill_kernel = (bool(meta.prefills) and window is None and not amx
+        prefill_kernel = (bool(meta.prefills) and window is None and not cpu_kernels.prefill_on_amx(query)
                           and _prefill_kernel_for(query, pool, pool))
         if (meta.decode is None or decode_kernel) and (not meta.prefills or prefill_kernel):
             segments = segment_plan(meta, window, decode_kernel=decode_kernel, prefill_kernel=prefill_kernel)
@@ -612,7 +610,7 @@ def _prefill_kernel_for(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if not (_CPU_PREFILL_KERNEL and k_cache.dtype == query.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous()):
         return False
-    if query.dtype == torch.bfloat16 and query.shape[-1] in cpu_kernels.AMX_HEAD_SIZES and cpu_kernels.has_amx():
+    if cpu_kernels.prefill_on_amx(query):
         return True
     return (query.dtype in (torch.float32, torch.bfloat16) and query.shape[-1] <= 256
             and cpu_kernels.has_vector_prefill())
