@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("decode_attention.cpp", "small_linear.cpp", "prefill_attention.cpp"))
-HEADERS = (Path(__file__).parent / "csrc" / "reduce16.h",)
+HEADERS = (Path(__file__).parent / "csrc" / "reduce16.h", Path(__file__).parent / "csrc" / "step_helper.h")
 """Included by ``SOURCES``: part of the build's digest, so that a changed header rebuilds the library."""
 AMX_SOURCES = (Path(__file__).parent / "csrc" / "amx_attention.cpp",)
 """Built as a library of its own after ``SOURCES``: a compiler that cannot build its AMX intrinsics costs only the
@@ -221,6 +221,24 @@ def has_pair_linear(dtype: torch.dtype = torch.bfloat16) -> bool:
     (float32) or AVX512-BF16 (bfloat16)."""
     return (dtype in (torch.float32, torch.bfloat16) and available()
             and bool(torch.ops.prefixserve_cpu.has_pair_linear(dtype == torch.float32)))
+
+
+def arm_step_helper(on: bool) -> None:
+    """Arm (``on``) or disarm the pair kernel's step helper (``csrc/step_helper.h``): a second thread that takes
+    chunks of output columns of every pair-kernel call made on one torch thread while it is armed, and sleeps
+    otherwise. The engine arms it for the short steps of a replica that owns a second core
+    (``replica.config.STEP_HELPER_MIN_TOKENS``)."""
+    torch.ops.prefixserve_cpu.arm_step_helper(on)
+
+
+def step_helper_chunks() -> int:
+    """Chunks the step helper has computed in this process (tests)."""
+    return int(torch.ops.prefixserve_cpu.step_helper_chunks())
+
+
+def step_helper_armed() -> bool:
+    """Whether the step helper is armed now (tests; arming does nothing where the process has one CPU)."""
+    return bool(torch.ops.prefixserve_cpu.step_helper_armed())
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:

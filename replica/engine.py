@@ -28,7 +28,9 @@ from common.page_keys import PageKey, compute_page_keys
 from common.types import (CachedTokens, EngineRequest, EngineStats, PinPrefix, PrefixReport, ProactiveCopyStats,
                           RequestLatencyStats,
                           RequestOutput)
-from replica.config import PREFILL_THREADS_MIN_KEYS, PREFILL_THREADS_MIN_TOKENS, EngineConfig
+from replica import cpu_kernels
+from replica.config import (PREFILL_THREADS_MIN_KEYS, PREFILL_THREADS_MIN_TOKENS, STEP_HELPER_ENV,
+                            STEP_HELPER_MIN_TOKENS, EngineConfig)
 from replica.detokenizer import IncrementalDetokenizer
 from replica.kv_manager import KVCacheManager
 from replica.landing import landing_page_ids
@@ -141,6 +143,12 @@ class LLMEngine:
         self._step_threads = (config.num_threads, config.prefill_threads)
         """CPU torch threads of (short steps, steps of at least ``PREFILL_THREADS_MIN_TOKENS`` tokens)."""
         self._threads_now = 0
+        own_second_core = (self._step_threads[0] == 1 and self._step_threads[1] >= 2
+                           and len(os.sched_getaffinity(0)) >= 2)
+        helper = own_second_core and os.environ.get(STEP_HELPER_ENV, "") != "0"
+        pair_rows = self.runner.pair_rows if helper else (0, 0)
+        self._helper_rows = (max(STEP_HELPER_MIN_TOKENS, pair_rows[0]), pair_rows[1])
+        """Steps on one thread of ``[min, max)`` tokens arm the pair kernel's step helper (``_set_step_threads``)."""
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
         self.latency = RequestLatencyStats()
@@ -310,23 +318,27 @@ class LLMEngine:
         self.kv.exports.set_computing(self.scheduler.in_flight_keys())  # a peer's export may wait for these
         if not plan.chunks:
             return []
-        self._set_step_threads(plan.num_tokens, plan.chunks)
-        self._import_pages(plan.imports)
-        self._note_scheduled(plan.admitted)
-        inputs = []
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            start = seq.num_computed_tokens
-            inputs.append(
-                ChunkInput(
-                    token_ids=seq.token_ids[start : start + chunk.num_new_tokens],
-                    start_pos=start,
-                    page_ids=seq.page_ids,
-                    sample=start + chunk.num_new_tokens == seq.num_tokens,
+        helper = self._set_step_threads(plan.num_tokens, plan.chunks)
+        try:  # (armed early: the helper wakes while the imports and inputs are made)
+            self._import_pages(plan.imports)
+            self._note_scheduled(plan.admitted)
+            inputs = []
+            for chunk in plan.chunks:
+                seq = chunk.seq
+                start = seq.num_computed_tokens
+                inputs.append(
+                    ChunkInput(
+                        token_ids=seq.token_ids[start : start + chunk.num_new_tokens],
+                        start_pos=start,
+                        page_ids=seq.page_ids,
+                        sample=start + chunk.num_new_tokens == seq.num_tokens,
+                    )
                 )
-            )
-        started = time.perf_counter()
-        logits = self.runner.run(inputs)
+            started = time.perf_counter()
+            logits = self.runner.run(inputs)
+        finally:
+            if helper:
+                cpu_kernels.arm_step_helper(False)
         sampling_seqs = [chunk.seq for chunk, inp in zip(plan.chunks, inputs) if inp.sample]
         new_tokens = sample_tokens(
             logits, [seq.sampling for seq in sampling_seqs], [seq.generator for seq in sampling_seqs]
@@ -352,18 +364,23 @@ class LLMEngine:
             outputs.append(self._advance(seq))
         return [output for output in outputs if output is not None]
 
-    def _set_step_threads(self, num_tokens: int, chunks: list[ScheduledChunk]) -> None:
+    def _set_step_threads(self, num_tokens: int, chunks: list[ScheduledChunk]) -> bool:
         """CPU: run this step on the prefill thread count when it is long enough (``num_tokens`` new tokens) or its
         ``chunks`` attend enough keys (context plus new tokens, summed), else on the decode one. Called on the thread
-        that steps (torch's thread count is per calling thread); a change costs ~0.3 ms."""
+        that steps (torch's thread count is per calling thread); a change costs ~0.3 ms. Returns whether it armed the
+        pair kernel's step helper for this step (``_helper_rows``; the caller disarms it after the forward)."""
         if self.device.type != "cpu" or self._step_threads[0] == self._step_threads[1]:
-            return
+            return False
         long_step = num_tokens >= PREFILL_THREADS_MIN_TOKENS or sum(
             chunk.seq.num_computed_tokens + chunk.num_new_tokens for chunk in chunks) >= PREFILL_THREADS_MIN_KEYS
         wanted = self._step_threads[long_step]
         if wanted != self._threads_now:
             torch.set_num_threads(wanted)
             self._threads_now = wanted
+        helper = not long_step and self._helper_rows[0] <= num_tokens < self._helper_rows[1]
+        if helper:
+            cpu_kernels.arm_step_helper(True)
+        return helper
 
     # ---- request timings (RequestLatencyStats: vLLM's engine-side queue / prefill / decode / inter-token times) ----
     def _note_scheduled(self, admitted: list[Sequence]) -> None:

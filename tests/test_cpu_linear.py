@@ -6,6 +6,10 @@ input, float16)."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -292,6 +296,179 @@ def test_float32_pair_kernel_answers_from_two_rows_below_its_row_count_and_never
         assert torch.equal(cpu_kernels.linear(x32, weight, None, True, None, 0,
                                               cpu_kernels.pack_pairs(bf16_weight * 2), 17),
                            cpu_kernels.linear(x32, weight))
+
+
+def _helper_takes_part(call, seconds: float = 5.0) -> bool:
+    """Whether the step helper computes a chunk of ``call()`` (made armed, again and again) within ``seconds``."""
+    before = cpu_kernels.step_helper_chunks()
+    deadline = time.monotonic() + seconds
+    cpu_kernels.arm_step_helper(True)
+    try:
+        while cpu_kernels.step_helper_chunks() == before and time.monotonic() < deadline:
+            call()
+    finally:
+        cpu_kernels.arm_step_helper(False)
+    return cpu_kernels.step_helper_chunks() > before
+
+
+two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the step helper needs a second CPU")
+
+
+@two_cpus
+@pytest.mark.parametrize("dtype", PAIR_DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 16])
+@pytest.mark.parametrize("out_features", [70, 300, 2200])  # 3, 10 and 69 blocks (from 64 blocks: chunks of 2)
+def test_step_helper_computes_the_same_bits_as_one_thread(dtype, rows, out_features):
+    """Armed, the step helper takes chunks of the pair kernel's columns from the calling thread's job: every chunk is
+    computed as one thread computes it, so the result is equal bit for bit, whoever took which chunk (calls are made
+    until the helper has taken part)."""
+    generator = torch.Generator().manual_seed(rows * 7 + out_features)
+    x = torch.randn(rows, 128, generator=generator).to(dtype)
+    weight = torch.randn(out_features, 128, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    pairs = cpu_kernels.pack_pairs(weight)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    shared = []
+    try:
+        alone = cpu_kernels.linear(x, weight, bias, pairs=pairs, pairs_below_rows=17)
+        pair_kernel = dtype == torch.bfloat16 or rows >= 2  # (one float32 row streams from the weight itself)
+        took_part = _helper_takes_part(
+            lambda: shared.append(cpu_kernels.linear(x, weight, bias, pairs=pairs, pairs_below_rows=17)),
+            seconds=5.0 if pair_kernel else 0.3)
+    finally:
+        torch.set_num_threads(before)
+    assert took_part == pair_kernel
+    for out in shared:
+        assert torch.equal(out, alone)
+
+
+@two_cpus
+@pytest.mark.parametrize("dtype", PAIR_DTYPES)
+def test_step_helper_takes_chunks_only_while_armed_and_on_one_torch_thread(dtype):
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 512, generator=generator).to(dtype)
+    weight = torch.randn(4096, 512, generator=generator).to(dtype)
+    pairs = cpu_kernels.pack_pairs(weight)
+
+    def call():
+        return cpu_kernels.linear(x, weight, None, pairs=pairs, pairs_below_rows=17)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert _helper_takes_part(call)
+        taken = cpu_kernels.step_helper_chunks()
+        for _ in range(20):  # disarmed: the caller computes every chunk
+            call()
+        assert cpu_kernels.step_helper_chunks() == taken
+        torch.set_num_threads(2)  # a step on torch's threads: OpenMP's split, not the helper
+        assert not _helper_takes_part(call, seconds=0.5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@two_cpus
+@needs_float_pairs
+def test_step_helper_never_takes_a_chunk_of_a_job_the_caller_has_finished():
+    """Jobs of 2-69 chunks back to back, for 2 s: the helper must never pair one job's claim word with the next job's
+    count or function (a chunk computed after its caller returned, or the caller counting it done too early). A
+    helper that read the count apart from the word gave 2-5 wrong results in 200000 such calls."""
+    generator = torch.Generator().manual_seed(5)
+    cases = []
+    for out_features, rows in ((70, 2), (2200, 3), (40, 12), (1000, 5)):
+        weight, x = torch.randn(out_features, 64, generator=generator), torch.randn(rows, 64, generator=generator)
+        pairs = cpu_kernels.pack_pairs(weight)
+        cases.append((x, weight, pairs, cpu_kernels.linear(x, weight, None, pairs=pairs, pairs_below_rows=17)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    wrong = calls = 0
+    taken = cpu_kernels.step_helper_chunks()
+    deadline = time.monotonic() + 2.0
+    cpu_kernels.arm_step_helper(True)
+    try:
+        while time.monotonic() < deadline:
+            for x, weight, pairs, expected in cases * 50:
+                calls += 1
+                wrong += not torch.equal(cpu_kernels.linear(x, weight, None, pairs=pairs, pairs_below_rows=17),
+                                         expected)
+            cpu_kernels.arm_step_helper(True)
+    finally:
+        cpu_kernels.arm_step_helper(False)
+        torch.set_num_threads(before)
+    assert calls > 1000 and wrong == 0 and cpu_kernels.step_helper_chunks() > taken
+
+
+@two_cpus
+@needs_float_pairs
+def test_a_forked_child_starts_a_step_helper_of_its_own():
+    """The parent's helper thread does not exist in a forked child: its first arm starts one of its own, from a clean
+    state (pthread_atfork), and the child's results are right."""
+    generator = torch.Generator().manual_seed(6)
+    x, weight = torch.randn(12, 256, generator=generator), torch.randn(3000, 256, generator=generator)
+    pairs = cpu_kernels.pack_pairs(weight)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = cpu_kernels.linear(x, weight, None, pairs=pairs, pairs_below_rows=17)
+
+        def call():
+            assert torch.equal(cpu_kernels.linear(x, weight, None, pairs=pairs, pairs_below_rows=17), expected)
+
+        assert _helper_takes_part(call)  # the parent's thread runs
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 when its own helper took part and every result was right
+            code = 1
+            try:
+                code = 0 if _helper_takes_part(call) else 3
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert _helper_takes_part(call)  # and the parent's still does
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES)
+def test_step_helper_serves_one_caller_at_a_time_and_a_second_one_computes_alone(dtype):
+    """Jobs come from one thread at a time: while one caller's job is out, another thread's call runs all its
+    chunks itself. Four threads calling at once, armed, all get their own right answers."""
+    generator = torch.Generator().manual_seed(4)
+    weights = [torch.randn(1000 + 100 * i, 256, generator=generator).to(dtype) for i in range(4)]
+    inputs = [torch.randn(3 + i, 256, generator=generator).to(dtype) for i in range(4)]
+    pairs = [cpu_kernels.pack_pairs(weight) for weight in weights]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = [cpu_kernels.linear(x, w, None, pairs=p, pairs_below_rows=17)
+                    for x, w, p in zip(inputs, weights, pairs)]
+        results: dict[int, list[bool]] = {i: [] for i in range(4)}
+
+        def caller(i: int) -> None:
+            torch.set_num_threads(1)
+            for _ in range(40):
+                out = cpu_kernels.linear(inputs[i], weights[i], None, pairs=pairs[i], pairs_below_rows=17)
+                results[i].append(torch.equal(out, expected[i]))
+
+        cpu_kernels.arm_step_helper(True)
+        try:
+            threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            cpu_kernels.arm_step_helper(False)
+    finally:
+        torch.set_num_threads(before)
+    assert all(len(done) == 40 and all(done) for done in results.values())
 
 
 @pytest.mark.parametrize("dtype", PAIR_DTYPES)

@@ -2,6 +2,7 @@
 streaming interface, counters and configuration errors."""
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -310,6 +311,74 @@ def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_repl
     assert engine.runner.num_compiles == compiles
     with pytest.raises(ValueError, match="--num-prefill-threads"):
         EngineConfig(num_prefill_threads=0)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the step helper needs a second CPU")
+def test_short_steps_of_a_replica_with_a_second_core_arm_the_step_helper_around_their_forward(tiny, monkeypatch):
+    """CPU, decode on one thread and prefill on two, linear layers on the pair kernel: every step that runs on one
+    thread arms the pair kernel's step helper, which is armed during its forward and takes chunks there, and disarmed
+    after it, also when the forward raises; steps on two threads do not arm it. Greedy output is unchanged. An engine
+    with one thread for every step, or with ``PREFIXSERVE_STEP_HELPER=0``, never arms it."""
+    import replica.engine as engine_module
+    from replica import cpu_kernels
+    from replica.config import PREFILL_THREADS_MIN_TOKENS
+
+    calls = []
+    arm = cpu_kernels.arm_step_helper
+
+    def recording_arm(on: bool) -> None:
+        calls.append((on, torch.get_num_threads()))
+        arm(on)
+
+    monkeypatch.setattr(engine_module.cpu_kernels, "arm_step_helper", recording_arm)
+    engine = tiny.engine(num_threads=1, num_prefill_threads=2)
+    if engine.runner.pair_rows == (0, 0):
+        pytest.skip("the linear layers do not run the pair kernel on this CPU")
+    lone = 1 if engine.runner.backend == "compiled" else 2  # compiled: a lone float32 token is padded to 2 rows
+    assert engine.runner.pair_rows == (lone, engine.runner.pair_rows[1])
+    armed_in_forward = []
+    run = engine.runner.run
+
+    def watched_run(inputs):
+        armed_in_forward.append(cpu_kernels.step_helper_armed())
+        return run(inputs)
+
+    engine.runner.run = watched_run
+    before, taken = torch.get_num_threads(), cpu_kernels.step_helper_chunks()
+    try:
+        for request_id, length in (("long", PREFILL_THREADS_MIN_TOKENS + 40), ("short", 12)):
+            prompt = random_prompt(length, seed=70 + length)
+            assert run_to_completion(engine, {request_id: prompt}, 4)[0][request_id] == tiny.generate(prompt, 4)
+    finally:
+        torch.set_num_threads(before)
+    # the long prompt: not armed; its 3 decode steps, the short prompt, its 3 decode steps: armed, then disarmed (a
+    # lone token only where it reaches the pair kernel)
+    armed = [False] + [lone == 1] * 3 + [True] + [lone == 1] * 3
+    assert calls == [(True, 1), (False, 1)] * sum(armed)
+    assert armed_in_forward == armed and not cpu_kernels.step_helper_armed()
+    assert cpu_kernels.step_helper_chunks() > taken
+
+    def failing_run(inputs):
+        raise RuntimeError("the forward failed")
+
+    engine.runner.run = failing_run
+    engine.add_request(EngineRequest(request_id="fails", prompt_token_ids=random_prompt(12, seed=90),
+                                     sampling=greedy(2)))
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        engine.step()
+    torch.set_num_threads(before)
+    assert [on for on, _ in calls[-2:]] == [True, False] and not cpu_kernels.step_helper_armed()
+    calls.clear()
+    single = tiny.engine(num_threads=1, num_prefill_threads=1)
+    prompt = random_prompt(12, seed=80)
+    assert run_to_completion(single, {"one": prompt}, 3)[0]["one"] == tiny.generate(prompt, 3)
+    monkeypatch.setenv("PREFIXSERVE_STEP_HELPER", "0")
+    switched_off = tiny.engine(num_threads=1, num_prefill_threads=2)
+    try:
+        assert run_to_completion(switched_off, {"off": prompt}, 3)[0]["off"] == tiny.generate(prompt, 3)
+    finally:
+        torch.set_num_threads(before)
+    assert calls == []
 
 
 def test_the_graph_is_compiled_on_every_cpu_when_steps_switch_thread_counts(monkeypatch):

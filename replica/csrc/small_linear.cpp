@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "reduce16.h"
+#include "step_helper.h"
 
 namespace {
 
@@ -372,13 +373,29 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& pairs, const at::T
   const uint32_t* xp = static_cast<const uint32_t*>(x.data_ptr());
   const uint32_t* wp = static_cast<const uint32_t*>(pairs.data_ptr());
   T* yp = y.data_ptr<T>();
-  // blocks of 32 columns, 8 per task at least (K = 512: 256 KiB of bfloat16 weights) to amortise the thread hand-off
-  at::parallel_for(0, pairs.size(0), 8, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = pairs.size(0);
+  auto columns = [&](int64_t begin, int64_t end) {
     pair_dispatch<T>(std::make_integer_sequence<int, kMaxPairRows>{}, M, xp, Ku, wp, bp, yp, N, begin, end);
-  });
+  };
+  prefixserve::StepHelper& helper = prefixserve::StepHelper::instance();
+  if (helper.armed() && blocks >= 2 && at::get_num_threads() == 1) {
+    // a short step with the helper armed: chunks of 1-2 blocks (32-64 columns), taken by whichever thread is free
+    const int64_t per = blocks >= 64 ? 2 : 1;
+    helper.run((blocks + per - 1) / per, [&](int64_t chunk) {
+      columns(chunk * per, std::min(blocks, (chunk + 1) * per));
+    });
+    return y;
+  }
+  // blocks of 32 columns, 8 per task at least (K = 512: 256 KiB of bfloat16 weights) to amortise the thread hand-off
+  at::parallel_for(0, blocks, 8, columns);
   return y;
 }
 #endif
+
+// The step helper (step_helper.h): armed for the steps the engine picks, it shares the pair kernel's short steps
+void arm_step_helper(bool on) { prefixserve::StepHelper::instance().arm(on); }
+int64_t step_helper_chunks() { return prefixserve::StepHelper::instance().chunks_taken(); }
+bool step_helper_armed() { return prefixserve::StepHelper::instance().armed(); }
 
 // Whether pack_pairs and the pair-layout kernel exist for float32 (AVX-512) or bfloat16 (AVX512-BF16) weights
 bool has_pair_linear(bool float32) {
@@ -487,6 +504,9 @@ TORCH_LIBRARY_FRAGMENT(prefixserve_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, bool use_kernel=True, Tensor? packed=None, "
         "int packed_from_rows=0, Tensor? pairs=None, int pairs_below_rows=0) -> Tensor");
   m.def("has_pair_linear(bool float32=False) -> bool", &has_pair_linear);
+  m.def("arm_step_helper(bool on) -> ()", &arm_step_helper);
+  m.def("step_helper_chunks() -> int", &step_helper_chunks);
+  m.def("step_helper_armed() -> bool", &step_helper_armed);
 #if defined(__AVX512F__)
   m.def("pack_pairs(Tensor weight) -> Tensor", &pack_pairs);
 #endif
