@@ -26,13 +26,14 @@ on a 2-core Zen 4 box: vLLM's prefix_repetition client measured higher request t
 4 of 4 bf16 pairs with such steps on one thread (BENCHMARKS.md section 0m), fp32 level or better. Steps of 16 or more
 long contexts (64k keys) still take the prefill thread count; that size was not measured here."""
 STEP_HELPER_MIN_TOKENS = 1
-"""CPU, a replica that owns a second core (decode steps on one thread, ``num_prefill_threads`` >= 2): every step of
-at least this many tokens that runs on one thread shares the linear layers that the pair kernel computes with its
-step helper (``replica.cpu_kernels.arm_step_helper``), a second thread that takes chunks of output columns while the
-step runs and sleeps between steps. Over HTTP on the 2-core Zen 5 box (BENCHMARKS.md 0zf) it cut the 12-token
-request's prefill by 0.5-0.9 ms and the streamed TPOT by 0.5-0.9 ms at batch 1, where OpenMP's second thread
-had made short steps slower (``PREFILL_THREADS_MIN_TOKENS``). ``PREFIXSERVE_STEP_HELPER=0`` (``STEP_HELPER_ENV``) in
-the replicas' environment turns it off, for a machine whose second core other work needs."""
+"""CPU, a replica that owns a second core (decode steps on one thread, ``num_prefill_threads`` >= 2, a CPU with the
+pair kernel): every step of at least this many tokens that runs on one thread arms the step helper
+(``replica.cpu_kernels.arm_step_helper``), a second thread that takes chunks of the pair kernel's output columns and
+the decode attention kernel's items (row group, kv head) while the step runs, and sleeps between steps. Over HTTP on
+the 2-core Zen 5 box (BENCHMARKS.md 0zf) it cut the float32 12-token request's prefill by 0.8 ms and the 4-stream TPOT
+by 5-16%, where OpenMP's second thread had made short steps slower (``PREFILL_THREADS_MIN_TOKENS``); in process a
+decode step of 4 requests over 1792-token contexts took 0.70-0.75x the time. ``PREFIXSERVE_STEP_HELPER=0``
+(``STEP_HELPER_ENV``) in the replicas' environment turns it off, for a machine whose second core other work needs."""
 STEP_HELPER_ENV = "PREFIXSERVE_STEP_HELPER"
 DEVICES = ("cpu", "gpu")
 DTYPES = ("auto", "float32", "bfloat16")

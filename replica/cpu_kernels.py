@@ -224,10 +224,10 @@ def has_pair_linear(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def arm_step_helper(on: bool) -> None:
-    """Arm (``on``) or disarm the pair kernel's step helper (``csrc/step_helper.h``): a second thread that takes
-    chunks of output columns of every pair-kernel call made on one torch thread while it is armed, and sleeps
-    otherwise. The engine arms it for the short steps of a replica that owns a second core
-    (``replica.config.STEP_HELPER_MIN_TOKENS``)."""
+    """Arm (``on``) or disarm the step helper (``csrc/step_helper.h``): a second thread that takes chunks of output
+    columns of every pair-kernel call, and items (row group, kv head) of every decode attention call, made on one
+    torch thread while it is armed, and sleeps otherwise. The engine arms it for the short steps of a replica that
+    owns a second core (``replica.config.STEP_HELPER_MIN_TOKENS``)."""
     torch.ops.prefixserve_cpu.arm_step_helper(on)
 
 

@@ -6,6 +6,9 @@ windows and a padding row."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -169,6 +172,44 @@ def test_decode_kernel_long_runs_across_blocks_and_many_rows(head_dim, group):
         probs = torch.softmax(query[position][:, None] @ k.transpose(1, 2) * 0.2, dim=-1)
         torch.testing.assert_close(out[position], (probs @ v)[:, 0], rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(out[1]) == 0  # a row in no component is not written
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the step helper needs a second CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vector_code", [True, False])
+def test_decode_kernel_shares_its_items_with_the_armed_step_helper_bit_for_bit(dtype, vector_code):
+    """On one torch thread with the step helper armed (a short engine step), the decode kernel's items (component,
+    kv head) are taken by the caller and the helper alike: each is computed as one thread computes it, so the output
+    is equal bit for bit, and the helper takes some."""
+    gen = torch.Generator().manual_seed(2)
+    num_kv_heads, group, head_dim, slots = 4, 2, 64, 6000
+    k_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(4, num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    # rows 0 and 1 share a prefix (one component), rows 2 and 3 each their own context
+    plan = (as_long([(0, 1500, 0, 2), (1500, 40, 2, 3), (1600, 300, 3, 4), (2000, 1800, 4, 5), (4000, 900, 5, 6)]),
+            as_long([0, 1, 0, 1, 2, 3]), as_long([(0, 3, 0, 2), (3, 4, 4, 5), (4, 5, 5, 6)]))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = torch.zeros_like(query)
+        cpu_kernels.decode_attention(query, k_cache, v_cache, *plan, alone, 0.125, vector_code=vector_code)
+        taken, outs = cpu_kernels.step_helper_chunks(), []
+        deadline = time.monotonic() + 5
+        cpu_kernels.arm_step_helper(True)
+        try:
+            while cpu_kernels.step_helper_chunks() == taken and time.monotonic() < deadline:
+                outs.append(torch.zeros_like(query))
+                cpu_kernels.decode_attention(query, k_cache, v_cache, *plan, outs[-1], 0.125,
+                                             vector_code=vector_code)
+        finally:
+            cpu_kernels.arm_step_helper(False)
+    finally:
+        torch.set_num_threads(before)
+    assert cpu_kernels.step_helper_chunks() > taken
+    assert torch.count_nonzero(alone) > 0 and all(torch.equal(out, alone) for out in outs)
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler here")

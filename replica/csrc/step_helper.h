@@ -1,9 +1,10 @@
-// A second thread for the pair kernel's short steps (see replica/cpu_kernels.py, "step helper").
+// A second thread for short engine steps: the pair kernel's columns (small_linear.cpp) and the decode attention
+// kernel's items (decode_attention.cpp); see replica/cpu_kernels.arm_step_helper and replica/config.py.
 //
 // A short step (a decode batch, a short prompt) runs on one torch thread. OpenMP's second thread made such steps
 // slower over HTTP (BENCHMARKS.md 0ze, 0zf): each parallel region splits its work evenly and waits at its end for
 // the other thread, which may be off its core while the ingress and Ray's threads run there, and after the step the
-// worker spins on, on the core the response needs next. The helper instead takes chunks of columns from a counter
+// worker spins on, on the core the response needs next. The helper instead takes chunks of work from a counter
 // shared with the calling thread, so the caller never waits for more than the chunk the helper holds, and it sleeps
 // once the engine disarms it at the end of the step (or after kIdleLimit without work). Every chunk is computed as
 // the one-thread kernel computes it, so the result is the same bit for bit.
