@@ -143,12 +143,13 @@ class LLMEngine:
         self._step_threads = (config.num_threads, config.prefill_threads)
         """CPU torch threads of (short steps, steps of at least ``PREFILL_THREADS_MIN_TOKENS`` tokens)."""
         self._threads_now = 0
-        own_second_core = (self._step_threads[0] == 1 and self._step_threads[1] >= 2
-                           and len(os.sched_getaffinity(0)) >= 2)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        own_second_core = self._step_threads[0] == 1 and self._step_threads[1] >= 2 and cpus >= 2
         helper = own_second_core and os.environ.get(STEP_HELPER_ENV, "") != "0"
         pair_rows = self.runner.pair_rows if helper else (0, 0)
         self._helper_rows = (max(STEP_HELPER_MIN_TOKENS, pair_rows[0]), pair_rows[1])
-        """Steps on one thread of ``[min, max)`` tokens arm the pair kernel's step helper (``_set_step_threads``)."""
+        """Steps on one thread of ``[min, max)`` tokens arm the step helper (``_set_step_threads``; it shares their
+        pair-kernel linear layers and decode attention)."""
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
         self.latency = RequestLatencyStats()
@@ -368,7 +369,7 @@ class LLMEngine:
         """CPU: run this step on the prefill thread count when it is long enough (``num_tokens`` new tokens) or its
         ``chunks`` attend enough keys (context plus new tokens, summed), else on the decode one. Called on the thread
         that steps (torch's thread count is per calling thread); a change costs ~0.3 ms. Returns whether it armed the
-        pair kernel's step helper for this step (``_helper_rows``; the caller disarms it after the forward)."""
+        step helper for this step (``_helper_rows``; the caller disarms it after the forward)."""
         if self.device.type != "cpu" or self._step_threads[0] == self._step_threads[1]:
             return False
         long_step = num_tokens >= PREFILL_THREADS_MIN_TOKENS or sum(
