@@ -143,8 +143,8 @@ class LLMEngine:
         self._step_threads = (config.num_threads, config.prefill_threads)
         """CPU torch threads of (short steps, steps of at least ``PREFILL_THREADS_MIN_TOKENS`` tokens)."""
         self._threads_now = 0
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        own_second_core = self._step_threads[0] == 1 and self._step_threads[1] >= 2 and cpus >= 2
+        # (the helper itself declines to arm where the process has one CPU)
+        own_second_core = self._step_threads[0] == 1 and self._step_threads[1] >= 2
         helper = own_second_core and os.environ.get(STEP_HELPER_ENV, "") != "0"
         pair_rows = self.runner.pair_rows if helper else (0, 0)
         self._helper_rows = (max(STEP_HELPER_MIN_TOKENS, pair_rows[0]), pair_rows[1])

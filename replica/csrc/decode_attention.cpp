@@ -466,14 +466,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
     // a step on one torch thread with the step helper armed (step_helper.h) shares its items with the helper: a
     // decode batch over long contexts is bound by reading its K/V, which two cores read faster than one
     const int64_t threads = at::get_num_threads();
-    prefixserve::StepHelper& helper = prefixserve::StepHelper::instance();
-    const bool with_helper = threads == 1 && helper.armed();
-    auto for_items = [&](int64_t count, const auto& items) {
-      if (with_helper && count > 1)
-        helper.run(count, [&](int64_t item) { items(item, item + 1); });
-      else
-        at::parallel_for(0, count, 1, items);
-    };
+    const bool with_helper = prefixserve::helper_shares_step();
     if (vectorised) {
       // items: (component, chunk of kv heads); heads are split only as far as the threads need work (with the
       // helper, one kv head an item: it takes them as it is free)
@@ -481,7 +474,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
                                          : std::min(num_kv_heads, std::max<int64_t>(1, (threads + num_components - 1) /
                                                                                            num_components));
       const int64_t per_chunk = (num_kv_heads + chunks - 1) / chunks;
-      for_items(num_components * chunks, [&](int64_t begin, int64_t end) {
+      prefixserve::share_or_parallel_for(num_components * chunks, 1, 1, [&](int64_t begin, int64_t end) {
         for (int64_t item = begin; item < end; ++item) {
           const int64_t c = item / chunks, h0 = (item % chunks) * per_chunk;
           const int64_t h1 = std::min(num_kv_heads, h0 + per_chunk);
@@ -490,7 +483,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
       });
       return;
     }
-    for_items(num_kv_heads * num_components, [&](int64_t begin, int64_t end) {
+    prefixserve::share_or_parallel_for(num_kv_heads * num_components, 1, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t kv_head = item % num_kv_heads, c = item / num_kv_heads;
         run_item<scalar_t>(q, k, v, seg, rows, comp + c * 4, kv_head, num_heads, num_kv_heads, head_dim, fscale, o);

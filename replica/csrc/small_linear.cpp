@@ -377,17 +377,9 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& pairs, const at::T
   auto columns = [&](int64_t begin, int64_t end) {
     pair_dispatch<T>(std::make_integer_sequence<int, kMaxPairRows>{}, M, xp, Ku, wp, bp, yp, N, begin, end);
   };
-  prefixserve::StepHelper& helper = prefixserve::StepHelper::instance();
-  if (helper.armed() && blocks >= 2 && at::get_num_threads() == 1) {
-    // a short step with the helper armed: chunks of 1-2 blocks (32-64 columns), taken by whichever thread is free
-    const int64_t per = blocks >= 64 ? 2 : 1;
-    helper.run((blocks + per - 1) / per, [&](int64_t chunk) {
-      columns(chunk * per, std::min(blocks, (chunk + 1) * per));
-    });
-    return y;
-  }
-  // blocks of 32 columns, 8 per task at least (K = 512: 256 KiB of bfloat16 weights) to amortise the thread hand-off
-  at::parallel_for(0, blocks, 8, columns);
+  // with the step helper: chunks of 1-2 blocks (32-64 columns), taken by whichever thread is free; on OpenMP's
+  // threads, 8 blocks per task at least (K = 512: 256 KiB of bfloat16 weights) to amortise the thread hand-off
+  prefixserve::share_or_parallel_for(blocks, blocks >= 64 ? 2 : 1, 8, columns);
   return y;
 }
 #endif

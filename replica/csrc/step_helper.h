@@ -18,11 +18,13 @@
 // runs such jobs back to back.) A forked child starts a helper of its own (pthread_atfork handlers reset the state).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -80,15 +82,11 @@ class StepHelper {
 
   // f(i) for every i in [0, chunks), on the calling thread and the helper; returns when all are done.
   // Jobs come from one thread at a time; a second caller meanwhile computes its chunks alone.
+  // (More chunks than the claim word counts run alone too: 2^18 - 2 chunks of 32-64 columns suffice.)
   template <typename F>
   void run(int64_t chunks, const F& f) {
-    if (busy_.exchange(true, std::memory_order_acquire)) {
+    if (chunks > kMaxChunks || busy_.exchange(true, std::memory_order_acquire)) {
       for (int64_t i = 0; i < chunks; ++i) f(i);
-      return;
-    }
-    if (chunks > kMaxChunks) {  // (more chunks than the word counts: 2^18 - 2 chunks of 32-64 columns suffice)
-      for (int64_t i = 0; i < chunks; ++i) f(i);
-      busy_.store(false, std::memory_order_release);
       return;
     }
     run_job(chunks, [](const void* context, int64_t i) { (*static_cast<const F*>(context))(i); }, &f);
@@ -110,7 +108,9 @@ class StepHelper {
   static int64_t count_of(uint64_t word) { return static_cast<int64_t>((word >> kFieldBits) & kFieldMask); }
   static uint64_t generation_of(uint64_t word) { return word >> (2 * kFieldBits); }
 
-  StepHelper() { pthread_atfork(&StepHelper::before_fork, &StepHelper::after_fork_parent, &StepHelper::after_fork_child); }
+  StepHelper() {
+    pthread_atfork(&StepHelper::before_fork, &StepHelper::after_fork_parent, &StepHelper::after_fork_child);
+  }
 
   // A forked child has no helper thread: it starts one of its own on its first arm, from a clean state (a job of the
   // parent's in flight, its mutex or condition variable's waiters would otherwise come along).
@@ -231,5 +231,21 @@ class StepHelper {
   pthread_t handle_{};        // guarded by mutex_
   int pinned_away_from_ = -1;  // guarded by mutex_: the CPU the helper was last kept off
 };
+
+// Whether a kernel called now shares its work with the helper: armed, and the step runs on one torch thread (a step
+// on more leaves its work to OpenMP).
+inline bool helper_shares_step() { return StepHelper::instance().armed() && at::get_num_threads() == 1; }
+
+// items(begin, end) over [0, count): in chunks of `per` taken by the caller and the helper when it shares this step,
+// else split by at::parallel_for with `grain`.
+template <typename F>
+void share_or_parallel_for(int64_t count, int64_t per, int64_t grain, const F& items) {
+  if (count > per && helper_shares_step()) {
+    StepHelper::instance().run((count + per - 1) / per,
+                               [&](int64_t chunk) { items(chunk * per, std::min(count, (chunk + 1) * per)); });
+  } else {
+    at::parallel_for(0, count, grain, items);
+  }
+}
 
 }  // namespace prefixserve
