@@ -29,10 +29,13 @@ STEP_HELPER_MIN_TOKENS = 1
 """CPU, a replica that owns a second core (decode steps on one thread, ``num_prefill_threads`` >= 2, a CPU with the
 pair kernel): every step of at least this many tokens that runs on one thread arms the step helper
 (``replica.cpu_kernels.arm_step_helper``), a second thread that takes chunks of the pair kernel's output columns and
-the decode attention kernel's items (row group, kv head) while the step runs, and sleeps between steps. Over HTTP on
-the 2-core Zen 5 box (BENCHMARKS.md 0zf) it cut the float32 12-token request's prefill by 0.8 ms and the 4-stream TPOT
-by 5-16%, where OpenMP's second thread had made short steps slower (``PREFILL_THREADS_MIN_TOKENS``); in process a
-decode step of 4 requests over 1792-token contexts took 0.70-0.75x the time. ``PREFIXSERVE_STEP_HELPER=0``
+the decode attention kernel's items (row group, kv head) while the step runs, and sleeps between steps. Armed, the pair
+kernel also takes steps of 17-64 rows (``cpu_kernels.max_shared_pair_rows``), which one thread's oneDNN GEMM ran
+otherwise: decode batches of 17-63 requests. Over HTTP on the 2-core Zen 5 box (BENCHMARKS.md 0zf) it cut the float32
+12-token request's prefill by 0.8 ms and the 4-stream TPOT by 5-16%, where OpenMP's second thread had made short steps
+slower (``PREFILL_THREADS_MIN_TOKENS``); in process a decode step of 4 requests over 1792-token contexts took
+0.70-0.75x the time. With 32 streams (0zg), the 17-64-row steps took vLLM's client's median TPOT from 40.6 to 34.3 ms
+(bfloat16) and 59.3 to 41.6 ms (float32). ``PREFIXSERVE_STEP_HELPER=0``
 (``STEP_HELPER_ENV``) in the replicas' environment turns it off, for a machine whose second core other work needs."""
 STEP_HELPER_ENV = "PREFIXSERVE_STEP_HELPER"
 DEVICES = ("cpu", "gpu")

@@ -208,10 +208,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: torch.Tensor | None = None, packed_from_rows: int = 0, pairs: torch.Tensor | None = None,
            pairs_below_rows: int = 0) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D ``x``. With ``pairs`` (``pack_pairs(weight)``), inputs of fewer than
-    ``pairs_below_rows`` rows (at most 16; float32: from 2 rows) run the pair-layout kernel. Else, with ``packed``
-    (``pack_linear_weight(weight)``), inputs of at least ``packed_from_rows`` rows run oneDNN's GEMM on it. Otherwise
-    float32 inputs of at most 16 rows (bfloat16: 8) are computed by the small-row kernel in ``csrc/small_linear.cpp``
-    (``use_kernel=False``: ``at::linear``, for tests), and everything else by ATen."""
+    ``pairs_below_rows`` rows (at most 16; float32: from 2 rows) run the pair-layout kernel, and so do inputs of up
+    to ``max_shared_pair_rows()`` rows while the step helper shares the step (armed, one torch thread). Else, with
+    ``packed`` (``pack_linear_weight(weight)``), inputs of at least ``packed_from_rows`` rows run oneDNN's GEMM on it.
+    Otherwise float32 inputs of at most 16 rows (bfloat16: 8) are computed by the small-row kernel in
+    ``csrc/small_linear.cpp`` (``use_kernel=False``: ``at::linear``, for tests), and everything else by ATen."""
     return torch.ops.prefixserve_cpu.linear(x, weight, bias, use_kernel, packed, packed_from_rows, pairs,
                                             pairs_below_rows)
 
@@ -239,6 +240,14 @@ def step_helper_chunks() -> int:
 def step_helper_armed() -> bool:
     """Whether the step helper is armed now (tests; arming does nothing where the process has one CPU)."""
     return bool(torch.ops.prefixserve_cpu.step_helper_armed())
+
+
+def max_shared_pair_rows() -> int:
+    """Rows up to which the pair kernel also takes inputs above ``pairs_below_rows`` while the step helper shares the
+    step (``csrc/small_linear.cpp``'s ``kMaxSharedPairRows``: 17-64-row steps on two cores, where one thread's oneDNN
+    GEMM took about twice the time); 0 where the pair kernel is not built."""
+    op = getattr(torch.ops.prefixserve_cpu, "max_shared_pair_rows", None) if load() else None
+    return int(op()) if op is not None else 0
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:

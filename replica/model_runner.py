@@ -269,14 +269,15 @@ class ModelRunner:
 
     @property
     def pair_rows(self) -> tuple[int, int]:
-        """(from, below): steps of this many tokens reach the pair kernel in their linear layers
-        (``CompactCausalLM.pairs_below_rows``; float32 from 2 rows, but the compiled forward pads a lone token to
-        2); (0, 0): no pair kernel, or not the compact model."""
+        """(from, below): steps of this many tokens reach the pair kernel in their linear layers while the step
+        helper shares them (``CompactCausalLM.pairs_below_rows``, and up to ``cpu_kernels.max_shared_pair_rows()``
+        rows with the helper; float32 from 2 rows, but the compiled forward pads a lone token to 2); (0, 0): no pair
+        kernel, or not the compact model."""
         compact = self._compiled.forward.module if self._compiled is not None else self._compact
         if compact is None or not compact.pairs_below_rows:
             return 0, 0
         lone_token_alone = self._compiled is None and self.dtype == torch.float32  # (one float32 row streams)
-        return (2 if lone_token_alone else 1), compact.pairs_below_rows
+        return (2 if lone_token_alone else 1), max(compact.pairs_below_rows, cpu_kernels.max_shared_pair_rows() + 1)
 
     @property
     def num_compiles(self) -> int:

@@ -345,6 +345,51 @@ def test_step_helper_computes_the_same_bits_as_one_thread(dtype, rows, out_featu
 
 @two_cpus
 @pytest.mark.parametrize("dtype", PAIR_DTYPES)
+def test_the_pair_kernel_takes_up_to_its_shared_row_count_while_the_helper_shares_the_step(dtype):
+    """From 17 rows to ``max_shared_pair_rows()`` the packed GEMM answers, unless the step helper shares the step
+    (armed, one torch thread): then the pair kernel does (pairs of twice the weight show it), its rows in groups, equal
+    bit for bit to the kernel on one thread alone and to twice the GEMM (float32: up to rounding). One row more, or
+    two torch threads, and the GEMM answers however the helper stands."""
+    limit = cpu_kernels.max_shared_pair_rows()
+    assert limit >= 24
+    generator = torch.Generator().manual_seed(12)
+    weight = torch.randn(300, 128, generator=generator).to(dtype)
+    doubled_pairs, packed = cpu_kernels.pack_pairs(weight * 2), cpu_kernels.pack_linear_weight(weight)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rows in (17, 24, 25, 37, limit, limit + 1):
+            x = torch.randn(rows, 128, generator=generator).to(dtype)
+            plain = cpu_kernels.linear(x, weight, None, True, packed, 4)
+            assert torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, 17), plain)
+            shared = []
+            took_part = _helper_takes_part(
+                lambda: shared.append(cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, 17)),
+                seconds=5.0 if rows <= limit else 0.3)
+            assert took_part == (rows <= limit), rows
+            if rows > limit:
+                assert all(torch.equal(out, plain) for out in shared)
+                continue
+            alone = cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, rows + 1)
+            if dtype == torch.bfloat16:
+                assert torch.equal(alone, plain * 2), rows
+            else:
+                torch.testing.assert_close(alone, plain * 2, rtol=1e-5, atol=1e-4)
+            assert all(torch.equal(out, alone) for out in shared), rows
+        torch.set_num_threads(2)
+        x = torch.randn(24, 128, generator=generator).to(dtype)
+        cpu_kernels.arm_step_helper(True)
+        try:
+            assert torch.equal(cpu_kernels.linear(x, weight, None, True, packed, 4, doubled_pairs, 17),
+                               cpu_kernels.linear(x, weight, None, True, packed, 4))
+        finally:
+            cpu_kernels.arm_step_helper(False)
+    finally:
+        torch.set_num_threads(before)
+
+
+@two_cpus
+@pytest.mark.parametrize("dtype", PAIR_DTYPES)
 def test_step_helper_takes_chunks_only_while_armed_and_on_one_torch_thread(dtype):
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(12, 512, generator=generator).to(dtype)

@@ -284,7 +284,8 @@ def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_repl
     assert PREFILL_THREADS_MIN_KEYS > 2 * PREFILL_THREADS_MIN_TOKENS + 40  # the first prompts stay below it
 
     engine = tiny.engine(num_threads=1, num_prefill_threads=2)
-    assert engine.runner.backend == "compiled" and {1, 2} <= engine.runner._compiled.warmed_up
+    if engine.runner.backend == "compiled":  # (the eager path, PREFIXSERVE_ENFORCE_EAGER=1, switches threads alike)
+        assert {1, 2} <= engine.runner._compiled.warmed_up
     compiles = engine.runner.num_compiles  # warmed up on both counts at start-up: no step below compiles
     seen = []
     run = engine.runner.run
@@ -356,7 +357,8 @@ def test_short_steps_of_a_replica_with_a_second_core_arm_the_step_helper_around_
     armed = [False] + [lone == 1] * 3 + [True] + [lone == 1] * 3
     assert calls == [(True, 1), (False, 1)] * sum(armed)
     assert armed_in_forward == armed and not cpu_kernels.step_helper_armed()
-    assert cpu_kernels.step_helper_chunks() > taken
+    if lone == 1:  # (eager float32 arms one step: the tiny model's may end before the helper has woken)
+        assert cpu_kernels.step_helper_chunks() > taken
 
     def failing_run(inputs):
         raise RuntimeError("the forward failed")
@@ -379,6 +381,40 @@ def test_short_steps_of_a_replica_with_a_second_core_arm_the_step_helper_around_
     finally:
         torch.set_num_threads(before)
     assert calls == []
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the step helper needs a second CPU")
+def test_decode_batches_of_17_rows_and_more_arm_the_step_helper_below_the_prefill_thread_count(tiny):
+    """A decode batch of 24 requests (above the pair kernel's 16 rows alone, below PREFILL_THREADS_MIN_TOKENS) runs on
+    one thread with the helper armed (its linear layers then run the pair kernel in row groups, shared with the
+    helper: test_cpu_linear.py); steps of 64+ tokens (the prompts') are not armed. Every request's greedy tokens are
+    the reference's."""
+    from replica import cpu_kernels
+    from replica.config import PREFILL_THREADS_MIN_TOKENS
+
+    engine = tiny.engine(num_threads=1, num_prefill_threads=2, max_num_seqs=32)
+    if engine.runner.pair_rows == (0, 0):
+        pytest.skip("the linear layers do not run the pair kernel on this CPU")
+    assert engine.runner.pair_rows[1] == cpu_kernels.max_shared_pair_rows() + 1 > PREFILL_THREADS_MIN_TOKENS
+    seen = []
+    run = engine.runner.run
+
+    def watched_run(inputs):
+        seen.append((sum(len(chunk.token_ids) for chunk in inputs), cpu_kernels.step_helper_armed()))
+        return run(inputs)
+
+    engine.runner.run = watched_run
+    prompts = {f"batch{i}": random_prompt(5 + i % 4, seed=200 + i) for i in range(24)}
+    before = torch.get_num_threads()
+    try:
+        tokens = run_to_completion(engine, prompts, 4)[0]
+    finally:
+        torch.set_num_threads(before)
+    for request_id, prompt in prompts.items():
+        assert tokens[request_id] == tiny.generate(prompt, 4), request_id
+    assert all(armed == (rows < PREFILL_THREADS_MIN_TOKENS) for rows, armed in seen), seen
+    assert [rows for rows, _ in seen[-2:]] == [24, 24]  # the last decode steps: all 24 requests, armed
+    assert not cpu_kernels.step_helper_armed()
 
 
 def test_the_graph_is_compiled_on_every_cpu_when_steps_switch_thread_counts(monkeypatch):

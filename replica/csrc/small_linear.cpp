@@ -252,6 +252,11 @@ inline const float* as_float(const c10::BFloat16* p, int64_t n, std::vector<floa
 constexpr int64_t kPairCols = 32;
 constexpr int64_t kMaxPairRows = 16;
 constexpr int kPairPass = 12;
+// With the step helper sharing the step (step_helper.h), inputs of more than kMaxPairRows rows, up to
+// kMaxSharedPairRows, run the pair kernel too: each block of columns takes the rows in groups of at most kPairPass,
+// balanced (24 rows: 12 + 12; 32: 11 + 11 + 10), one pass each, the block read again from cache for every group after
+// the first. One thread's oneDNN GEMM is the path there otherwise (the caller's `pairs_below_rows`).
+constexpr int64_t kMaxSharedPairRows = 64;
 // Passes of more than 8 rows are bound by their multiply-adds about as much as by memory, and the hardware prefetcher
 // fell behind there: they ask for the block's weights kPairPrefetch units ahead themselves (2 KiB; past the block's
 // end a prefetch only names an address). 12 rows, one thread (benchmarks/linear_rows.py, Zen 5): float32 3.8-4.2 ms
@@ -356,7 +361,7 @@ bool pair_covered(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor
   const bool kernel = dtype == at::kFloat ? kPairKernel<float> : dtype == at::kBFloat16 && kPairKernel<c10::BFloat16>;
   const int64_t E = dtype == at::kBFloat16 ? 2 : 1;
   return kernel && pairs.scalar_type() == dtype && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 &&
-         x.size(0) <= kMaxPairRows && pairs.dim() == 4 && pairs.is_contiguous() && pairs.size(3) == E &&
+         x.size(0) <= kMaxSharedPairRows && pairs.dim() == 4 && pairs.is_contiguous() && pairs.size(3) == E &&
          x.size(1) == E * pairs.size(1) && pairs.size(2) == kPairCols && weight.dim() == 2 &&
          weight.size(1) == x.size(1) && pairs.size(0) == (weight.size(0) + kPairCols - 1) / kPairCols &&
          (!bias.has_value() || !bias->defined() ||
@@ -374,14 +379,29 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& pairs, const at::T
   const uint32_t* wp = static_cast<const uint32_t*>(pairs.data_ptr());
   T* yp = y.data_ptr<T>();
   const int64_t blocks = pairs.size(0);
+  constexpr auto kRowCounts = std::make_integer_sequence<int, kMaxPairRows>{};
+  const int64_t groups = M <= kMaxPairRows ? 1 : (M + kPairPass - 1) / kPairPass;  // kMaxSharedPairRows: see there
   auto columns = [&](int64_t begin, int64_t end) {
-    pair_dispatch<T>(std::make_integer_sequence<int, kMaxPairRows>{}, M, xp, Ku, wp, bp, yp, N, begin, end);
+    if (groups == 1) {
+      pair_dispatch<T>(kRowCounts, M, xp, Ku, wp, bp, yp, N, begin, end);
+      return;
+    }
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+        const int64_t m1 = M * (g + 1) / groups;
+        pair_dispatch<T>(kRowCounts, m1 - m0, xp + m0 * Ku, Ku, wp, bp, yp + m0 * N, N, b, b + 1);
+        m0 = m1;
+      }
+    }
   };
   // with the step helper: chunks of 1-2 blocks (32-64 columns), taken by whichever thread is free; on OpenMP's
   // threads, 8 blocks per task at least (K = 512: 256 KiB of bfloat16 weights) to amortise the thread hand-off
   prefixserve::share_or_parallel_for(blocks, blocks >= 64 ? 2 : 1, 8, columns);
   return y;
 }
+
+// Rows up to which the pair kernel takes an input while the step helper shares the step
+int64_t max_shared_pair_rows() { return kMaxSharedPairRows; }
 #endif
 
 // The step helper (step_helper.h): armed for the steps the engine picks, it shares the pair kernel's short steps
@@ -472,7 +492,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                   const c10::optional<at::Tensor>& pairs, int64_t pairs_below_rows) {
 #if defined(__AVX512F__)
   if (pairs.has_value() && pairs->defined() && pair_covered(x, *pairs, weight, bias) &&
-      x.size(0) < pairs_below_rows && x.size(0) >= pair_from_rows(x.scalar_type())) {
+      x.size(0) >= pair_from_rows(x.scalar_type()) &&
+      (x.size(0) < pairs_below_rows ||
+       (pairs_below_rows > 0 && x.size(0) > kMaxPairRows && prefixserve::helper_shares_step()))) {
 #if defined(__AVX512BF16__)
     if (x.scalar_type() == at::kBFloat16) return pair_linear<c10::BFloat16>(x, *pairs, weight, bias);
 #endif
@@ -500,6 +522,7 @@ TORCH_LIBRARY_FRAGMENT(prefixserve_cpu, m) {
   m.def("step_helper_chunks() -> int", &step_helper_chunks);
   m.def("step_helper_armed() -> bool", &step_helper_armed);
 #if defined(__AVX512F__)
+  m.def("max_shared_pair_rows() -> int", &max_shared_pair_rows);
   m.def("pack_pairs(Tensor weight) -> Tensor", &pack_pairs);
 #endif
 }
