@@ -208,8 +208,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: torch.Tensor | None = None, packed_from_rows: int = 0, pairs: torch.Tensor | None = None,
            pairs_below_rows: int = 0) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D ``x``. With ``pairs`` (``pack_pairs(weight)``), inputs of fewer than
-    ``pairs_below_rows`` rows (at most 16; float32: from 2 rows) run the pair-layout kernel, and so do inputs of up
-    to ``max_shared_pair_rows()`` rows while the step helper shares the step (armed, one torch thread). Else, with
+    ``pairs_below_rows`` rows (17 in the model; float32: from 2 rows) run the pair-layout kernel, and so do inputs of
+    up to ``max_shared_pair_rows()`` rows while the step helper shares the step (armed, one torch thread; a larger
+    ``pairs_below_rows`` takes them without it: a hook for tests and benchmarks). Else, with
     ``packed`` (``pack_linear_weight(weight)``), inputs of at least ``packed_from_rows`` rows run oneDNN's GEMM on it.
     Otherwise float32 inputs of at most 16 rows (bfloat16: 8) are computed by the small-row kernel in
     ``csrc/small_linear.cpp`` (``use_kernel=False``: ``at::linear``, for tests), and everything else by ATen."""

@@ -123,7 +123,9 @@ def _linear_path(compact: CompactCausalLM | None) -> str:
     if compact.pairs_below_rows:
         rest = "oneDNN's GEMM on weights packed at start-up" if compact.packed_from_rows else "ATen"
         dtype = str(compact.embed_weight.dtype).removeprefix("torch.")
-        return f"the {dtype} pair kernel below {compact.pairs_below_rows} rows, then {rest}"
+        shared = cpu_kernels.max_shared_pair_rows()
+        return (f"the {dtype} pair kernel below {compact.pairs_below_rows} rows (up to {shared} while the step helper "
+                f"shares a step), then {rest}")
     if compact.packed_from_rows:
         return (f"the small-row C++ kernel below {compact.packed_from_rows} rows, then oneDNN's GEMM on weights packed "
                 "at start-up")
