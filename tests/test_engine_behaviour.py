@@ -272,6 +272,20 @@ def test_outputs_queued_for_a_slow_consumer_are_merged():
     assert untouched.new_token_ids == [4] and left == 1
 
 
+def watch_forwards(engine: LLMEngine, probe) -> list:
+    """Wrap ``engine.runner.run`` so that every forward first appends ``probe(inputs)`` to the list returned (what a
+    step looked like from inside it: its size, torch's thread count, the step helper's state)."""
+    seen = []
+    run = engine.runner.run
+
+    def watched_run(inputs):
+        seen.append(probe(inputs))
+        return run(inputs)
+
+    engine.runner.run = watched_run
+    return seen
+
+
 def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_replica_s(tiny, monkeypatch):
     """CPU: a step of PREFILL_THREADS_MIN_TOKENS or more runs on ``num_prefill_threads``, a shorter one on
     ``num_threads`` (switched on the stepping thread, only when it changes), unless its rows attend
@@ -287,14 +301,8 @@ def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_repl
     if engine.runner.backend == "compiled":  # (the eager path, PREFIXSERVE_ENFORCE_EAGER=1, switches threads alike)
         assert {1, 2} <= engine.runner._compiled.warmed_up
     compiles = engine.runner.num_compiles  # warmed up on both counts at start-up: no step below compiles
-    seen = []
-    run = engine.runner.run
-
-    def counting_run(inputs):
-        seen.append((sum(len(chunk.token_ids) for chunk in inputs), torch.get_num_threads()))
-        return run(inputs)
-
-    engine.runner.run = counting_run
+    seen = watch_forwards(engine, lambda inputs: (sum(len(chunk.token_ids) for chunk in inputs),
+                                                  torch.get_num_threads()))
     before = torch.get_num_threads()
     try:
         prompts = {"long": random_prompt(PREFILL_THREADS_MIN_TOKENS + 40, seed=60),
@@ -337,14 +345,7 @@ def test_short_steps_of_a_replica_with_a_second_core_arm_the_step_helper_around_
         pytest.skip("the linear layers do not run the pair kernel on this CPU")
     lone = 1 if engine.runner.backend == "compiled" else 2  # compiled: a lone float32 token is padded to 2 rows
     assert engine.runner.pair_rows == (lone, engine.runner.pair_rows[1])
-    armed_in_forward = []
-    run = engine.runner.run
-
-    def watched_run(inputs):
-        armed_in_forward.append(cpu_kernels.step_helper_armed())
-        return run(inputs)
-
-    engine.runner.run = watched_run
+    armed_in_forward = watch_forwards(engine, lambda inputs: cpu_kernels.step_helper_armed())
     before, taken = torch.get_num_threads(), cpu_kernels.step_helper_chunks()
     try:
         for request_id, length in (("long", PREFILL_THREADS_MIN_TOKENS + 40), ("short", 12)):
@@ -396,14 +397,8 @@ def test_decode_batches_of_17_rows_and_more_arm_the_step_helper_below_the_prefil
     if engine.runner.pair_rows == (0, 0):
         pytest.skip("the linear layers do not run the pair kernel on this CPU")
     assert engine.runner.pair_rows[1] == cpu_kernels.max_shared_pair_rows() + 1 > PREFILL_THREADS_MIN_TOKENS
-    seen = []
-    run = engine.runner.run
-
-    def watched_run(inputs):
-        seen.append((sum(len(chunk.token_ids) for chunk in inputs), cpu_kernels.step_helper_armed()))
-        return run(inputs)
-
-    engine.runner.run = watched_run
+    seen = watch_forwards(engine, lambda inputs: (sum(len(chunk.token_ids) for chunk in inputs),
+                                                  cpu_kernels.step_helper_armed()))
     prompts = {f"batch{i}": random_prompt(5 + i % 4, seed=200 + i) for i in range(24)}
     before = torch.get_num_threads()
     try:

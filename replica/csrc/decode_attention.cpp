@@ -465,11 +465,11 @@ void decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const 
     const ItemFn<scalar_t> vectorised = use_vector_code ? vector_item<scalar_t>(head_dim) : nullptr;
     // a step on one torch thread with the step helper armed (step_helper.h) shares its items with the helper: a
     // decode batch over long contexts is bound by reading its K/V, which two cores read faster than one
-    const int64_t threads = at::get_num_threads();
-    const bool with_helper = prefixserve::helper_shares_step();
     if (vectorised) {
       // items: (component, chunk of kv heads); heads are split only as far as the threads need work (with the
       // helper, one kv head an item: it takes them as it is free)
+      const int64_t threads = at::get_num_threads();
+      const bool with_helper = prefixserve::helper_shares_step();
       const int64_t chunks = with_helper ? num_kv_heads
                                          : std::min(num_kv_heads, std::max<int64_t>(1, (threads + num_components - 1) /
                                                                                            num_components));
