@@ -758,9 +758,10 @@ def pool_sockets(tier: RedisTier) -> dict[int, object]:
 
 def test_redis_load_reads_its_two_halves_on_two_connections_and_keeps_the_leading_run(redis_process_factory,
                                                                                       open_tiers):
-    """A load of PARALLEL_MIN_PAGES pages or more is two MGETs, one per half, read at the same time; the second half
-    counts only after a whole first half, and a gap in either half ends the answer there. On a redis-server of its
-    own: the server's MGET count would also count other tests' clients on the session's server."""
+    """A load of PARALLEL_MIN_PAGES pages or more is read in two halves at the same time (each half's GETs pipelined:
+    these pages are small, so a half is asked for at once); the second half counts only after a whole first half,
+    and a gap in either half ends the answer there. On a redis-server of its own: the server's GET count would also
+    count other tests' clients on the session's server."""
     from replica.tiers.redis_tier import PARALLEL_MIN_PAGES
 
     page_format = make_format()
@@ -774,21 +775,22 @@ def test_redis_load_reads_its_two_halves_on_two_connections_and_keeps_the_leadin
     server.config_resetstat()
 
     assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:1])  # pages 4-7 arrived, not counted
-    assert server.info("commandstats")["cmdstat_mget"]["calls"] == 2
+    assert server.info("commandstats")["cmdstat_get"]["calls"] == 8
     assert tier.stats().pages_loaded == 1
 
     tier.store(pages[1:2])
     assert tier.flush(timeout=10)
     server.delete(tier.redis_key(pages[6].key))  # now a gap in the second half
     assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:6])
-    assert_bit_identical(tier.load(keys_of(pages[:3]), tokens_of(pages[:3])), pages[:3])  # under the minimum: one MGET
-    assert server.info("commandstats")["cmdstat_mget"]["calls"] == 5
+    assert_bit_identical(tier.load(keys_of(pages[:3]), tokens_of(pages[:3])), pages[:3])  # under the minimum: one part
+    assert server.info("commandstats")["cmdstat_get"]["calls"] == 8 + 8 + 3
+    assert "cmdstat_mget" not in server.info("commandstats")
     assert tier.stats().errors == 0
 
 
 def test_redis_load_in_four_parts_keeps_the_leading_run(redis_process_factory, open_tiers):
-    """``load_connections=4``: 12 pages read as four MGETs of 3 at once; a gap in the third part ends the answer
-    there, whatever the fourth part brought back. On a redis-server of its own (it counts the MGETs)."""
+    """``load_connections=4``: 12 pages read as four parts of 3 at once; a gap in the third part ends the answer
+    there, whatever the fourth part brought back. On a redis-server of its own (it counts the GETs)."""
     page_format = make_format()
     tier = RedisTier(redis_process_factory().url, page_format, tier_key=TierKey.generate(), socket_timeout_s=10.0,
                      load_connections=4)
@@ -799,15 +801,59 @@ def test_redis_load_in_four_parts_keeps_the_leading_run(redis_process_factory, o
     server = redis.Redis.from_url(tier.url)
     server.config_resetstat()
     assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:7])
-    assert server.info("commandstats")["cmdstat_mget"]["calls"] == 4
+    assert server.info("commandstats")["cmdstat_get"]["calls"] == 12
     tier.store(pages[7:8])
     assert tier.flush(timeout=10)
     assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages)
     assert_bit_identical(tier.load(keys_of(pages[:5]), tokens_of(pages[:5])), pages[:5])  # two parts: 3 and 2
-    assert server.info("commandstats")["cmdstat_mget"]["calls"] == 4 + 4 + 2
+    assert server.info("commandstats")["cmdstat_get"]["calls"] == 12 + 12 + 5
     assert tier.stats().errors == 0
     with pytest.raises(ValueError, match="load_connections"):
         RedisTier(tier.url, page_format, load_connections=0)
+
+
+def test_redis_load_asks_a_window_of_values_ahead_and_drops_only_those_after_a_miss(redis_process_factory,
+                                                                                    open_tiers):
+    """A load asks for at most ``load_window_bytes`` of values (at least two) beyond the one it reads, not for all of
+    them at once: with a window of two and page 3 of 8 missing, GETs 0-5 reach the server (5 was asked as 3 arrived),
+    6 and 7 never do; the values of 4 and 5 are read and dropped, and the connection is reused."""
+    page_format = make_format()
+    tier = RedisTier(redis_process_factory().url, page_format, tier_key=TierKey.generate(), socket_timeout_s=10.0,
+                     load_connections=1, load_window_bytes=1)
+    open_tiers.append(tier)
+    pages = make_pages(page_format, 8)
+    tier.store(pages[:3] + pages[4:])
+    assert tier.flush(timeout=10)
+    server = redis.Redis.from_url(tier.url)
+    server.config_resetstat()
+
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:3])
+    assert server.info("commandstats")["cmdstat_get"]["calls"] == 6
+    sockets = pool_sockets(tier)
+    assert len(sockets) == 1 and None not in sockets.values()
+    tier.store(pages[3:4])
+    assert tier.flush(timeout=10)
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages)  # the whole run, two values ahead
+    assert server.info("commandstats")["cmdstat_get"]["calls"] == 6 + 8
+    assert pool_sockets(tier) == sockets  # the same connection throughout: no reply was left unread
+    assert tier.stats().errors == 0
+
+
+def test_redis_load_of_a_key_holding_another_type_ends_the_run_there(make_tier):
+    """A key of the tier's namespace that holds a list (GET answers WRONGTYPE) ends the answer at that page, counted
+    as an error; the next load works on a fresh connection."""
+    page_format = make_format()
+    tier = make_tier("redis", page_format)
+    pages = make_pages(page_format, 3)
+    tier.store(pages)
+    assert tier.flush(timeout=10)
+    server = redis.Redis.from_url(tier.url)
+    server.delete(tier.redis_key(pages[1].key))
+    server.rpush(tier.redis_key(pages[1].key), b"x")
+
+    assert_bit_identical(tier.load(keys_of(pages), tokens_of(pages)), pages[:1])
+    assert tier.stats().errors == 1
+    assert_bit_identical(tier.load(keys_of(pages[:1]), tokens_of(pages[:1])), pages[:1])
 
 
 def test_redis_oversized_value_is_discarded_without_reading_it(make_tier):

@@ -37,9 +37,10 @@ expiry (the tier warns once). ``noeviction`` refuses writes when full (warned; c
 The format marker may be evicted under ``allkeys-*``; that is harmless because every page header carries the key
 format version too, and the marker is claimed again on the next (re)connection.
 
-Loads: one MGET per 32 MiB of pages; the reply is read off the socket into a reusable buffer a page at a time and each
-page is decrypted from there straight into the tensor handed back (``ReplyReader``), so a loaded byte is copied once by
-the kernel and written once by the decryption. A load of ``PARALLEL_MIN_PAGES`` pages or more is split in
+Loads: GETs pipelined ~2 MiB of values ahead (``LOAD_WINDOW_BYTES``, at least two values: one MGET made the server
+build the whole reply in fresh memory first, see ``_get_streaming``); each reply is read off the socket into a reusable
+buffer and the page decrypted from there straight into the tensor handed back (``ReplyReader``), so a loaded byte is
+copied once by the kernel and written once by the decryption. A load of ``PARALLEL_MIN_PAGES`` pages or more is split in
 ``load_connections`` (2) parts read at the same time on as many connections (all but the first on the tier's own load
 threads): one connection's reply stream is bound by ``redis-server`` writing it, and one thread decrypts at ~2.3 GB/s;
 two streams and two decrypting threads moved ~1.5x as much (BENCHMARKS.md, section 0d); three or four moved no more
@@ -178,7 +179,9 @@ return 0
 """
 """Restart a plain page's expiry (ARGV[1]); a retained page (no expiry) is left alone."""
 LOAD_BATCH_BYTES = 32 << 20
-"""At most this many sealed bytes per MGET (bounds the reply a load holds at once)."""
+"""At most this many sealed bytes per batch of a load (a call of ``_load_batch``)."""
+LOAD_WINDOW_BYTES = 2 << 20
+"""A load asks for the next values while it reads one, this many bytes of them ahead (at least two values)."""
 PARALLEL_MIN_PAGES = 4
 """A load of at least this many pages is read in parts on several connections at the same time."""
 LOAD_CONNECTIONS = 2
@@ -214,6 +217,7 @@ class RedisTier(QueuedWriteTier):
         sweep_interval_s: float = 1.0,
         wall_clock: Callable[[], float] | None = None,
         load_connections: int = LOAD_CONNECTIONS,
+        load_window_bytes: int = LOAD_WINDOW_BYTES,
     ) -> None:
         if load_batch_pages < 1:
             raise ValueError(f"load_batch_pages must be at least 1, got {load_batch_pages}")
@@ -235,6 +239,7 @@ class RedisTier(QueuedWriteTier):
         self._page_key_prefix = f"{key_prefix}{page_format.dtype}:"
         self._load_batch_pages = max(1, min(load_batch_pages, LOAD_BATCH_BYTES // sealed_size(page_format)))
         self._max_value_bytes = sealed_size(page_format) + MAX_BLOB_OVERHEAD_BYTES
+        self._load_window = max(2, load_window_bytes // self._max_value_bytes)
         self._url = url
         self._where = describe_url(url)
         self._client = redis.Redis.from_url(
@@ -312,7 +317,7 @@ class RedisTier(QueuedWriteTier):
 
     def load(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
              out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """MGET in batches of ``load_batch_pages`` (one round trip for a usual prefix); verify each page in order,
+        """GETs pipelined in batches of ``load_batch_pages`` (``_get_streaming``); verify each page in order,
         decrypting it straight into its tensor; stop at the first miss."""
         check_load_args(self._page_format, keys, token_ids_per_page, out)
         start_time = time.perf_counter()
@@ -387,7 +392,7 @@ class RedisTier(QueuedWriteTier):
 
     def _load_batch(self, keys: Sequence[PageKey], token_ids_per_page: Sequence[Sequence[int]],
                     out: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """One MGET; each value is decrypted into ``out[i]`` as soon as it has arrived (see ``_read_mget``)."""
+        """The values of ``keys`` (``_get_streaming``), each decrypted into ``out[i]`` as soon as it has arrived."""
         loaded: list[torch.Tensor] = []
         redis_keys = [self.redis_key(key) for key in keys]
 
@@ -406,42 +411,50 @@ class RedisTier(QueuedWriteTier):
             return True
 
         rejected: list[tuple[PageKey, str]] = []
-        self._run(lambda client: self._mget_streaming(client, redis_keys, take), default=None)
+        self._run(lambda client: self._get_streaming(client, redis_keys, take), default=None)
         for key, reason in rejected:
             self._discard(key, reason)
         return loaded
 
-    def _mget_streaming(self, client: redis.Redis, redis_keys: list[str], take: Callable[[int, object], bool]) -> None:
-        """MGET ``redis_keys`` and call ``take(i, value)`` for each value in order (a memoryview valid only during the
-        call, or None for a missing key) until it returns False.
+    def _get_streaming(self, client: redis.Redis, redis_keys: list[str], take: Callable[[int, object], bool]) -> None:
+        """GET ``redis_keys`` pipelined, at most ``_load_window`` values asked ahead of the one being read, and call
+        ``take(i, value)`` for each value in order (a memoryview valid only during the call, or None for a missing
+        key) until it returns False.
 
-        The reply is read straight off the connection's socket into this thread's reusable buffer (a page at a
-        time): redis-py would copy every value twice more (into its parser, then into a new bytes object), which
-        cost more CPU than decrypting. Falls back to redis-py's parser on a connection without a plain socket. After
-        ``take`` says stop the rest of the reply is read and dropped; a timeout, an oversized value or anything
-        unexpected closes that connection instead."""
+        Not one MGET: redis-server builds an MGET's whole reply before it writes any of it, in memory its allocator
+        has to map afresh (after a pause, or after new values took the last reply's memory): 16 MiB cost ~4100 page
+        faults, 9.6-12.4 ms against 4.4-6.6 ms for GETs two at a time, whose ~2 MiB of replies the allocator reuses
+        from value to value (BENCHMARKS.md, section 0zh). The reply is read straight off the connection's socket into
+        this thread's reusable buffer (a page at a time): redis-py would copy every value twice more (into its parser,
+        then into a new bytes object), which cost more CPU than decrypting. Falls back to one MGET read by redis-py's
+        parser on a connection without a plain socket. After ``take`` says stop no more GETs are sent and the replies
+        already asked for are read and dropped; a timeout, an oversized value or anything unexpected closes that
+        connection instead."""
         pool = client.connection_pool
         connection = pool.get_connection()
         try:
-            connection.send_command("MGET", *redis_keys)
             sock = getattr(connection, "_sock", None)
             if sock is None or not hasattr(sock, "recv_into"):
+                connection.send_command("MGET", *redis_keys)
                 values = connection.read_response()
                 for index, value in enumerate(values):
                     if not take(index, value):
                         break
                 return
             reader = ReplyReader(sock, reply_buffer(self._max_value_bytes + 64))
+            num_asked = min(self._load_window, len(redis_keys))
             try:
-                num_values = reader.array_length()
-                if num_values != len(redis_keys):
-                    raise redis.ResponseError(f"MGET answered {num_values} values for {len(redis_keys)} keys")
-                for index in range(num_values):
+                connection.send_packed_command(connection.pack_commands(
+                    [("GET", redis_key) for redis_key in redis_keys[:num_asked]]))
+                for index in range(len(redis_keys)):
                     value = reader.bulk(self._max_value_bytes)
+                    if value is not OVERSIZED and num_asked < len(redis_keys):  # the next value, asked while this
+                        connection.send_packed_command(connection.pack_command("GET", redis_keys[num_asked]))
+                        num_asked += 1  # one is read: the server has another to write meanwhile
                     if not take(index, value):
                         if value is OVERSIZED:  # not read: the connection cannot be reused
                             raise _AbandonedReply()
-                        for _ in range(index + 1, num_values):  # read and drop the rest (the connection stays)
+                        for _ in range(index + 1, num_asked):  # read and drop the values asked (the connection stays)
                             if reader.bulk(self._max_value_bytes) is OVERSIZED:
                                 raise _AbandonedReply()
                         break
@@ -449,13 +462,13 @@ class RedisTier(QueuedWriteTier):
                 connection.disconnect()
             except socket.timeout as exc:
                 connection.disconnect()
-                raise redis.TimeoutError(f"reading an MGET reply: {exc}") from None
+                raise redis.TimeoutError(f"reading a GET reply: {exc}") from None
             except (OSError, redis.ResponseError):
                 connection.disconnect()
                 raise
             except ValueError as exc:  # a malformed reply
                 connection.disconnect()
-                raise redis.ResponseError(f"malformed MGET reply: {exc}") from None
+                raise redis.ResponseError(f"malformed GET reply: {exc}") from None
         except BaseException:
             connection.disconnect()
             raise
@@ -734,7 +747,8 @@ def reply_buffer(num_bytes: int) -> bytearray:
 
 
 class ReplyReader:
-    """Reads one RESP2 / RESP3 reply of bulk strings (an MGET's) from a socket into ``buffer``.
+    """Reads RESP2 / RESP3 replies of bulk strings (an MGET's array, or pipelined GETs' values) from a socket into
+    ``buffer``.
 
     Header lines are at most ``MAX_LINE`` bytes; a value is handed out as a view of the buffer that stays valid until
     the next call. Raises ValueError on anything that is not such a reply, redis.ResponseError for an error reply,
@@ -762,6 +776,8 @@ class ReplyReader:
         line = self._line()
         if line == b"_" or line == b"$-1":  # RESP3 / RESP2 null
             return None
+        if line[:1] == b"-":
+            raise redis.ResponseError(line[1:].decode(errors="replace"))
         if line[:1] != b"$":
             raise ValueError(f"expected a bulk string, got {line[:16]!r}")
         length = int(line[1:])
