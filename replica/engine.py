@@ -32,6 +32,7 @@ from replica import cpu_kernels
 from replica.config import (PREFILL_THREADS_MIN_KEYS, PREFILL_THREADS_MIN_TOKENS, STEP_HELPER_ENV,
                             STEP_HELPER_MIN_TOKENS, EngineConfig)
 from replica.detokenizer import IncrementalDetokenizer
+from replica.export_buffers import ExportBuffers
 from replica.kv_manager import KVCacheManager
 from replica.landing import landing_page_ids
 from replica.model_runner import ChunkInput, ModelRunner
@@ -126,6 +127,8 @@ class LLMEngine:
                                  protected_fraction=config.kv_cache_protected_fraction, clock=clock)
         if self.runner.shared_pool is not None:
             self.kv.exports.generations = self.runner.shared_pool.generations
+        self.export_buffers = ExportBuffers()
+        """CPU memory for host bundles' copies, reused (``_copy_pages``)."""
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -527,8 +530,10 @@ class LLMEngine:
         stacked = None
         if contiguous and page_ids:
             first = self.runner.read_page(page_ids[0])
-            stacked = torch.empty((len(page_ids), *first.shape), dtype=first.dtype,
-                                  device="cpu" if to_cpu else first.device)
+            if to_cpu:  # memory already mapped, reused once the last export's copy is gone (export_buffers.py)
+                stacked = self.export_buffers.take((len(page_ids), *first.shape), first.dtype)
+            else:
+                stacked = torch.empty((len(page_ids), *first.shape), dtype=first.dtype, device=first.device)
         for index, (key, page_id, tokens) in enumerate(zip(keys, page_ids, token_ids)):
             kv = self.runner.read_page(page_id)
             if stacked is not None:

@@ -81,13 +81,13 @@ def bundle_pages(pages: list[PageRecord]) -> PageBundle:
 
 def stacked_view(pages: list[PageRecord]) -> torch.Tensor | None:
     """``[num_pages, *page_shape]`` over the pages' own memory if page i's KV is slot i of one contiguous CPU tensor
-    that holds exactly these pages, else None."""
+    (its storage may go on past the last page: a reused export buffer, replica/export_buffers.py), else None."""
     first = pages[0].kv
     if first.device.type != "cpu" or not first.is_contiguous() or first.storage_offset() != 0:
         return None
     storage = first.untyped_storage()
     numel = first.numel()
-    if storage.nbytes() != len(pages) * numel * first.element_size():
+    if storage.nbytes() < len(pages) * numel * first.element_size():
         return None
     for index, page in enumerate(pages):
         kv = page.kv

@@ -254,14 +254,17 @@ def test_unopenable_ipc_bundle_falls_back_to_a_host_copy():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_contiguous_export_is_the_bundle_itself_and_round_trips_bit_exact(dtype):
-    """Pages exported as slots of one tensor travel without a second copy; any other pages are stacked (one copy)."""
+    """Pages exported as the leading slots of one tensor travel without a second copy; any other pages are stacked
+    (one copy)."""
     stacked = torch.randn(3, 2, 2, 4, 1, 2).to(dtype)
     pages = [PageRecord(bytes([index + 1]) * 32, (index,), stacked[index]) for index in range(3)]
     bundle = bundle_pages(pages)
     assert bundle.kv.ctypes.data == stacked.data_ptr() and bundle.dtype == str(dtype).removeprefix("torch.")
 
-    for subset in (pages[:2], pages[1:], [pages[0], pages[2]]):  # not the whole tensor: copied, same bits
+    assert bundle_pages(pages[:2]).kv.ctypes.data == stacked.data_ptr()  # the leading slots (a reused buffer's way)
+    for subset in (pages[1:], [pages[0], pages[2]]):  # not slots 0, 1, ... in order: copied
         assert bundle_pages(subset).kv.ctypes.data != stacked.data_ptr()
+    for subset in (pages[:2], pages[1:], [pages[0], pages[2]]):  # the same bits either way
         got = unbundle_pages(bundle_pages(subset))
         assert all(torch.equal(page.kv.view(torch.uint8), want.kv.view(torch.uint8)) for page, want in zip(got, subset))
     got = unbundle_pages(bundle)

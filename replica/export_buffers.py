@@ -1,0 +1,66 @@
+"""Reused CPU memory for the copies a replica hands out of its process (a peer's host bundle through Ray's object store).
+
+A host bundle is one contiguous tensor of the exported pages (``LLMEngine.export_pages(contiguous=True)``). Allocated
+afresh for every export, a tensor of 32 MiB or more is new memory from the kernel each time (glibc maps allocations
+that large on their own and unmaps them when freed): filling it cost 8193 page faults and 11-13 ms for the 16 float32
+pages of a 2048-token prefix here, against ~1 ms for the same copy into memory already mapped (BENCHMARKS.md, section
+0zh). These buffers stay mapped and are handed out again once nothing uses them any more: the storage's use count
+says so (the bundle's numpy array, a page's view and Ray's serializer all hold it while they need it), so a buffer is
+never written while anything can still read it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+MAX_RETAINED_BYTES = 256 << 20
+"""At most this much memory is kept for reuse (a larger export, or one past this, gets memory of its own)."""
+ROUND_BYTES = 4 << 20
+"""Buffers are sized in steps of this, so exports of a few pages more or less reuse one."""
+
+
+def _unused(buffer: torch.Tensor) -> bool:
+    """True when only ``buffer`` (and the wrapper this call makes) holds its storage."""
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+
+
+class ExportBuffers:
+    """Thread-safe pool of retained CPU buffers: ``take(shape, dtype)`` answers a tensor of that shape over the start
+    of a free buffer (first use: a new one), ``shape``'s elements laid out contiguously from offset 0."""
+
+    def __init__(self, max_retained_bytes: int = MAX_RETAINED_BYTES) -> None:
+        self.max_retained_bytes = max_retained_bytes
+        self._lock = threading.Lock()
+        self._buffers: list[torch.Tensor] = []
+        """1-D uint8 tensors, least recently handed out first."""
+        self.reused = 0
+        self.allocated = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        num_bytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        with self._lock:
+            free = [buffer for buffer in self._buffers if buffer.numel() >= num_bytes and _unused(buffer)]
+            if free:
+                buffer = min(free, key=torch.Tensor.numel)
+                self._buffers.remove(buffer)
+                self._buffers.append(buffer)
+                self.reused += 1
+                return buffer[:num_bytes].view(dtype).view(shape)
+            size = -(-num_bytes // ROUND_BYTES) * ROUND_BYTES
+            buffer = torch.empty(size, dtype=torch.uint8)
+            self.allocated += 1
+            if size <= self.max_retained_bytes:
+                self._buffers.append(buffer)
+                while sum(kept.numel() for kept in self._buffers) > self.max_retained_bytes:
+                    unused = [kept for kept in self._buffers if kept is not buffer and _unused(kept)]
+                    if not unused:
+                        break
+                    self._buffers.remove(unused[0])
+            return buffer[:num_bytes].view(dtype).view(shape)
+
+    def retained_bytes(self) -> int:
+        with self._lock:
+            return sum(buffer.numel() for buffer in self._buffers)
