@@ -1,4 +1,4 @@
-"""Reused CPU memory for the copies a replica hands out of its process (a peer's host bundle through Ray's object store).
+"""Reused CPU memory for the copies a replica hands out of its process (a peer's host bundle, Ray's object store).
 
 A host bundle is one contiguous tensor of the exported pages (``LLMEngine.export_pages(contiguous=True)``). Allocated
 afresh for every export, a tensor of 32 MiB or more is new memory from the kernel each time (glibc maps allocations
@@ -45,21 +45,24 @@ class ExportBuffers:
             free = [buffer for buffer in self._buffers if buffer.numel() >= num_bytes and _unused(buffer)]
             if free:
                 buffer = min(free, key=torch.Tensor.numel)
-                self._buffers.remove(buffer)
+                self._drop(buffer)
                 self._buffers.append(buffer)
                 self.reused += 1
                 return buffer[:num_bytes].view(dtype).view(shape)
             size = -(-num_bytes // ROUND_BYTES) * ROUND_BYTES
+            for kept in [kept for kept in self._buffers if _unused(kept)]:  # least recently taken first
+                if sum(buffer.numel() for buffer in self._buffers) + size <= self.max_retained_bytes:
+                    break
+                self._drop(kept)
             buffer = torch.empty(size, dtype=torch.uint8)
             self.allocated += 1
-            if size <= self.max_retained_bytes:
-                self._buffers.append(buffer)
-                while sum(kept.numel() for kept in self._buffers) > self.max_retained_bytes:
-                    unused = [kept for kept in self._buffers if kept is not buffer and _unused(kept)]
-                    if not unused:
-                        break
-                    self._buffers.remove(unused[0])
+            if sum(kept.numel() for kept in self._buffers) + size <= self.max_retained_bytes:
+                self._buffers.append(buffer)  # else handed out once, not kept (the bound holds)
             return buffer[:num_bytes].view(dtype).view(shape)
+
+    def _drop(self, buffer: torch.Tensor) -> None:
+        """Take ``buffer`` out of the list by identity (``list.remove`` would compare tensors with ``==``)."""
+        del self._buffers[next(index for index, kept in enumerate(self._buffers) if kept is buffer)]
 
     def retained_bytes(self) -> int:
         with self._lock:

@@ -81,7 +81,9 @@ def bundle_pages(pages: list[PageRecord]) -> PageBundle:
 
 def stacked_view(pages: list[PageRecord]) -> torch.Tensor | None:
     """``[num_pages, *page_shape]`` over the pages' own memory if page i's KV is slot i of one contiguous CPU tensor
-    (its storage may go on past the last page: a reused export buffer, replica/export_buffers.py), else None."""
+    (its storage may go on past the last page: a reused export buffer, replica/export_buffers.py), else None. The
+    bundle then carries only those slots; callers pass copies made for the bundle (``export_pages(contiguous=True)``),
+    never views of memory that changes, such as the KV pool's pages."""
     first = pages[0].kv
     if first.device.type != "cpu" or not first.is_contiguous() or first.storage_offset() != 0:
         return None

@@ -52,16 +52,38 @@ def test_a_numpy_array_over_a_buffer_keeps_it_out_of_reuse():
 
 def test_retained_memory_is_bounded():
     buffers = ExportBuffers(max_retained_bytes=2 * ROUND_BYTES)
-    big = buffers.take((3 * ROUND_BYTES // 4,), torch.float32)  # over the bound: not kept
+    big = buffers.take((3 * ROUND_BYTES // 4,), torch.float32)  # 3 steps, over the bound: handed out, not kept
     assert buffers.retained_bytes() == 0
     del big
-    held = [buffers.take((ROUND_BYTES // 4,), torch.float32) for _ in range(3)]  # three of one step, all in use
-    assert buffers.retained_bytes() == 3 * ROUND_BYTES  # none could be let go
+    held = [buffers.take((ROUND_BYTES // 4,), torch.float32) for _ in range(3)]  # the third would pass the bound
+    assert buffers.retained_bytes() == 2 * ROUND_BYTES and buffers.allocated == 4
     del held
     gc.collect()
     buffers.take((ROUND_BYTES // 4,), torch.float32)
-    buffers.take((2 * ROUND_BYTES // 4,), torch.float32)  # a new size: the oldest free ones go
-    assert buffers.retained_bytes() <= 2 * ROUND_BYTES
+    assert buffers.reused == 1
+    buffers.take((2 * ROUND_BYTES // 4,), torch.float32)  # a larger size: the free ones make room for it
+    assert buffers.retained_bytes() == 2 * ROUND_BYTES and buffers.allocated == 5
+    buffers.take((2 * ROUND_BYTES // 4,), torch.float32)
+    assert buffers.reused == 2
+
+
+def test_a_buffer_behind_others_is_reused_and_tensors_are_never_compared():
+    """The list is searched by identity: a free buffer behind a smaller one, or behind a held one of its size, is
+    handed out (comparing tensors with ``==`` would raise on either)."""
+    buffers = ExportBuffers()
+    small = buffers.take((16,), torch.float32)
+    del small
+    large = buffers.take((3 * ROUND_BYTES // 4,), torch.float32)
+    address = large.data_ptr()
+    del large
+    assert buffers.take((3 * ROUND_BYTES // 4,), torch.float32).data_ptr() == address  # behind the smaller one
+    first = buffers.take((ROUND_BYTES // 4,), torch.float32)  # the small one
+    second = buffers.take((ROUND_BYTES // 4,), torch.float32)  # the large one, the only free one that fits
+    third = buffers.take((ROUND_BYTES // 4,), torch.float32)  # new
+    address = third.data_ptr()
+    del third
+    assert buffers.take((ROUND_BYTES // 4,), torch.float32).data_ptr() == address  # behind two held ones
+    assert first.data_ptr() != second.data_ptr() and buffers.reused == 4
 
 
 def test_a_bundle_over_a_reused_buffer_is_zero_copy_and_survives_the_next_export():

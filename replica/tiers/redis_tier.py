@@ -444,16 +444,18 @@ class RedisTier(QueuedWriteTier):
             reader = ReplyReader(sock, reply_buffer(self._max_value_bytes + 64))
             num_asked = min(self._load_window, len(redis_keys))
             try:
-                connection.send_packed_command(connection.pack_commands(
-                    [("GET", redis_key) for redis_key in redis_keys[:num_asked]]))
+                connection.send_packed_command(connection.pack_commands(  # no health check: it would read a reply
+                    [("GET", redis_key) for redis_key in redis_keys[:num_asked]]), check_health=False)
                 for index in range(len(redis_keys)):
                     value = reader.bulk(self._max_value_bytes)
-                    if value is not OVERSIZED and num_asked < len(redis_keys):  # the next value, asked while this
-                        connection.send_packed_command(connection.pack_command("GET", redis_keys[num_asked]))
-                        num_asked += 1  # one is read: the server has another to write meanwhile
+                    if value is OVERSIZED:  # not read (``take`` sees it): the connection cannot be reused
+                        take(index, value)
+                        raise _AbandonedReply()
+                    if num_asked < len(redis_keys):  # the next value, asked while this one is decrypted: the server
+                        connection.send_packed_command(connection.pack_command("GET", redis_keys[num_asked]),
+                                                       check_health=False)
+                        num_asked += 1  # has another to write meanwhile
                     if not take(index, value):
-                        if value is OVERSIZED:  # not read: the connection cannot be reused
-                            raise _AbandonedReply()
                         for _ in range(index + 1, num_asked):  # read and drop the values asked (the connection stays)
                             if reader.bulk(self._max_value_bytes) is OVERSIZED:
                                 raise _AbandonedReply()
