@@ -22,9 +22,13 @@ ROUND_BYTES = 4 << 20
 """Buffers are sized in steps of this, so exports of a few pages more or less reuse one."""
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+"""torch's count of the references to a storage (private: without it no buffer is ever reused)."""
+
+
 def _unused(buffer: torch.Tensor) -> bool:
     """True when only ``buffer`` (and the wrapper this call makes) holds its storage."""
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+    return _storage_use_count is not None and _storage_use_count(buffer.untyped_storage()._cdata) <= 2
 
 
 class ExportBuffers:
@@ -41,6 +45,9 @@ class ExportBuffers:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         num_bytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if _storage_use_count is None:  # nothing could ever be reused: keep nothing
+            self.allocated += 1
+            return torch.empty(shape, dtype=dtype)
         with self._lock:
             free = [buffer for buffer in self._buffers if buffer.numel() >= num_bytes and _unused(buffer)]
             if free:

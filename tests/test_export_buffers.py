@@ -131,3 +131,17 @@ def test_the_engine_exports_host_bundles_into_reused_memory_bit_exact(tiny):
     assert bundle.kv.ctypes.data == third[0].kv.data_ptr()  # zero copy over the reused buffer
     assert all(torch.equal(page.kv, kv) for page, kv in zip(unbundle_pages(bundle), want))
     assert isinstance(bundle.kv, np.ndarray)
+
+
+def test_without_torchs_use_count_no_buffer_is_reused(monkeypatch):
+    """If torch stops exposing the storage use count, every export gets memory of its own (the old behaviour)."""
+    import replica.export_buffers as export_buffers
+
+    monkeypatch.setattr(export_buffers, "_storage_use_count", None)
+    buffers = ExportBuffers()
+    first = buffers.take((4, 8), torch.float32)
+    del first
+    gc.collect()
+    second = buffers.take((4, 8), torch.float32)
+    assert second.shape == (4, 8) and second.dtype == torch.float32
+    assert buffers.reused == 0 and buffers.retained_bytes() == 0 and buffers.allocated == 2  # nothing kept
