@@ -423,7 +423,7 @@ class RedisTier(QueuedWriteTier):
 
         Not one MGET: redis-server builds an MGET's whole reply before it writes any of it, in memory its allocator
         has to map afresh (after a pause, or after new values took the last reply's memory): 16 MiB cost ~4100 page
-        faults, 9.6-12.4 ms against 4.4-6.6 ms for GETs two at a time, whose ~2 MiB of replies the allocator reuses
+        faults, 10.8-13.2 ms against 4.6-6.7 ms for GETs two at a time, whose ~2 MiB of replies the allocator reuses
         from value to value (BENCHMARKS.md, section 0zh). The reply is read straight off the connection's socket into
         this thread's reusable buffer (a page at a time): redis-py would copy every value twice more (into its parser,
         then into a new bytes object), which cost more CPU than decrypting. Falls back to one MGET read by redis-py's
