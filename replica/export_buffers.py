@@ -6,7 +6,8 @@ that large on their own and unmaps them when freed): filling it cost 8193 page f
 pages of a 2048-token prefix here, against ~1 ms for the same copy into memory already mapped (BENCHMARKS.md, section
 0zh). These buffers stay mapped and are handed out again once nothing uses them any more: the storage's use count
 says so (the bundle's numpy array, a page's view and Ray's serializer all hold it while they need it), so a buffer is
-never written while anything can still read it.
+never written while anything can still read it. (Tier loads sidestep the same cost with one tensor per page,
+``tiers.codec.new_page_tensors``; a bundle has to be one array to cross the object store without a second copy.)
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class ExportBuffers:
         self.allocated = 0
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        num_bytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        num_bytes = math.prod(shape) * dtype.itemsize
         if _storage_use_count is None:  # nothing could ever be reused: keep nothing
             self.allocated += 1
             return torch.empty(shape, dtype=dtype)
@@ -58,12 +59,12 @@ class ExportBuffers:
                 return buffer[:num_bytes].view(dtype).view(shape)
             size = -(-num_bytes // ROUND_BYTES) * ROUND_BYTES
             for kept in [kept for kept in self._buffers if _unused(kept)]:  # least recently taken first
-                if sum(buffer.numel() for buffer in self._buffers) + size <= self.max_retained_bytes:
+                if self._kept_bytes() + size <= self.max_retained_bytes:
                     break
                 self._drop(kept)
             buffer = torch.empty(size, dtype=torch.uint8)
             self.allocated += 1
-            if sum(kept.numel() for kept in self._buffers) + size <= self.max_retained_bytes:
+            if self._kept_bytes() + size <= self.max_retained_bytes:
                 self._buffers.append(buffer)  # else handed out once, not kept (the bound holds)
             return buffer[:num_bytes].view(dtype).view(shape)
 
@@ -71,6 +72,9 @@ class ExportBuffers:
         """Take ``buffer`` out of the list by identity (``list.remove`` would compare tensors with ``==``)."""
         del self._buffers[next(index for index, kept in enumerate(self._buffers) if kept is buffer)]
 
+    def _kept_bytes(self) -> int:
+        return sum(buffer.numel() for buffer in self._buffers)  # uint8: one element a byte
+
     def retained_bytes(self) -> int:
         with self._lock:
-            return sum(buffer.numel() for buffer in self._buffers)
+            return self._kept_bytes()
