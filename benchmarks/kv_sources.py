@@ -98,6 +98,11 @@ def private_redis(maxmemory: str) -> PrivateRedis:
     return PrivateRedis(port, folder, redis_socket, process)
 
 
+FIRST_ASK = "peer copy, first ask from another node: the stream the router named (copy on, Redis behind it)"
+"""A receiver that never copied from the holder: the request carries the holder's page stream (its routing stats),
+so the first copy skips the object store."""
+
+
 def tokens(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, 8000, (n,), generator=g).tolist()
@@ -141,6 +146,10 @@ class Holder:
         if hasattr(pool, "serve_stream"):  # and peers of other nodes over TCP (here on the loopback address)
             pool.serve_stream(self.engine.share_pages, "127.0.0.1")
         self.stream = getattr(pool, "stream_location", None)
+
+    def stream_location(self):
+        """Its page stream, as its routing stats name it to the routers (None without one)."""
+        return self.stream
 
     def compute(self, prompt: list[int]) -> int:
         self.engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0.0)))
@@ -191,10 +200,12 @@ def peer_client(holder, *, shared_memory: bool, stream: bool = False) -> ServePe
     return client
 
 
-def ttft(async_engine: AsyncEngine, prompt, request_id, peer_hint=None) -> tuple[float, dict]:
+def ttft(async_engine: AsyncEngine, prompt, request_id, peer_hint=None, peer_stream=None) -> tuple[float, dict]:
     async def run():
         start = time.perf_counter()
-        request = EngineRequest(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0), peer_hint=peer_hint)
+        named = {"peer_stream": peer_stream} if peer_stream is not None else {}  # a checkout before it has none
+        request = EngineRequest(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0), peer_hint=peer_hint,
+                                **named)
         async for out in async_engine.generate(request):
             return time.perf_counter() - start, out.cached_tokens.as_dict()
 
@@ -338,10 +349,14 @@ def main(argv=None) -> int:
                  "peer copy, shared pool (copy on, Redis behind it)": make("m1", peer="shared", redis=redis_url),
                  "peer copy, object store (copy on, Redis behind it)": make("m5", peer="store", redis=redis_url),
                  "peer copy, TCP page stream (copy on, Redis behind it)": make("m7", peer="stream", redis=redis_url),
+                 FIRST_ASK: make("m8", peer="stream", redis=redis_url),
                  "Redis tier over TCP (copy off)": make("m2", redis=redis_url),
                  "Redis tier over a unix socket (copy off)": make("m6", redis=redis_unix_url),
                  "disk tier": make("m3", disk=True),
                  "recompute (no shared tier)": make("m4")}
+        if not hasattr(ServePeerClient, "learn_stream"):  # a checkout before the router named holders' streams
+            modes.pop(FIRST_ASK).shutdown()
+        holder_stream = ray.get(holder.stream_location.remote())
         ttfts = {name: [] for name in modes}
         sources = {}
 
@@ -360,7 +375,11 @@ def main(argv=None) -> int:
             ttft(modes["local hit (reference)"], prefix, f"warm-{r}")  # the prefix into the local replica's cache
             for name, eng in modes.items():
                 prompt = prefix + tokens(args.suffix_len, seed=200 + r)
-                elapsed, cached = ttft(eng, prompt, f"{name}-{r}", peer_hint="holder")
+                stream = None
+                if name == FIRST_ASK:  # as a receiver that never copied from this holder: the request names its stream
+                    eng.fetcher.peer_client._forget_stream("holder")
+                    stream = holder_stream
+                elapsed, cached = ttft(eng, prompt, f"{name}-{r}", peer_hint="holder", peer_stream=stream)
                 settle(eng)
                 if r:
                     ttfts[name].append(elapsed)

@@ -38,6 +38,9 @@ Wire format (format 1): a plain dict of str / int / None / bytes / lists, which 
       "tiers": [{"medium": "CPU", "epoch": "...", "last_seq": 9, "events": [...], "snapshot": None | {...}}, ...],
                                                     # per shared tier medium (CPU: Redis, DISK: the disk tier): the
                                                     # pages this replica stored there that the tier still holds
+      "stream": ["10.0.0.7", 41235, b"<32-byte token>", "<node id>" | None],
+                                                    # the replica's page stream while it serves one
+                                                    # (replica/page_stream.py): the router names it with a peer_hint
     }
 
 ``tiers`` follow the same rule as the replica's own events, each medium with its own epoch and numbering
@@ -57,7 +60,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from common.page_keys import KEY_NUM_BYTES, PageKey
-from common.types import EngineStats
+from common.types import STREAM_TOKEN_BYTES, EngineStats, StreamLocation
 
 ROUTING_STATS_FORMAT = 1
 
@@ -186,6 +189,8 @@ class ReplicaReport:
     num_pages_retained: int | None = None
     tiers: tuple[TierReport, ...] = ()
     """The shared tiers' entries (none: no tier, tier events off, or an older replica)."""
+    stream: StreamLocation | None = None
+    """Where the replica serves its pages to peers on other nodes over TCP (None: it serves no page stream)."""
 
     def to_load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -324,11 +329,33 @@ def parse_routing_stats(raw: Mapping[str, Any] | None) -> ReplicaReport | None:
             num_evictions=None if load.get("num_evictions") is None else int(load["num_evictions"]),
             num_pages_retained=None if load.get("num_pages_retained") is None else int(load["num_pages_retained"]),
             tiers=tuple(_parse_tier(entry) for entry in raw.get("tiers") or ()),
+            stream=parse_stream(raw.get("stream")),
         )
     except (KeyError, TypeError, ValueError) as error:
         if isinstance(error, RoutingStatsError):
             raise
         raise RoutingStatsError(f"malformed routing stats: {error!r}") from error
+
+
+def encode_stream(location: StreamLocation) -> list[Any]:
+    """A page stream's location as a payload's ``stream`` entry."""
+    return [location.host, location.port, location.token, location.node]
+
+
+def parse_stream(raw: Sequence[Any] | None) -> StreamLocation | None:
+    """A payload's ``stream`` entry (None: absent). Raises RoutingStatsError for a malformed one."""
+    if raw is None:
+        return None
+    try:
+        host, port, token, node = raw
+    except (TypeError, ValueError):
+        raise RoutingStatsError("malformed page stream location in routing stats (host, port, token, node)") from None
+    if (not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536
+            or not isinstance(token, bytes) or len(token) != STREAM_TOKEN_BYTES
+            or not (node is None or isinstance(node, str))):
+        # not the value itself: the token stays out of logs
+        raise RoutingStatsError("malformed page stream location in routing stats (host, port, token, node)")
+    return StreamLocation(host, port, token, node)
 
 
 def _parse_tier(entry: Mapping[str, Any]) -> TierReport:

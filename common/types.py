@@ -32,6 +32,25 @@ FETCH_SOURCES = (CacheSource.PEER, CacheSource.HOST, CacheSource.DISK)
 """The sources outside the replica, in the order they are asked."""
 
 
+STREAM_TOKEN_BYTES = 32
+"""The length of a page stream's token."""
+
+
+@dataclass(frozen=True)
+class StreamLocation:
+    """Where and how to ask a holder for pages over TCP (its page stream, replica/page_stream.py): its address, the
+    token both sides prove they know, and the holder's node (``replica.shared_pool.node_id()``; a peer on that node
+    copies out of the holder's shared memory instead)."""
+
+    host: str
+    port: int
+    token: bytes
+    node: str | None = None
+
+    def __repr__(self) -> str:  # the token stays out of logs
+        return f"StreamLocation({self.host}:{self.port})"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token. ``temperature == 0`` means greedy."""
@@ -121,6 +140,9 @@ class EngineRequest:
     page 0 against its own fingerprint and salt (a wrong fingerprint or salt changes every key), then uses them."""
     peer_hint: str | None = None
     """Id of a replica that the router believes holds more of this prompt's pages (for peer copy)."""
+    peer_stream: StreamLocation | None = None
+    """``peer_hint``'s page stream, as its routing stats name it (set by the router only, with ``peer_hint``): a
+    replica on another node asks there at once instead of first through Ray's object store."""
     target_replica: str | None = None
     """Pin the request to this replica (operators, tests); the router still names the best holder in peer_hint."""
     retention: Retention | None = None

@@ -27,14 +27,14 @@ from typing import AsyncIterator, Callable
 
 from common.errors import EngineDeadError, InvalidRequestError
 from common.events import KVEvent
-from common.types import EngineRequest, EngineStats, PrefetchRequest, PrefetchResult, RequestOutput
+from common.types import EngineRequest, EngineStats, PrefetchRequest, PrefetchResult, RequestOutput, StreamLocation
 from common.routing_stats import EXPORT_WAIT_S
 from replica.engine import AdmissionPlan, LLMEngine
 from replica.fetch_sharing import FetchPlan, FetchRegistry, SharedFetch, collect_pages, run_deferred
 from replica.kv_sources import PrefixFetcher
 from replica.landing import LandingPages, landing_page_ids
 from replica.page_record import PageRecord
-from replica.page_stream import StreamLocation, node_address
+from replica.page_stream import node_address
 from replica.shared_pool import SharedPoolBundle
 
 logger = logging.getLogger(__name__)
@@ -168,6 +168,9 @@ class AsyncEngine:
         rejected = False
         try:
             keys = None
+            if (request.peer_stream is not None and request.peer_hint and self.fetcher is not None
+                    and self.engine.config.enable_peer_copy):
+                self.fetcher.learn_peer_stream(request.peer_hint, request.peer_stream)
             if self.engine.enable_prefix_caching and len(request.prompt_token_ids) >= KEYS_OFF_THREAD_MIN_TOKENS:
                 # hash a long prompt's page keys here, not on the engine thread between its steps
                 keys = await loop.run_in_executor(None, self.engine.page_keys, list(request.prompt_token_ids),
@@ -191,12 +194,14 @@ class AsyncEngine:
                     finished = True
                     return
                 item = coalesce_pending(item, queue)
-                run_deferred(fetches)  # the first token is out: the fetches' tier writes may take the CPU now
                 if not item.finished and sink.channel is None:
                     # no await since the queue was drained: every later output of this step onwards is dispatched
                     # after this line, so it goes to the channel, behind this one
                     item = self._bind(sink, request.output_channel, item)
                 yield item
+                # the caller has sent the first token on: the fetches' tier writes may take the CPU now (before the
+                # yield they held the token back by 0.5-4 ms: a worker thread to start, the GIL to share)
+                run_deferred(fetches)
                 if item.finished:
                     finished = True
                     return

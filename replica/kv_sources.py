@@ -38,7 +38,7 @@ from typing import Callable, Protocol, Sequence
 
 from common.page_format import PageFormat
 from common.page_keys import PageKey
-from common.types import FETCH_SOURCES, CacheSource, SourceStats
+from common.types import FETCH_SOURCES, CacheSource, SourceStats, StreamLocation
 from replica.landing import LandingPages, submit_into
 from replica.page_record import PageRecord
 from replica.tiers.base import KVTier, RetentionUpdate, StoredPage
@@ -99,6 +99,12 @@ class PrefixFetcher:
     @property
     def enabled(self) -> bool:
         return bool(self.tiers or self.peer_client)
+
+    def learn_peer_stream(self, peer_id: str, location: StreamLocation) -> None:
+        """The router named ``peer_id``'s page stream with its hint: the peer client asks there (if it can)."""
+        learn = getattr(self.peer_client, "learn_stream", None)
+        if learn is not None and peer_id != self.own_replica_id:
+            learn(peer_id, location)
 
     def copies_into_pool(self, peer_id: str) -> bool:
         """True if a fetch from ``peer_id`` would copy its pages straight into landing pages (``fetch``)."""

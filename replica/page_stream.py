@@ -9,16 +9,21 @@ the receiver reads them into an array per page, which the engine writes into its
 given landing pages (replica/landing.py), straight into its pool pages, run by run::
 
     receiver                                              holder (StreamServer: an accept thread, a thread per peer)
-      first fetch: export_pages through Ray       ---->
+      first fetch: export_pages through Ray       ---->   (skipped when the router named the stream: below)
                    PageBundle                     <----   bundle.stream names host, port and a token
       later fetches: connect, prove the token     <--->   (mutual HMAC-SHA256 over both sides' nonces)
                      keys                         ---->   engine.share_pages(keys): page ids, generations, tokens
                      keys, tokens, page bytes     <----   sent from the pool; then the generations read again:
                      pages still valid            <----   pages withdrawn meanwhile (and those after) are not valid
 
+The holder also names its stream in its routing stats (common/routing_stats.py), and the router sends it along with
+a ``peer_hint`` naming the holder (``EngineRequest.peer_stream``), so a receiver on another node asks here from its
+first copy on (``ServePeerClient.learn_stream``); the bundle's name is for a receiver whose router has not seen it.
+
 Who may ask: a process that knows the holder's token, which is random per holder and only ever travels inside Ray
-(the export answer through Serve's handle): whoever can ask the holder through Ray for its pages may ask here. Each
-side proves it knows the token without sending it, so the receiver also refuses a process that took over the port
+(the export answer through Serve's handle; the routing stats, from the Serve controller to the processes holding a
+handle; the request the router sends to a replica): whoever can ask the holder through Ray for its pages may ask here.
+Each side proves it knows the token without sending it, so the receiver also refuses a process that took over the port
 after the holder went. The pages cross the network unencrypted, as Ray's own object transfers do without TLS: run
 the cluster on a private network (README, "Threat model"). A request is bounded before it is read (at most
 ``MAX_KEYS`` keys) and an answer before it is read (no more pages than asked, the keys asked in order, a page no
@@ -50,7 +55,6 @@ import struct
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -58,6 +62,7 @@ import torch
 
 from common.page_format import DTYPE_NAME_TO_NUMPY, dtype_name
 from common.page_keys import KEY_NUM_BYTES, PageKey
+from common.types import STREAM_TOKEN_BYTES, StreamLocation
 from replica.landing import writable_runs
 from replica.pool_socket import PeerServer, receive_exactly, receive_into
 
@@ -82,18 +87,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HEADER = struct.Struct("<4sI")
 _ANSWER_HEADER = struct.Struct("<4sIIB5I")
 _VALID = struct.Struct("<I")
-
-
-@dataclass(frozen=True)
-class StreamLocation:
-    """Where and how to ask a holder for pages over TCP: its address and the token both sides prove they know."""
-
-    host: str
-    port: int
-    token: bytes
-
-    def __repr__(self) -> str:  # the token stays out of logs
-        return f"StreamLocation({self.host}:{self.port})"
 
 
 def node_address() -> str | None:
@@ -139,7 +132,7 @@ class StreamServer(PeerServer):
     pages held (``LLMEngine.share_pages``); it runs on the connection's thread and may wait (pages being computed)."""
 
     def __init__(self, answer: Callable[[list[PageKey]], object], kv: torch.Tensor, generations: np.ndarray,
-                 host: str, port: int = 0) -> None:
+                 host: str, port: int = 0, node: str | None = None) -> None:
         if kv.dtype not in _DTYPES or kv.dim() != 6 or not kv.is_contiguous():
             raise ValueError(f"a pool [layers, 2, pages, page size, kv heads, head dim] of {_DTYPES}, got "
                              f"{tuple(kv.shape)} {kv.dtype}")
@@ -157,7 +150,7 @@ class StreamServer(PeerServer):
         except BaseException:
             listener.close()
             raise
-        self.location = StreamLocation(host, listener.getsockname()[1], secrets.token_bytes(32))
+        self.location = StreamLocation(host, listener.getsockname()[1], secrets.token_bytes(STREAM_TOKEN_BYTES), node)
         super().__init__(listener, MAX_CONNECTIONS, "prefixserve-page-stream")
         # num_refused also counts peers that could not prove the token
 

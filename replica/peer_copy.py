@@ -31,11 +31,11 @@ import torch
 
 from common.page_format import dtype_name
 from common.page_keys import PageKey
-from common.types import CacheSource
+from common.types import CacheSource, StreamLocation
 from replica.cuda_ipc import CudaIpcBundle, IpcTarget, PeerRelease, local_ipc_target, open_bundle
 from replica.landing import LandingPages, submit_into
 from replica.page_record import PageRecord
-from replica.page_stream import StreamClient, StreamLocation
+from replica.page_stream import StreamClient
 from replica.pool_socket import ExportClient
 from replica.shared_pool import PoolLocation, PoolReader, SharedPoolBundle, node_id
 
@@ -182,7 +182,8 @@ class ServePeerClient:
         self._export_sockets: dict[str, PoolLocation] = {}
         """Holders (by replica id) whose export socket a shared-pool bundle named: asked there next time."""
         self._streams: dict[str, StreamLocation] = {}
-        """Holders on other nodes whose page stream a host bundle named: asked there next time."""
+        """Holders on other nodes whose page stream a host bundle or the router (``learn_stream``) named: asked
+        there next time."""
         self.use_streams = True
         """Learn holders' page streams from their host bundles (False: every copy between nodes through Ray)."""
         self._socket_failed_at: dict[str, float] = {}
@@ -198,6 +199,21 @@ class ServePeerClient:
 
             self._handle = serve.get_deployment_handle(self.deployment_name, self.app_name)
         return self._handle
+
+    def learn_stream(self, peer_id: str, location: StreamLocation) -> bool:
+        """Ask ``peer_id`` over the page stream at ``location`` from now on, as the router named it with a peer_hint
+        (the holder's routing stats), so even the first copy from a holder on another node skips Ray's object store.
+        Not for a holder on this node (its shared memory is faster), nor within ``SOCKET_RETRY_S`` of a failed
+        socket or stream, nor with streams off. True if learned."""
+        if (not self.use_streams or self.device.type != "cpu" or location.node is None or location.node == self.node_id
+                or peer_id in self._export_sockets or self._streams.get(peer_id) == location
+                or time.monotonic() - self._socket_failed_at.get(peer_id, -math.inf) < SOCKET_RETRY_S):
+            return False
+        old = self._streams.get(peer_id)
+        if old is not None:
+            self.stream_client.forget(old)
+        self._streams[peer_id] = location
+        return True
 
     def copies_into_pool(self, peer_id: str) -> bool:
         """True if pages from ``peer_id`` come by a path that can write them straight into pool pages (``fetch``'s

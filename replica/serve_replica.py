@@ -37,6 +37,7 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from common.routing_stats import encode_stream
 from common.types import (EngineRequest, EngineStats, KVSourceStats, OutputChannelRequest, PinPrefix, PrefetchRequest,
                           PrefetchResult, PrefixReport, ReplicaInfo, RequestOutput, TierReport)
 from replica.async_engine import build_async_engine
@@ -265,6 +266,9 @@ class ServeReplica:
         tiers = self._tier_relay.payloads()
         if tiers:
             payload["tiers"] = tiers
+        stream = self.engine.stream_location
+        if stream is not None:  # the routers name it with a peer_hint: no first copy through the object store
+            payload["stream"] = encode_stream(stream)
         return payload
 
     def __del__(self) -> None:

@@ -56,11 +56,11 @@ import torch
 
 from common.page_format import DTYPE_NAME_TO_NUMPY, dtype_name
 from common.page_keys import PageKey
-from common.types import CacheSource
+from common.types import CacheSource, StreamLocation
 from replica.cuda_ipc import host_id
 from replica.landing import LandingPages, submit_into
 from replica.page_record import PageRecord
-from replica.page_stream import StreamLocation, StreamServer
+from replica.page_stream import StreamServer
 from replica.pool_socket import ExportServer
 
 logger = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class SharedPool:
         if self.stream_server is not None:
             return
         try:
-            self.stream_server = StreamServer(answer, self.kv, self.generations, host)
+            self.stream_server = StreamServer(answer, self.kv, self.generations, host, node=node_id())
         except OSError as exc:
             logger.warning("no page stream for peers on other nodes at %s (%s); they copy through Ray", host, exc)
 

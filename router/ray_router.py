@@ -37,13 +37,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from common.page_keys import PageKey
-from common.types import OutputChannelRequest
+from common.types import OutputChannelRequest, StreamLocation
 from router import decision_metrics, long_calls
 from router.index import PrefixIndex
 from router import replication
@@ -120,7 +120,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             for (replica_id, event), count in self.policy.drain_session_events().items():
                 decision_metrics.SESSION_EVENTS.add(self._deployment_name(), replica_id, event, count)
         if pending_request is not None:
-            set_peer_hint(pending_request, hint_for_request(decision))
+            set_peer_hint(pending_request, hint_for_request(decision), self._replica_id_to_stream)
             self._count_inflight(pending_request, decision.replica_id, num_prompt_tokens, partial_key)
         chosen = replica_id_to_replica[decision.replica_id]
         rest = [r for r in candidate_replicas if r is not chosen]
@@ -129,8 +129,10 @@ class PrefixAwareRequestRouter(RequestRouter):
     def _hint_best_holder(self, pending_request: PendingRequest, target: str) -> None:
         """For a pinned request: name the replica holding more of its prefix than the target as peer_hint."""
         holder = self.policy.hint_for_pinned(page_keys_of(pending_request), target)
-        if holder is not None:
-            set_peer_hint(pending_request, holder)
+        if holder is None:  # the request's own hint stays (operators, tests), with the stream the router knows
+            found = engine_request_of(pending_request)
+            holder = getattr(found[2], "peer_hint", None) if found is not None else None
+        set_peer_hint(pending_request, holder, self._replica_id_to_stream)
 
     def _observe_hot_prefix(self, pending_request: Optional[PendingRequest], page_keys: Sequence[PageKey],
                             loads: List[ReplicaLoad]) -> None:
@@ -167,6 +169,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.policy = PrefixAwarePolicy(self.index, config)
         self._replica_id_to_raw_stats: dict[str, Any] = {}
         self._replica_id_to_load: dict[str, ReplicaLoad] = {}
+        self._replica_id_to_stream: dict[str, StreamLocation] = {}
+        """Replicas' page streams, as their reports name them: sent along with a peer_hint naming the replica."""
         self._request_id_to_future: dict[str, asyncio.Future] = {}
 
     def _sync_stats(self, replica: RunningReplica) -> None:
@@ -192,6 +196,10 @@ class PrefixAwareRequestRouter(RequestRouter):
             self.policy.tier_index.sync(tier_holder_id(replica_id, tier.medium), epoch=tier.epoch, events=tier.events,
                                         snapshot=tier.snapshot)
         self._replica_id_to_load[replica_id] = dataclasses.replace(report.to_load(), replica_id=replica_id)
+        if report.stream is not None:
+            self._replica_id_to_stream[replica_id] = report.stream
+        else:
+            self._replica_id_to_stream.pop(replica_id, None)
 
     def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
         """Reported load, raised to Serve's own queue-length cache entry when that is fresher and higher (less the
@@ -316,15 +324,22 @@ def hint_for_request(decision: RoutingDecision) -> str | None:
     return decision.replica_id if decision.matched_pages > 0 else None
 
 
-def set_peer_hint(pending_request: PendingRequest, peer_hint: str | None) -> None:
-    """Replace the request argument with a copy carrying ``peer_hint`` (the caller's object is left alone)."""
+def set_peer_hint(pending_request: PendingRequest, peer_hint: str | None,
+                  streams: Mapping[str, StreamLocation] | None = None) -> None:
+    """Replace the request argument with a copy carrying ``peer_hint`` and that replica's page stream from ``streams``
+    (or none: a stream the request came with is never passed on), leaving the caller's object alone."""
     found = engine_request_of(pending_request)
     if found is None:
         return
     where, position, request = found
-    if getattr(request, "peer_hint", None) == peer_hint or not dataclasses.is_dataclass(request):
+    stream = streams.get(peer_hint) if streams and peer_hint is not None else None
+    if not dataclasses.is_dataclass(request) or (getattr(request, "peer_hint", None) == peer_hint
+                                                 and getattr(request, "peer_stream", None) == stream):
         return
-    updated = dataclasses.replace(request, peer_hint=peer_hint)
+    changes = {"peer_hint": peer_hint}
+    if any(f.name == "peer_stream" for f in dataclasses.fields(request)):
+        changes["peer_stream"] = stream
+    updated = dataclasses.replace(request, **changes)
     if where == "args":
         pending_request.args[position] = updated
     else:

@@ -394,23 +394,28 @@ def test_serve_yaml_deploys_one_replica_per_worker_node(mn, model_dir, reference
 def test_copy_on_reuses_a_prefix_from_another_node_by_peer_copy(mn, model_dir, reference):
     ensure_deployed(mn, model_dir)  # serve.yaml's default: cross-replica prefix copy on
     before = httpx.get(f"{mn.base_url}/metrics").text
+
+    def delta(text: str, name: str, label: str) -> float:
+        return sum(v for labels, v in metric_values(text, name).items() if label in labels) - \
+            sum(v for labels, v in metric_values(before, name).items() if label in labels)
+
     reuse_across_nodes(mn, reference, "mn-peer", "peer")
     after = httpx.get(f"{mn.base_url}/metrics").text
-    # the pages crossed nodes through Ray's object store as host bundles (no CUDA IPC between CPU nodes)
-    by_transport = metric_values(after, "prefixserve_kv_peer_pages_total")
-    assert sum(v for labels, v in by_transport.items() if 'transport="host"' in labels) >= 2
-    assert sum(v for labels, v in by_transport.items() if 'transport="cuda_ipc"' in labels) == 0
-    # that host bundle named the holder's page stream: the next prefix from that holder comes over TCP, straight out
-    # of its pool (replica/page_stream.py), with the same greedy output
+    # the router named the holder's page stream (its routing stats) with the peer hint: the pages crossed nodes over
+    # TCP straight out of the holder's pool (replica/page_stream.py) from the first copy on, with no export call
+    # through Ray and no host bundle through its object store (no CUDA IPC between CPU nodes either)
+    assert delta(after, "prefixserve_kv_peer_pages_total", 'transport="tcp"') >= 2
+    assert delta(after, "prefixserve_kv_peer_pages_total", 'transport="host"') == 0
+    assert delta(after, "prefixserve_kv_peer_pages_total", 'transport="cuda_ipc"') == 0
+    assert delta(after, "prefixserve_kv_peer_export_calls_total", 'path="stream"') >= 1
+    assert delta(after, "prefixserve_kv_peer_export_calls_total", 'path="handle"') == 0
+    # the next prefix from that holder comes the same way, with the same greedy output
     reuse_across_nodes(mn, reference, "mn-peer-stream", "peer")
     streamed = httpx.get(f"{mn.base_url}/metrics").text
-    by_transport = metric_values(streamed, "prefixserve_kv_peer_pages_total")
-    assert sum(v for labels, v in by_transport.items() if 'transport="tcp"' in labels) >= 2
-    calls = metric_values(streamed, "prefixserve_kv_peer_export_calls_total")
-    assert sum(v for labels, v in calls.items() if 'path="stream"' in labels) >= 1
-    assert sum(v for labels, v in calls.items() if 'path="stream_failed"' in labels) == 0
-    after = streamed
-    assert source_sum(after, "prefixserve_kv_fetch_errors_total", "peer") == \
+    assert delta(streamed, "prefixserve_kv_peer_pages_total", 'transport="tcp"') >= 4
+    assert delta(streamed, "prefixserve_kv_peer_export_calls_total", 'path="stream"') >= 2
+    assert delta(streamed, "prefixserve_kv_peer_export_calls_total", 'path="stream_failed"') == 0
+    assert source_sum(streamed, "prefixserve_kv_fetch_errors_total", "peer") == \
         source_sum(before, "prefixserve_kv_fetch_errors_total", "peer")
 
 

@@ -326,15 +326,19 @@ def test_pages_copied_from_a_peer_are_written(tiny, prompts, tmp_path):
 
 def test_pages_copied_from_a_peer_are_written_after_the_first_token(tiny, prompts, tmp_path):
     """Sealing and sending the copied pages would take CPU from the prefill that waits for them: the fetch defers
-    the write, and the request starts it once its first token is out."""
+    the write, and the request starts it once its first token is out, and only once its caller has taken that token
+    (before, it held the token back by starting a worker thread and sharing the GIL with it)."""
     first, second = prompts
     holder = make_async_engine(tiny, "A", write_policy="reused")
     copier = make_async_engine(tiny, "B", disk_dir=str(tmp_path / "disk"), peer_client=LocalPeerClient({"A": holder}),
                                write_policy="reused")
     store = copier.fetcher._store_in_background
     first_token_at_store = []
+    caller_had_it_at_store = []
+    caller_has_first = []
 
     def recording_store(pages, parent_key, chain):
+        caller_had_it_at_store.append(bool(caller_has_first))
         tracked = copier.engine._tracked.get("b")
         if tracked is not None:
             first_token_at_store.append(tracked.first_token_at)
@@ -345,9 +349,20 @@ def test_pages_copied_from_a_peer_are_written_after_the_first_token(tiny, prompt
     copier.fetcher._store_in_background = recording_store
     try:
         asyncio.run(ask(holder, first, "a"))
-        tokens, cached = asyncio.run(ask(copier, second, "b", peer_hint="A"))
+
+        async def ask_and_note_the_first_output():
+            tokens, last = [], None
+            request = EngineRequest("b", second, greedy(NUM_OUT), peer_hint="A")
+            async for out in copier.generate(request):
+                caller_has_first.append(True)
+                tokens.extend(out.new_token_ids)
+                last = out
+            return tokens, last.cached_tokens
+
+        tokens, cached = asyncio.run(ask_and_note_the_first_output())
         assert tokens == tiny.generate(second, NUM_OUT) and cached.peer == PREFIX_PAGES * 128
         assert len(first_token_at_store) == 1 and first_token_at_store[0] > 0  # once, after the first token
+        assert caller_had_it_at_store == [True]  # ... which the caller had taken
         deadline = time.monotonic() + 10
         while copier.fetcher._background and time.monotonic() < deadline:
             time.sleep(0.01)

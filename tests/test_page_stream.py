@@ -309,3 +309,85 @@ def test_a_peer_on_another_node_receives_pages_straight_into_its_pool_pages(tiny
     assert released == [landing]
     peer.close()
     pool.close()
+
+
+def test_a_peer_on_another_node_asks_the_stream_the_router_named_from_its_first_copy(tiny, monkeypatch):
+    """``ServePeerClient.learn_stream``: the router's hint names the holder's stream (its routing stats), so the first
+    copy from a holder on another node skips Ray's handle and object store. Not learned: for a holder on this node
+    (its shared memory is faster), with streams off, or within SOCKET_RETRY_S of a failed stream."""
+    from replica import peer_copy
+    from replica.shared_pool import node_id
+
+    tokens = prompt(2 * PAGE + 3, seed=35)
+    holder, pool = streaming_holder(tiny, tokens)
+    handle = HostBundleHandle(holder, pool)
+    location = pool.stream_location
+    assert location.node == node_id()
+    same_node = ServePeerClient("unused", "unused", timeout_s=10, handle=handle)
+    assert not same_node.learn_stream("holder", location) and not same_node.copies_into_pool("holder")
+    same_node.close()
+    client = ServePeerClient("unused", "unused", timeout_s=10, handle=handle)
+    client.node_id = None  # as a receiver on another node
+    client.use_streams = False  # --no-peer-copy-stream
+    assert not client.learn_stream("holder", location)
+    client.use_streams = True
+    assert client.learn_stream("holder", location) and client.copies_into_pool("holder")
+    assert not client.learn_stream("holder", location)  # known already
+    keys = holder.page_keys(tokens)
+
+    async def fetch():
+        return await client.fetch("holder", keys)
+
+    got = asyncio.run(fetch())
+    assert handle.calls == 0 and client.transport_stats.pages["tcp"] == 2 and client.transport_stats.pages["host"] == 0
+    want = holder.export_pages(keys)
+    assert [(page.key, page.token_ids) for page in got] == [(page.key, page.token_ids) for page in want]
+    assert all(torch.equal(mine.kv, theirs.kv) for mine, theirs in zip(got, want))
+
+    pool.stop_serving_exports()  # the stream is gone: through the handle, and the router's word is not taken again
+    asyncio.run(fetch())
+    assert handle.calls == 1 and client.transport_stats.stream_failures == 1
+    assert not client.learn_stream("holder", location)
+    monkeypatch.setattr(peer_copy, "SOCKET_RETRY_S", 0.0)  # once the interval is over, it is
+    assert client.learn_stream("holder", location)
+    client.close()
+
+
+def test_a_request_naming_the_holders_stream_is_served_over_it_with_the_reference_tokens(tiny):
+    """End to end in one process: an ``EngineRequest`` whose peer_hint comes with the holder's stream (as the router
+    sends it) reuses the prefix from that holder on another node without any call through the handle, and gives
+    transformers' greedy tokens; the same request without the stream asks through the handle first."""
+    from common.types import CacheSource, EngineRequest, SamplingParams
+    from replica.async_engine import AsyncEngine
+    from replica.kv_sources import PrefixFetcher, page_format_of
+
+    prefix = prompt(2 * PAGE + 3, seed=36)
+    holder, pool = streaming_holder(tiny, prefix)
+    question = prefix + prompt(20, seed=37)
+    expected = tiny.generate(question, 4)
+    results = {}
+    for with_stream in (True, False):
+        handle = HostBundleHandle(holder, pool)
+        client = ServePeerClient("unused", "unused", timeout_s=10, handle=handle)
+        client.node_id = None  # as a receiver on another node
+        engine = tiny.engine(num_pages=8, replica_id="B")
+        receiver = AsyncEngine(engine, PrefixFetcher(page_format_of(engine), peer_client=client, own_replica_id="B"))
+        request = EngineRequest("q", question, SamplingParams(max_tokens=4, temperature=0.0), peer_hint="holder",
+                                peer_stream=pool.stream_location if with_stream else None)
+
+        async def ask():
+            tokens, last = [], None
+            async for out in receiver.generate(request):
+                tokens.extend(out.new_token_ids)
+                last = out
+            return tokens, last.cached_tokens
+
+        try:
+            tokens, cached = asyncio.run(ask())
+        finally:
+            receiver.shutdown()
+            client.close()
+        results[with_stream] = (handle.calls, client.transport_stats.pages["tcp"], client.transport_stats.pages["host"])
+        assert tokens == expected and cached.as_dict()[CacheSource.PEER.value] == 2 * PAGE
+    assert results[True] == (0, 2, 0)
+    assert results[False] == (1, 0, 2)

@@ -15,7 +15,8 @@ from ray.serve.config import RequestRouterConfig  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
 from common.events import PagesStored  # noqa: E402
-from common.types import EngineRequest, EngineStats  # noqa: E402
+from common.routing_stats import encode_stream  # noqa: E402
+from common.types import EngineRequest, EngineStats, StreamLocation  # noqa: E402
 from router.policy import PolicyConfig  # noqa: E402
 from router.ray_router import PrefixAwareRequestRouter, router_config  # noqa: E402
 from replica.event_log import ReplicaEventLog  # noqa: E402
@@ -97,6 +98,48 @@ def test_routes_to_holder_then_balances_away_with_peer_hint():
         second = pending(EngineRequest("r2", list(range(300)), page_keys=PROMPT), "internal-2")
         assert ids(await router.choose_replicas([a, b], second)) == [["b"], ["a"]]
         assert second.args[0].peer_hint == "a"
+
+    run(scenario)
+
+
+def test_a_peer_hint_carries_the_holders_page_stream_from_its_stats_and_nothing_else_does():
+    a_stream = StreamLocation("10.0.0.1", 4100, b"a" * 32, "node-a")
+    forged = StreamLocation("203.0.113.9", 4100, b"f" * 32, "node-x")
+
+    async def scenario():
+        router = make_router()
+        a, b = StandInReplica("a"), StandInReplica("b")
+        pinned_keys, later_keys = [key("s0"), key("s1")], [key("t0"), key("t1")]
+        a.store(PROMPT + pinned_keys + later_keys)
+        a.publish(num_waiting=10)  # busy: the request goes to b with a as the peer hint
+        a.routing_stats["stream"] = encode_stream(a_stream)
+        b.publish()
+        router.update_replicas([a, b])
+        await asyncio.sleep(0)
+
+        request = EngineRequest("r1", list(range(300)), page_keys=PROMPT, peer_stream=forged)
+        first = pending(request, "internal-1")
+        assert ids(await router.choose_replicas([a, b], first)) == [["b"], ["a"]]
+        assert first.args[0].peer_hint == "a" and first.args[0].peer_stream == a_stream
+        assert request.peer_stream is forged  # the caller's object is not mutated
+
+        # pinned to b (operators, tests): the best holder and its stream all the same
+        pinned = pending(EngineRequest("r2", list(range(300)), page_keys=pinned_keys, target_replica="b"),
+                         "internal-2")
+        assert ids(await router.choose_replicas([a, b], pinned)) == [["b"]]
+        assert pinned.args[0].peer_hint == "a" and pinned.args[0].peer_stream == a_stream
+
+        # a stream the request came with never travels on: no hint, or a holder that names none
+        other = [key("q0"), key("q1")]
+        alone = pending(EngineRequest("r3", list(range(300)), page_keys=other, peer_stream=forged), "internal-3")
+        await router.choose_replicas([a, b], alone)
+        assert alone.args[0].peer_hint is None and alone.args[0].peer_stream is None
+        a.publish(num_waiting=10)  # a stops serving its stream: its report no longer names one
+        router.update_replicas([a, b])
+        again = pending(EngineRequest("r4", list(range(300)), page_keys=later_keys, peer_stream=forged),
+                        "internal-4")
+        assert ids(await router.choose_replicas([a, b], again)) == [["b"], ["a"]]
+        assert again.args[0].peer_hint == "a" and again.args[0].peer_stream is None
 
     run(scenario)
 

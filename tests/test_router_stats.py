@@ -345,3 +345,25 @@ def test_a_stall_is_left_out_of_the_step_fit():
     fit.observe(2.0, 0, 0.0, 1)  # a 2 s compile
     assert fit.num_outliers == 1
     assert fit.coefficients()[0] == pytest.approx(20.0, rel=0.01)
+
+
+def test_a_replica_s_page_stream_round_trips_and_a_malformed_one_is_refused_without_showing_its_token():
+    from common.routing_stats import encode_stream, parse_stream
+    from common.types import StreamLocation
+
+    log = ReplicaEventLog("r1", epoch="e1")
+    location = StreamLocation("10.0.0.7", 41235, bytes(range(32)), "host-a/node-1")
+    payload = log.stats_payload(engine_stats(2, 1), lambda: [])
+    assert parse_routing_stats(payload).stream is None  # a replica without a stream (or an older one)
+    payload["stream"] = encode_stream(location)
+    for wire in (msgpack.unpackb(msgpack.packb(payload, use_bin_type=True), raw=False),
+                 pickle.loads(pickle.dumps(payload))):
+        assert parse_routing_stats(wire).stream == location
+    assert parse_stream(encode_stream(StreamLocation("::1", 1, b"t" * 32))) == StreamLocation("::1", 1, b"t" * 32)
+    secret = b"s" * 32
+    for bad in (["10.0.0.7", 41235, secret], ["", 41235, secret, None], ["h", 0, secret, None],
+                ["h", 70000, secret, None], ["h", "41235", secret, None], ["h", 41235, secret[:31], None],
+                ["h", 41235, "s" * 32, None], ["h", 41235, secret, 7], "h:41235", 5):
+        with pytest.raises(RoutingStatsError) as error:
+            parse_routing_stats({**payload, "stream": bad})
+        assert "sss" not in str(error.value) and "115, 115" not in str(error.value)
