@@ -7,7 +7,10 @@ the reading thread's CPU time are reported
 (the peer rows' CPU excludes the holder process, Ray's threads and the shared-pool copy's worker thread).
 Then TTFT of a request (prefix + new suffix) whose prefix is: in the replica's own cache (local hit, the reference),
 on the other replica (peer copy on), only in Redis, only on disk, or nowhere (recompute); with the ratio to the local
-hit. Background tier writes are flushed between measurements so one row does not slow the next.
+hit. Background tier writes are flushed between measurements so one row does not slow the next. TTFT ends when the
+request's first output reaches its caller: work the request starts after that (since session 43, the tier writes of
+pages copied from a peer) is not in it; under Serve the caller has handed the token on to Ray by then, but that work
+then shares the cores with the token's way to the ingress.
 
 Usage (needs a redis-server binary; the script starts its own on a free port):
     python benchmarks/kv_sources.py [--prefix-len 2048] [--rounds 5] [--dtype bfloat16] [--tiers-only]

@@ -161,8 +161,9 @@ class ServeConfig:
     served_model_name: str | None = None
     """Name clients put in ``model``; defaults to the model folder's name (or SmolLM2-135M-Instruct)."""
     peer_copy_stream: bool = True
-    """Peer copy between nodes over the holder's page stream (TCP, replica/page_stream.py) once the first copy through
-    Ray has named it; off: every copy between nodes goes through Ray's object store."""
+    """Peer copy between nodes over the holder's page stream (TCP, replica/page_stream.py), which the router names
+    with its peer hint (else the first copy through Ray names it); off: every copy between nodes goes through Ray's
+    object store."""
     route_on_tier_contents: bool | None = None
     """Replicas report the pages they stored in the shared tiers that the tiers still hold (routing stats ``tiers``),
     and the router prices them as tier fetches (router/policy.py ``enable_tier_routing``). Only with a shared tier.

@@ -55,12 +55,15 @@ is a lower bound; an idle replica's payload still does not change.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from common.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from common.page_keys import KEY_NUM_BYTES, PageKey
 from common.types import STREAM_TOKEN_BYTES, EngineStats, StreamLocation
+
+logger = logging.getLogger(__name__)
 
 ROUTING_STATS_FORMAT = 1
 
@@ -329,7 +332,7 @@ def parse_routing_stats(raw: Mapping[str, Any] | None) -> ReplicaReport | None:
             num_evictions=None if load.get("num_evictions") is None else int(load["num_evictions"]),
             num_pages_retained=None if load.get("num_pages_retained") is None else int(load["num_pages_retained"]),
             tiers=tuple(_parse_tier(entry) for entry in raw.get("tiers") or ()),
-            stream=parse_stream(raw.get("stream")),
+            stream=_stream_or_none(raw.get("stream"), raw.get("replica_id")),
         )
     except (KeyError, TypeError, ValueError) as error:
         if isinstance(error, RoutingStatsError):
@@ -356,6 +359,16 @@ def parse_stream(raw: Sequence[Any] | None) -> StreamLocation | None:
         # not the value itself: the token stays out of logs
         raise RoutingStatsError("malformed page stream location in routing stats (host, port, token, node)")
     return StreamLocation(host, port, token, node)
+
+
+def _stream_or_none(raw: Sequence[Any] | None, replica_id: Any) -> StreamLocation | None:
+    """``parse_stream``, but a malformed entry only costs the replica's peers the page stream (logged), not its whole
+    report: its events and load still count."""
+    try:
+        return parse_stream(raw)
+    except RoutingStatsError as error:
+        logger.warning("replica %s: %s; its peers copy through Ray", str(replica_id)[:64], error)
+        return None
 
 
 def _parse_tier(entry: Mapping[str, Any]) -> TierReport:

@@ -171,7 +171,8 @@ class EngineConfig:
     out of it (replica/shared_pool.py) instead of through Ray's object store."""
     peer_copy_stream: bool = True
     """With the pool in shared memory, inside Ray: also send pages to peers on other nodes over TCP, straight out of
-    the pool (replica/page_stream.py), instead of through Ray's object store after the first copy."""
+    the pool (replica/page_stream.py), instead of through Ray's object store; and ask peers on other nodes over
+    theirs, as the router or their first answer through Ray names it."""
     redis_url: str | None = None
     """Shared host tier; None disables it."""
     redis_timeout_s: float = 0.5

@@ -19,7 +19,7 @@ The same holds for a peer (since session 37) whose pages come by a path that can
 (``ServePeerClient.copies_into_pool``): on this node ``PoolReader.copy`` copies them out of its shared memory into the
 landing pages (replica/shared_pool.py); on another node ``StreamClient.fetch`` receives its page stream into them run
 by run (replica/page_stream.py). Both used to fill fresh tensors that were then copied into the pool at admission. A
-peer asked through Ray's object store (the first ask, or no stream) brings tensors of its own: no pages are reserved
+peer asked through Ray's object store (no stream known yet, or none) brings tensors of its own: no pages are reserved
 for it. A peer's pages are also written to the shared tiers after the first token, when the landing pages may hold other
 KV already (the request finished, the pages were evicted and reused): that write reads them back by key
 (``PrefixFetcher.read_back``: what is cached under the key then, or nothing), never through the records. So a write

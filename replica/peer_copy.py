@@ -12,8 +12,11 @@ On GPUs of one host the holder answers a ``CudaIpcBundle`` instead (replica/cuda
 holder's staging tensor and copies it device to device, then releases it. Between CPU replicas of one node it answers
 a ``SharedPoolBundle`` (replica/shared_pool.py): the receiver copies the pages straight out of the holder's pool, kept
 in shared memory, and checks they were not reused meanwhile; once it knows the holder's export socket, it asks there
-instead of through Ray (replica/pool_socket.py: a tenth of a millisecond instead of a 3-4 ms round trip). Across nodes, or when the receiver cannot open the
-holder's memory, the host bundle above is used (a copy on the holder, the object store, the write on the receiver).
+instead of through Ray (replica/pool_socket.py: a tenth of a millisecond instead of a 3-4 ms round trip). Across
+nodes the receiver asks the holder's page stream (replica/page_stream.py) once it knows it: from the router, which
+names it with the peer hint (``learn_stream``), or from the holder's first host bundle. Otherwise, or when the
+receiver cannot open the holder's memory, the host bundle above is used (a copy on the holder, the object store, the
+write on the receiver).
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ from replica.shared_pool import PoolLocation, PoolReader, SharedPoolBundle, node
 logger = logging.getLogger(__name__)
 
 SOCKET_RETRY_S = 60.0
-"""After a holder's export socket (or page stream) failed, its answers through Ray are not used to learn it again for
-this long."""
+"""After a holder's export socket (or page stream) failed, neither its answers through Ray nor the router's hints are
+used to learn it again for this long."""
 
 _WIRE_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.uint16, torch.float32: torch.float32}
 
@@ -185,7 +188,8 @@ class ServePeerClient:
         """Holders on other nodes whose page stream a host bundle or the router (``learn_stream``) named: asked
         there next time."""
         self.use_streams = True
-        """Learn holders' page streams from their host bundles (False: every copy between nodes through Ray)."""
+        """Learn holders' page streams from their host bundles and the router's hints (False: every copy between nodes
+        through Ray)."""
         self._socket_failed_at: dict[str, float] = {}
         """When a holder's socket last failed: not learned again for ``SOCKET_RETRY_S`` (e.g. another network
         namespace, where it can never work: one warning and one slow call per interval, not per fetch)."""

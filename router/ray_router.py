@@ -13,7 +13,9 @@ Ray Serve 2.60 facts this relies on (read from ray/serve/_private/request_router
   ``pending_request.args`` as they are when the request is sent, after ``choose_replicas`` returned. So a request
   object replaced in that list (a copy with ``peer_hint`` set; the caller's object is not mutated) is what the replica
   gets. The hint written there names the replica believed to hold the most leading pages; when that is the chosen
-  replica itself the replica must ignore it; it only matters if Serve falls back to another tier.
+  replica itself the replica must ignore it; it only matters if Serve falls back to another tier. The copy also
+  carries that replica's page stream (``peer_stream``) as its routing stats name it, or None: never a stream the
+  request came with, so a receiver only ever connects where a replica's own report pointed.
 - Replica ids are ``RunningReplica.replica_id.unique_id``; inside a replica the same string is
   ``serve.get_replica_context().replica_id.unique_id``; a replica reaches the peer named by ``peer_hint`` through its
   own deployment's handle (a request carrying ``target_replica`` is routed to exactly that replica).
@@ -106,6 +108,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                     return [[replica_id_to_replica[target]]]
                 self._hint_best_holder(pending_request, target)
                 return [[replica_id_to_replica[target]]]
+            self._keep_own_hint(pending_request)  # the target left: any replica, with no stream but the router's
             return [list(candidate_replicas)]
         page_keys = page_keys_of(pending_request)
         loads = [self._load_of(r) for r in candidate_replicas]
@@ -127,12 +130,20 @@ class PrefixAwareRequestRouter(RequestRouter):
         return [[chosen], rest] if rest else [[chosen]]
 
     def _hint_best_holder(self, pending_request: PendingRequest, target: str) -> None:
-        """For a pinned request: name the replica holding more of its prefix than the target as peer_hint."""
+        """For a pinned request: name the replica holding more of its prefix than the target as peer_hint, with its
+        page stream; with none, the request's own hint stays (``_keep_own_hint``)."""
         holder = self.policy.hint_for_pinned(page_keys_of(pending_request), target)
-        if holder is None:  # the request's own hint stays (operators, tests), with the stream the router knows
-            found = engine_request_of(pending_request)
-            holder = getattr(found[2], "peer_hint", None) if found is not None else None
-        set_peer_hint(pending_request, holder, self._replica_id_to_stream)
+        if holder is None:
+            self._keep_own_hint(pending_request)
+        else:
+            set_peer_hint(pending_request, holder, self._replica_id_to_stream)
+
+    def _keep_own_hint(self, pending_request: PendingRequest) -> None:
+        """Keep the peer_hint a request came with (operators, tests), with the page stream this router knows for that
+        replica: never one the request came with."""
+        found = engine_request_of(pending_request)
+        if found is not None:
+            set_peer_hint(pending_request, getattr(found[2], "peer_hint", None), self._replica_id_to_stream)
 
     def _observe_hot_prefix(self, pending_request: Optional[PendingRequest], page_keys: Sequence[PageKey],
                             loads: List[ReplicaLoad]) -> None:
@@ -184,8 +195,10 @@ class PrefixAwareRequestRouter(RequestRouter):
             report = parse_routing_stats(raw)
         except RoutingStatsError as error:
             logger.warning("ignoring routing stats of replica %s: %s", replica_id, error)
+            self._replica_id_to_stream.pop(replica_id, None)
             return
         if report is None:
+            self._replica_id_to_stream.pop(replica_id, None)
             return
         if report.replica_id != replica_id:
             logger.warning("replica %s reports itself as %r; indexing it as %s", replica_id, report.replica_id,
@@ -241,6 +254,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.policy.forget_replica(replica_id)
         self._replica_id_to_raw_stats.pop(replica_id, None)
         self._replica_id_to_load.pop(replica_id, None)
+        self._replica_id_to_stream.pop(replica_id, None)
 
 
 # ---- small helpers (no Ray state) -----------------------------------------------------------------------------------

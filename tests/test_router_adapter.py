@@ -134,12 +134,29 @@ def test_a_peer_hint_carries_the_holders_page_stream_from_its_stats_and_nothing_
         alone = pending(EngineRequest("r3", list(range(300)), page_keys=other, peer_stream=forged), "internal-3")
         await router.choose_replicas([a, b], alone)
         assert alone.args[0].peer_hint is None and alone.args[0].peer_stream is None
+        # pinned to a replica that left: any replica, with the request's own hint and the router's stream for it
+        gone = pending(EngineRequest("r5", list(range(300)), page_keys=other, target_replica="z", peer_hint="a",
+                                     peer_stream=forged), "internal-5")
+        assert ids(await router.choose_replicas([a, b], gone)) == [["a", "b"]]
+        assert gone.args[0].peer_hint == "a" and gone.args[0].peer_stream == a_stream
+        lost = pending(EngineRequest("r6", list(range(300)), page_keys=other, target_replica="z", peer_hint="q",
+                                     peer_stream=forged), "internal-6")
+        await router.choose_replicas([a, b], lost)
+        assert lost.args[0].peer_hint == "q" and lost.args[0].peer_stream is None
+
         a.publish(num_waiting=10)  # a stops serving its stream: its report no longer names one
         router.update_replicas([a, b])
         again = pending(EngineRequest("r4", list(range(300)), page_keys=later_keys, peer_stream=forged),
                         "internal-4")
         assert ids(await router.choose_replicas([a, b], again)) == [["b"], ["a"]]
         assert again.args[0].peer_hint == "a" and again.args[0].peer_stream is None
+
+        a.routing_stats = {**a.log.stats_payload(engine_stats("a"), lambda: a.cached),
+                           "stream": encode_stream(a_stream)}
+        router.update_replicas([a, b])
+        assert router._replica_id_to_stream == {"a": a_stream}
+        router.update_replicas([b])  # a left: its stream (and token) is forgotten with it
+        assert router._replica_id_to_stream == {}
 
     run(scenario)
 

@@ -347,7 +347,7 @@ def test_a_stall_is_left_out_of_the_step_fit():
     assert fit.coefficients()[0] == pytest.approx(20.0, rel=0.01)
 
 
-def test_a_replica_s_page_stream_round_trips_and_a_malformed_one_is_refused_without_showing_its_token():
+def test_a_replica_s_page_stream_round_trips_and_a_malformed_one_is_refused_without_showing_its_token(caplog):
     from common.routing_stats import encode_stream, parse_stream
     from common.types import StreamLocation
 
@@ -365,5 +365,11 @@ def test_a_replica_s_page_stream_round_trips_and_a_malformed_one_is_refused_with
                 ["h", 70000, secret, None], ["h", "41235", secret, None], ["h", 41235, secret[:31], None],
                 ["h", 41235, "s" * 32, None], ["h", 41235, secret, 7], "h:41235", 5):
         with pytest.raises(RoutingStatsError) as error:
-            parse_routing_stats({**payload, "stream": bad})
+            parse_stream(bad)
         assert "sss" not in str(error.value) and "115, 115" not in str(error.value)
+        # in a payload it only costs the page stream: the events and load of the report still count
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            report = parse_routing_stats({**payload, "stream": bad})
+        assert report.stream is None and report.replica_id == "r1" and report.num_pages_total == 64
+        assert "peers copy through Ray" in caplog.text and "sss" not in caplog.text
