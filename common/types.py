@@ -475,6 +475,8 @@ class PrefetchRequest:
     """The prompt the prefix was seen in; its first ``num_pages`` full pages are copied."""
     num_pages: int
     cache_salt: str | None = None
+    peer_stream: StreamLocation | None = None
+    """``peer_hint``'s page stream, as its routing stats name it (set by the router only, as on ``EngineRequest``)."""
 
 
 @dataclass(frozen=True)

@@ -477,6 +477,8 @@ class AsyncEngine:
         token_ids = [tokens[i * page_size : (i + 1) * page_size] for i in range(num_pages)]
         participant = object()  # the copy shares fetches with requests for the same pages (fetch_sharing.py)
         loop = asyncio.get_running_loop()
+        if request.peer_stream is not None:  # the router named the peer's page stream: a copy across nodes skips Ray
+            self.fetcher.learn_peer_stream(request.peer_hint, request.peer_stream)
 
         def plan_fetch() -> tuple[int, FetchPlan | None]:
             num_local = len(engine.kv.match_prefix(keys))

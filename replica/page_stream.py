@@ -19,7 +19,7 @@ given landing pages (replica/landing.py), straight into its pool pages, run by r
 The holder also names its stream in its routing stats (common/routing_stats.py), and the router sends it along with
 a ``peer_hint`` naming the holder (``EngineRequest.peer_stream``), so a request's receiver on another node asks here
 from its first copy on (``ServePeerClient.learn_stream``); the bundle's name is for a receiver whose router has not
-seen it, and for hot-prefix copies (``PrefetchRequest`` carries no stream).
+seen it. Hot-prefix copies (``PrefetchRequest``) carry the stream the same way.
 
 Who may ask: a process that knows the holder's token, which is random per holder and only ever travels inside Ray
 (the export answer through Serve's handle; the routing stats, from the Serve controller to the processes holding a

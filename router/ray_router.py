@@ -139,9 +139,9 @@ class PrefixAwareRequestRouter(RequestRouter):
             set_peer_hint(pending_request, holder, self._replica_id_to_stream)
 
     def _keep_own_hint(self, pending_request: PendingRequest) -> None:
-        """Keep the peer_hint a request came with (operators, tests), with the page stream this router knows for that
-        replica: never one the request came with."""
-        found = engine_request_of(pending_request)
+        """Keep the peer_hint a request came with (operators, tests, a hot-prefix copy), with the page stream this
+        router knows for that replica: never one the request came with."""
+        found = hinted_request_of(pending_request)
         if found is not None:
             set_peer_hint(pending_request, getattr(found[2], "peer_hint", None), self._replica_id_to_stream)
 
@@ -264,13 +264,23 @@ def replica_id_of(replica: RunningReplica) -> str:
 
 def engine_request_of(pending_request: Optional[PendingRequest]) -> tuple[str, Any, Any] | None:
     """Where the request object is: ("args", 0, obj) or ("kwargs", name, obj); None when no argument has page keys."""
+    return _argument_with(pending_request, "page_keys")
+
+
+def hinted_request_of(pending_request: Optional[PendingRequest]) -> tuple[str, Any, Any] | None:
+    """Where the argument naming a peer is (``peer_hint``: an ``EngineRequest``, a ``PrefetchRequest``), as
+    ``engine_request_of`` answers; None when no argument has one."""
+    return _argument_with(pending_request, "peer_hint")
+
+
+def _argument_with(pending_request: Optional[PendingRequest], attribute: str) -> tuple[str, Any, Any] | None:
     if pending_request is None:
         return None
     for position, arg in enumerate(pending_request.args):
-        if hasattr(arg, "page_keys"):
+        if hasattr(arg, attribute):
             return ("args", position, arg)
     for name, arg in pending_request.kwargs.items():
-        if hasattr(arg, "page_keys"):
+        if hasattr(arg, attribute):
             return ("kwargs", name, arg)
     return None
 
@@ -342,7 +352,7 @@ def set_peer_hint(pending_request: PendingRequest, peer_hint: str | None,
                   streams: Mapping[str, StreamLocation] | None = None) -> None:
     """Replace the request argument with a copy carrying ``peer_hint`` and that replica's page stream from ``streams``
     (or none: a stream the request came with is never passed on), leaving the caller's object alone."""
-    found = engine_request_of(pending_request)
+    found = hinted_request_of(pending_request)
     if found is None:
         return
     where, position, request = found

@@ -391,3 +391,32 @@ def test_a_request_naming_the_holders_stream_is_served_over_it_with_the_referenc
         assert tokens == expected and cached.as_dict()[CacheSource.PEER.value] == 2 * PAGE
     assert results[True] == (0, 2, 0)
     assert results[False] == (1, 0, 2)
+
+
+def test_a_hot_prefix_copy_naming_the_holders_stream_skips_the_handle(tiny):
+    """``PrefetchRequest.peer_stream`` (the router fills it as for a request): the target on another node copies the
+    prefix over the holder's stream from its first copy on; without it, through the handle."""
+    from common.types import PrefetchRequest
+    from replica.async_engine import AsyncEngine
+    from replica.kv_sources import PrefixFetcher, page_format_of
+
+    prefix = prompt(2 * PAGE + 3, seed=38)
+    holder, pool = streaming_holder(tiny, prefix)
+    results = {}
+    for with_stream in (True, False):
+        handle = HostBundleHandle(holder, pool)
+        client = ServePeerClient("unused", "unused", timeout_s=10, handle=handle)
+        client.node_id = None  # as a target on another node
+        engine = tiny.engine(num_pages=8, replica_id="B")
+        target = AsyncEngine(engine, PrefixFetcher(page_format_of(engine), peer_client=client, own_replica_id="B"))
+        copy = PrefetchRequest("c", "B", "holder", prefix, 2,
+                               peer_stream=pool.stream_location if with_stream else None)
+        try:
+            result = asyncio.run(target.prefetch_prefix(copy))
+        finally:
+            target.shutdown()
+            client.close()
+        assert result.error is None and result.num_pages_copied == 2
+        results[with_stream] = (handle.calls, client.transport_stats.pages["tcp"], client.transport_stats.pages["host"])
+    assert results[True] == (0, 2, 0)
+    assert results[False] == (1, 0, 2)

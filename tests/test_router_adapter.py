@@ -16,7 +16,7 @@ from ray.serve.request_router import PendingRequest  # noqa: E402
 
 from common.events import PagesStored  # noqa: E402
 from common.routing_stats import encode_stream  # noqa: E402
-from common.types import EngineRequest, EngineStats, StreamLocation  # noqa: E402
+from common.types import EngineRequest, EngineStats, PrefetchRequest, StreamLocation  # noqa: E402
 from router.policy import PolicyConfig  # noqa: E402
 from router.ray_router import PrefixAwareRequestRouter, router_config  # noqa: E402
 from replica.event_log import ReplicaEventLog  # noqa: E402
@@ -143,6 +143,15 @@ def test_a_peer_hint_carries_the_holders_page_stream_from_its_stats_and_nothing_
                                      peer_stream=forged), "internal-6")
         await router.choose_replicas([a, b], lost)
         assert lost.args[0].peer_hint == "q" and lost.args[0].peer_stream is None
+
+        # a hot-prefix copy pinned to b from a: a's stream, whatever the request came with
+        for stream in (None, forged):
+            copy = PrefetchRequest("c1", target_replica="b", peer_hint="a", token_ids=list(range(300)), num_pages=2,
+                                   peer_stream=stream)
+            prefetch = PendingRequest(args=[copy], kwargs={}, metadata=RequestMetadata(
+                request_id="c1", internal_request_id="internal-c1"))
+            assert ids(await router.choose_replicas([a, b], prefetch)) == [["b"]]
+            assert prefetch.args[0].peer_hint == "a" and prefetch.args[0].peer_stream == a_stream
 
         a.publish(num_waiting=10)  # a stops serving its stream: its report no longer names one
         router.update_replicas([a, b])
