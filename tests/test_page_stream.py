@@ -353,13 +353,25 @@ def test_a_peer_on_another_node_asks_the_stream_the_router_named_from_its_first_
     client.close()
 
 
+def receiver_on_another_node(tiny, holder, pool):
+    """(the holder's handle, the receiver's peer client, the receiver "B"): an AsyncEngine whose peer client asks the
+    holder as a replica on another node does (host bundles through the handle, or the holder's stream)."""
+    from replica.async_engine import AsyncEngine
+    from replica.kv_sources import PrefixFetcher, page_format_of
+
+    handle = HostBundleHandle(holder, pool)
+    client = ServePeerClient("unused", "unused", timeout_s=10, handle=handle)
+    client.node_id = None
+    engine = tiny.engine(num_pages=8, replica_id="B")
+    return handle, client, AsyncEngine(engine, PrefixFetcher(page_format_of(engine), peer_client=client,
+                                                             own_replica_id="B"))
+
+
 def test_a_request_naming_the_holders_stream_is_served_over_it_with_the_reference_tokens(tiny):
     """End to end in one process: an ``EngineRequest`` whose peer_hint comes with the holder's stream (as the router
     sends it) reuses the prefix from that holder on another node without any call through the handle, and gives
     transformers' greedy tokens; the same request without the stream asks through the handle first."""
     from common.types import CacheSource, EngineRequest, SamplingParams
-    from replica.async_engine import AsyncEngine
-    from replica.kv_sources import PrefixFetcher, page_format_of
 
     prefix = prompt(2 * PAGE + 3, seed=36)
     holder, pool = streaming_holder(tiny, prefix)
@@ -367,11 +379,7 @@ def test_a_request_naming_the_holders_stream_is_served_over_it_with_the_referenc
     expected = tiny.generate(question, 4)
     results = {}
     for with_stream in (True, False):
-        handle = HostBundleHandle(holder, pool)
-        client = ServePeerClient("unused", "unused", timeout_s=10, handle=handle)
-        client.node_id = None  # as a receiver on another node
-        engine = tiny.engine(num_pages=8, replica_id="B")
-        receiver = AsyncEngine(engine, PrefixFetcher(page_format_of(engine), peer_client=client, own_replica_id="B"))
+        handle, client, receiver = receiver_on_another_node(tiny, holder, pool)
         request = EngineRequest("q", question, SamplingParams(max_tokens=4, temperature=0.0), peer_hint="holder",
                                 peer_stream=pool.stream_location if with_stream else None)
 
@@ -397,18 +405,12 @@ def test_a_hot_prefix_copy_naming_the_holders_stream_skips_the_handle(tiny):
     """``PrefetchRequest.peer_stream`` (the router fills it as for a request): the target on another node copies the
     prefix over the holder's stream from its first copy on; without it, through the handle."""
     from common.types import PrefetchRequest
-    from replica.async_engine import AsyncEngine
-    from replica.kv_sources import PrefixFetcher, page_format_of
 
     prefix = prompt(2 * PAGE + 3, seed=38)
     holder, pool = streaming_holder(tiny, prefix)
     results = {}
     for with_stream in (True, False):
-        handle = HostBundleHandle(holder, pool)
-        client = ServePeerClient("unused", "unused", timeout_s=10, handle=handle)
-        client.node_id = None  # as a target on another node
-        engine = tiny.engine(num_pages=8, replica_id="B")
-        target = AsyncEngine(engine, PrefixFetcher(page_format_of(engine), peer_client=client, own_replica_id="B"))
+        handle, client, target = receiver_on_another_node(tiny, holder, pool)
         copy = PrefetchRequest("c", "B", "holder", prefix, 2,
                                peer_stream=pool.stream_location if with_stream else None)
         try:
