@@ -200,7 +200,7 @@ class AsyncEngine:
                     item = self._bind(sink, request.output_channel, item)
                 yield item
                 # the caller has sent the first token on: the fetches' tier writes may take the CPU now (before the
-                # yield they held the token back by 0.5-4 ms: a worker thread to start, the GIL to share)
+                # yield they held the token back by 0.3-4 ms: a worker thread to start, the GIL to share)
                 run_deferred(fetches)
                 if item.finished:
                     finished = True

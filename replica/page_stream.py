@@ -83,11 +83,47 @@ MAX_CONNECTIONS = 64
 HANDSHAKE_TIMEOUT_S = 5.0
 IOV_MAX = 1024
 """Buffers per ``sendmsg`` (Linux's IOV_MAX)."""
+RECEIVE_BUFFER_BYTES = 4 << 20
+"""The receiver's socket buffer, set before it connects: the first answer on a new connection then arrives as fast
+as later ones. With the kernel's autotuning the window starts small (``tcp_rmem``'s default, 128 KiB here) and 16 MiB
+took 5.4-6.2 ms instead of 3.6-3.8 (BENCHMARKS.md 0zi). Capped at ``net.core.rmem_max``; below 1 MiB left to the
+kernel, whose autotuning then goes further."""
+RMEM_MAX_PATH = "/proc/sys/net/core/rmem_max"
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HEADER = struct.Struct("<4sI")
 _ANSWER_HEADER = struct.Struct("<4sIIB5I")
 _VALID = struct.Struct("<I")
+
+
+def receive_buffer_bytes(rmem_max_path: str = RMEM_MAX_PATH) -> int:
+    """``RECEIVE_BUFFER_BYTES`` capped at the kernel's ``rmem_max``, or 0 (leave the buffer to the kernel) when that
+    is under 1 MiB or cannot be read."""
+    try:
+        with open(rmem_max_path) as file:
+            limit = int(file.read().strip())
+    except (OSError, ValueError):
+        return 0
+    size = min(RECEIVE_BUFFER_BYTES, limit)
+    return size if size >= 1 << 20 else 0
+
+
+def connect(host: str, port: int, timeout_s: float, buffer_bytes: int) -> socket.socket:
+    """``socket.create_connection`` with the receive buffer (``buffer_bytes``; 0: the kernel's) set before the
+    handshake, where it sizes the window the connection opens with."""
+    error: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if buffer_bytes:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+            sock.settimeout(timeout_s)
+            sock.connect(address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error if error is not None else OSError(f"no address for {host}:{port}")
 
 
 def node_address() -> str | None:
@@ -262,6 +298,8 @@ class StreamClient:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="peer-page-stream")
         """Where callers on an event loop run ``fetch`` (blocking reads off the event loop)."""
         self.slots = PageSlots()
+        self.buffer_bytes = receive_buffer_bytes()
+        """Each new connection's receive buffer (``RECEIVE_BUFFER_BYTES``; 0: the kernel's autotuning)."""
 
     def fetch(self, location: StreamLocation, keys: list[PageKey], out: list[torch.Tensor] | None = None):
         """(keys, token_ids, pages, dtype) of the leading pages of ``keys`` the holder held and still held after
@@ -280,6 +318,18 @@ class StreamClient:
             raise
         self._release(location, sock)
         return answer
+
+    def preconnect(self, location: StreamLocation) -> None:
+        """Open and prove a connection to ``location`` ahead of the first fetch, kept idle (none if one is idle
+        already). A failure is left for the fetch to meet."""
+        with self._lock:
+            if self._idle.get(location):
+                return
+        try:
+            sock = self._connection(location)
+        except OSError:  # ConnectionError, a timeout, refused: the fetch will see it too
+            return
+        self._release(location, sock)
 
     def forget(self, location: StreamLocation) -> None:
         with self._lock:
@@ -342,7 +392,7 @@ class StreamClient:
             idle = self._idle.get(location)
             if idle:
                 return idle.pop()
-        sock = socket.create_connection((location.host, location.port), timeout=self.timeout_s)
+        sock = connect(location.host, location.port, self.timeout_s, self.buffer_bytes)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hello = _receive(sock, len(HELLO_MAGIC) + NONCE_BYTES)

@@ -217,6 +217,8 @@ class ServePeerClient:
         if old is not None:
             self.stream_client.forget(old)
         self._streams[peer_id] = location
+        # connected and proven while the request is admitted: the copy, queued behind on the same thread, finds it
+        self.stream_client.executor.submit(self.stream_client.preconnect, location)
         return True
 
     def copies_into_pool(self, peer_id: str) -> bool:

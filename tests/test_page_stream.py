@@ -333,6 +333,8 @@ def test_a_peer_on_another_node_asks_the_stream_the_router_named_from_its_first_
     client.use_streams = True
     assert client.learn_stream("holder", location) and client.copies_into_pool("holder")
     assert not client.learn_stream("holder", location)  # known already
+    client.stream_client.executor.submit(lambda: None).result(10)  # the connection it opened on learning it
+    assert len(client.stream_client._idle[location]) == 1 and len(pool.stream_server._connections) == 1
     keys = holder.page_keys(tokens)
 
     async def fetch():
@@ -340,6 +342,7 @@ def test_a_peer_on_another_node_asks_the_stream_the_router_named_from_its_first_
 
     got = asyncio.run(fetch())
     assert handle.calls == 0 and client.transport_stats.pages["tcp"] == 2 and client.transport_stats.pages["host"] == 0
+    assert len(pool.stream_server._connections) == 1  # the copy took that connection
     want = holder.export_pages(keys)
     assert [(page.key, page.token_ids) for page in got] == [(page.key, page.token_ids) for page in want]
     assert all(torch.equal(mine.kv, theirs.kv) for mine, theirs in zip(got, want))
@@ -422,3 +425,39 @@ def test_a_hot_prefix_copy_naming_the_holders_stream_skips_the_handle(tiny):
         results[with_stream] = (handle.calls, client.transport_stats.pages["tcp"], client.transport_stats.pages["host"])
     assert results[True] == (0, 2, 0)
     assert results[False] == (1, 0, 2)
+
+
+def test_a_new_connection_opens_with_the_receive_buffer_set_and_a_small_kernel_limit_leaves_it_to_the_kernel(
+        tiny, tmp_path):
+    """The receiver sets its socket's receive buffer before it connects (the first answer of a connection is then as
+    fast as later ones; BENCHMARKS.md 0zi), capped at the kernel's rmem_max; under 1 MiB, or unreadable, it leaves it
+    to the kernel's autotuning. The pages come bit-exact either way."""
+    limit = tmp_path / "rmem_max"
+    for text, expected in (("33554432\n", page_stream.RECEIVE_BUFFER_BYTES), (str(2 << 20), 2 << 20),
+                           ("212992", 0), ("junk", 0)):
+        limit.write_text(text)
+        assert page_stream.receive_buffer_bytes(str(limit)) == expected
+    assert page_stream.receive_buffer_bytes(str(tmp_path / "absent")) == 0
+
+    tokens = prompt(2 * PAGE + 3, seed=39)
+    holder, pool = streaming_holder(tiny, tokens)
+    keys = holder.page_keys(tokens)
+    want = holder.export_pages(keys)
+    default = socket.socket()
+    kernel_default = default.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    default.close()
+    for buffer_bytes in (1 << 20, 0):
+        client = StreamClient(timeout_s=10)
+        client.buffer_bytes = buffer_bytes
+        sock = client._connection(pool.stream_location)
+        size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        assert size >= 2 * buffer_bytes if buffer_bytes else size <= max(kernel_default, 1 << 20)  # Linux doubles it
+        client._release(pool.stream_location, sock)
+        found, _tokens, pages, dtype = client.fetch(pool.stream_location, keys)
+        assert found == keys
+        assert all(torch.equal(torch.from_numpy(page).view(getattr(torch, dtype)), theirs.kv)
+                   for page, theirs in zip(pages, want))
+        client.close()
+    with pytest.raises(OSError):
+        page_stream.connect("127.0.0.1", 1, 2.0, 1 << 20)  # nothing listens there
+    pool.stop_serving_exports()

@@ -81,6 +81,7 @@ def main():
 
     only = os.environ.get("MODES")
     modes = {"local": make("m0"), "stream+redis": make("m1", "stream", redis_url), "stream": make("m2", "stream"),
+             "store": make("m6", "store"), "first-ask": make("m7", "stream"),
              "shared": make("m3", "shared"), "disk": make("m4", disk=True), "redis": make("m5", redis=redis_url)}
     if only:
         modes = {name: eng for name, eng in modes.items() if name in only.split(",") or name == "local"}
@@ -99,9 +100,13 @@ def main():
         ks.ttft(modes["local"], prefix, f"warm-{r}")
         for name, eng in modes.items():
             prompt = prefix + ks.tokens(64, seed=400 + r)
+            stream = None
+            if name == "first-ask":  # a receiver that never copied from the holder, told its stream by the request
+                eng.fetcher.peer_client._forget_stream("holder")
+                stream = ray.get(holder.stream_location.remote())
             MARKS.clear()
             mark("start")
-            elapsed, _ = ks.ttft(eng, prompt, f"{name}-{r}", peer_hint="holder")
+            elapsed, _ = ks.ttft(eng, prompt, f"{name}-{r}", peer_hint="holder", peer_stream=stream)
             MARKS.append(("ttft", MARKS[0][1] + elapsed))  # the first output in the caller's hands
             MARKS.sort(key=lambda item: item[1])
             for tier in eng.fetcher.tiers:
