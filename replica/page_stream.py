@@ -86,7 +86,7 @@ IOV_MAX = 1024
 RECEIVE_BUFFER_BYTES = 4 << 20
 """The receiver's socket buffer, set before it connects: the first answer on a new connection then arrives as fast
 as later ones. With the kernel's autotuning the window starts small (``tcp_rmem``'s default, 128 KiB here) and 16 MiB
-took 5.4-6.2 ms instead of 3.6-3.8 (BENCHMARKS.md 0zi). Capped at ``net.core.rmem_max``; below 1 MiB left to the
+took 6.3-6.4 ms instead of 3.8-4.0 (BENCHMARKS.md 0zi). Capped at ``net.core.rmem_max``; below 1 MiB left to the
 kernel, whose autotuning then goes further."""
 RMEM_MAX_PATH = "/proc/sys/net/core/rmem_max"
 
