@@ -346,18 +346,19 @@ def encode_stream(location: StreamLocation) -> list[Any]:
 
 
 def parse_stream(raw: Sequence[Any] | None) -> StreamLocation | None:
-    """A payload's ``stream`` entry (None: absent). Raises RoutingStatsError for a malformed one."""
+    """A payload's ``stream`` entry (None: absent). Raises RoutingStatsError for a malformed one, without the value
+    itself: the token stays out of logs."""
     if raw is None:
         return None
+    malformed = RoutingStatsError("malformed page stream location in routing stats (host, port, token, node)")
     try:
         host, port, token, node = raw
     except (TypeError, ValueError):
-        raise RoutingStatsError("malformed page stream location in routing stats (host, port, token, node)") from None
+        raise malformed from None
     if (not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536
             or not isinstance(token, bytes) or len(token) != STREAM_TOKEN_BYTES
             or not (node is None or isinstance(node, str))):
-        # not the value itself: the token stays out of logs
-        raise RoutingStatsError("malformed page stream location in routing stats (host, port, token, node)")
+        raise malformed
     return StreamLocation(host, port, token, node)
 
 

@@ -209,9 +209,9 @@ class ServePeerClient:
         (the holder's routing stats), so even the first copy from a holder on another node skips Ray's object store.
         Not for a holder on this node (its shared memory is faster), nor within ``SOCKET_RETRY_S`` of a failed
         socket or stream, nor with streams off. True if learned."""
-        if (not self.use_streams or self.device.type != "cpu" or location.node is None or location.node == self.node_id
+        if (not self._takes_streams() or location.node is None or location.node == self.node_id
                 or peer_id in self._export_sockets or self._streams.get(peer_id) == location
-                or time.monotonic() - self._socket_failed_at.get(peer_id, -math.inf) < SOCKET_RETRY_S):
+                or not self._retry_ok(peer_id)):
             return False
         old = self._streams.get(peer_id)
         if old is not None:
@@ -220,6 +220,14 @@ class ServePeerClient:
         # connected and proven while the request is admitted: the copy, queued behind on the same thread, finds it
         self.stream_client.executor.submit(self.stream_client.preconnect, location)
         return True
+
+    def _takes_streams(self) -> bool:
+        """Page streams are learned at all: streams on, and pages kept on the CPU (received straight into them)."""
+        return self.use_streams and self.device.type == "cpu"
+
+    def _retry_ok(self, peer_id: str) -> bool:
+        """No export socket or page stream of ``peer_id`` failed within the last ``SOCKET_RETRY_S``."""
+        return time.monotonic() - self._socket_failed_at.get(peer_id, -math.inf) >= SOCKET_RETRY_S
 
     def copies_into_pool(self, peer_id: str) -> bool:
         """True if pages from ``peer_id`` come by a path that can write them straight into pool pages (``fetch``'s
@@ -237,11 +245,10 @@ class ServePeerClient:
         bundle = await self._ask_socket(peer_id, list(keys))
         if bundle is None:
             bundle = await self._export(PeerExportRequest(peer_id, list(keys), self.ipc_target, self.node_id))
-            retry_ok = time.monotonic() - self._socket_failed_at.get(peer_id, -math.inf) >= SOCKET_RETRY_S
+            retry_ok = self._retry_ok(peer_id)
             if isinstance(bundle, SharedPoolBundle) and bundle.location.socket is not None and retry_ok:
                 self._export_sockets[peer_id] = bundle.location
-            elif (isinstance(bundle, PageBundle) and bundle.stream is not None and retry_ok and self.use_streams
-                  and self.device.type == "cpu"):
+            elif isinstance(bundle, PageBundle) and bundle.stream is not None and retry_ok and self._takes_streams():
                 self._streams[peer_id] = bundle.stream
         if isinstance(bundle, SharedPoolBundle):
             try:  # one copy of ~5 GB/s: off the event loop, on the reader's own thread

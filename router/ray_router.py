@@ -143,7 +143,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         router knows for that replica: never one the request came with."""
         found = hinted_request_of(pending_request)
         if found is not None:
-            set_peer_hint(pending_request, getattr(found[2], "peer_hint", None), self._replica_id_to_stream)
+            set_peer_hint(pending_request, found[2].peer_hint, self._replica_id_to_stream)
 
     def _observe_hot_prefix(self, pending_request: Optional[PendingRequest], page_keys: Sequence[PageKey],
                             loads: List[ReplicaLoad]) -> None:
@@ -357,13 +357,11 @@ def set_peer_hint(pending_request: PendingRequest, peer_hint: str | None,
         return
     where, position, request = found
     stream = streams.get(peer_hint) if streams and peer_hint is not None else None
-    if not dataclasses.is_dataclass(request) or (getattr(request, "peer_hint", None) == peer_hint
-                                                 and getattr(request, "peer_stream", None) == stream):
+    if not dataclasses.is_dataclass(request) or (request.peer_hint == peer_hint
+                                                 and request.peer_stream == stream):
         return
-    changes = {"peer_hint": peer_hint}
-    if any(f.name == "peer_stream" for f in dataclasses.fields(request)):
-        changes["peer_stream"] = stream
-    updated = dataclasses.replace(request, **changes)
+    # EngineRequest and PrefetchRequest, the arguments that name a peer, both carry its stream
+    updated = dataclasses.replace(request, peer_hint=peer_hint, peer_stream=stream)
     if where == "args":
         pending_request.args[position] = updated
     else:
