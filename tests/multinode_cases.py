@@ -222,6 +222,13 @@ def wait_until(condition, timeout_s: float, what: str, period_s: float = 0.25, e
         time.sleep(period_s)
 
 
+def proxy_states(mn: MultiNodeCluster) -> str:
+    """Node name -> Serve's status (and message, if any) of the proxy there, for a failure's message."""
+    proxies = mn.serve_details().get("proxies", {})
+    return ", ".join(f"{mn.node_id_to_name.get(node_id, node_id)}: {p.get('status')} {p.get('message') or ''}".strip()
+                     for node_id, p in proxies.items()) or "no proxies"
+
+
 def app_state(mn: MultiNodeCluster) -> str:
     """The app's status and message and its deployments' replica states, for a failure's message."""
     app = mn.serve_details().get("applications", {}).get(APP)
@@ -380,8 +387,9 @@ def test_serve_yaml_deploys_one_replica_per_worker_node(mn, model_dir, reference
     assert mn.serve_details()["proxy_location"] == "EveryNode"
     prompt = code_prompt("mn-yaml", num_functions=4)
     worker_proxy = f"http://127.0.0.1:{mn.worker_http_port}"
-    wait_until(lambda: answers(f"{worker_proxy}/health") and serves_completions(worker_proxy), 60,
-               "a worker node's proxy")
+    # a worker proxy's start is an actor start on a busy 2-core box: CI once waited more than 60 s for it
+    wait_until(lambda: answers(f"{worker_proxy}/health") and serves_completions(worker_proxy), 180,
+               "a worker node's proxy", explain=lambda: proxy_states(mn))
     for base_url in (mn.base_url, worker_proxy):
         completion, served_by = complete(openai_client(base_url), prompt)
         assert served_by in node_to_replica.values()
