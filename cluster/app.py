@@ -77,10 +77,12 @@ def replica_admission(config: ServeConfig) -> dict[str, int]:
     ``max_queued_requests * data_parallel_degree`` more wait in the ingress's handle for a free one; beyond that
     Serve raises BackPressureError, which the ingress answers with 429 and Retry-After. So a replica that dies does not
     push an unbounded queue onto the survivors: the excess is shed. With output channels on, one slot more: the
-    ingress's channel to the replica is an ongoing call to Serve (cluster/output_channels.py)."""
+    ingress's channel to the replica is an ongoing call to Serve (cluster/output_channels.py); with request lanes,
+    one more for the lane's call (cluster/request_lanes.py; requests on the lane are bounded by the replica, which
+    answers "busy" from ``max_num_seqs + max_queued_requests`` requests on)."""
+    long_calls = bool(config.output_channels) + bool(config.request_lanes)
     return {
-        "max_ongoing_requests": config.max_num_seqs + config.max_queued_requests + INGRESS_NUM_REPLICAS * bool(
-            config.output_channels),
+        "max_ongoing_requests": config.max_num_seqs + config.max_queued_requests + INGRESS_NUM_REPLICAS * long_calls,
         "max_queued_requests": max(1, config.max_queued_requests * config.data_parallel_degree),
     }
 
@@ -112,7 +114,9 @@ def build_app(config: ServeConfig, router_config: Any = None) -> Application:
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": dict(SERVE_LATENCY_ENV)}},
     )
     # The template's replica id is replaced by each replica's Serve id in ServeReplica.__init__.
-    return ingress.bind(replicas.bind(config.engine_config("replica-0"), config.served_model_name), config)
+    lane_capacity = config.max_num_seqs + config.max_queued_requests if config.request_lanes else 0
+    return ingress.bind(replicas.bind(config.engine_config("replica-0"), config.served_model_name,
+                                      lane_capacity=lane_capacity), config)
 
 
 def app_builder(args: Mapping[str, Any] | None = None) -> Application:

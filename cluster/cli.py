@@ -209,6 +209,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument("--output-channels", action=argparse.BooleanOptionalAction, default=default("output_channels"),
                         help="a replica sends the ingress one message per engine step with the outputs of all its "
                              "requests, instead of one per request per step (on by default)")
+    server.add_argument("--request-lanes", action=argparse.BooleanOptionalAction, default=default("request_lanes"),
+                        help="the ingress sends requests to the chosen replica over a TCP connection of its own, "
+                             "not through Serve's handle (on by default)")
     server.add_argument("--replica-transport", choices=REPLICA_TRANSPORTS, default=default("replica_transport"),
                         help="how the ingress's streaming calls reach the replicas: Ray Serve's gRPC transport between "
                              "deployments (default) or Ray actor calls")

@@ -121,6 +121,11 @@ class ServeConfig:
     """Streamed outputs after a request's first come to the ingress on one output channel per replica, one message
     per engine step for all the requests there, instead of one message per request per step (cluster/
     output_channels.py). Off: every output on its request's own stream."""
+    request_lanes: bool = True
+    """The ingress sends requests to the replica its router chose over a TCP connection of its own to each replica
+    (a request lane, replica/request_lane.py), instead of through Serve's handle and gRPC transport: ~1.4 ms less of
+    a short request's ~7 ms on 2 cores (BENCHMARKS.md 0zj). Requests that cannot take one (no lane open yet, the
+    replica full, a request pinned to a replica) go through the handle. Off: every request through the handle."""
     replica_transport: str = "grpc"
     """How the ingress's streaming calls to the replicas travel (each request's outputs, the output channels):
     "grpc" is Ray Serve's gRPC transport between deployments (every replica runs an inter-deployment gRPC server);

@@ -51,6 +51,9 @@ Names (all prefixed ``prefixserve_``)::
     drained_requests_total{outcome}        counter    in flight at SIGTERM: completed | aborted (past the timeout)
     streamed_outputs_total{path}           counter    outputs the ingress received from the replicas: on the request's
                                                       own stream (request) or on an output channel (channel)
+    lane_requests_total{path}              counter    generation requests sent to a replica: on a request lane (lane)
+                                                      or through Serve's handle (handle); busy: those of the lane
+                                                      ones whose replica was full, sent on through the handle
     output_channel_messages_total          counter    output-channel messages (one per engine step and replica, for
                                                       all of this ingress's requests there)
     hot_prefix_copies_total{outcome}       counter    hot-prefix replication (the ingress's planner): copies
@@ -321,6 +324,8 @@ class IngressMetrics:
                                registry=self.registry)
         self.streamed_outputs = Counter(PREFIX + "streamed_outputs", "outputs received from the replicas, by path",
                                         ["path"], registry=self.registry)
+        self.lane_requests = Counter(PREFIX + "lane_requests", "generation requests sent to the replicas, by path",
+                                     ["path"], registry=self.registry)
         self.channel_messages = Counter(PREFIX + "output_channel_messages",
                                         "output-channel messages received (one per engine step and replica)",
                                         registry=self.registry)

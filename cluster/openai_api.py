@@ -66,6 +66,7 @@ from cluster.hot_prefix import HotPrefixCopier
 from cluster.http_io import api_error_response, read_body
 from cluster.metrics import IngressMetrics
 from cluster.output_channels import OutputChannels, streaming
+from cluster.request_lanes import LaneLost, RequestLanes, lanes_can_route
 from cluster.protocol import (
     CHARS_PER_TOKEN_BOUND,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -100,7 +101,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError,
                                   RequestCancelledError)
 
-from common.errors import EngineDeadError, InvalidRequestError
+from common.errors import EngineDeadError, InvalidRequestError, ReplicaFullError
 from common.page_keys import compute_page_keys
 from common.types import EngineRequest, EngineStats, KVSourceStats, ReplicaInfo, RequestOutput
 
@@ -113,7 +114,7 @@ UNAVAILABLE_ERRORS = (DeploymentUnavailableError, ReplicaUnavailableError, Actor
                       EngineDeadError)
 """Errors meaning "no replica can serve this now": 503, the client may retry (Ray re-raises a replica's own error as a
 subclass of it, so ``isinstance`` sees through the wrapping)."""
-REPLICA_LOST_ERRORS = (RayActorError, ReplicaUnavailableError, EngineDeadError)
+REPLICA_LOST_ERRORS = (RayActorError, ReplicaUnavailableError, EngineDeadError, LaneLost)
 """The replica serving a request went away (killed, crashed, stopping): before the first token the request is sent
 again, once; after it the stream ends with an error event."""
 RETRY_AFTER_S = 1
@@ -168,7 +169,7 @@ def prompt_chars(request: Any, kind: Kind) -> tuple[int, str]:
 
 def replica_error(error: BaseException) -> APIError:
     """An exception raised by the replica call, as the APIError the client sees."""
-    if isinstance(error, BackPressureError):
+    if isinstance(error, (BackPressureError, ReplicaFullError)):
         return overloaded("every replica is full (queue limit reached); retry shortly", RETRY_AFTER_S)
     if isinstance(error, InvalidRequestError):
         message = getattr(error, "cause", None) or error
@@ -238,6 +239,9 @@ class OpenAIIngress:
         self.output_channels = (OutputChannels(replicas, self.metrics, lambda: self._num_inflight,
                                                transport=config.replica_transport)
                                 if config.output_channels else None)
+        self.request_lanes = (RequestLanes(replicas, lambda handle: streaming(handle, config.replica_transport),
+                                           self.metrics)
+                              if config.request_lanes and lanes_can_route() else None)
         self._warm_task: asyncio.Task | None = None
         self._start_warm_up()
 
@@ -392,6 +396,8 @@ class OpenAIIngress:
             await self._wait_idle(DRAIN_FLUSH_S)
         if self.output_channels is not None:
             self.output_channels.close()  # nothing bound is left: the replicas stop waiting on them
+        if self.request_lanes is not None:
+            self.request_lanes.close()
         num_cut = len(to_cut)
         num_completed = max(0, num_at_start - num_cut)
         self.metrics.drained.labels("completed").inc(num_completed)
@@ -464,14 +470,10 @@ class OpenAIIngress:
                         started: float, deadline: float) -> Response:
         """One attempt on one replica: ReplicaLost when it died before producing anything the client saw."""
         key = engine_request.request_id
-        channels = self.output_channels
-        if channels is not None:
-            engine_request = dataclasses.replace(engine_request, output_channel=channels.channel_id)
-        if self._generate_handle is None:  # one for every request: options() and .generate cost ~0.1 ms a call
-            self._generate_handle = streaming(self.replicas, self.config.replica_transport).generate
-        stream = self._generate_handle.remote(engine_request)
-        if channels is not None:
-            stream = channels.stream(key, stream)
+        if self.request_lanes is not None:
+            stream = await self.request_lanes.open_stream(engine_request, self._through_handle)
+        else:
+            stream = self._through_handle(engine_request)
         self._request_to_stream[key] = stream
         timer = asyncio.get_running_loop().call_at(deadline, self._cut, key, "deadline")
         handed_to_stream = False
@@ -488,8 +490,9 @@ class OpenAIIngress:
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
             return JSONResponse(await self._collect(kind, request_id, first, stream, key), headers=headers)
         except asyncio.CancelledError:
-            # Serve cancels the handler when its client goes away (and the replica call with it): an abort, counted
-            # as a stream's is (a stream handed over counts its own)
+            # Serve cancels the handler when its client goes away (and a call through the handle with it; a request
+            # lane's is cancelled here): an abort, counted as a stream's is (a stream handed over counts its own)
+            stream.cancel()
             self.metrics.observe_aborted("client_gone", first.replica_id if first is not None else None, key)
             raise
         finally:
@@ -570,6 +573,16 @@ class OpenAIIngress:
         except Exception as error:  # noqa: BLE001 - no template, or the template refused the messages
             raise APIError(f"the chat template could not render the messages: {error}", param="messages") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _through_handle(self, engine_request: EngineRequest) -> Any:
+        """The request's stream through Serve's handle (and this ingress's output channel, once open)."""
+        channels = self.output_channels
+        if channels is not None:
+            engine_request = dataclasses.replace(engine_request, output_channel=channels.channel_id)
+        if self._generate_handle is None:  # one for every request: options() and .generate cost ~0.1 ms a call
+            self._generate_handle = streaming(self.replicas, self.config.replica_transport).generate
+        stream = self._generate_handle.remote(engine_request)
+        return channels.stream(engine_request.request_id, stream) if channels is not None else stream
 
     async def _first_output(self, key: str, stream: Any) -> RequestOutput:
         try:

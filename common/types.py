@@ -164,6 +164,16 @@ class OutputChannelRequest:
 
 
 @dataclass(frozen=True)
+class LaneOpen:
+    """Open a request lane from the caller to ``target_replica`` (replica/request_lane.py): a stream whose first
+    message names the replica's lane server (a ``StreamLocation``, or nothing when it serves none), then held open
+    until the lane ``lane_id`` closes. Routed to ``target_replica`` only."""
+
+    target_replica: str
+    lane_id: str
+
+
+@dataclass(frozen=True)
 class CachedTokens:
     """Where a request's reused prompt tokens came from."""
 

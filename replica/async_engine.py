@@ -332,6 +332,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    @property
+    def num_requests(self) -> int:
+        """Requests in ``generate`` now (fetching, queued or running)."""
+        return len(self._request_to_sink)
+
     async def export_pages(self, keys: list[bytes], to_cpu: bool = True, contiguous: bool = False) -> list[PageRecord]:
         """Copies of the leading pages of ``keys`` this replica holds (for a peer's copy), pinned while copied; on the
         CPU, or (``to_cpu=False``) on this replica's device; ``contiguous``: slots of one tensor. The copy runs on a

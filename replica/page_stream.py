@@ -61,6 +61,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from common.lane_protocol import token_proof
 from common.page_format import DTYPE_NAME_TO_NUMPY, dtype_name
 from common.page_keys import KEY_NUM_BYTES, PageKey
 from common.types import STREAM_TOKEN_BYTES, StreamLocation
@@ -136,10 +137,6 @@ def node_address() -> str | None:
         return None
 
 
-def _mac(token: bytes, role: bytes, nonce_holder: bytes, nonce_peer: bytes) -> bytes:
-    return hmac.new(token, role + nonce_holder + nonce_peer, hashlib.sha256).digest()
-
-
 def _receive(sock: socket.socket, size: int) -> bytes:
     """``size`` bytes; ConnectionError if the peer closes the connection first."""
     data = receive_exactly(sock, size)
@@ -198,10 +195,10 @@ class StreamServer(PeerServer):
         sock.sendall(HELLO_MAGIC + nonce)
         reply = _receive(sock, NONCE_BYTES + hashlib.sha256().digest_size)
         peer_nonce, proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
-        if not hmac.compare_digest(proof, _mac(token, b"peer", nonce, peer_nonce)):
+        if not hmac.compare_digest(proof, token_proof(token, b"peer", nonce, peer_nonce)):
             self.num_refused += 1
             return False
-        sock.sendall(_mac(token, b"holder", nonce, peer_nonce))
+        sock.sendall(token_proof(token, b"holder", nonce, peer_nonce))
         sock.settimeout(None)
         return True
 
@@ -399,9 +396,9 @@ class StreamClient:
             if hello[:len(HELLO_MAGIC)] != HELLO_MAGIC:
                 raise ConnectionError(f"{location} is not a holder's page stream")
             holder_nonce, nonce = hello[len(HELLO_MAGIC):], secrets.token_bytes(NONCE_BYTES)
-            sock.sendall(nonce + _mac(location.token, b"peer", holder_nonce, nonce))
+            sock.sendall(nonce + token_proof(location.token, b"peer", holder_nonce, nonce))
             proof = _receive(sock, hashlib.sha256().digest_size)
-            if not hmac.compare_digest(proof, _mac(location.token, b"holder", holder_nonce, nonce)):
+            if not hmac.compare_digest(proof, token_proof(location.token, b"holder", holder_nonce, nonce)):
                 raise ConnectionError(f"{location} could not prove the holder's token")
             return sock
         except BaseException:

@@ -16,6 +16,8 @@ prefix-aware request router). The ingress calls it through a ``DeploymentHandle`
                                                                      (peer copy, holder)
     handle.release_pages.remote(PeerRelease)                      -> bool (a CUDA IPC copy is done)
     handle.prefetch_prefix.remote(PrefetchRequest)                -> PrefetchResult (hot-prefix replication, target)
+    handle.options(stream=True).request_lane.remote(LaneOpen)     -> the lane server's StreamLocation, then open
+                                                                     while the lane is (replica/request_lane.py)
 
 Serve itself calls ``record_routing_stats()`` every ``request_routing_stats_period_s``; the dict it returns reaches the
 router in every process holding a handle (common/routing_stats.py describes the format). The replica's id is Serve's
@@ -37,9 +39,11 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from common.errors import ReplicaFullError
 from common.routing_stats import encode_stream
-from common.types import (EngineRequest, EngineStats, KVSourceStats, OutputChannelRequest, PinPrefix, PrefetchRequest,
-                          PrefetchResult, PrefixReport, ReplicaInfo, RequestOutput, TierReport)
+from common.types import (EngineRequest, EngineStats, KVSourceStats, LaneOpen, OutputChannelRequest, PinPrefix,
+                          PrefetchRequest, PrefetchResult, PrefixReport, ReplicaInfo, RequestOutput, StreamLocation,
+                          TierReport)
 from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
 from replica.cost_meter import ReplicaCostMeter, retained_groups
@@ -47,7 +51,9 @@ from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
 from replica.engine import dtype_line, resolve_dtype
 from replica.event_log import ReplicaEventLog, TierEventRelay
 from replica.kv_event_publisher import build_publisher
+from replica.page_stream import node_address
 from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient, bundle_pages
+from replica.request_lane import LaneServer
 from replica.shared_pool import SharedPoolBundle, node_id
 
 logger = logging.getLogger(__name__)
@@ -100,9 +106,10 @@ class ServeReplica:
     """One replica: an ``AsyncEngine`` plus the Serve-facing methods listed in the module docstring."""
 
     def __init__(self, engine_config: EngineConfig, served_model_name: str,
-                 peer_client: ServePeerClient | None = None) -> None:
+                 peer_client: ServePeerClient | None = None, lane_capacity: int = 0) -> None:
         """Build the engine from ``engine_config`` with ``replica_id`` replaced by this replica's Serve id.
-        ``peer_client``: how to reach peers (default: over this replica's own deployment handle)."""
+        ``peer_client``: how to reach peers (default: over this replica's own deployment handle);
+        ``lane_capacity``: requests in the engine from which a request lane answers "busy" (0: serve no lanes)."""
         replica_id = current_replica_id(engine_config.replica_id)
         config = dataclasses.replace(engine_config, replica_id=replica_id)
         if config.devices == "cpu":
@@ -110,6 +117,8 @@ class ServeReplica:
         self.replica_id = replica_id
         self.served_model_name = served_model_name
         self.config = config
+        self.lane_capacity = lane_capacity
+        self._lane_server: LaneServer | None = None
         if peer_client is None:
             peer_client = self_peer_client("cuda" if config.devices == "gpu" else "cpu")
         self.engine = build_async_engine(config, peer_client=peer_client)
@@ -140,9 +149,13 @@ class ServeReplica:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (call with ``handle.options(stream=True)``); the last has ``finished=True``.
 
-        Raises ``InvalidRequestError`` before the first output when the request can never be served. Cancelling the
-        call (the client went away) aborts the request and frees its pages.
+        Raises ``InvalidRequestError`` before the first output when the request can never be served, and
+        ``ReplicaFullError`` when request lanes are on and the engine already holds ``lane_capacity`` requests (Serve's
+        own limit counts only the requests sent through its handle). Cancelling the call (the client went away)
+        aborts the request and frees its pages.
         """
+        if self.lane_capacity and self.engine.num_requests >= self.lane_capacity:
+            raise ReplicaFullError(f"replica {self.replica_id} holds {self.engine.num_requests} requests")
         async for output in self.engine.generate(request):
             yield output
 
@@ -160,6 +173,35 @@ class ServeReplica:
                 yield batch
         finally:
             self.engine.close_channel(channel)
+
+    async def request_lane(self, request: LaneOpen) -> AsyncIterator[StreamLocation | None]:
+        """The caller's request lane to this replica (call with ``handle.options(stream=True)``;
+        replica/request_lane.py): the lane server's location, then open until the lane's connection ends. Nothing
+        when addressed to another replica (the target left); None when this replica serves no lanes."""
+        if request.target_replica != self.replica_id:
+            return
+        server = await self._lane_server_started()
+        if server is None:
+            yield None
+            return
+        server.expect(request.lane_id)
+        try:
+            yield server.location
+            await server.hold(request.lane_id)
+        finally:  # also when the caller ended the call
+            server.drop(request.lane_id)
+
+    async def _lane_server_started(self) -> LaneServer | None:
+        if self.lane_capacity <= 0:
+            return None
+        if self._lane_server is None:
+            host = node_address()
+            if host is None:
+                return None
+            self._lane_server = LaneServer(self.engine.generate,
+                                           lambda: self.lane_capacity - self.engine.num_requests, host, node_id())
+        await self._lane_server.start()
+        return self._lane_server
 
     async def export_pages(self, request: PeerExportRequest) -> PageBundle | CudaIpcBundle | SharedPoolBundle:
         """Peer copy, holder side: the leading pages of ``request.keys`` this replica holds, as where they lie in this
@@ -273,6 +315,8 @@ class ServeReplica:
 
     def __del__(self) -> None:
         """Serve calls this when the replica stops: stop the engine thread (requests in flight fail)."""
+        if getattr(self, "_lane_server", None) is not None:
+            self._lane_server.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

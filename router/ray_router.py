@@ -39,14 +39,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, List, Mapping, Optional, Sequence
+import types
+import uuid
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from common.page_keys import PageKey
-from common.types import OutputChannelRequest, StreamLocation
-from router import decision_metrics, long_calls
+from common.types import LaneOpen, OutputChannelRequest, StreamLocation
+from router import decision_metrics, local_routers, long_calls
 from router.index import PrefixIndex
 from router import replication
 from router.policy import PartialKey, PolicyConfig, PrefixAwarePolicy, RoutingDecision, token_partial_key
@@ -65,6 +67,9 @@ class PrefixAwareRequestRouter(RequestRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._configure(PolicyConfig())
+        deployment_id = getattr(self, "_deployment_id", None)
+        if deployment_id is not None:  # the ingress's request lanes route with it (cluster/request_lanes.py)
+            local_routers.register(deployment_id.app_name, deployment_id.name, self)
 
     def initialize_state(self, **policy_kwargs: Any) -> None:
         """Called by Serve with ``request_router_kwargs``: the fields of ``PolicyConfig``."""
@@ -128,6 +133,32 @@ class PrefixAwareRequestRouter(RequestRouter):
         chosen = replica_id_to_replica[decision.replica_id]
         rest = [r for r in candidate_replicas if r is not chosen]
         return [[chosen], rest] if rest else [[chosen]]
+
+    # ---- requests the caller sends itself (cluster/request_lanes.py) -----------------------------------------------
+    def replica_ids(self) -> list[str]:
+        """The replicas this router routes among now."""
+        return [replica_id_of(replica) for replica in self.curr_replicas.values()]
+
+    async def route_for_lane(self, request: Any) -> tuple[str, Any, Callable[[], None]]:
+        """Choose a replica for ``request`` (an ``EngineRequest``) as ``choose_replicas`` does for one sent through the
+        handle: the same decision, metrics and peer hint, and the chosen replica counts it in flight until the caller
+        calls the answer's ``done()`` (once, when the request ended, or was never sent). Answers the replica id, the
+        request to send (a copy carrying the hint) and ``done``. Call on the router's event loop, with at least one
+        replica (``replica_ids()``)."""
+        pending = _CallerSent(request)
+        try:
+            tiers = await self.choose_replicas(list(self.curr_replicas.values()), pending)
+        except BaseException:
+            pending.future.cancel()  # counted in flight already: stop counting (_on_assigned)
+            raise
+        chosen = tiers[0][0]
+        pending.future.set_result(chosen)  # counted there (_on_assigned), as Serve does when it sends one
+        request_id = pending.metadata.internal_request_id
+
+        def done() -> None:
+            self.on_request_completed(chosen.replica_id, request_id)
+
+        return replica_id_of(chosen), pending.args[0], done
 
     def _hint_best_holder(self, pending_request: PendingRequest, target: str) -> None:
         """For a pinned request: name the replica holding more of its prefix than the target as peer_hint, with its
@@ -329,9 +360,21 @@ def target_replica_of(pending_request: Optional[PendingRequest]) -> str | None:
 
 
 def is_output_channel(pending_request: PendingRequest) -> bool:
-    """An ``OutputChannelRequest`` (a caller's long-lived output channel, replica/serve_replica.py)."""
-    return any(isinstance(arg, OutputChannelRequest)
+    """An ``OutputChannelRequest`` or a ``LaneOpen`` (a caller's long-lived output channel or request lane,
+    replica/serve_replica.py)."""
+    return any(isinstance(arg, (OutputChannelRequest, LaneOpen))
                for arg in list(pending_request.args) + list(pending_request.kwargs.values()))
+
+
+class _CallerSent:
+    """What ``choose_replicas`` reads of a ``PendingRequest``, for a request its caller sends itself
+    (``route_for_lane``): its arguments, an id, and a future resolved to the replica it goes to."""
+
+    def __init__(self, request: Any) -> None:
+        self.args = [request]
+        self.kwargs: dict[str, Any] = {}
+        self.metadata = types.SimpleNamespace(internal_request_id=uuid.uuid4().hex)
+        self.future = asyncio.get_running_loop().create_future()
 
 
 def page_keys_of(pending_request: Optional[PendingRequest]) -> Sequence[PageKey]:

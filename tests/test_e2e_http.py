@@ -21,6 +21,7 @@ pytestmark = pytest.mark.ray
 openai = pytest.importorskip("openai")
 
 API_KEY = "e2e-secret"
+TARGET_REPLICA_HEADER = "x-prefixserve-target-replica"
 MODEL = "tiny"
 PAGE_SIZE = 128
 ROUTING_SETTLE_S = 2.5
@@ -313,18 +314,45 @@ def test_reset_prefix_cache_reaches_every_replica(client, http):
     assert cached_of(complete(client, prompt)[0].usage)[0] == 0
 
 
+def test_requests_take_the_request_lanes_and_outputs_stay_the_same(client, http):
+    """Once the ingress has a request lane open to every replica, its requests go to the replica its router chose over
+    the lane, not through Serve's handle (counted by path on /metrics); streamed and non-streamed text of a greedy
+    request are the same as ever, side by side too."""
+    prompts = [code_prompt(f"lane-{index}") for index in range(4)]
+
+    def lane_count() -> float:
+        time.sleep(1.1)  # past the ingress's metrics cache
+        return metric_values(http.get("/metrics").text, "prefixserve_lane_requests_total").get('{path="lane"}', 0)
+
+    def streamed(prompt):
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+
+    for _ in range(3):  # the first requests open the lanes (in the background) and go through the handle
+        before = lane_count()
+        expected = [complete(client, prompt, max_tokens=8)[0].choices[0].text for prompt in prompts]
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(streamed, prompts)) == expected
+        if lane_count() - before >= 6:
+            break
+    assert lane_count() - before >= 6
+
+
 def test_streamed_outputs_after_the_first_come_on_output_channels(client, http):
-    """With requests running side by side, the ingress opens an output channel to their replica (a first output that
-    comes while two or more are in flight opens it), and the outputs after the first of the requests sent there next
-    come on the channel, several requests' outputs per message; streamed text still equals the non-streamed text of the
-    same greedy request."""
+    """With requests running side by side through Serve's handle (here: pinned to a replica, which a request lane
+    does not take), the ingress opens an output channel to their replica (a first output that comes while two or more
+    are in flight opens it), and the outputs after the first of the requests sent there next come on the channel,
+    several requests' outputs per message; streamed text still equals the non-streamed text of the same greedy
+    request."""
     prompts = [code_prompt(f"channel-{index}") for index in range(4)]
-    expected = [complete(client, prompt, max_tokens=16, extra_body={"ignore_eos": True})[0].choices[0].text
-                for prompt in prompts]
+    replica = complete(client, prompts[0])[1]
+    pin = {TARGET_REPLICA_HEADER: replica}
+    expected = [complete(client, prompt, max_tokens=16, extra_body={"ignore_eos": True}, extra_headers=pin)[0]
+                .choices[0].text for prompt in prompts]
 
     def streamed(prompt):
         chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+                                           extra_body={"ignore_eos": True}, extra_headers=pin)
         return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
 
     def counts() -> tuple[dict, float]:

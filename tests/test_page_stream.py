@@ -19,6 +19,7 @@ import threading
 import pytest
 import torch
 
+from common import lane_protocol
 from replica import page_stream
 from replica.page_stream import StreamClient, StreamServer
 from replica.peer_copy import ServePeerClient, bundle_pages
@@ -95,7 +96,7 @@ def test_both_sides_prove_the_token_and_messages_out_of_bounds_are_refused(tiny)
         sock = socket.create_connection((location.host, location.port), timeout=10)
         hello = page_stream._receive(sock, 4 + page_stream.NONCE_BYTES)
         nonce = b"\x05" * page_stream.NONCE_BYTES
-        sock.sendall(nonce + page_stream._mac(location.token, b"peer", hello[4:], nonce))
+        sock.sendall(nonce + lane_protocol.token_proof(location.token, b"peer", hello[4:], nonce))
         page_stream._receive(sock, 32)
         return sock
 
@@ -130,7 +131,7 @@ def test_both_sides_prove_the_token_and_messages_out_of_bounds_are_refused(tiny)
                 if mode == "no proof":
                     sock.sendall(b"\x00" * 32)
                     continue
-                sock.sendall(page_stream._mac(location.token, b"holder", nonce, reply[:32]))
+                sock.sendall(lane_protocol.token_proof(location.token, b"holder", nonce, reply[:32]))
                 page_stream._receive(sock, 8 + 32)
                 num_pages, num_tokens = (2, 0) if mode == "more pages" else (1, 1000)  # pages of 1 token
                 sock.sendall(struct.pack("<4sIIB5I", b"PSXP", num_pages, num_tokens, 0, 1, 2, 1, 1, 1))

@@ -496,3 +496,35 @@ def test_an_open_output_channel_is_not_load_on_its_replica():
         assert router._load_of(a).num_requests == 1
 
     run(scenario)
+
+
+def test_a_request_the_ingress_sends_itself_is_routed_and_counted_as_one_serve_sends():
+    """``route_for_lane`` (the ingress's request lanes): the same choice as ``choose_replicas``, a copy of the request
+    carrying the hint and the holder's stream, in flight on the chosen replica until ``done()``; a lane's opening
+    call goes to its replica only; the router is this process's router of its deployment."""
+    from common.types import LaneOpen
+    from router import local_routers
+
+    async def scenario():
+        router = make_router()
+        assert local_routers.find(DEPLOYMENT.app_name, DEPLOYMENT.name) is router
+        a, b = StandInReplica("a"), StandInReplica("b")
+        a.store(PROMPT)
+        a.publish()
+        a.routing_stats["stream"] = encode_stream(StreamLocation("10.0.0.1", 7001, b"t" * 32, "node-a"))
+        b.publish(num_waiting=0)
+        router.update_replicas([a, b])
+        assert sorted(router.replica_ids()) == ["a", "b"]
+        request = EngineRequest("r1", list(range(384)), page_keys=PROMPT)
+        replica_id, routed, done = await router.route_for_lane(request)
+        assert replica_id == "a" and routed.peer_hint == "a" and routed.peer_stream.port == 7001
+        assert request.peer_hint is None  # the caller's object is left alone
+        await asyncio.sleep(0)
+        assert router.policy.num_inflight("a") == 1
+        done()
+        assert router.policy.num_inflight("a") == 0
+        lane = PendingRequest(args=[LaneOpen("b", "lane-1")], kwargs={},
+                              metadata=RequestMetadata(request_id="lane", internal_request_id="internal-lane"))
+        assert ids(await router.choose_replicas([a, b], lane)) == [["b"]]
+
+    run(scenario)
