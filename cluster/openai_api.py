@@ -49,7 +49,7 @@ import time
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 from fastapi import FastAPI, Request
@@ -165,6 +165,14 @@ def prompt_chars(request: Any, kind: Kind) -> tuple[int, str]:
         elif isinstance(content, list):
             total += sum(len(part.get("text", "")) for part in content if isinstance(part.get("text"), str))
     return total, "messages"
+
+
+def call_soon_on(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *args: Any) -> None:
+    """``callback(*args)`` on ``loop``'s thread, from any thread; nothing once the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass
 
 
 def replica_error(error: BaseException) -> APIError:
@@ -485,7 +493,9 @@ class OpenAIIngress:
             if request.stream:
                 events = self._stream_events(kind, request_id, request.include_usage, first, stream, key, timer)
                 # the stream's own finally cleans up; a client gone before it started leaves it never iterated
-                weakref.finalize(events, self._end_unstarted_stream, key, stream, timer, first.replica_id)
+                # (on the event loop: the collector may run the finalizer on any thread)
+                weakref.finalize(events, call_soon_on, asyncio.get_running_loop(), self._end_unstarted_stream, key,
+                                 stream, timer, first.replica_id)
                 handed_to_stream = True
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
             return JSONResponse(await self._collect(kind, request_id, first, stream, key), headers=headers)

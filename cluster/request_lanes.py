@@ -28,7 +28,7 @@ from ray.serve.exceptions import RequestCancelledError
 
 from cluster.detached import create_detached_task
 from common.types import LaneOpen, RequestOutput, StreamLocation
-from common.lane_protocol import FrameWriter, encode, prove_to_holder, read_frame
+from common.lane_protocol import FrameReader, FrameWriter, encode, load_error, prove_to_holder
 from router import local_routers, long_calls
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class LaneStream:
             return output
         self._end()
         if kind == "err":
-            raise message[2]
+            raise load_error(message[2])
         if kind == "busy":
             self._handle_stream = self._through_handle()
             return await self._handle_stream.__anext__()
@@ -173,11 +173,12 @@ class _Lane:
 
     async def _read(self) -> None:
         try:
+            incoming = FrameReader(self._reader)
             while True:
-                message = await read_frame(self._reader)
-                stream = self._streams.get(message[1]) if len(message) >= 2 else None
-                if stream is not None:
-                    stream.put(message)
+                for message in await incoming.next_frames():
+                    stream = self._streams.get(message[1]) if len(message) >= 2 else None
+                    if stream is not None:
+                        stream.put(message)
         except (asyncio.IncompleteReadError, ConnectionError, OSError, asyncio.CancelledError):
             pass
         except Exception:  # noqa: BLE001 - a malformed frame: the lane is closed, requests go through the handle

@@ -9,7 +9,7 @@ pickle``::
                          ("gen", n, EngineRequest)     a request, numbered by the ingress
                          ("cancel", n)                 the ingress gave request n up
     replica -> ingress:  ("out", n, RequestOutput)     an output (the last one has finished=True)
-                         ("err", n, exception)         the request failed (nothing follows for n)
+                         ("err", n, pickled exception) the request failed (nothing follows for n)
                          ("busy", n)                   the replica is full: n was not started
 
 A frame is bounded before it is read (``MAX_FRAME_BYTES``); frames sent in one pass of the event loop leave in one
@@ -30,6 +30,8 @@ NONCE_BYTES = 32
 HELLO_MAGIC = b"PSRL"
 """A lane server's first bytes (the page stream's are b"PSXH")."""
 PROOF_BYTES = hashlib.sha256().digest_size
+READ_BYTES = 1 << 18
+"""How much a ``FrameReader`` asks for at once."""
 MAX_FRAME_BYTES = 256 << 20
 """The largest frame either side reads (a request of a few hundred thousand token ids pickles to a few MiB)."""
 HEADER = struct.Struct("<I")
@@ -50,22 +52,76 @@ def encode(message: tuple) -> bytes:
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple:
+    """One frame (the hello, read before the connection's ``FrameReader`` takes over)."""
     (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    _check_size(size)
+    return _message(pickle.loads(await reader.readexactly(size)))
+
+
+class FrameReader:
+    """The frames of a connection, all those complete in what has arrived at once: one wake-up of the reading task
+    for the outputs of many requests, where reading each frame's header and body would take two."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self._reader = reader
+        self._buffer = bytearray()
+
+    async def next_frames(self) -> list[tuple]:
+        """At least one frame; ``IncompleteReadError`` at the end of the stream."""
+        while True:
+            messages = self._parse()
+            if messages:
+                return messages
+            data = await self._reader.read(READ_BYTES)
+            if not data:
+                raise asyncio.IncompleteReadError(bytes(self._buffer), None)
+            self._buffer += data
+
+    def _parse(self) -> list[tuple]:
+        buffer, offset, messages = self._buffer, 0, []
+        view = memoryview(buffer)
+        try:
+            while len(buffer) - offset >= HEADER.size:
+                (size,) = HEADER.unpack_from(buffer, offset)
+                _check_size(size)  # before any of the body is waited for
+                end = offset + HEADER.size + size
+                if len(buffer) < end:
+                    break
+                messages.append(_message(pickle.loads(view[offset + HEADER.size:end])))
+                offset = end
+        finally:
+            view.release()
+        del buffer[:offset]
+        return messages
+
+
+def _check_size(size: int) -> None:
     if size > MAX_FRAME_BYTES:
         raise LaneProtocolError(f"a frame of {size} bytes (at most {MAX_FRAME_BYTES})")
-    message = pickle.loads(await reader.readexactly(size))
+
+
+def _message(message: object) -> tuple:
     if not isinstance(message, tuple) or not message:
         raise LaneProtocolError("a frame that is not a message")
     return message
 
 
-def sendable_error(error: BaseException) -> BaseException:
-    """``error`` if it pickles, else a RuntimeError naming it (the request still fails, with its type's name)."""
+def dump_error(error: BaseException) -> bytes:
+    """A request's error for an "err" frame, pickled on its own, so that one the ingress cannot unpickle (a class it
+    lacks, an ``__init__`` pickle cannot call again) fails only its request (``load_error``), not the lane."""
     try:
-        pickle.dumps(error)
-        return error
+        return pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - any exception that does not pickle
-        return RuntimeError(f"{type(error).__name__}: {error}")
+        return pickle.dumps(RuntimeError(f"{type(error).__name__}: {error}"))
+
+
+def load_error(data: bytes) -> BaseException:
+    """The error ``dump_error`` sent, or a RuntimeError saying it could not be read."""
+    try:
+        error = pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - whatever the replica's error was, the request failed
+        return RuntimeError(f"the replica's error could not be read here ({type(exc).__name__}: {exc})")
+    return error if isinstance(error, BaseException) else RuntimeError(f"the replica failed: {error!r}")
 
 
 class FrameWriter:

@@ -19,13 +19,14 @@ event loop, where ``AsyncEngine.generate`` runs for requests from either path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import secrets
 from typing import Any, Callable
 
-from common.lane_protocol import (HELLO_MAGIC, NONCE_BYTES, PROOF_BYTES, FrameWriter, LaneProtocolError, read_frame,
-                                  sendable_error, token_proof)
+from common.lane_protocol import (HELLO_MAGIC, NONCE_BYTES, PROOF_BYTES, FrameReader, FrameWriter, LaneProtocolError,
+                                  dump_error, read_frame, token_proof)
 from common.types import STREAM_TOKEN_BYTES, StreamLocation
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ class LaneServer:
                  node: str | None = None) -> None:
         self._generate = generate
         self._room = room
-        self._not_started = 0
-        """Requests admitted whose task has not run yet (not in ``room()`` yet)."""
+        self._not_started: set[asyncio.Task] = set()
+        """Tasks of requests admitted that have not run yet (not in ``room()`` yet)."""
         self._host = host
         self._node = node
         self._token = secrets.token_bytes(STREAM_TOKEN_BYTES)
@@ -130,27 +131,10 @@ class LaneServer:
             lane.writer = writer
             lane.connected.set()
             frames = FrameWriter(writer)
+            incoming = FrameReader(reader)
             while True:
-                message = await read_frame(reader)
-                kind = message[0]
-                if kind == "gen" and len(message) == 3:
-                    number, request = message[1], message[2]
-                    # requests admitted from this same read have not reached the engine yet: count them too
-                    if self._not_started >= self._room():
-                        self.num_busy += 1
-                        frames.send(("busy", number))
-                        continue
-                    self.num_requests += 1
-                    self._not_started += 1
-                    task = asyncio.ensure_future(self._run(frames, number, request))
-                    tasks[number] = task
-                    task.add_done_callback(lambda _, n=number: tasks.pop(n, None))
-                elif kind == "cancel" and len(message) == 2:
-                    task = tasks.get(message[1])
-                    if task is not None:
-                        task.cancel()
-                else:
-                    raise LaneProtocolError(f"an unknown message {kind!r}")
+                for message in await incoming.next_frames():
+                    self._take(message, frames, tasks)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, OSError) as error:
             if isinstance(error, LaneProtocolError):
                 logger.warning("a request lane broke the protocol (%s); closing it", error)
@@ -163,10 +147,37 @@ class LaneServer:
             if lane is not None:
                 lane.ended.set()
 
+    def _take(self, message: tuple, frames: FrameWriter, tasks: dict[int, asyncio.Task]) -> None:
+        """Start a request (or answer "busy"), or cancel one."""
+        kind = message[0]
+        if kind == "gen" and len(message) == 3:
+            number, request = message[1], message[2]
+            # requests admitted from this same read have not reached the engine yet: count them too
+            if len(self._not_started) >= self._room():
+                self.num_busy += 1
+                frames.send(("busy", number))
+                return
+            self.num_requests += 1
+            task = asyncio.ensure_future(self._run(frames, number, request))
+            self._not_started.add(task)
+            tasks[number] = task
+            task.add_done_callback(functools.partial(self._ended, tasks, number))
+        elif kind == "cancel" and len(message) == 2:
+            task = tasks.get(message[1])
+            if task is not None:
+                task.cancel()
+        else:
+            raise LaneProtocolError(f"an unknown message {kind!r}")
+
+    def _ended(self, tasks: dict[int, asyncio.Task], number: int, task: asyncio.Task) -> None:
+        tasks.pop(number, None)
+        self._not_started.discard(task)  # cancelled before it ran
+
     async def _run(self, frames: FrameWriter, number: int, request: Any) -> None:
-        self._not_started -= 1  # the engine counts it from its first step below (no await in between)
+        self._not_started.discard(asyncio.current_task())  # the engine counts it from its first step below (no await
+        # in between); a task cancelled before it ran leaves the set in its done callback
         try:
             async for output in self._generate(request):
                 frames.send(("out", number, output))
         except Exception as error:  # noqa: BLE001 - the request fails at the ingress with this error
-            frames.send(("err", number, sendable_error(error)))
+            frames.send(("err", number, dump_error(error)))

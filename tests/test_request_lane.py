@@ -383,3 +383,90 @@ def test_a_replica_full_with_lane_requests_refuses_one_more_through_the_handle_w
     replica.lane_capacity = 0  # lanes off: Serve's own limit is the bound
     replica.engine.num_requests = 50
     assert asyncio.run(first(EngineRequest("r3", [5]))).new_text == "t0"
+
+
+def test_frames_are_read_whole_however_the_bytes_arrive_and_a_large_one_is_refused_from_its_header():
+    async def scenario():
+        messages = [("out", index, "x" * (index * 37)) for index in range(50)]
+        data = b"".join(lane_protocol.encode(message) for message in messages)
+        for chunk in (1, 7, 4096, len(data)):  # byte by byte, odd pieces, many frames in one read
+            reader = asyncio.StreamReader()
+            incoming = lane_protocol.FrameReader(reader)
+
+            async def read_all():
+                got = []
+                while len(got) < len(messages):
+                    got += await incoming.next_frames()
+                return got
+
+            consumer = asyncio.ensure_future(read_all())
+            for start in range(0, len(data), chunk):
+                reader.feed_data(data[start:start + chunk])
+                await asyncio.sleep(0)  # the reader wakes on each piece
+            assert await asyncio.wait_for(consumer, 10) == messages, chunk
+        reader = asyncio.StreamReader()
+        reader.feed_data(struct.pack("<I", lane_protocol.MAX_FRAME_BYTES + 1))
+        with pytest.raises(lane_protocol.LaneProtocolError):
+            await lane_protocol.FrameReader(reader).next_frames()
+        reader = asyncio.StreamReader()
+        reader.feed_eof()
+        with pytest.raises(asyncio.IncompleteReadError):
+            await lane_protocol.FrameReader(reader).next_frames()
+
+    asyncio.run(scenario())
+
+
+def test_requests_cancelled_before_they_ran_free_their_room():
+    async def scenario():
+        engine = StandInEngine()
+        engine.capacity = 2
+        server = LaneServer(engine.generate, engine.room, "127.0.0.1")
+        sent = []
+        frames = types.SimpleNamespace(send=sent.append)
+        tasks: dict = {}
+        for number in (1, 2):
+            server._take(("gen", number, EngineRequest(f"r{number}", [5])), frames, tasks)
+        server._take(("gen", 3, EngineRequest("r3", [5])), frames, tasks)
+        assert sent == [("busy", 3)]  # two admitted in this read, not yet in the engine: no room for a third
+        for task in list(tasks.values()):  # the lane closed before they ever ran
+            task.cancel()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert not server._not_started and not tasks and engine.requests == []
+        server._take(("gen", 4, EngineRequest("r4", [5])), frames, tasks)
+        await until(lambda: not tasks)
+        assert [message[0] for message in sent[1:]] == ["out", "out", "out"]
+
+    asyncio.run(scenario())
+
+
+class TwoArgumentError(Exception):
+    """Pickles, but does not unpickle (pickle calls ``__init__`` with ``args``: one argument)."""
+
+    def __init__(self, first, second) -> None:
+        super().__init__(f"{first} {second}")
+
+
+def test_an_error_the_ingress_cannot_unpickle_fails_only_its_request_not_the_lane():
+    async def scenario():
+        engine = StandInEngine()
+
+        async def failing(request):
+            if request.request_id == "odd":
+                raise TwoArgumentError("bad", "state")
+            async for output in engine.generate(request):
+                yield output
+
+        server = LaneServer(failing, engine.room, "127.0.0.1")
+        location = await server.start()
+        server.expect("lane-1")
+        lane = await connect_lane("replica-a", location, "lane-1", asyncio.ensure_future(asyncio.sleep(9)))
+        odd = lane.generate(EngineRequest("odd", [5]), lambda: None, lambda: None)
+        with pytest.raises(RuntimeError, match="could not be read"):
+            await odd.__anext__()
+        assert [o.new_text for o in await drain(lane.generate(EngineRequest("ok", [5]), lambda: None,
+                                                              lambda: None))] == ["t0", "t1", "t2"]
+        assert not lane.closed
+        lane.close()
+
+    asyncio.run(scenario())
