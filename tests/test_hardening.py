@@ -122,9 +122,11 @@ def test_admission_bounds_each_replica_and_the_ingress_queue():
     from cluster.app import replica_admission
 
     assert replica_admission(config(max_num_seqs=8, max_queued_requests=4, data_parallel_degree=3)) == {
-        "max_ongoing_requests": 13, "max_queued_requests": 12}  # + the ingress's output channel
+        "max_ongoing_requests": 14, "max_queued_requests": 12}  # + the ingress's output channel and request lane
     assert replica_admission(config(max_num_seqs=8, max_queued_requests=4, output_channels=False))[
-        "max_ongoing_requests"] == 12
+        "max_ongoing_requests"] == 13
+    assert replica_admission(config(max_num_seqs=8, max_queued_requests=4, output_channels=False,
+                                    request_lanes=False))["max_ongoing_requests"] == 12
     assert replica_admission(config(max_num_seqs=8, max_queued_requests=0))["max_queued_requests"] == 1
 
 
