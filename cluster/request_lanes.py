@@ -59,8 +59,9 @@ class LaneLost(ConnectionError):
 class LaneStream:
     """One request's outputs from its lane, or from Serve's handle once the replica answered "busy"."""
 
-    def __init__(self, lane: "_Lane", number: int, done: Callable[[], None],
+    def __init__(self, lane: "_Lane", number: int, request_id: str, done: Callable[[], None],
                  through_handle: Callable[[], Any]) -> None:
+        self.request_id = request_id
         self._lane = lane
         self._number = number
         self._done = done
@@ -129,6 +130,8 @@ class _Lane:
         self._frames = FrameWriter(writer)
         self.call_task = call_task
         self._streams: dict[int, LaneStream] = {}
+        self._request_to_number: dict[str, int] = {}
+        """Request id -> its number here: outputs in the replica's batches ("outs") name only the request."""
         self._next = 0
         self.closed = False
         self.closing = False
@@ -139,10 +142,16 @@ class _Lane:
     def num_requests(self) -> int:
         return len(self._streams)
 
+    def _put(self, number: int | None, message: tuple) -> None:
+        stream = self._streams.get(number)
+        if stream is not None:
+            stream.put(message)
+
     def generate(self, request: Any, done: Callable[[], None], through_handle: Callable[[], Any]) -> LaneStream:
         self._next += 1
-        stream = LaneStream(self, self._next, done, through_handle)
+        stream = LaneStream(self, self._next, request.request_id, done, through_handle)
         self._streams[self._next] = stream
+        self._request_to_number[request.request_id] = self._next
         self.last_used = time.monotonic()
         self._frames.send(("gen", self._next, request))
         return stream
@@ -152,7 +161,9 @@ class _Lane:
             self._frames.send(("cancel", number))
 
     def forget(self, number: int) -> None:
-        self._streams.pop(number, None)
+        stream = self._streams.pop(number, None)
+        if stream is not None and self._request_to_number.get(stream.request_id) == number:
+            del self._request_to_number[stream.request_id]
         self.last_used = time.monotonic()
         if self.closing and not self._streams:
             self.close()
@@ -176,9 +187,11 @@ class _Lane:
             incoming = FrameReader(self._reader)
             while True:
                 for message in await incoming.next_frames():
-                    stream = self._streams.get(message[1]) if len(message) >= 2 else None
-                    if stream is not None:
-                        stream.put(message)
+                    if message[0] == "outs":
+                        for output in message[1]:
+                            self._put(self._request_to_number.get(output.request_id), ("out", None, output))
+                    elif len(message) >= 2:
+                        self._put(message[1], message)
         except (asyncio.IncompleteReadError, ConnectionError, OSError, asyncio.CancelledError):
             pass
         except Exception:  # noqa: BLE001 - a malformed frame: the lane is closed, requests go through the handle

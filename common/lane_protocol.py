@@ -9,6 +9,8 @@ pickle``::
                          ("gen", n, EngineRequest)     a request, numbered by the ingress
                          ("cancel", n)                 the ingress gave request n up
     replica -> ingress:  ("out", n, RequestOutput)     an output (the last one has finished=True)
+                         ("outs", [RequestOutput])     the outputs of one engine step for the lane's requests
+                                                       after their first (matched by request id)
                          ("err", n, pickled exception) the request failed (nothing follows for n)
                          ("busy", n)                   the replica is full: n was not started
 

@@ -19,6 +19,7 @@ event loop, where ``AsyncEngine.generate`` runs for requests from either path.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import logging
@@ -55,9 +56,13 @@ class LaneServer:
     connection ended; a connection naming a lane that no call expects is refused."""
 
     def __init__(self, generate: Callable[[Any], Any], room: Callable[[], int], host: str,
-                 node: str | None = None) -> None:
+                 node: str | None = None, channels: Any = None) -> None:
+        """``channels``: the engine's output channels (``AsyncEngine.open_channel`` / ``close_channel``), or None:
+        each lane gets one, so the outputs after a request's first leave once per engine step for all the lane's
+        requests (one frame), instead of one frame per request from a task woken per request."""
         self._generate = generate
         self._room = room
+        self._channels = channels
         self._not_started: set[asyncio.Task] = set()
         """Tasks of requests admitted that have not run yet (not in ``room()`` yet)."""
         self._host = host
@@ -70,6 +75,7 @@ class LaneServer:
         self.num_refused = 0
         self.num_requests = 0
         self.num_busy = 0
+        self.num_batches = 0
 
     async def start(self) -> StreamLocation:
         async with self._starting:  # two lanes opened at once start one server
@@ -120,6 +126,7 @@ class LaneServer:
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         lane = None
         tasks: dict[int, asyncio.Task] = {}
+        channel = pump = None
         try:
             if not await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S):
                 return
@@ -131,10 +138,13 @@ class LaneServer:
             lane.writer = writer
             lane.connected.set()
             frames = FrameWriter(writer)
+            if self._channels is not None:
+                channel = self._channels.open_channel(f"lane-{hello[1]}")
+                pump = asyncio.ensure_future(self._pump(channel, frames))
             incoming = FrameReader(reader)
             while True:
                 for message in await incoming.next_frames():
-                    self._take(message, frames, tasks)
+                    self._take(message, frames, tasks, channel)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, OSError) as error:
             if isinstance(error, LaneProtocolError):
                 logger.warning("a request lane broke the protocol (%s); closing it", error)
@@ -143,15 +153,20 @@ class LaneServer:
         finally:
             for task in list(tasks.values()):
                 task.cancel()  # the engine aborts them and frees their pages
+            if pump is not None:
+                pump.cancel()
+                self._channels.close_channel(channel)
             writer.close()
             if lane is not None:
                 lane.ended.set()
 
-    def _take(self, message: tuple, frames: FrameWriter, tasks: dict[int, asyncio.Task]) -> None:
+    def _take(self, message: tuple, frames: FrameWriter, tasks: dict[int, asyncio.Task], channel: Any = None) -> None:
         """Start a request (or answer "busy"), or cancel one."""
         kind = message[0]
         if kind == "gen" and len(message) == 3:
             number, request = message[1], message[2]
+            if channel is not None and dataclasses.is_dataclass(request):  # its later outputs: the lane's batches
+                request = dataclasses.replace(request, output_channel=channel.channel_id)
             # requests admitted from this same read have not reached the engine yet: count them too
             if len(self._not_started) >= self._room():
                 self.num_busy += 1
@@ -168,6 +183,14 @@ class LaneServer:
                 task.cancel()
         else:
             raise LaneProtocolError(f"an unknown message {kind!r}")
+
+    async def _pump(self, channel: Any, frames: FrameWriter) -> None:
+        """The lane's channel: each batch (the outputs of one engine step, after each request's first) as one frame."""
+        while True:
+            batch = await channel.next_batch(3600.0)
+            if batch:
+                self.num_batches += 1
+                frames.send(("outs", batch))
 
     def _ended(self, tasks: dict[int, asyncio.Task], number: int, task: asyncio.Task) -> None:
         tasks.pop(number, None)

@@ -199,7 +199,8 @@ class ServeReplica:
             if host is None:
                 return None
             self._lane_server = LaneServer(self.engine.generate,
-                                           lambda: self.lane_capacity - self.engine.num_requests, host, node_id())
+                                           lambda: self.lane_capacity - self.engine.num_requests, host, node_id(),
+                                           channels=self.engine)
         await self._lane_server.start()
         return self._lane_server
 

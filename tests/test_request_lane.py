@@ -470,3 +470,35 @@ def test_an_error_the_ingress_cannot_unpickle_fails_only_its_request_not_the_lan
         lane.close()
 
     asyncio.run(scenario())
+
+
+def test_over_a_real_engine_later_outputs_come_batched_per_step_and_tokens_are_unchanged():
+    """With the engine's output channels (as ``ServeReplica`` serves lanes), each request's first output comes as
+    its own frame and the rest in one frame per engine step for all the lane's requests; the greedy tokens equal
+    the engine's own generate."""
+    from replica.async_engine import AsyncEngine
+    from tests.engine_utils import TinyModel, greedy, random_prompt
+
+    tiny = TinyModel("llama", seed=2)
+    async_engine = AsyncEngine(tiny.engine())
+    prompts = {f"r{i}": random_prompt(30 + 10 * i, seed=70 + i) for i in range(3)}
+
+    async def scenario():
+        server = LaneServer(async_engine.generate, lambda: 8, "127.0.0.1", channels=async_engine)
+        location = await server.start()
+        server.expect("lane-1")
+        lane = await connect_lane("replica-a", location, "lane-1", asyncio.ensure_future(asyncio.sleep(9)))
+        streams = [lane.generate(EngineRequest(rid, prompt, greedy(8)), lambda: None, lambda: None)
+                   for rid, prompt in prompts.items()]
+        results = await asyncio.gather(*(drain(stream) for stream in streams))
+        lane.close()
+        return server, results
+
+    try:
+        server, results = asyncio.run(scenario())
+    finally:
+        async_engine.shutdown()
+    for (rid, prompt), outputs in zip(prompts.items(), results):
+        assert outputs[0].via_channel and outputs[-1].finished
+        assert [t for out in outputs for t in out.new_token_ids] == tiny.generate(prompt, 8)
+    assert 0 < server.num_batches < sum(len(outputs) for outputs in results)
