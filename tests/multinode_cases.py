@@ -582,8 +582,8 @@ def test_replacement_replica_is_routed_to(mn, model_dir, driver_router):
         pytest.skip(f"needs the state left by test_node_removed_mid_load (one replica running), got {before}")
     (survivor,) = before
     mn.add_worker("c")
-    replica_to_node = wait_until(lambda: (nodes := mn.running_replica_nodes()) and len(nodes) == 2 and nodes, 120,
-                                 "Serve to start the replacement replica")
+    replica_to_node = wait_until(lambda: (nodes := mn.running_replica_nodes()) and len(nodes) == 2 and nodes, 240,
+                                 "Serve to start the replacement replica", explain=lambda: app_state(mn))
     (replacement,) = set(replica_to_node) - {survivor}
     assert replica_to_node[replacement] == "c"
     wait_until(lambda: replacement in driver_router.replica_ids(), 30, "the router to add the replacement")
