@@ -99,6 +99,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         candidate_replicas: List[RunningReplica],
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
+        return self._choose(candidate_replicas, pending_request, use_queue_lengths=True)
+
+    def _choose(self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest],
+                use_queue_lengths: bool) -> List[List[RunningReplica]]:
+        """``choose_replicas``; ``use_queue_lengths``: whether a replica's load may be raised to Serve's queue-length
+        cache (``_load_of``), which only requests through the handle keep fresh."""
         if not candidate_replicas:
             return []
         replica_id_to_replica = {replica_id_of(r): r for r in candidate_replicas}
@@ -107,7 +113,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             # a request for one specific replica (peer copy); if it is gone, any replica answers "no pages"
             if self._hot_prefix_planner() is not None:  # pinned requests are demand too
                 self._observe_hot_prefix(pending_request, page_keys_of(pending_request),
-                                         [self._load_of(r) for r in candidate_replicas])
+                                         [self._load_of(r, use_queue_lengths) for r in candidate_replicas])
             if target in replica_id_to_replica:
                 if is_output_channel(pending_request):  # no page keys, no hint: just there
                     return [[replica_id_to_replica[target]]]
@@ -116,7 +122,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             self._keep_own_hint(pending_request)  # the target left: any replica, with no stream but the router's
             return [list(candidate_replicas)]
         page_keys = page_keys_of(pending_request)
-        loads = [self._load_of(r) for r in candidate_replicas]
+        loads = [self._load_of(r, use_queue_lengths) for r in candidate_replicas]
         self._observe_hot_prefix(pending_request, page_keys, loads)
         num_prompt_tokens = num_prompt_tokens_of(pending_request)
         partial_key = partial_key_of(pending_request, self.policy.config.page_size)
@@ -147,7 +153,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         replica (``replica_ids()``)."""
         pending = _CallerSent(request)
         try:
-            tiers = await self.choose_replicas(list(self.curr_replicas.values()), pending)
+            # Serve's queue lengths: not here. Serve learns a replica's queue length only from requests through its
+            # handle; with lanes those are few, so an entry is the count a pinned request or a "busy" one saw when
+            # sent (itself included), kept for seconds after: it pushed a prefix's next request off its holder. The
+            # reported loads and this router's own in-flight counts cover lane requests.
+            tiers = self._choose(list(self.curr_replicas.values()), pending, use_queue_lengths=False)
         except BaseException:
             pending.future.cancel()  # counted in flight already: stop counting (_on_assigned)
             raise
@@ -245,11 +255,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         else:
             self._replica_id_to_stream.pop(replica_id, None)
 
-    def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
+    def _load_of(self, replica: RunningReplica, use_queue_lengths: bool = True) -> ReplicaLoad:
         """Reported load, raised to Serve's own queue-length cache entry when that is fresher and higher (less the
-        calls of this process that Serve counts as ongoing requests but are no load: router/long_calls.py)."""
+        calls of this process that Serve counts as ongoing requests but are no load: router/long_calls.py), unless
+        ``use_queue_lengths`` is off."""
         replica_id = replica_id_of(replica)
         reported = self._replica_id_to_load.get(replica_id) or ReplicaLoad(replica_id)
+        if not use_queue_lengths:
+            return reported
         num_queued = self.replica_queue_len_cache.get(replica.replica_id)
         if num_queued is not None and long_calls.OPEN[replica_id]:
             num_queued -= long_calls.OPEN[replica_id]

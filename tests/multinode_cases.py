@@ -397,6 +397,21 @@ def test_serve_yaml_deploys_one_replica_per_worker_node(mn, model_dir, reference
     pages = metric_values(httpx.get(f"{mn.base_url}/metrics").text, "prefixserve_kv_pages")
     for replica in node_to_replica.values():
         assert any(f'replica="{replica}"' in labels and 'state="total"' in labels for labels in pages), pages
+    # the ingress (on the head) reaches the replicas on nodes A and B over its request lanes (TCP to each node)
+    client = openai_client(mn.base_url)
+
+    def on_lanes() -> float:
+        return metric_values(httpx.get(f"{mn.base_url}/metrics").text,
+                             "prefixserve_lane_requests_total").get('{path="lane"}', 0)
+
+    before = on_lanes()
+    for attempt in range(20):  # the first requests open the lanes in the background
+        completion, _ = complete(client, prompt)
+        assert completion.choices[0].text == reference(prompt, 6)
+        time.sleep(1.1)  # past the ingress's metrics cache
+        if on_lanes() > before:
+            break
+    assert on_lanes() > before
 
 
 def test_copy_on_reuses_a_prefix_from_another_node_by_peer_copy(mn, model_dir, reference):
@@ -596,6 +611,12 @@ def test_replacement_replica_is_routed_to(mn, model_dir, driver_router):
     complete(client, prefix + "\n# q0\n", target=replacement)
     wait_until(lambda: driver_router.num_keys(replacement) >= 2, 30, "the replacement's pages to reach the index")
     time.sleep(ROUTING_SETTLE_S)
+    decisions_before = metric_values(httpx.get(f"{mn.base_url}/metrics").text, "prefixserve_router_decisions_total")
     again, served_by = complete(client, prefix + "\n# q1\n")
-    assert served_by == replacement
+    time.sleep(1.1)
+    text = httpx.get(f"{mn.base_url}/metrics").text
+    decisions = {labels: value - decisions_before.get(labels, 0)
+                 for labels, value in metric_values(text, "prefixserve_router_decisions_total").items()
+                 if value != decisions_before.get(labels, 0)}
+    assert served_by == replacement, f"survivor {survivor}, replacement {replacement}, the decision: {decisions}"
     assert cached_of(again.usage)[1]["local"] >= 2 * PAGE_SIZE

@@ -528,3 +528,26 @@ def test_a_request_the_ingress_sends_itself_is_routed_and_counted_as_one_serve_s
         assert ids(await router.choose_replicas([a, b], lane)) == [["b"]]
 
     run(scenario)
+
+
+def test_a_lane_request_is_not_pushed_off_its_prefix_by_serve_s_queue_length_of_handle_requests():
+    """Serve's queue-length cache sees only requests through the handle; with request lanes an entry is what one
+    pinned request saw when sent, kept for seconds. ``choose_replicas`` (handle requests) still raises a replica's
+    load to it; ``route_for_lane`` does not, so the prefix's holder keeps its request."""
+
+    async def scenario():
+        router = make_router()
+        a, b = StandInReplica("a"), StandInReplica("b")
+        a.store(PROMPT)
+        for replica in (a, b):
+            replica.publish()
+        router.update_replicas([a, b])
+        router.replica_queue_len_cache.update(a.replica_id, 50)
+        request = EngineRequest("r1", list(range(384)), page_keys=PROMPT)
+        assert ids(await router.choose_replicas([a, b], pending(request, "internal-1")))[0] == ["b"]
+        router.on_request_completed(b.replica_id, "internal-1")
+        replica_id, _, done = await router.route_for_lane(request)
+        done()
+        assert replica_id == "a"
+
+    run(scenario)
