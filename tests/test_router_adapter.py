@@ -69,6 +69,17 @@ def make_router(**policy_kwargs) -> PrefixAwareRequestRouter:
     return router
 
 
+def holder_and_other() -> tuple[PrefixAwareRequestRouter, StandInReplica, StandInReplica]:
+    """A router over replicas "a" (holding ``PROMPT``) and "b" (empty), both reported."""
+    router = make_router()
+    a, b = StandInReplica("a"), StandInReplica("b")
+    a.store(PROMPT)
+    for replica in (a, b):
+        replica.publish()
+    router.update_replicas([a, b])
+    return router, a, b
+
+
 def ids(tiers) -> list[list[str]]:
     return [[replica.replica_id.unique_id for replica in tier] for tier in tiers]
 
@@ -476,12 +487,7 @@ def test_an_open_output_channel_is_not_load_on_its_replica():
     from router import long_calls
 
     async def scenario():
-        router = make_router()
-        a, b = StandInReplica("a"), StandInReplica("b")
-        a.store(PROMPT)
-        for replica in (a, b):
-            replica.publish()
-        router.update_replicas([a, b])
+        router, a, b = holder_and_other()
         channel = PendingRequest(args=[OutputChannelRequest("ingress-1", target_replica="a")], kwargs={},
                                  metadata=RequestMetadata(request_id="ch", internal_request_id="internal-ch"))
         assert ids(await router.choose_replicas([a, b], channel)) == [["a"]]
@@ -536,12 +542,7 @@ def test_a_lane_request_is_not_pushed_off_its_prefix_by_serve_s_queue_length_of_
     load to it; ``route_for_lane`` does not, so the prefix's holder keeps its request."""
 
     async def scenario():
-        router = make_router()
-        a, b = StandInReplica("a"), StandInReplica("b")
-        a.store(PROMPT)
-        for replica in (a, b):
-            replica.publish()
-        router.update_replicas([a, b])
+        router, a, b = holder_and_other()
         router.replica_queue_len_cache.update(a.replica_id, 50)
         request = EngineRequest("r1", list(range(384)), page_keys=PROMPT)
         assert ids(await router.choose_replicas([a, b], pending(request, "internal-1")))[0] == ["b"]
