@@ -135,7 +135,6 @@ class _Lane:
         self._next = 0
         self.closed = False
         self.closing = False
-        self.last_used = time.monotonic()
         self.read_task = create_detached_task(self._read())
 
     @property
@@ -152,7 +151,6 @@ class _Lane:
         stream = LaneStream(self, self._next, request.request_id, done, through_handle)
         self._streams[self._next] = stream
         self._request_to_number[request.request_id] = self._next
-        self.last_used = time.monotonic()
         self._frames.send(("gen", self._next, request))
         return stream
 
@@ -164,7 +162,6 @@ class _Lane:
         stream = self._streams.pop(number, None)
         if stream is not None and self._request_to_number.get(stream.request_id) == number:
             del self._request_to_number[stream.request_id]
-        self.last_used = time.monotonic()
         if self.closing and not self._streams:
             self.close()
 
