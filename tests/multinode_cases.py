@@ -591,7 +591,8 @@ def test_node_removed_mid_load(mn, model_dir, driver_router):
 
 def test_replacement_replica_is_routed_to(mn, model_dir, driver_router):
     """After the node loss, a new node joins; Serve starts the missing replica there; the routers add it, requests
-    reach it, and its pages enter the index (a prefix it computed is routed back to it)."""
+    reach it, and its pages enter the index (a prefix it computed is reused from it: routed back to it, or copied
+    from it where the cost model prices the copy lower)."""
     before = mn.running_replica_nodes()
     if len(before) != 1:
         pytest.skip(f"needs the state left by test_node_removed_mid_load (one replica running), got {before}")
@@ -618,5 +619,14 @@ def test_replacement_replica_is_routed_to(mn, model_dir, driver_router):
     decisions = {labels: value - decisions_before.get(labels, 0)
                  for labels, value in metric_values(text, "prefixserve_router_decisions_total").items()
                  if value != decisions_before.get(labels, 0)}
-    assert served_by == replacement, f"survivor {survivor}, replacement {replacement}, the decision: {decisions}"
-    assert cached_of(again.usage)[1]["local"] >= 2 * PAGE_SIZE
+    explained = f"survivor {survivor}, replacement {replacement}, the decision: {decisions}, usage: {again.usage}"
+    by_source = cached_of(again.usage)[1]
+    if served_by == replacement:  # back to the pages it computed
+        assert by_source["local"] >= 2 * PAGE_SIZE, explained
+    else:
+        # The cost model may send it to the survivor with a peer hint naming the replacement, when the replacement's
+        # step costs (measured over its few steps since it started, on a box busy starting node c) price its own
+        # steps above the survivor's copy of the pages (CI at c8fe2e8: cost_away). The pages still came from the
+        # index's entry for the replacement: the survivor never computed this prefix (page 0 is unique to it).
+        assert any('reason="cost_away"' in labels for labels in decisions), explained
+        assert by_source["peer"] >= 2 * PAGE_SIZE, explained
