@@ -9,7 +9,9 @@ router chose over one TCP connection per replica, instead of through Serve's han
   replicas without one are opened in the background (one Serve call each; a failed open is not tried again for
   ``RETRY_S``).
 - A replica that answers "busy" started nothing: the stream goes on through the handle (``through_handle``), whose
-  queue and back-pressure bound what the replicas take.
+  queue and back-pressure bound what the replicas take, with ``avoid_replica`` naming the busy one, so the router sends
+  it to another replica when there is one (the busy one would refuse it: ``ServeReplica.generate``'s 429) and does not
+  count its demand twice.
 - A lane that breaks fails its requests with ``LaneLost`` (before the first token the ingress sends a request again,
   as for a replica that died); a lane whose replica left the router's set, or every lane once the ingress had no
   request for ``LANE_IDLE_S``, is closed once its requests have ended (checked on every request and every
@@ -19,6 +21,7 @@ router chose over one TCP connection per replica, instead of through Serve's han
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -246,8 +249,9 @@ class RequestLanes:
         if lane is None or lane.closed or lane.closing:
             done()
             return self._counted("handle", through_handle(request))
+        # "busy": through the handle, to another replica when there is one (the router avoids this one)
         return self._counted("lane", lane.generate(routed, done, lambda: self._counted("handle", through_handle(
-            request), busy=True)))
+            dataclasses.replace(request, avoid_replica=replica_id)), busy=True)))
 
     def _router(self) -> Any:
         if self._deployment is None or self._closed:

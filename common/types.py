@@ -145,6 +145,9 @@ class EngineRequest:
     replica on another node asks there at once instead of first through Ray's object store."""
     target_replica: str | None = None
     """Pin the request to this replica (operators, tests); the router still names the best holder in peer_hint."""
+    avoid_replica: str | None = None
+    """A replica that answered "busy" to this request on its request lane (cluster/request_lanes.py): the router sends
+    it elsewhere when another replica is there, and does not count its demand again."""
     retention: Retention | None = None
     """Keep the prompt's prefix cached with this priority and TTL (None: the default eviction order)."""
     output_channel: str | None = None

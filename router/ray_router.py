@@ -121,9 +121,14 @@ class PrefixAwareRequestRouter(RequestRouter):
                 return [[replica_id_to_replica[target]]]
             self._keep_own_hint(pending_request)  # the target left: any replica, with no stream but the router's
             return [list(candidate_replicas)]
+        avoid = avoided_replica_of(pending_request)
+        if avoid is not None:  # it answered "busy" on its lane: another replica, when there is one
+            candidate_replicas = [r for r in candidate_replicas if replica_id_of(r) != avoid] or candidate_replicas
+            replica_id_to_replica = {replica_id_of(r): r for r in candidate_replicas}
         page_keys = page_keys_of(pending_request)
         loads = [self._load_of(r, use_queue_lengths) for r in candidate_replicas]
-        self._observe_hot_prefix(pending_request, page_keys, loads)
+        if avoid is None:  # a request sent on after a "busy" was counted as demand when routed to its lane
+            self._observe_hot_prefix(pending_request, page_keys, loads)
         num_prompt_tokens = num_prompt_tokens_of(pending_request)
         partial_key = partial_key_of(pending_request, self.policy.config.page_size)
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
@@ -370,6 +375,12 @@ def target_replica_of(pending_request: Optional[PendingRequest]) -> str | None:
         if target:
             return target
     return None
+
+
+def avoided_replica_of(pending_request: Optional[PendingRequest]) -> str | None:
+    """The replica that answered "busy" to this request on its lane (``EngineRequest.avoid_replica``), or None."""
+    found = engine_request_of(pending_request)
+    return getattr(found[2], "avoid_replica", None) if found is not None else None
 
 
 def is_output_channel(pending_request: PendingRequest) -> bool:

@@ -277,8 +277,11 @@ def test_the_ingress_takes_a_lane_once_open_and_the_handle_otherwise_and_closes_
         lanes = request_lanes.RequestLanes(replicas, lambda handle: handle)
         handle_calls = []
 
+        avoided = []
+
         def through_handle(request):
             handle_calls.append(request.request_id)
+            avoided.append(request.avoid_replica)
             return HandleStream(request.request_id)
 
         assert isinstance(await lanes.open_stream(EngineRequest("r0", [5]), through_handle), HandleStream)
@@ -293,6 +296,10 @@ def test_the_ingress_takes_a_lane_once_open_and_the_handle_otherwise_and_closes_
         pinned = EngineRequest("r3", [5], target_replica="a")
         assert isinstance(await lanes.open_stream(pinned, through_handle), HandleStream)
         assert handle_calls == ["r0", "r1", "r3"]
+        engine.full = True  # "busy": on through the handle, naming the busy replica for the router to avoid
+        assert [o.new_text for o in await drain(await lanes.open_stream(EngineRequest("r4", [5]), through_handle))]
+        assert handle_calls[-1] == "r4" and avoided == [None, None, None, "a"]
+        engine.full = False
         router.ids = []  # the replica left: its lane closes, which ends its Serve call on the replica
         await until(lambda: replicas.ended)
         assert replicas.ended == ["a"] and not lanes._lanes

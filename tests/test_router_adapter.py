@@ -536,6 +536,35 @@ def test_a_request_the_ingress_sends_itself_is_routed_and_counted_as_one_serve_s
     run(scenario)
 
 
+def test_a_request_sent_on_after_a_busy_answer_avoids_that_replica_and_is_not_counted_as_demand_again():
+    """A lane's "busy" sends the request on through the handle naming the busy replica (``avoid_replica``): the
+    router picks another replica even over the prefix's holder (the busy one would refuse it with a 429), keeps it
+    when it is the only one, and does not count the request's demand for hot-prefix replication a second time."""
+    import types
+
+    from router import replication
+
+    observed = []
+    recorder = types.SimpleNamespace(config=types.SimpleNamespace(max_prefix_pages=8),
+                                     observe=lambda keys, *rest: observed.append(len(keys)))
+
+    async def scenario():
+        router, a, b = holder_and_other()
+        replication.register_planner(DEPLOYMENT.app_name, DEPLOYMENT.name, recorder)
+        try:
+            request = EngineRequest("r1", list(range(384)), page_keys=PROMPT)
+            assert ids(await router.choose_replicas([a, b], pending(request, "internal-1")))[0] == ["a"]
+            assert len(observed) == 1
+            busy = dataclasses.replace(request, avoid_replica="a")
+            assert ids(await router.choose_replicas([a, b], pending(busy, "internal-2"))) == [["b"]]
+            assert ids(await router.choose_replicas([a], pending(busy, "internal-3"))) == [["a"]]
+            assert len(observed) == 1
+        finally:
+            replication.register_planner(DEPLOYMENT.app_name, DEPLOYMENT.name, None)
+
+    run(scenario)
+
+
 def test_a_lane_request_is_not_pushed_off_its_prefix_by_serve_s_queue_length_of_handle_requests():
     """Serve's queue-length cache sees only requests through the handle; with request lanes an entry is what one
     pinned request saw when sent, kept for seconds. ``choose_replicas`` (handle requests) still raises a replica's
