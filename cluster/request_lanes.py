@@ -62,7 +62,7 @@ class LaneLost(ConnectionError):
 class LaneStream:
     """One request's outputs from its lane, or from Serve's handle once the replica answered "busy"."""
 
-    def __init__(self, lane: "_Lane", number: int, request_id: str, done: Callable[[], None],
+    def __init__(self, lane: "_Lane", number: int, request_id: str, done: Callable[[bool], None],
                  through_handle: Callable[[], Any]) -> None:
         self.request_id = request_id
         self._lane = lane
@@ -73,6 +73,8 @@ class LaneStream:
         self._handle_stream: Any = None
         self._ended = False
         self._cancelled = False
+        self._answered = False
+        """An output arrived: what ended it ended a request the replica ran (``done``'s argument)."""
 
     def __aiter__(self) -> "LaneStream":
         return self
@@ -100,6 +102,7 @@ class LaneStream:
             raise RequestCancelledError(f"lane request {self._number}")
         kind = message[0]
         if kind == "out":
+            self._answered = True
             output = message[2]
             if output.finished:
                 self._end()
@@ -119,7 +122,7 @@ class LaneStream:
         if not self._ended:
             self._ended = True
             self._lane.forget(self._number)
-            self._done()
+            self._done(self._answered)
 
 
 class _Lane:
@@ -149,7 +152,7 @@ class _Lane:
         if stream is not None:
             stream.put(message)
 
-    def generate(self, request: Any, done: Callable[[], None], through_handle: Callable[[], Any]) -> LaneStream:
+    def generate(self, request: Any, done: Callable[[bool], None], through_handle: Callable[[], Any]) -> LaneStream:
         self._next += 1
         stream = LaneStream(self, self._next, request.request_id, done, through_handle)
         self._streams[self._next] = stream
@@ -247,7 +250,7 @@ class RequestLanes:
         replica_id, routed, done = await router.route_for_lane(request)
         lane = self._lanes.get(replica_id)
         if lane is None or lane.closed or lane.closing:
-            done()
+            done(False)
             return self._counted("handle", through_handle(request))
         # "busy": through the handle, to another replica when there is one (the router avoids this one)
         return self._counted("lane", lane.generate(routed, done, lambda: self._counted("handle", through_handle(

@@ -1147,8 +1147,10 @@ class PrefixAwarePolicy:
             self._request_id_to_keys[request_id] = keys
             self.index.hold(replica_id, keys)
 
-    def note_finished(self, request_id: str, replica_id: str | None = None) -> None:
-        """Stop counting ``request_id`` (if counted, and against ``replica_id`` when given). Idempotent."""
+    def note_finished(self, request_id: str, replica_id: str | None = None, *, answered: bool = True) -> None:
+        """Stop counting ``request_id`` (if counted, and against ``replica_id`` when given). Idempotent.
+        ``answered=False``: it produced nothing there (a request lane's replica answered "busy", or it failed before
+        its first output), so neither its answer nor its session's turn is recorded as finished there."""
         counted_on = self._request_id_to_replica_id.get(request_id)
         if counted_on is None or (replica_id is not None and counted_on != replica_id):
             return
@@ -1159,7 +1161,7 @@ class PrefixAwarePolicy:
             self.index.release(counted_on, keys)
         last_key = self._request_id_to_last_key.pop(request_id, None)
         tail = self._request_id_to_tail.pop(request_id, None)
-        if last_key is not None:  # its answer pages are stored there now, reported with the next routing stats
+        if last_key is not None and answered:  # its answer pages are stored there now, reported with the next stats
             finished_s = self.index.clock()
             if self._sessions and self.config.session_idle_factor:
                 self._note_session_finished(request_id, counted_on, last_key, tail, finished_s)

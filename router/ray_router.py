@@ -18,7 +18,8 @@ Ray Serve 2.60 facts this relies on (read from ray/serve/_private/request_router
   request came with, so a receiver only ever connects where a replica's own report pointed.
 - Replica ids are ``RunningReplica.replica_id.unique_id``; inside a replica the same string is
   ``serve.get_replica_context().replica_id.unique_id``; a replica reaches the peer named by ``peer_hint`` through its
-  own deployment's handle (a request carrying ``target_replica`` is routed to exactly that replica).
+  own deployment's handle (a request carrying ``target_replica`` is routed to exactly that replica; one carrying
+  ``avoid_replica``, a request lane's "busy" sent on through the handle, to another one when there is one).
 - ``pending_request.args`` holds the ``EngineRequest`` (``generate(request)``), so its ``prompt_token_ids`` give the
   prompt length the cost model needs (``num_prompt_tokens_of``); requests without one fall back to the full pages.
   With its ``page_keys`` they also give its partial page keys (``partial_key_of``), which tell the policy which
@@ -40,7 +41,6 @@ import asyncio
 import dataclasses
 import logging
 import types
-import uuid
 from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 from ray.serve.config import RequestRouterConfig
@@ -121,17 +121,26 @@ class PrefixAwareRequestRouter(RequestRouter):
                 return [[replica_id_to_replica[target]]]
             self._keep_own_hint(pending_request)  # the target left: any replica, with no stream but the router's
             return [list(candidate_replicas)]
-        avoid = avoided_replica_of(pending_request)
-        if avoid is not None:  # it answered "busy" on its lane: another replica, when there is one
-            candidate_replicas = [r for r in candidate_replicas if replica_id_of(r) != avoid] or candidate_replicas
-            replica_id_to_replica = {replica_id_of(r): r for r in candidate_replicas}
         page_keys = page_keys_of(pending_request)
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        avoid = avoided_replica_of(pending_request)
+        avoid_matched = 0
+        if avoid is not None:
+            # It answered "busy" on its lane: another replica when there is one (for as long as Serve retries these
+            # tiers: the handle's queue bounds the wait), copying the prefix from it when it holds more. The policy
+            # takes this choice as a retry of the lane's (its session moves, none is recorded again); the demand was
+            # counted then.
+            request_id = lane_request_id(engine_request_of(pending_request)[2])
+            others = [r for r in candidate_replicas if replica_id_of(r) != avoid]
+            if others:
+                candidate_replicas = others
+                replica_id_to_replica = {replica_id_of(r): r for r in candidate_replicas}
+                avoid_matched = self.index.longest_prefix(page_keys, [avoid]).get(avoid, 0)
         loads = [self._load_of(r, use_queue_lengths) for r in candidate_replicas]
-        if avoid is None:  # a request sent on after a "busy" was counted as demand when routed to its lane
+        if avoid is None:
             self._observe_hot_prefix(pending_request, page_keys, loads)
         num_prompt_tokens = num_prompt_tokens_of(pending_request)
         partial_key = partial_key_of(pending_request, self.policy.config.page_size)
-        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         decision = self.policy.choose(page_keys, loads, num_prompt_tokens=num_prompt_tokens, partial_key=partial_key,
                                       request_id=request_id)
         decision_metrics.DECISIONS.add(self._deployment_name(), decision.replica_id, decision.reason.value)
@@ -139,7 +148,10 @@ class PrefixAwareRequestRouter(RequestRouter):
             for (replica_id, event), count in self.policy.drain_session_events().items():
                 decision_metrics.SESSION_EVENTS.add(self._deployment_name(), replica_id, event, count)
         if pending_request is not None:
-            set_peer_hint(pending_request, hint_for_request(decision), self._replica_id_to_stream)
+            hint = hint_for_request(decision)
+            if avoid_matched > decision.matched_pages and decision.peer_hint is None:
+                hint = avoid  # the busy replica holds more of the prefix than any candidate: copy it from there
+            set_peer_hint(pending_request, hint, self._replica_id_to_stream)
             self._count_inflight(pending_request, decision.replica_id, num_prompt_tokens, partial_key)
         chosen = replica_id_to_replica[decision.replica_id]
         rest = [r for r in candidate_replicas if r is not chosen]
@@ -150,10 +162,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         """The replicas this router routes among now."""
         return [replica_id_of(replica) for replica in self.curr_replicas.values()]
 
-    async def route_for_lane(self, request: Any) -> tuple[str, Any, Callable[[], None]]:
+    async def route_for_lane(self, request: Any) -> tuple[str, Any, Callable[..., None]]:
         """Choose a replica for ``request`` (an ``EngineRequest``) as ``choose_replicas`` does for one sent through the
         handle: the same decision, metrics and peer hint, and the chosen replica counts it in flight until the caller
-        calls the answer's ``done()`` (once, when the request ended, or was never sent). Answers the replica id, the
+        calls the answer's ``done()`` (once, when the request ended, or was never sent; ``done(False)`` when it
+        produced nothing there: ``PrefixAwarePolicy.note_finished``'s ``answered``). Answers the replica id, the
         request to send (a copy carrying the hint) and ``done``. Call on the router's event loop, with at least one
         replica (``replica_ids()``)."""
         pending = _CallerSent(request)
@@ -170,8 +183,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         pending.future.set_result(chosen)  # counted there (_on_assigned), as Serve does when it sends one
         request_id = pending.metadata.internal_request_id
 
-        def done() -> None:
-            self.on_request_completed(chosen.replica_id, request_id)
+        def done(answered: bool = True) -> None:
+            self.policy.note_finished(request_id, chosen.replica_id.unique_id, answered=answered)
+            self._request_id_to_future.pop(request_id, None)
 
         return replica_id_of(chosen), pending.args[0], done
 
@@ -377,6 +391,13 @@ def target_replica_of(pending_request: Optional[PendingRequest]) -> str | None:
     return None
 
 
+def lane_request_id(request: Any) -> str:
+    """The router's id of a request routed for a lane (``route_for_lane``), and of its retry through the handle after
+    a "busy" answer (``EngineRequest.avoid_replica``): the policy takes the second choice as a retry of the first.
+    Engine request ids are unique per attempt (a resent request gets a new one)."""
+    return f"lane-{request.request_id}"
+
+
 def avoided_replica_of(pending_request: Optional[PendingRequest]) -> str | None:
     """The replica that answered "busy" to this request on its lane (``EngineRequest.avoid_replica``), or None."""
     found = engine_request_of(pending_request)
@@ -397,7 +418,7 @@ class _CallerSent:
     def __init__(self, request: Any) -> None:
         self.args = [request]
         self.kwargs: dict[str, Any] = {}
-        self.metadata = types.SimpleNamespace(internal_request_id=uuid.uuid4().hex)
+        self.metadata = types.SimpleNamespace(internal_request_id=lane_request_id(request))
         self.future = asyncio.get_running_loop().create_future()
 
 

@@ -106,13 +106,14 @@ def test_requests_and_their_outputs_cross_one_lane_side_by_side():
         engine = StandInEngine()
         server, lane, holder = await open_lane(engine)
         done = []
-        streams = [lane.generate(EngineRequest(f"r{index}", [5, 6, 7]), lambda i=index: done.append(i),
+        streams = [lane.generate(EngineRequest(f"r{index}", [5, 6, 7]),
+                                 lambda answered, i=index: done.append((i, answered)),
                                  lambda: pytest.fail("not through the handle")) for index in range(2)]
         results = await asyncio.gather(*(drain(stream) for stream in streams))
         for index, outputs in enumerate(results):
             assert [o.new_text for o in outputs] == ["t0", "t1", "t2"]
             assert {o.request_id for o in outputs} == {f"r{index}"}
-        assert sorted(done) == [0, 1] and lane.num_requests == 0
+        assert sorted(done) == [(0, True), (1, True)] and lane.num_requests == 0
         assert server.num_requests == 2 and [r.request_id for r in engine.requests] == ["r0", "r1"]
         lane.close()
         await asyncio.wait_for(holder, 5)  # the replica's Serve call ends with its lane
@@ -125,11 +126,11 @@ def test_a_failed_request_raises_its_error_at_the_ingress():
         engine = StandInEngine()
         _, lane, _ = await open_lane(engine)
         done = []
-        stream = lane.generate(EngineRequest("bad", [0]), lambda: done.append(1), lambda: None)
+        stream = lane.generate(EngineRequest("bad", [0]), done.append, lambda: None)
         with pytest.raises(InvalidRequestError, match="too long"):
             await stream.__anext__()
-        assert done == [1]
-        assert [o.new_text for o in await drain(lane.generate(EngineRequest("ok", [5]), lambda: None,
+        assert done == [False]  # it produced nothing: no answer recorded there
+        assert [o.new_text for o in await drain(lane.generate(EngineRequest("ok", [5]), lambda _: None,
                                                               lambda: None))] == ["t0", "t1", "t2"]
         lane.close()
 
@@ -142,11 +143,11 @@ def test_a_full_replica_answers_busy_and_the_request_goes_through_the_handle():
         server, lane, _ = await open_lane(engine)
         engine.full = True
         events = []
-        stream = lane.generate(EngineRequest("r1", [5]), lambda: events.append("done"),
+        stream = lane.generate(EngineRequest("r1", [5]), lambda answered: events.append(f"done {answered}"),
                                lambda: events.append("handle") or HandleStream("r1"))
         outputs = await drain(stream)
         assert [o.new_text for o in outputs] == ["t0", "t1"]
-        assert events == ["done", "handle"]  # the lane's count ended before the handle's began
+        assert events == ["done False", "handle"]  # the lane's count ended (no answer) before the handle's began
         assert engine.requests == [] and server.num_busy == 1
         lane.close()
 
@@ -157,7 +158,7 @@ def test_a_lane_that_breaks_fails_its_requests_with_lane_lost_and_cancels_them_o
     async def scenario():
         engine = StandInEngine()
         server, lane, holder = await open_lane(engine)
-        stream = lane.generate(EngineRequest("slow", [1]), lambda: None, lambda: None)
+        stream = lane.generate(EngineRequest("slow", [1]), lambda _: None, lambda: None)
         assert (await stream.__anext__()).new_text == "t0"
         server.drop("lane-1")  # the replica closes it (its Serve call was cancelled)
         with pytest.raises(LaneLost):
@@ -184,7 +185,7 @@ def test_only_the_token_holder_naming_an_expected_lane_gets_in():
         assert server.num_refused == 1
         with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):  # a lane no Serve call expects
             lane = await connect_lane("replica-a", location, "lane-unknown", asyncio.ensure_future(asyncio.sleep(9)))
-            await drain(lane.generate(EngineRequest("r", [5]), lambda: None, lambda: None))
+            await drain(lane.generate(EngineRequest("r", [5]), lambda _: None, lambda: None))
             raise AssertionError("unreachable: the server hangs up")
 
     asyncio.run(scenario())
@@ -201,7 +202,7 @@ def test_a_frame_over_the_bound_is_refused_before_it_is_read(monkeypatch):
         lane = await connect_lane("replica-a", location, "lane-1", asyncio.ensure_future(asyncio.sleep(9)))
         lane._writer.write(struct.pack("<I", 1 << 20))  # a header announcing 1 MiB, and nothing after it
         with pytest.raises(LaneLost):
-            await asyncio.wait_for(drain(lane.generate(EngineRequest("r", [5]), lambda: None, lambda: None)), 5)
+            await asyncio.wait_for(drain(lane.generate(EngineRequest("r", [5]), lambda _: None, lambda: None)), 5)
         assert engine.requests == []
 
     asyncio.run(scenario())
@@ -231,7 +232,7 @@ class StandInRouter:
         return list(self.ids)
 
     async def route_for_lane(self, request):
-        return self.ids[0], request, lambda: self.done.append(request.request_id)
+        return self.ids[0], request, lambda answered=True: self.done.append(request.request_id)
 
 
 class StandInReplicas:
@@ -298,7 +299,7 @@ def test_the_ingress_takes_a_lane_once_open_and_the_handle_otherwise_and_closes_
         assert handle_calls == ["r0", "r1", "r3"]
         engine.full = True  # "busy": on through the handle, naming the busy replica for the router to avoid
         assert [o.new_text for o in await drain(await lanes.open_stream(EngineRequest("r4", [5]), through_handle))]
-        assert handle_calls[-1] == "r4" and avoided == [None, None, None, "a"]
+        assert handle_calls[-1] == "r4" and avoided == [None, None, None, "a"] and router.done[-1] == "r4"
         engine.full = False
         router.ids = []  # the replica left: its lane closes, which ends its Serve call on the replica
         await until(lambda: replicas.ended)
@@ -321,7 +322,7 @@ def test_a_burst_is_admitted_only_up_to_the_replicas_room_and_the_rest_goes_thro
             return HandleStream(request_id)
 
         # six frames sent in one pass of the loop leave in one write and are read in one go by the replica
-        streams = [lane.generate(EngineRequest(f"r{index}", [1]), lambda: None,
+        streams = [lane.generate(EngineRequest(f"r{index}", [1]), lambda _: None,
                                  lambda i=index: through_handle(f"r{i}")) for index in range(6)]
         firsts = await asyncio.gather(*(stream.__anext__() for stream in streams))
         assert [o.request_id for o in firsts] == [f"r{index}" for index in range(6)]
@@ -338,10 +339,10 @@ def test_a_cancelled_request_stops_counting_at_once_and_stops_on_the_replica():
         engine = StandInEngine()
         _, lane, _ = await open_lane(engine)
         done = []
-        stream = lane.generate(EngineRequest("slow", [1]), lambda: done.append(1), lambda: None)
+        stream = lane.generate(EngineRequest("slow", [1]), done.append, lambda: None)
         assert (await stream.__anext__()).new_text == "t0"
         stream.cancel()  # a client gone away reads the stream no more: it ends here
-        assert done == [1] and lane.num_requests == 0
+        assert done == [True] and lane.num_requests == 0
         with pytest.raises(RequestCancelledError):  # a deadline's reader gets the cut
             await stream.__anext__()
         await until(lambda: engine.cancelled)
@@ -357,7 +358,7 @@ def test_a_request_cancelled_after_its_replica_answered_busy_is_not_sent_through
         _, lane, _ = await open_lane(engine)
         engine.full = True
         handle_calls = []
-        stream = lane.generate(EngineRequest("r1", [5]), lambda: None, lambda: handle_calls.append(1))
+        stream = lane.generate(EngineRequest("r1", [5]), lambda _: None, lambda: handle_calls.append(1))
         await until(lambda: not stream._queue.empty())  # "busy" has arrived and waits in the stream's queue
         stream.cancel()  # e.g. the deadline
         with pytest.raises(RequestCancelledError):
@@ -468,10 +469,10 @@ def test_an_error_the_ingress_cannot_unpickle_fails_only_its_request_not_the_lan
         location = await server.start()
         server.expect("lane-1")
         lane = await connect_lane("replica-a", location, "lane-1", asyncio.ensure_future(asyncio.sleep(9)))
-        odd = lane.generate(EngineRequest("odd", [5]), lambda: None, lambda: None)
+        odd = lane.generate(EngineRequest("odd", [5]), lambda _: None, lambda: None)
         with pytest.raises(RuntimeError, match="could not be read"):
             await odd.__anext__()
-        assert [o.new_text for o in await drain(lane.generate(EngineRequest("ok", [5]), lambda: None,
+        assert [o.new_text for o in await drain(lane.generate(EngineRequest("ok", [5]), lambda _: None,
                                                               lambda: None))] == ["t0", "t1", "t2"]
         assert not lane.closed
         lane.close()
@@ -495,7 +496,7 @@ def test_over_a_real_engine_later_outputs_come_batched_per_step_and_tokens_are_u
         location = await server.start()
         server.expect("lane-1")
         lane = await connect_lane("replica-a", location, "lane-1", asyncio.ensure_future(asyncio.sleep(9)))
-        streams = [lane.generate(EngineRequest(rid, prompt, greedy(8)), lambda: None, lambda: None)
+        streams = [lane.generate(EngineRequest(rid, prompt, greedy(8)), lambda _: None, lambda: None)
                    for rid, prompt in prompts.items()]
         results = await asyncio.gather(*(drain(stream) for stream in streams))
         lane.close()

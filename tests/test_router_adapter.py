@@ -536,10 +536,12 @@ def test_a_request_the_ingress_sends_itself_is_routed_and_counted_as_one_serve_s
     run(scenario)
 
 
-def test_a_request_sent_on_after_a_busy_answer_avoids_that_replica_and_is_not_counted_as_demand_again():
+def test_a_request_sent_on_after_a_busy_answer_avoids_that_replica_and_is_not_counted_twice():
     """A lane's "busy" sends the request on through the handle naming the busy replica (``avoid_replica``): the
-    router picks another replica even over the prefix's holder (the busy one would refuse it with a 429), keeps it
-    when it is the only one, and does not count the request's demand for hot-prefix replication a second time."""
+    router picks another replica even over the prefix's holder (the busy one would refuse it with a 429), with a peer
+    hint to copy the prefix from the busy holder, keeps it when it is the only one; the request's demand for hot-prefix
+    replication is not counted again, the busy replica is not taken for having answered it, and the second choice is
+    the policy's retry of the first (its session moves; no chat is counted for it continuing itself)."""
     import types
 
     from router import replication
@@ -552,11 +554,17 @@ def test_a_request_sent_on_after_a_busy_answer_avoids_that_replica_and_is_not_co
         router, a, b = holder_and_other()
         replication.register_planner(DEPLOYMENT.app_name, DEPLOYMENT.name, recorder)
         try:
-            request = EngineRequest("r1", list(range(384)), page_keys=PROMPT)
-            assert ids(await router.choose_replicas([a, b], pending(request, "internal-1")))[0] == ["a"]
-            assert len(observed) == 1
+            request = EngineRequest("r1", list(range(3 * 128 + 20)), page_keys=PROMPT)  # 20 tokens after its pages
+            replica_id, _, done = await router.route_for_lane(request)
+            assert replica_id == "a" and len(observed) == 1
+            done(False)  # "busy"
+            assert not router.policy._answered  # a did not answer it
             busy = dataclasses.replace(request, avoid_replica="a")
-            assert ids(await router.choose_replicas([a, b], pending(busy, "internal-2"))) == [["b"]]
+            sent_on = pending(busy, "internal-2")
+            assert ids(await router.choose_replicas([a, b], sent_on)) == [["b"]]
+            assert sent_on.args[0].peer_hint == "a"  # copy the prefix from the busy holder
+            assert router.policy._replica_id_to_num_sessions.get("b", 0) == 0  # not a chat continuing itself
+            assert router.policy._replica_id_to_num_new_sessions == {"a": 0, "b": 1}  # its session moved to b
             assert ids(await router.choose_replicas([a], pending(busy, "internal-3"))) == [["a"]]
             assert len(observed) == 1
         finally:
