@@ -90,8 +90,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._forget(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.policy.note_finished(internal_request_id, replica_id.unique_id)
-        self._request_id_to_future.pop(internal_request_id, None)
+        request_id = self._serve_id_to_policy_id.pop(internal_request_id, internal_request_id)
+        self.policy.note_finished(request_id, replica_id.unique_id)
+        self._request_id_to_future.pop(request_id, None)
 
     # ---- the decision ----------------------------------------------------------------------------------------------
     async def choose_replicas(
@@ -152,7 +153,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             if avoid_matched > decision.matched_pages and decision.peer_hint is None:
                 hint = avoid  # the busy replica holds more of the prefix than any candidate: copy it from there
             set_peer_hint(pending_request, hint, self._replica_id_to_stream)
-            self._count_inflight(pending_request, decision.replica_id, num_prompt_tokens, partial_key)
+            self._count_inflight(pending_request, decision.replica_id, num_prompt_tokens, partial_key, request_id)
         chosen = replica_id_to_replica[decision.replica_id]
         rest = [r for r in candidate_replicas if r is not chosen]
         return [[chosen], rest] if rest else [[chosen]]
@@ -243,6 +244,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._replica_id_to_stream: dict[str, StreamLocation] = {}
         """Replicas' page streams, as their reports name them: sent along with a peer_hint naming the replica."""
         self._request_id_to_future: dict[str, asyncio.Future] = {}
+        self._serve_id_to_policy_id: dict[str, str] = {}
+        """Requests the policy knows by another id than Serve's: a lane's "busy" sent on through the handle keeps its
+        lane id (``lane_request_id``), the id its session was recorded under."""
 
     def _sync_stats(self, replica: RunningReplica) -> None:
         replica_id = replica_id_of(replica)
@@ -290,8 +294,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         return reported
 
     def _count_inflight(self, pending_request: PendingRequest, replica_id: str, num_prompt_tokens: int | None = None,
-                        partial_key: PartialKey | None = None) -> None:
-        request_id = pending_request.metadata.internal_request_id
+                        partial_key: PartialKey | None = None, request_id: str | None = None) -> None:
+        """Count the request in flight under ``request_id`` (the policy's id of it; default Serve's own)."""
+        serve_id = pending_request.metadata.internal_request_id
+        request_id = request_id or serve_id
+        if request_id != serve_id:  # Serve completes it under its own id (on_request_completed)
+            self._serve_id_to_policy_id[serve_id] = request_id
         self.policy.note_routed(request_id, replica_id, page_keys_of(pending_request),
                                 num_prompt_tokens=num_prompt_tokens, partial_key=partial_key)
         future = pending_request.future
@@ -306,6 +314,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         if future.cancelled() or future.exception() is not None:
             self.policy.note_finished(request_id)
             self._request_id_to_future.pop(request_id, None)
+            for serve_id in [s for s, policy_id in self._serve_id_to_policy_id.items() if policy_id == request_id]:
+                del self._serve_id_to_policy_id[serve_id]
             return
         self.policy.note_routed(request_id, replica_id_of(future.result()))
 

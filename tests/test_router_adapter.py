@@ -565,6 +565,16 @@ def test_a_request_sent_on_after_a_busy_answer_avoids_that_replica_and_is_not_co
             assert sent_on.args[0].peer_hint == "a"  # copy the prefix from the busy holder
             assert router.policy._replica_id_to_num_sessions.get("b", 0) == 0  # not a chat continuing itself
             assert router.policy._replica_id_to_num_new_sessions == {"a": 0, "b": 1}  # its session moved to b
+            assert router.policy.num_inflight("b") == 1
+            router.on_request_completed(b.replica_id, "internal-2")  # Serve's id: the policy's is the lane's
+            assert router.policy.num_inflight("b") == 0 and [r for r, _ in router.policy._answered] == ["b"]
+            (session,) = next(iter(router.policy._sessions.values())).values()
+            assert session.replica_id == "b" and session.finished_s is not None  # its turn ended there
+            dropped = pending(busy, "internal-4")
+            await router.choose_replicas([a, b], dropped)
+            dropped.future.cancel()  # never sent: stops counting, and Serve's id is forgotten
+            await asyncio.sleep(0)
+            assert router.policy.num_inflight("b") == 0 and not router._serve_id_to_policy_id
             assert ids(await router.choose_replicas([a], pending(busy, "internal-3"))) == [["a"]]
             assert len(observed) == 1
         finally:
