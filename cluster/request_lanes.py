@@ -73,8 +73,6 @@ class LaneStream:
         self._handle_stream: Any = None
         self._ended = False
         self._cancelled = False
-        self._answered = False
-        """An output arrived: what ended it ended a request the replica ran (``done``'s argument)."""
 
     def __aiter__(self) -> "LaneStream":
         return self
@@ -102,12 +100,11 @@ class LaneStream:
             raise RequestCancelledError(f"lane request {self._number}")
         kind = message[0]
         if kind == "out":
-            self._answered = True
             output = message[2]
             if output.finished:
                 self._end()
             return output
-        self._end()
+        self._end(ran=kind != "busy")  # "busy": it never ran there (the router's next choice is a retry of this one)
         if kind == "err":
             raise load_error(message[2])
         if kind == "busy":
@@ -118,11 +115,11 @@ class LaneStream:
     def put(self, message: tuple) -> None:
         self._queue.put_nowait(message)
 
-    def _end(self) -> None:
+    def _end(self, ran: bool = True) -> None:
         if not self._ended:
             self._ended = True
             self._lane.forget(self._number)
-            self._done(self._answered)
+            self._done(ran)
 
 
 class _Lane:
@@ -249,9 +246,9 @@ class RequestLanes:
             return self._counted("handle", through_handle(request))
         replica_id, routed, done = await router.route_for_lane(request)
         lane = self._lanes.get(replica_id)
-        if lane is None or lane.closed or lane.closing:
+        if lane is None or lane.closed or lane.closing:  # it closed meanwhile (its replica is leaving): as a "busy"
             done(False)
-            return self._counted("handle", through_handle(request))
+            return self._counted("handle", through_handle(dataclasses.replace(request, avoid_replica=replica_id)))
         # "busy": through the handle, to another replica when there is one (the router avoids this one)
         return self._counted("lane", lane.generate(routed, done, lambda: self._counted("handle", through_handle(
             dataclasses.replace(request, avoid_replica=replica_id)), busy=True)))

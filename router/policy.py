@@ -1149,8 +1149,8 @@ class PrefixAwarePolicy:
 
     def note_finished(self, request_id: str, replica_id: str | None = None, *, answered: bool = True) -> None:
         """Stop counting ``request_id`` (if counted, and against ``replica_id`` when given). Idempotent.
-        ``answered=False``: it produced nothing there (a request lane's replica answered "busy", or it failed before
-        its first output), so neither its answer nor its session's turn is recorded as finished there."""
+        ``answered=False``: it did not run there (a request lane's replica answered "busy", or it was never sent), so
+        neither its answer nor its session's turn is recorded as finished there."""
         counted_on = self._request_id_to_replica_id.get(request_id)
         if counted_on is None or (replica_id is not None and counted_on != replica_id):
             return
@@ -1168,6 +1168,10 @@ class PrefixAwarePolicy:
             self._answered.setdefault((counted_on, last_key), {})[tail] = finished_s
             self._answered_order.append((finished_s, counted_on, last_key, tail))
             self._forget_answers(finished_s)
+
+    def counted_on(self, request_id: str) -> str | None:
+        """The replica ``request_id`` is counted in flight on, or None."""
+        return self._request_id_to_replica_id.get(request_id)
 
     def num_inflight(self, replica_id: str) -> int:
         return self._replica_id_to_num_inflight.get(replica_id, 0)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import types
 from typing import Any, Callable, List, Mapping, Optional, Sequence
 
@@ -58,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_STATS_PERIOD_S = 0.5
 DEFAULT_STATS_TIMEOUT_S = 5.0
+BUSY_MEMORY_S = 60.0
+"""How long the router keeps what a lane request's busy replica held, for the request's next choice (which follows
+at once: the ingress sends it on through the handle)."""
 
 
 
@@ -90,7 +94,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._forget(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        request_id = self._serve_id_to_policy_id.pop(internal_request_id, internal_request_id)
+        request_id = self._serve_id_to_policy_id.get(internal_request_id, internal_request_id)
+        counted_on = self.policy.counted_on(request_id)
+        if counted_on is not None and counted_on != replica_id.unique_id:
+            return  # an attempt a replica refused, completing after Serve sent the request on: that one still counts
+        self._serve_id_to_policy_id.pop(internal_request_id, None)
         self.policy.note_finished(request_id, replica_id.unique_id)
         self._request_id_to_future.pop(request_id, None)
 
@@ -136,7 +144,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             if others:
                 candidate_replicas = others
                 replica_id_to_replica = {replica_id_of(r): r for r in candidate_replicas}
-                avoid_matched = self.index.longest_prefix(page_keys, [avoid]).get(avoid, 0)
+                # what it held when the lane chose it (the index expects the whole prompt there since)
+                avoid_matched = self._busy_matched.get(request_id, (0.0, 0))[1]
         loads = [self._load_of(r, use_queue_lengths) for r in candidate_replicas]
         if avoid is None:
             self._observe_hot_prefix(pending_request, page_keys, loads)
@@ -145,12 +154,16 @@ class PrefixAwareRequestRouter(RequestRouter):
         decision = self.policy.choose(page_keys, loads, num_prompt_tokens=num_prompt_tokens, partial_key=partial_key,
                                       request_id=request_id)
         decision_metrics.DECISIONS.add(self._deployment_name(), decision.replica_id, decision.reason.value)
+        if isinstance(pending_request, _CallerSent):
+            pending_request.matched_pages = decision.matched_pages
         if self.policy.session_events:
             for (replica_id, event), count in self.policy.drain_session_events().items():
                 decision_metrics.SESSION_EVENTS.add(self._deployment_name(), replica_id, event, count)
         if pending_request is not None:
             hint = hint_for_request(decision)
-            if avoid_matched > decision.matched_pages and decision.peer_hint is None:
+            config = self.policy.config
+            if (config.enable_peer_hint and decision.peer_hint is None
+                    and avoid_matched - decision.matched_pages >= config.min_peer_copy_pages):
                 hint = avoid  # the busy replica holds more of the prefix than any candidate: copy it from there
             set_peer_hint(pending_request, hint, self._replica_id_to_stream)
             self._count_inflight(pending_request, decision.replica_id, num_prompt_tokens, partial_key, request_id)
@@ -166,10 +179,10 @@ class PrefixAwareRequestRouter(RequestRouter):
     async def route_for_lane(self, request: Any) -> tuple[str, Any, Callable[..., None]]:
         """Choose a replica for ``request`` (an ``EngineRequest``) as ``choose_replicas`` does for one sent through the
         handle: the same decision, metrics and peer hint, and the chosen replica counts it in flight until the caller
-        calls the answer's ``done()`` (once, when the request ended, or was never sent; ``done(False)`` when it
-        produced nothing there: ``PrefixAwarePolicy.note_finished``'s ``answered``). Answers the replica id, the
-        request to send (a copy carrying the hint) and ``done``. Call on the router's event loop, with at least one
-        replica (``replica_ids()``)."""
+        calls the answer's ``done()`` (once, when the request ended; ``done(False)`` when it never ran there: a
+        "busy", or never sent, after which it goes on through the handle with ``avoid_replica``). Answers the replica
+        id, the request to send (a copy carrying the hint) and ``done``. Call on the router's event loop, with at
+        least one replica (``replica_ids()``)."""
         pending = _CallerSent(request)
         try:
             # Serve's queue lengths: not here. Serve learns a replica's queue length only from requests through its
@@ -184,11 +197,24 @@ class PrefixAwareRequestRouter(RequestRouter):
         pending.future.set_result(chosen)  # counted there (_on_assigned), as Serve does when it sends one
         request_id = pending.metadata.internal_request_id
 
-        def done(answered: bool = True) -> None:
-            self.policy.note_finished(request_id, chosen.replica_id.unique_id, answered=answered)
+        matched = pending.matched_pages
+
+        def done(ran: bool = True) -> None:
+            if not ran:  # sent on through the handle, where _choose reads what this replica held
+                self._note_busy(request_id, matched)
+            self.policy.note_finished(request_id, chosen.replica_id.unique_id, answered=ran)
             self._request_id_to_future.pop(request_id, None)
 
         return replica_id_of(chosen), pending.args[0], done
+
+    def _note_busy(self, request_id: str, matched_pages: int) -> None:
+        """A lane request its replica answered "busy" for, and the pages that replica held at the lane's choice: the
+        request's next choice (through the handle, ``avoid_replica``) reads them. Kept ``BUSY_MEMORY_S``."""
+        now = time.monotonic()
+        busy = self._busy_matched
+        while busy and next(iter(busy.values()))[0] < now - BUSY_MEMORY_S:
+            del busy[next(iter(busy))]
+        busy[request_id] = (now, matched_pages)
 
     def _hint_best_holder(self, pending_request: PendingRequest, target: str) -> None:
         """For a pinned request: name the replica holding more of its prefix than the target as peer_hint, with its
@@ -245,6 +271,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         """Replicas' page streams, as their reports name them: sent along with a peer_hint naming the replica."""
         self._request_id_to_future: dict[str, asyncio.Future] = {}
         self._serve_id_to_policy_id: dict[str, str] = {}
+        self._busy_matched: dict[str, tuple[float, int]] = {}
+        """Lane requests answered "busy": (when, the pages the busy replica held at the lane's choice) by lane id."""
         """Requests the policy knows by another id than Serve's: a lane's "busy" sent on through the handle keeps its
         lane id (``lane_request_id``), the id its session was recorded under."""
 
@@ -429,6 +457,8 @@ class _CallerSent:
         self.args = [request]
         self.kwargs: dict[str, Any] = {}
         self.metadata = types.SimpleNamespace(internal_request_id=lane_request_id(request))
+        self.matched_pages = 0
+        """The chosen replica's leading pages at the choice (``_choose``)."""
         self.future = asyncio.get_running_loop().create_future()
 
 

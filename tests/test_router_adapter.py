@@ -548,7 +548,8 @@ def test_a_request_sent_on_after_a_busy_answer_avoids_that_replica_and_is_not_co
 
     observed = []
     recorder = types.SimpleNamespace(config=types.SimpleNamespace(max_prefix_pages=8),
-                                     observe=lambda keys, *rest: observed.append(len(keys)))
+                                     observe=lambda keys, *rest: observed.append(len(keys)),
+                                     forget_replica=lambda replica_id: None)
 
     async def scenario():
         router, a, b = holder_and_other()
@@ -570,6 +571,21 @@ def test_a_request_sent_on_after_a_busy_answer_avoids_that_replica_and_is_not_co
             assert router.policy.num_inflight("b") == 0 and [r for r, _ in router.policy._answered] == ["b"]
             (session,) = next(iter(router.policy._sessions.values())).values()
             assert session.replica_id == "b" and session.finished_s is not None  # its turn ended there
+            # a replica that refused it (Serve sends it on to the next tier) completing after that: the live
+            # attempt keeps counting
+            c = StandInReplica("c")
+            c.publish()
+            router.update_replicas([a, b, c])
+            retried = pending(busy, "internal-5")
+            await router.choose_replicas([a, b, c], retried)
+            first = router.policy.counted_on("lane-r1")
+            (other,) = {"b", "c"} - {first}
+            await router.choose_replicas([r for r in (b, c) if r.replica_id.unique_id == other], retried)
+            router.on_request_completed(ReplicaID(first, deployment_id=DEPLOYMENT), "internal-5")
+            assert router.policy.counted_on("lane-r1") == other
+            router.on_request_completed(ReplicaID(other, deployment_id=DEPLOYMENT), "internal-5")
+            assert router.policy.counted_on("lane-r1") is None and not router._serve_id_to_policy_id
+            router.update_replicas([a, b])
             dropped = pending(busy, "internal-4")
             await router.choose_replicas([a, b], dropped)
             dropped.future.cancel()  # never sent: stops counting, and Serve's id is forgotten
@@ -577,6 +593,12 @@ def test_a_request_sent_on_after_a_busy_answer_avoids_that_replica_and_is_not_co
             assert router.policy.num_inflight("b") == 0 and not router._serve_id_to_policy_id
             assert ids(await router.choose_replicas([a], pending(busy, "internal-3"))) == [["a"]]
             assert len(observed) == 1
+            fresh = EngineRequest("r2", list(range(3 * 128)), page_keys=[key("n0"), key("n1"), key("n2")])
+            replica_id, _, done = await router.route_for_lane(fresh)
+            done(False)  # "busy": the index now expects the new prefix there, but it never held it
+            sent_on = pending(dataclasses.replace(fresh, avoid_replica=replica_id), "internal-6")
+            await router.choose_replicas([a, b], sent_on)
+            assert sent_on.args[0].peer_hint is None
         finally:
             replication.register_planner(DEPLOYMENT.app_name, DEPLOYMENT.name, None)
 
