@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from ray.serve.exceptions import RequestCancelledError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from cluster.detached import create_detached_task
 from common.types import LaneOpen, RequestOutput, StreamLocation
@@ -40,6 +40,8 @@ LANE_IDLE_S = 10.0
 """When the ingress sent no request for this long, its lanes are closed (opened again on demand)."""
 RETRY_S = 30.0
 """After a lane failed to open (or broke), requests to that replica go through the handle for this long."""
+RETRY_BUSY_S = 1.0
+"""... or this long when its open call was refused by Serve's full handle queue (``BackPressureError``)."""
 WATCH_PERIOD_S = 1.0
 """How often lanes are checked for a replica that left or an idle lane when no request comes."""
 OPEN_TIMEOUT_S = 60.0
@@ -324,9 +326,11 @@ class RequestLanes:
             raise
         except Exception as error:  # noqa: BLE001 - no lane: requests to this replica go through the handle
             call_task.cancel()
-            self._retry_at[replica_id] = time.monotonic() + RETRY_S
+            # a full handle queue (a burst before the lanes opened) passes: try again soon
+            retry_s = RETRY_BUSY_S if isinstance(error, BackPressureError) else RETRY_S
+            self._retry_at[replica_id] = time.monotonic() + retry_s
             logger.info("no request lane to %s (%s: %s); its requests go through Serve's handle for %.0f s",
-                        replica_id, type(error).__name__, error, RETRY_S)
+                        replica_id, type(error).__name__, error, retry_s)
             return
         if self._closed:
             lane.close()

@@ -74,6 +74,9 @@ class LaneServer:
         self._starting = asyncio.Lock()
         self.num_refused = 0
         self.num_requests = 0
+        self.num_active = 0
+        """Lane requests admitted and not ended yet (``ServeReplica.generate`` refuses handle requests past capacity
+        only while lanes carry some)."""
         self.num_busy = 0
         self.num_batches = 0
 
@@ -173,6 +176,7 @@ class LaneServer:
                 frames.send(("busy", number))
                 return
             self.num_requests += 1
+            self.num_active += 1
             task = asyncio.ensure_future(self._run(frames, number, request))
             self._not_started.add(task)
             tasks[number] = task
@@ -193,6 +197,7 @@ class LaneServer:
                 frames.send(("outs", batch))
 
     def _ended(self, tasks: dict[int, asyncio.Task], number: int, task: asyncio.Task) -> None:
+        self.num_active -= 1
         tasks.pop(number, None)
         self._not_started.discard(task)  # cancelled before it ran
 

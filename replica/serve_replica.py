@@ -150,11 +150,14 @@ class ServeReplica:
         """Stream the request's outputs (call with ``handle.options(stream=True)``); the last has ``finished=True``.
 
         Raises ``InvalidRequestError`` before the first output when the request can never be served, and
-        ``ReplicaFullError`` when request lanes are on and the engine already holds ``lane_capacity`` requests (Serve's
-        own limit counts only the requests sent through its handle). Cancelling the call (the client went away)
-        aborts the request and frees its pages.
+        ``ReplicaFullError`` when request lanes carry requests here and the engine already holds ``lane_capacity``
+        (Serve's own limit counts only the requests sent through its handle; with no lane request in, that limit is
+        the bound, as with lanes off). Cancelling the call (the client went away) aborts the request and frees its
+        pages.
         """
-        if self.lane_capacity and self.engine.num_requests >= self.lane_capacity:
+        lanes = getattr(self, "_lane_server", None)
+        if (self.lane_capacity and lanes is not None and lanes.num_active
+                and self.engine.num_requests >= self.lane_capacity):
             raise ReplicaFullError(f"replica {self.replica_id} holds {self.engine.num_requests} requests")
         async for output in self.engine.generate(request):
             yield output

@@ -5,6 +5,7 @@ connect. No Ray cluster."""
 from __future__ import annotations
 
 import asyncio
+import time
 import struct
 import types
 
@@ -115,6 +116,7 @@ def test_requests_and_their_outputs_cross_one_lane_side_by_side():
             assert {o.request_id for o in outputs} == {f"r{index}"}
         assert sorted(done) == [(0, True), (1, True)] and lane.num_requests == 0
         assert server.num_requests == 2 and [r.request_id for r in engine.requests] == ["r0", "r1"]
+        assert server.num_active == 0  # both ended
         lane.close()
         await asyncio.wait_for(holder, 5)  # the replica's Serve call ends with its lane
 
@@ -243,6 +245,8 @@ class StandInReplicas:
         self.deployment_id = types.SimpleNamespace(app_name="lanes-test", name="replicas")
         self.servers = servers
         self.ended: list[str] = []
+        self.refuse: list[BaseException] = []
+        """Errors the next open calls raise (as Serve's handle would), first one first."""
 
     @property
     def request_lane(self):
@@ -251,7 +255,11 @@ class StandInReplicas:
     def remote(self, lane_open):
         server = self.servers[lane_open.target_replica]
 
+        refusal = self.refuse.pop(0) if self.refuse else None
+
         async def call():
+            if refusal is not None:
+                raise refusal
             server.expect(lane_open.lane_id)
             try:
                 yield server.location
@@ -304,6 +312,48 @@ def test_the_ingress_takes_a_lane_once_open_and_the_handle_otherwise_and_closes_
         router.ids = []  # the replica left: its lane closes, which ends its Serve call on the replica
         await until(lambda: replicas.ended)
         assert replicas.ended == ["a"] and not lanes._lanes
+        lanes.close()
+        server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_lane_open_refused_by_a_full_handle_queue_is_tried_again_soon_and_another_failure_later(monkeypatch):
+    """A burst before the lanes opened can fill Serve's handle queue, which refuses the lane's own open call
+    (``BackPressureError``): that open is tried again after ``RETRY_BUSY_S``, any other failure after ``RETRY_S``."""
+    from ray.serve.exceptions import BackPressureError
+
+    from cluster import request_lanes
+    from router import local_routers
+
+    monkeypatch.setattr(request_lanes, "RETRY_BUSY_S", 0.05)
+
+    async def scenario():
+        engine = StandInEngine()
+        server = LaneServer(engine.generate, engine.room, "127.0.0.1")
+        await server.start()
+        replicas = StandInReplicas({"a": server})
+        replicas.refuse = [BackPressureError(num_queued_requests=2, max_queued_requests=2),
+                           RuntimeError("the replica is gone")]
+        lanes = request_lanes.RequestLanes(replicas, lambda handle: handle)
+        router = StandInRouter(["a"])  # registered by weak reference: held here
+        local_routers.register("lanes-test", "replicas", router)
+
+        def through_handle(request):
+            return HandleStream(request.request_id)
+
+        async def refused_and_retried_after(request_id: str) -> float:
+            before = time.monotonic()
+            await lanes.open_stream(EngineRequest(request_id, [5]), through_handle)  # opens in the background
+            await until(lambda: not lanes._opening and "a" in lanes._retry_at)
+            return lanes._retry_at["a"] - before
+
+        assert 0 < await refused_and_retried_after("r0") <= 0.05 + 1.0
+        await asyncio.sleep(0.1)
+        assert await refused_and_retried_after("r1") > request_lanes.RETRY_S - 1
+        lanes._retry_at.clear()
+        await lanes.open_stream(EngineRequest("r2", [5]), through_handle)
+        await until(lambda: "a" in lanes._lanes)  # the third try opens it
         lanes.close()
         server.close()
 
@@ -370,14 +420,15 @@ def test_a_request_cancelled_after_its_replica_answered_busy_is_not_sent_through
 
 
 def test_a_replica_full_with_lane_requests_refuses_one_more_through_the_handle_with_a_429():
-    """Serve's limit on a replica counts only the requests sent through its handle; with lanes on the replica itself
-    refuses a request through the handle once its engine holds ``lane_capacity`` (lane ones included)."""
+    """Serve's limit on a replica counts only the requests sent through its handle; while its lanes carry requests
+    the replica itself refuses a request through the handle once its engine holds ``lane_capacity`` (lane ones
+    included); with none on its lanes (not open yet, say) Serve's limit is the bound, as with lanes off."""
     from cluster.openai_api import replica_error
     from common.errors import ReplicaFullError
     from replica.serve_replica import ServeReplica
 
     engine = StandInEngine()
-    replica = types.SimpleNamespace(lane_capacity=2, replica_id="a",
+    replica = types.SimpleNamespace(lane_capacity=2, replica_id="a", _lane_server=types.SimpleNamespace(num_active=1),
                                     engine=types.SimpleNamespace(num_requests=2, generate=engine.generate))
 
     async def first(request):
@@ -386,6 +437,9 @@ def test_a_replica_full_with_lane_requests_refuses_one_more_through_the_handle_w
     with pytest.raises(ReplicaFullError):
         asyncio.run(first(EngineRequest("r1", [5])))
     assert replica_error(ReplicaFullError("full")).status == 429
+    replica._lane_server.num_active = 0  # nothing on the lanes: the handle's own limit bounds it
+    assert asyncio.run(first(EngineRequest("r1", [5]))).new_text == "t0"
+    replica._lane_server.num_active = 1
     replica.engine.num_requests = 1
     assert asyncio.run(first(EngineRequest("r2", [5]))).new_text == "t0"
     replica.lane_capacity = 0  # lanes off: Serve's own limit is the bound
