@@ -271,10 +271,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         """Replicas' page streams, as their reports name them: sent along with a peer_hint naming the replica."""
         self._request_id_to_future: dict[str, asyncio.Future] = {}
         self._serve_id_to_policy_id: dict[str, str] = {}
-        self._busy_matched: dict[str, tuple[float, int]] = {}
-        """Lane requests answered "busy": (when, the pages the busy replica held at the lane's choice) by lane id."""
         """Requests the policy knows by another id than Serve's: a lane's "busy" sent on through the handle keeps its
         lane id (``lane_request_id``), the id its session was recorded under."""
+        self._busy_matched: dict[str, tuple[float, int]] = {}
+        """Lane requests answered "busy": (when, the pages the busy replica held at the lane's choice) by lane id."""
 
     def _sync_stats(self, replica: RunningReplica) -> None:
         replica_id = replica_id_of(replica)

@@ -271,6 +271,18 @@ class StandInReplicas:
         return call()
 
 
+async def ingress_over_one_replica():
+    """A real ``LaneServer`` for replica "a" over a stand-in engine, and the ingress's ``RequestLanes`` over a
+    stand-in handle to it (``StandInReplicas``); no router registered yet."""
+    from cluster import request_lanes
+
+    engine = StandInEngine()
+    server = LaneServer(engine.generate, engine.room, "127.0.0.1")
+    await server.start()
+    replicas = StandInReplicas({"a": server})
+    return engine, server, replicas, request_lanes.RequestLanes(replicas, lambda handle: handle)
+
+
 def test_the_ingress_takes_a_lane_once_open_and_the_handle_otherwise_and_closes_a_lane_whose_replica_left(
         monkeypatch):
     from cluster import request_lanes
@@ -279,11 +291,7 @@ def test_the_ingress_takes_a_lane_once_open_and_the_handle_otherwise_and_closes_
     monkeypatch.setattr(request_lanes, "WATCH_PERIOD_S", 0.02)
 
     async def scenario():
-        engine = StandInEngine()
-        server = LaneServer(engine.generate, engine.room, "127.0.0.1")
-        await server.start()
-        replicas = StandInReplicas({"a": server})
-        lanes = request_lanes.RequestLanes(replicas, lambda handle: handle)
+        engine, server, replicas, lanes = await ingress_over_one_replica()
         handle_calls = []
 
         avoided = []
@@ -329,13 +337,9 @@ def test_a_lane_open_refused_by_a_full_handle_queue_is_tried_again_soon_and_anot
     monkeypatch.setattr(request_lanes, "RETRY_BUSY_S", 0.05)
 
     async def scenario():
-        engine = StandInEngine()
-        server = LaneServer(engine.generate, engine.room, "127.0.0.1")
-        await server.start()
-        replicas = StandInReplicas({"a": server})
+        _, server, replicas, lanes = await ingress_over_one_replica()
         replicas.refuse = [BackPressureError(num_queued_requests=2, max_queued_requests=2),
                            RuntimeError("the replica is gone")]
-        lanes = request_lanes.RequestLanes(replicas, lambda handle: handle)
         router = StandInRouter(["a"])  # registered by weak reference: held here
         local_routers.register("lanes-test", "replicas", router)
 
