@@ -347,6 +347,7 @@ void finish_rows(const Chunk& c, int64_t h, const Rows& s) {
   }
 }
 
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t kGroup = 8;     // most row blocks of one kv head per item
 constexpr int64_t kPackFrom = 4;  // fewest row blocks that a key block is packed for (fewer: read in place)
 
@@ -649,11 +650,14 @@ void prefill_attention_f32(const at::Tensor& query, const at::Tensor& k_cache, c
   const Chunk chunk{query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), run, runs.size(0),
                     num_heads, group, tokens * group, head_dim, num_kv_heads * head_dim, length - tokens,
                     static_cast<float>(scale), bf16};
-  // items: (kv head, up to kGroup row blocks), as many row blocks per item as still leaves every thread an item
+  // items: (kv head, up to kGroup row blocks), as many row blocks per item as still leaves every thread an item, and
+  // a kv head's row blocks shared evenly among its items (12 as 6 + 6, not 8 + 4: with 3 kv heads on 2 threads, one
+  // thread had 20 row blocks to attend and the other 16)
   const int64_t row_blocks = (chunk.num_rows + kRows - 1) / kRows, threads = at::get_num_threads();
-  int64_t per_item = std::min(kGroup, row_blocks);
-  while (per_item > 1 && num_kv_heads * ((row_blocks + per_item - 1) / per_item) < threads) per_item = (per_item + 1) / 2;
-  const int64_t groups = (row_blocks + per_item - 1) / per_item;
+  const auto even = [row_blocks](int64_t most) { return ceil_div(row_blocks, ceil_div(row_blocks, most)); };
+  int64_t per_item = even(std::min(kGroup, row_blocks));
+  while (per_item > 1 && num_kv_heads * ceil_div(row_blocks, per_item) < threads) per_item = even((per_item + 1) / 2);
+  const int64_t groups = ceil_div(row_blocks, per_item);
   at::parallel_for(0, num_kv_heads * groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t first = (item % groups) * per_item;
