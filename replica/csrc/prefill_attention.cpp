@@ -501,9 +501,10 @@ void values_any(int n, const uint32_t* vp, int64_t dim, const uint32_t* pp, int6
 }
 
 // The next tile of ``left`` keys (or head dims): 16 side by side while 16 are left, else up to 8. A vdpbf16ps waits
-// for the one before it on its accumulator (6 cycles on Zen 4), and two can start per cycle: 8 chains in flight keep
-// the units two-thirds busy at most (the kernel alone, Zen 5, one thread: 283-291 GFLOP/s with 8, 320-324 with 16 of
-// ~480). The float32 kernel's FMAs wait 4 cycles: its 8 are enough, 16 measured no faster.
+// for the one before it on its accumulator (~6 cycles), and Zen 5's 512-bit units start two per cycle: 8 chains in
+// flight keep them two-thirds busy at most (a loop of these alone: 328-345 GFLOP/s with 8, 484-500 with 12 or 16; this
+// kernel alone, one thread: 283-291 with 8, 320-324 with 16). The float32 kernel's 8 FMA chains (4 cycles each) are
+// enough: 16 measured no faster.
 inline int64_t tile_of(int64_t left) { return left >= 16 ? 16 : std::min<int64_t>(8, left); }
 
 // ``count`` keys at ``key`` (pool rows ``stride`` apart) and their values as pairs ``vp``, the context's
@@ -633,7 +634,8 @@ void prefill_attention_f32(const at::Tensor& query, const at::Tensor& k_cache, c
                 "prefill_attention_f32: contiguous float32 or bfloat16 only, all of one dtype");
   const int64_t tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_slots = k_cache.size(0), num_kv_heads = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == head_dim && num_heads % num_kv_heads == 0, "prefill_attention_f32: head mismatch");
+  TORCH_CHECK(k_cache.size(2) == head_dim && num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0,
+              "prefill_attention_f32: head mismatch");
   TORCH_CHECK(head_dim > 0 && head_dim <= kMaxDim, "prefill_attention_f32: head size up to 256 only");
   TORCH_CHECK(runs.scalar_type() == at::kLong && runs.dim() == 2 && runs.size(1) == 2 && runs.is_contiguous(),
               "prefill_attention_f32: runs must be [R, 2] int64");
