@@ -1,6 +1,6 @@
 """Warm TTFT (2048 cached + 64 new) and its floor (64 alone), many times in a row, then one of each under torch's
 profiler: where a warm request's time goes. PYTHONPATH=. .venv/bin/python benchmarks/results/s38/scratch/warm_profile.py
---dtype float32 [--rounds 15]"""
+--dtype float32 [--rounds 15] [--model-dir DIR] (session 46 added --model-dir; the tiny Llama without it)"""
 import argparse
 import statistics
 import sys
@@ -18,9 +18,10 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--dtype", default="float32")
 parser.add_argument("--rounds", type=int, default=15)
 parser.add_argument("--prefill-threads", type=int, default=2)
+parser.add_argument("--model-dir", default=None)
 args = parser.parse_args()
 torch.set_num_threads(1)
-model = str(make_model(Path(tempfile.gettempdir()) / "prefixserve-bench-llama-512x8"))
+model = args.model_dir or str(make_model(Path(tempfile.gettempdir()) / "prefixserve-bench-llama-512x8"))
 engine = build_engine(EngineConfig(model=model, dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
                                    max_num_batched_tokens=4096, max_model_len=4096,
                                    num_prefill_threads=args.prefill_threads))
