@@ -323,7 +323,7 @@ def test_float32_prefill_kernel_rescales_and_masks(head_dim, threads):
     """Keys that grow along the context (a row's maximum moves block after block, so the running sums and outputs
     are rescaled), the context split into uneven runs (blocks cut short), 3 query heads per kv head (rows of one
     token in two row blocks), against one float64 softmax, causal; a run outside the pool is refused. The 9 row blocks
-    of a kv head are split into items of 8 + 1 on one thread, of 2 (and one of 1) on 8 threads: each key block is shared
+    of a kv head are split into items of 5 + 4 on one thread, of 2 (and one of 1) on 8 threads: each key block is shared
     by row blocks whose causal limits end at different keys."""
     assert cpu_kernels.has_vector_prefill(), cpu_kernels._state
     before = torch.get_num_threads()
@@ -332,6 +332,31 @@ def test_float32_prefill_kernel_rescales_and_masks(head_dim, threads):
         _check_rescales_and_masks(head_dim)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not VECTOR_CPU, reason="needs a CPU with AVX2 and FMA")
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_float32_prefill_kernel_gives_the_same_bits_for_any_split_of_its_rows(head_dim):
+    """A kv head's 5 row blocks (35 tokens x 2 query heads, causal, uneven runs) are one item on one thread, attended
+    two row blocks at a time with AVX-512 (each key broadcast once for both: a pair, a pair, then one), and one row
+    block per item on 8 threads. Every sum runs in the same order either way: the outputs are equal bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    num_kv_heads, group, tokens, slots = 1, 2, 35, 600
+    k_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen) * 2
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(tokens, num_kv_heads * group, head_dim, generator=gen)
+    runs = torch.tensor([[300, 150], [10, 101], [500, tokens]])
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 8):
+            torch.set_num_threads(threads)
+            outs.append(torch.zeros_like(query))
+            cpu_kernels.prefill_attention(query, k_cache, v_cache, runs, head_dim ** -0.5, outs[-1])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.count_nonzero(outs[0]) == outs[0].numel()
+    assert torch.equal(outs[0], outs[1])
 
 
 def _check_rescales_and_masks(head_dim):

@@ -29,7 +29,10 @@
 // (Before, each item was 16 rows: a kv head's keys and values for a 2048-token context, 1 MiB in float32 at head size
 // 64 and more than one core's L2, came from L3 or memory again for every 16 rows, in pool rows 1 KiB apart that map
 // onto a quarter of L1's sets: 10-16% slower alone, more in an engine step after the weights have gone through the
-// caches.) Items are independent and run in parallel; each writes its rows' outputs in place.
+// caches.) Items are independent and run in parallel; each writes its rows' outputs in place. With AVX-512 the row
+// blocks that see a key block are attended two at a time (``attend_pair``): each key's and value's broadcast serves 32
+// rows and 12 chains of FMAs are in flight, with every sum in the same order (the same bits). The kernel alone on the
+// Zen 5 EPYC, one thread, 64 new tokens after 2048 cached: 152-168 -> 177-182 GFLOP/s, interleaved on a noisy box.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -311,14 +314,8 @@ void start_rows(const Chunk& c, int64_t h, int64_t first, float* qt, float* ot, 
   }
 }
 
-// ``count`` consecutive keys at ``key`` / ``value``, the context's ``position``-th onwards, into one row block's state
-// (``pt``: scratch for S^T and P^T)
-void attend_block(const Chunk& c, Rows& s, const float* key, const float* value, int64_t stride, int64_t count,
-                  int64_t position, float* pt) {
-  const int64_t dim = c.head_dim;
-  for (int64_t j = 0; j < count; j += kTile)
-    scores_any(static_cast<int>(std::min<int64_t>(kTile, count - j)), key + j * stride, stride, s.qt, dim,
-               pt + j * kRows);
+// S^T of a block (``pt``) into P^T: the maxima moved, the exponentials taken, the sums and O^T rescaled
+inline void softmax_block(Rows& s, float* pt, int64_t count, int64_t position, int64_t dim) {
   const V16 factor = s.advance(pt, count, position);
   V16 sum = V16::zero();
   for (int64_t j = 0; j < count; ++j) {
@@ -327,9 +324,108 @@ void attend_block(const Chunk& c, Rows& s, const float* key, const float* value,
     sum = sum + p;
   }
   s.rescale(factor, sum, position, dim);
+}
+
+// ``count`` consecutive keys at ``key`` / ``value``, the context's ``position``-th onwards, into one row block's state
+// (``pt``: scratch for S^T and P^T)
+void attend_block(const Chunk& c, Rows& s, const float* key, const float* value, int64_t stride, int64_t count,
+                  int64_t position, float* pt) {
+  const int64_t dim = c.head_dim;
+  for (int64_t j = 0; j < count; j += kTile)
+    scores_any(static_cast<int>(std::min<int64_t>(kTile, count - j)), key + j * stride, stride, s.qt, dim,
+               pt + j * kRows);
+  softmax_block(s, pt, count, position, dim);
   for (int64_t d = 0; d < dim; d += kTile)
     values_any(static_cast<int>(std::min<int64_t>(kTile, dim - d)), value + d, stride, pt, count, s.ot + d * kRows);
 }
+
+#if defined(__AVX512F__)
+// Two row blocks at once (``a``, ``b``): each key's (or value's) broadcast serves both blocks' rows, and kPairTile x 2
+// chains are in flight. Each sum runs in the same order as in ``scores`` / ``values``: the same results, bit for bit.
+constexpr int kPairTile = 6;
+
+template <int N>
+inline void scores2(const float* key, int64_t stride, const float* qa, const float* qb, int64_t dim, float* sa,
+                    float* sb) {
+  V16 a[N], b[N];
+  for (int n = 0; n < N; ++n) a[n] = b[n] = V16::zero();
+  for (int64_t d = 0; d < dim; ++d) {
+    const V16 x = V16::load(qa + d * kRows), y = V16::load(qb + d * kRows);
+    for (int n = 0; n < N; ++n) {
+      const V16 k = V16::all(key[n * stride + d]);
+      a[n] = fmadd(k, x, a[n]);
+      b[n] = fmadd(k, y, b[n]);
+    }
+  }
+  for (int n = 0; n < N; ++n) {
+    a[n].store(sa + n * kRows);
+    b[n].store(sb + n * kRows);
+  }
+}
+
+template <int N>
+inline void values2(const float* value, int64_t stride, const float* pa, const float* pb, int64_t count, float* oa,
+                    float* ob) {
+  V16 a[N], b[N];
+  for (int n = 0; n < N; ++n) {
+    a[n] = V16::load(oa + n * kRows);
+    b[n] = V16::load(ob + n * kRows);
+  }
+  for (int64_t j = 0; j < count; ++j) {
+    const V16 x = V16::load(pa + j * kRows), y = V16::load(pb + j * kRows);
+    const float* vj = value + j * stride;
+    for (int n = 0; n < N; ++n) {
+      const V16 v = V16::all(vj[n]);
+      a[n] = fmadd(v, x, a[n]);
+      b[n] = fmadd(v, y, b[n]);
+    }
+  }
+  for (int n = 0; n < N; ++n) {
+    a[n].store(oa + n * kRows);
+    b[n].store(ob + n * kRows);
+  }
+}
+
+void scores2_any(int n, const float* key, int64_t stride, const float* qa, const float* qb, int64_t dim, float* sa,
+                 float* sb) {
+  switch (n) {
+    case 6: scores2<6>(key, stride, qa, qb, dim, sa, sb); break;
+    case 5: scores2<5>(key, stride, qa, qb, dim, sa, sb); break;
+    case 4: scores2<4>(key, stride, qa, qb, dim, sa, sb); break;
+    case 3: scores2<3>(key, stride, qa, qb, dim, sa, sb); break;
+    case 2: scores2<2>(key, stride, qa, qb, dim, sa, sb); break;
+    default: scores2<1>(key, stride, qa, qb, dim, sa, sb); break;
+  }
+}
+
+void values2_any(int n, const float* value, int64_t stride, const float* pa, const float* pb, int64_t count, float* oa,
+                 float* ob) {
+  switch (n) {
+    case 6: values2<6>(value, stride, pa, pb, count, oa, ob); break;
+    case 5: values2<5>(value, stride, pa, pb, count, oa, ob); break;
+    case 4: values2<4>(value, stride, pa, pb, count, oa, ob); break;
+    case 3: values2<3>(value, stride, pa, pb, count, oa, ob); break;
+    case 2: values2<2>(value, stride, pa, pb, count, oa, ob); break;
+    default: values2<1>(value, stride, pa, pb, count, oa, ob); break;
+  }
+}
+
+// attend_block for two row blocks that both see the block (``pa``, ``pb``: their S^T / P^T scratch)
+void attend_pair(const Chunk& c, Rows& sa, Rows& sb, const float* key, const float* value, int64_t stride,
+                 int64_t count, int64_t position, float* pa, float* pb) {
+  const int64_t dim = c.head_dim;
+  for (int64_t j = 0, n = 0; j < count; j += n) {
+    n = std::min<int64_t>(kPairTile, count - j);
+    scores2_any(static_cast<int>(n), key + j * stride, stride, sa.qt, sb.qt, dim, pa + j * kRows, pb + j * kRows);
+  }
+  softmax_block(sa, pa, count, position, dim);
+  softmax_block(sb, pb, count, position, dim);
+  for (int64_t d = 0, n = 0; d < dim; d += n) {
+    n = std::min<int64_t>(kPairTile, dim - d);
+    values2_any(static_cast<int>(n), value + d, stride, pa, pb, count, sa.ot + d * kRows, sb.ot + d * kRows);
+  }
+}
+#endif
 
 void finish_rows(const Chunk& c, int64_t h, const Rows& s) {
   const int64_t dim = c.head_dim;
@@ -357,7 +453,7 @@ constexpr int64_t kPackFrom = 4;  // fewest row blocks that a key block is packe
 void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
   const int64_t dim = c.head_dim, state = dim * kRows;
   thread_local std::vector<float> scratch;
-  const size_t need = static_cast<size_t>((2 * blocks * state) + kKeys * kRows + 2 * kKeys * dim + 16);
+  const size_t need = static_cast<size_t>((2 * blocks * state) + 2 * kKeys * kRows + 2 * kKeys * dim + 16);
   if (scratch.size() < need) scratch.resize(need);
   float* base = scratch.data();
   base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;  // 64-byte aligned: a V16 a line
@@ -377,7 +473,7 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
       int64_t stride = c.slot_stride;
       const float* key;
       const float* value;
-      float* packed = pt + kKeys * kRows;
+      float* packed = pt + 2 * kKeys * kRows;
       if (c.bf16) {  // always packed: widened to float32 once per block, for all of the item's row blocks
         const uint16_t* k16 = static_cast<const uint16_t*>(c.k) + at;
         const uint16_t* v16 = static_cast<const uint16_t*>(c.v) + at;
@@ -401,8 +497,17 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
           stride = dim;
         }
       }
-      for (int64_t b = 0; b < blocks; ++b)
-        if (position < rows[b].max_limit) attend_block(c, rows[b], key, value, stride, count, position, pt);
+      for (int64_t b = 0; b < blocks; ++b) {
+        if (position >= rows[b].max_limit) continue;
+#if defined(__AVX512F__)
+        if (b + 1 < blocks && position < rows[b + 1].max_limit) {
+          attend_pair(c, rows[b], rows[b + 1], key, value, stride, count, position, pt, pt + kKeys * kRows);
+          ++b;
+          continue;
+        }
+#endif
+        attend_block(c, rows[b], key, value, stride, count, position, pt);
+      }
       position += count;
     }
   }
