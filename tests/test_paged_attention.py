@@ -336,16 +336,19 @@ def test_float32_prefill_kernel_rescales_and_masks(head_dim, threads):
 
 @pytest.mark.skipif(not VECTOR_CPU, reason="needs a CPU with AVX2 and FMA")
 @pytest.mark.parametrize("head_dim", [64, 80])
-def test_float32_prefill_kernel_gives_the_same_bits_for_any_split_of_its_rows(head_dim):
-    """A kv head's 5 row blocks (35 tokens x 2 query heads, causal, uneven runs) are one item on one thread, attended
-    two row blocks at a time with AVX-512 (each key broadcast once for both: a pair, a pair, then one), and one row
-    block per item on 8 threads. Every sum runs in the same order either way: the outputs are equal bit for bit."""
+@pytest.mark.parametrize("tokens", [35, 100])
+def test_float32_prefill_kernel_gives_the_same_bits_for_any_split_of_its_rows(head_dim, tokens):
+    """A kv head's row blocks (35 or 100 tokens x 2 query heads: 5 or 13 row blocks, causal, uneven runs, key blocks
+    of 64, 3 and 37 keys) are items of up to 8 on one thread, attended two row blocks at a time with AVX-512 (each key
+    broadcast once for both: pairs, then one), and one row block per item on 8 threads. With 100 tokens the last key
+    block is past the first 8 row blocks' causal limits, so the pairs start at an odd row block. Every sum runs in the
+    same order either way: the outputs are equal bit for bit."""
     gen = torch.Generator().manual_seed(5)
-    num_kv_heads, group, tokens, slots = 1, 2, 35, 600
+    num_kv_heads, group, slots = 1, 2, 700
     k_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen) * 2
     v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen)
     query = torch.randn(tokens, num_kv_heads * group, head_dim, generator=gen)
-    runs = torch.tensor([[300, 150], [10, 101], [500, tokens]])
+    runs = torch.tensor([[300, 131], [10, 101], [500, tokens]])
     outs = []
     before = torch.get_num_threads()
     try:

@@ -340,8 +340,9 @@ void attend_block(const Chunk& c, Rows& s, const float* key, const float* value,
 }
 
 #if defined(__AVX512F__)
-// Two row blocks at once (``a``, ``b``): each key's (or value's) broadcast serves both blocks' rows, and kPairTile x 2
-// chains are in flight. Each sum runs in the same order as in ``scores`` / ``values``: the same results, bit for bit.
+// Two row blocks at once (``sa``, ``sb``): each key's (or value's) broadcast serves both blocks' rows, and
+// kPairTile x 2 chains are in flight. Each sum runs in the same order as in ``scores`` / ``values``: the same results,
+// bit for bit.
 constexpr int kPairTile = 6;
 
 template <int N>
@@ -608,8 +609,8 @@ void values_any(int n, const uint32_t* vp, int64_t dim, const uint32_t* pp, int6
 // The next tile of ``left`` keys (or head dims): 16 side by side while 16 are left, else up to 8. A vdpbf16ps waits
 // for the one before it on its accumulator (~6 cycles), and Zen 5's 512-bit units start two per cycle: 8 chains in
 // flight keep them two-thirds busy at most (a loop of these alone: 328-345 GFLOP/s with 8, 484-500 with 12 or 16; this
-// kernel alone, one thread: 283-291 with 8, 320-324 with 16). The float32 kernel's 8 FMA chains (4 cycles each) are
-// enough: 16 measured no faster.
+// kernel alone, one thread: 283-291 with 8, 320-324 with 16). The float32 kernel's FMAs (4 cycles each) measured no
+// faster with 16 keys a tile; it keeps 12 chains in flight by attending two row blocks at once (``attend_pair``).
 inline int64_t tile_of(int64_t left) { return left >= 16 ? 16 : std::min<int64_t>(8, left); }
 
 // ``count`` keys at ``key`` (pool rows ``stride`` apart) and their values as pairs ``vp``, the context's
