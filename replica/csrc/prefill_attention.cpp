@@ -30,9 +30,10 @@
 // 64 and more than one core's L2, came from L3 or memory again for every 16 rows, in pool rows 1 KiB apart that map
 // onto a quarter of L1's sets: 10-16% slower alone, more in an engine step after the weights have gone through the
 // caches.) Items are independent and run in parallel; each writes its rows' outputs in place. With AVX-512 the row
-// blocks that see a key block are attended two at a time (``attend_pair``): each key's and value's broadcast serves 32
-// rows and 12 chains of FMAs are in flight, with every sum in the same order (the same bits). The kernel alone on the
-// Zen 5 EPYC, one thread, 64 new tokens after 2048 cached: 152-168 -> 177-182 GFLOP/s, interleaved on a noisy box.
+// blocks that see a key block are attended two at a time (``attend_blocks<2>``): each key's and value's broadcast
+// serves 32 rows and 12 chains of FMAs are in flight, with every sum in the same order (the same bits). The kernel
+// alone on the Zen 5 EPYC, one thread, 64 new tokens after 2048 cached: 152-168 -> 177-182 GFLOP/s, interleaved on a
+// noisy box.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -180,58 +181,74 @@ struct Chunk {
   bool bf16;
 };
 
-// S^T for N (<= kTile) consecutive keys at ``key`` (pool rows ``slot_stride`` apart) against the item's 16 rows
-template <int N>
-inline void scores(const float* key, int64_t slot_stride, const float* qt, int64_t head_dim, float* st) {
-  V16 acc[N];
-  for (int n = 0; n < N; ++n) acc[n] = V16::zero();
+// S^T for N (<= kTile) consecutive keys at ``key`` (pool rows ``slot_stride`` apart) against B row blocks' 16 rows each
+// (``qt[b]`` into ``st[b]``): each key's value is broadcast once for all B, and B x N sums are in flight
+template <int N, int B>
+inline void scores(const float* key, int64_t slot_stride, const float* const* qt, int64_t head_dim, float* const* st) {
+  V16 acc[B][N];
+  for (int b = 0; b < B; ++b)
+    for (int n = 0; n < N; ++n) acc[b][n] = V16::zero();
   for (int64_t d = 0; d < head_dim; ++d) {
-    const V16 q = V16::load(qt + d * kRows);
-    for (int n = 0; n < N; ++n) acc[n] = fmadd(V16::all(key[n * slot_stride + d]), q, acc[n]);
+    V16 q[B];
+    for (int b = 0; b < B; ++b) q[b] = V16::load(qt[b] + d * kRows);
+    for (int n = 0; n < N; ++n) {
+      const V16 k = V16::all(key[n * slot_stride + d]);
+      for (int b = 0; b < B; ++b) acc[b][n] = fmadd(k, q[b], acc[b][n]);
+    }
   }
-  for (int n = 0; n < N; ++n) acc[n].store(st + n * kRows);
+  for (int b = 0; b < B; ++b)
+    for (int n = 0; n < N; ++n) acc[b][n].store(st[b] + n * kRows);
 }
 
-// O^T[d .. d+N) += V^T P^T over ``count`` consecutive keys at ``value`` (head dims d.. of each)
-template <int N>
-inline void values(const float* value, int64_t slot_stride, const float* pt, int64_t count, float* ot) {
-  V16 acc[N];
-  for (int n = 0; n < N; ++n) acc[n] = V16::load(ot + n * kRows);
+// O^T[d .. d+N) += V^T P^T over ``count`` consecutive keys at ``value`` (head dims d.. of each), for B row blocks
+// (``pt[b]``, ``ot[b]``): each value broadcast once for all B
+template <int N, int B>
+inline void values(const float* value, int64_t slot_stride, const float* const* pt, int64_t count, float* const* ot) {
+  V16 acc[B][N];
+  for (int b = 0; b < B; ++b)
+    for (int n = 0; n < N; ++n) acc[b][n] = V16::load(ot[b] + n * kRows);
   for (int64_t j = 0; j < count; ++j) {
-    const V16 p = V16::load(pt + j * kRows);
+    V16 p[B];
+    for (int b = 0; b < B; ++b) p[b] = V16::load(pt[b] + j * kRows);
     const float* vj = value + j * slot_stride;
-    for (int n = 0; n < N; ++n) acc[n] = fmadd(V16::all(vj[n]), p, acc[n]);
+    for (int n = 0; n < N; ++n) {
+      const V16 v = V16::all(vj[n]);
+      for (int b = 0; b < B; ++b) acc[b][n] = fmadd(v, p[b], acc[b][n]);
+    }
   }
-  for (int n = 0; n < N; ++n) acc[n].store(ot + n * kRows);
+  for (int b = 0; b < B; ++b)
+    for (int n = 0; n < N; ++n) acc[b][n].store(ot[b] + n * kRows);
 }
 
-void scores_any(int n, const float* key, int64_t stride, const float* qt, int64_t dim, float* st) {
+template <int B>
+void scores_any(int n, const float* key, int64_t stride, const float* const* qt, int64_t dim, float* const* st) {
   switch (n) {
 #if defined(__AVX512F__)
-    case 8: scores<8>(key, stride, qt, dim, st); break;
-    case 7: scores<7>(key, stride, qt, dim, st); break;
+    case 8: scores<8, B>(key, stride, qt, dim, st); break;
+    case 7: scores<7, B>(key, stride, qt, dim, st); break;
 #endif
-    case 6: scores<6>(key, stride, qt, dim, st); break;
-    case 5: scores<5>(key, stride, qt, dim, st); break;
-    case 4: scores<4>(key, stride, qt, dim, st); break;
-    case 3: scores<3>(key, stride, qt, dim, st); break;
-    case 2: scores<2>(key, stride, qt, dim, st); break;
-    default: scores<1>(key, stride, qt, dim, st); break;
+    case 6: scores<6, B>(key, stride, qt, dim, st); break;
+    case 5: scores<5, B>(key, stride, qt, dim, st); break;
+    case 4: scores<4, B>(key, stride, qt, dim, st); break;
+    case 3: scores<3, B>(key, stride, qt, dim, st); break;
+    case 2: scores<2, B>(key, stride, qt, dim, st); break;
+    default: scores<1, B>(key, stride, qt, dim, st); break;
   }
 }
 
-void values_any(int n, const float* value, int64_t stride, const float* pt, int64_t count, float* ot) {
+template <int B>
+void values_any(int n, const float* value, int64_t stride, const float* const* pt, int64_t count, float* const* ot) {
   switch (n) {
 #if defined(__AVX512F__)
-    case 8: values<8>(value, stride, pt, count, ot); break;
-    case 7: values<7>(value, stride, pt, count, ot); break;
+    case 8: values<8, B>(value, stride, pt, count, ot); break;
+    case 7: values<7, B>(value, stride, pt, count, ot); break;
 #endif
-    case 6: values<6>(value, stride, pt, count, ot); break;
-    case 5: values<5>(value, stride, pt, count, ot); break;
-    case 4: values<4>(value, stride, pt, count, ot); break;
-    case 3: values<3>(value, stride, pt, count, ot); break;
-    case 2: values<2>(value, stride, pt, count, ot); break;
-    default: values<1>(value, stride, pt, count, ot); break;
+    case 6: values<6, B>(value, stride, pt, count, ot); break;
+    case 5: values<5, B>(value, stride, pt, count, ot); break;
+    case 4: values<4, B>(value, stride, pt, count, ot); break;
+    case 3: values<3, B>(value, stride, pt, count, ot); break;
+    case 2: values<2, B>(value, stride, pt, count, ot); break;
+    default: values<1, B>(value, stride, pt, count, ot); break;
   }
 }
 
@@ -326,107 +343,27 @@ inline void softmax_block(Rows& s, float* pt, int64_t count, int64_t position, i
   s.rescale(factor, sum, position, dim);
 }
 
-// ``count`` consecutive keys at ``key`` / ``value``, the context's ``position``-th onwards, into one row block's state
-// (``pt``: scratch for S^T and P^T)
-void attend_block(const Chunk& c, Rows& s, const float* key, const float* value, int64_t stride, int64_t count,
-                  int64_t position, float* pt) {
+// ``count`` consecutive keys at ``key`` / ``value``, the context's ``position``-th onwards, into B row blocks' states
+// (``s[b]``; ``pt[b]``: scratch for its S^T and P^T). With AVX-512 the kernel attends the row blocks that see a key
+// block two at a time (B = 2, 6 keys or head dims a tile): each key's and value's broadcast serves 32 rows and 12
+// chains of FMAs are in flight. Every sum runs in the same order for any B: the same results, bit for bit.
+template <int B>
+void attend_blocks(const Chunk& c, Rows* const* s, const float* key, const float* value, int64_t stride,
+                   int64_t count, int64_t position, float* const* pt) {
+  constexpr int64_t tile = B == 1 ? kTile : 6;
   const int64_t dim = c.head_dim;
-  for (int64_t j = 0; j < count; j += kTile)
-    scores_any(static_cast<int>(std::min<int64_t>(kTile, count - j)), key + j * stride, stride, s.qt, dim,
-               pt + j * kRows);
-  softmax_block(s, pt, count, position, dim);
-  for (int64_t d = 0; d < dim; d += kTile)
-    values_any(static_cast<int>(std::min<int64_t>(kTile, dim - d)), value + d, stride, pt, count, s.ot + d * kRows);
-}
-
-#if defined(__AVX512F__)
-// Two row blocks at once (``sa``, ``sb``): each key's (or value's) broadcast serves both blocks' rows, and
-// kPairTile x 2 chains are in flight. Each sum runs in the same order as in ``scores`` / ``values``: the same results,
-// bit for bit.
-constexpr int kPairTile = 6;
-
-template <int N>
-inline void scores2(const float* key, int64_t stride, const float* qa, const float* qb, int64_t dim, float* sa,
-                    float* sb) {
-  V16 a[N], b[N];
-  for (int n = 0; n < N; ++n) a[n] = b[n] = V16::zero();
-  for (int64_t d = 0; d < dim; ++d) {
-    const V16 x = V16::load(qa + d * kRows), y = V16::load(qb + d * kRows);
-    for (int n = 0; n < N; ++n) {
-      const V16 k = V16::all(key[n * stride + d]);
-      a[n] = fmadd(k, x, a[n]);
-      b[n] = fmadd(k, y, b[n]);
-    }
+  const float* qt[B];
+  float* at[B];
+  for (int64_t j = 0; j < count; j += tile) {
+    for (int b = 0; b < B; ++b) qt[b] = s[b]->qt, at[b] = pt[b] + j * kRows;
+    scores_any<B>(static_cast<int>(std::min<int64_t>(tile, count - j)), key + j * stride, stride, qt, dim, at);
   }
-  for (int n = 0; n < N; ++n) {
-    a[n].store(sa + n * kRows);
-    b[n].store(sb + n * kRows);
+  for (int b = 0; b < B; ++b) softmax_block(*s[b], pt[b], count, position, dim);
+  for (int64_t d = 0; d < dim; d += tile) {
+    for (int b = 0; b < B; ++b) at[b] = s[b]->ot + d * kRows;
+    values_any<B>(static_cast<int>(std::min<int64_t>(tile, dim - d)), value + d, stride, pt, count, at);
   }
 }
-
-template <int N>
-inline void values2(const float* value, int64_t stride, const float* pa, const float* pb, int64_t count, float* oa,
-                    float* ob) {
-  V16 a[N], b[N];
-  for (int n = 0; n < N; ++n) {
-    a[n] = V16::load(oa + n * kRows);
-    b[n] = V16::load(ob + n * kRows);
-  }
-  for (int64_t j = 0; j < count; ++j) {
-    const V16 x = V16::load(pa + j * kRows), y = V16::load(pb + j * kRows);
-    const float* vj = value + j * stride;
-    for (int n = 0; n < N; ++n) {
-      const V16 v = V16::all(vj[n]);
-      a[n] = fmadd(v, x, a[n]);
-      b[n] = fmadd(v, y, b[n]);
-    }
-  }
-  for (int n = 0; n < N; ++n) {
-    a[n].store(oa + n * kRows);
-    b[n].store(ob + n * kRows);
-  }
-}
-
-void scores2_any(int n, const float* key, int64_t stride, const float* qa, const float* qb, int64_t dim, float* sa,
-                 float* sb) {
-  switch (n) {
-    case 6: scores2<6>(key, stride, qa, qb, dim, sa, sb); break;
-    case 5: scores2<5>(key, stride, qa, qb, dim, sa, sb); break;
-    case 4: scores2<4>(key, stride, qa, qb, dim, sa, sb); break;
-    case 3: scores2<3>(key, stride, qa, qb, dim, sa, sb); break;
-    case 2: scores2<2>(key, stride, qa, qb, dim, sa, sb); break;
-    default: scores2<1>(key, stride, qa, qb, dim, sa, sb); break;
-  }
-}
-
-void values2_any(int n, const float* value, int64_t stride, const float* pa, const float* pb, int64_t count, float* oa,
-                 float* ob) {
-  switch (n) {
-    case 6: values2<6>(value, stride, pa, pb, count, oa, ob); break;
-    case 5: values2<5>(value, stride, pa, pb, count, oa, ob); break;
-    case 4: values2<4>(value, stride, pa, pb, count, oa, ob); break;
-    case 3: values2<3>(value, stride, pa, pb, count, oa, ob); break;
-    case 2: values2<2>(value, stride, pa, pb, count, oa, ob); break;
-    default: values2<1>(value, stride, pa, pb, count, oa, ob); break;
-  }
-}
-
-// attend_block for two row blocks that both see the block (``pa``, ``pb``: their S^T / P^T scratch)
-void attend_pair(const Chunk& c, Rows& sa, Rows& sb, const float* key, const float* value, int64_t stride,
-                 int64_t count, int64_t position, float* pa, float* pb) {
-  const int64_t dim = c.head_dim;
-  for (int64_t j = 0, n = 0; j < count; j += n) {
-    n = std::min<int64_t>(kPairTile, count - j);
-    scores2_any(static_cast<int>(n), key + j * stride, stride, sa.qt, sb.qt, dim, pa + j * kRows, pb + j * kRows);
-  }
-  softmax_block(sa, pa, count, position, dim);
-  softmax_block(sb, pb, count, position, dim);
-  for (int64_t d = 0, n = 0; d < dim; d += n) {
-    n = std::min<int64_t>(kPairTile, dim - d);
-    values2_any(static_cast<int>(n), value + d, stride, pa, pb, count, sa.ot + d * kRows, sb.ot + d * kRows);
-  }
-}
-#endif
 
 void finish_rows(const Chunk& c, int64_t h, const Rows& s) {
   const int64_t dim = c.head_dim;
@@ -500,14 +437,16 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
       }
       for (int64_t b = 0; b < blocks; ++b) {
         if (position >= rows[b].max_limit) continue;
+        Rows* both[2] = {&rows[b], &rows[b + 1]};  // (the second only read when b + 1 < blocks)
+        float* scratch_of[2] = {pt, pt + kKeys * kRows};
 #if defined(__AVX512F__)
         if (b + 1 < blocks && position < rows[b + 1].max_limit) {
-          attend_pair(c, rows[b], rows[b + 1], key, value, stride, count, position, pt, pt + kKeys * kRows);
+          attend_blocks<2>(c, both, key, value, stride, count, position, scratch_of);
           ++b;
           continue;
         }
 #endif
-        attend_block(c, rows[b], key, value, stride, count, position, pt);
+        attend_blocks<1>(c, both, key, value, stride, count, position, scratch_of);
       }
       position += count;
     }
@@ -610,7 +549,7 @@ void values_any(int n, const uint32_t* vp, int64_t dim, const uint32_t* pp, int6
 // for the one before it on its accumulator (~6 cycles), and Zen 5's 512-bit units start two per cycle: 8 chains in
 // flight keep them two-thirds busy at most (a loop of these alone: 328-345 GFLOP/s with 8, 484-500 with 12 or 16; this
 // kernel alone, one thread: 283-291 with 8, 320-324 with 16). The float32 kernel's FMAs (4 cycles each) measured no
-// faster with 16 keys a tile; it keeps 12 chains in flight by attending two row blocks at once (``attend_pair``).
+// faster with 16 keys a tile; it keeps 12 chains in flight by attending two row blocks at once (B = 2).
 inline int64_t tile_of(int64_t left) { return left >= 16 ? 16 : std::min<int64_t>(8, left); }
 
 // ``count`` keys at ``key`` (pool rows ``stride`` apart) and their values as pairs ``vp``, the context's
@@ -761,7 +700,7 @@ void prefill_attention_f32(const at::Tensor& query, const at::Tensor& k_cache, c
   // items: (kv head, up to kGroup row blocks), as many row blocks per item as still leaves every thread an item, and
   // a kv head's row blocks shared evenly among its items (12 as 6 + 6, not 8 + 4: with 3 kv heads on 2 threads, one
   // thread had 20 row blocks to attend and the other 16)
-  const int64_t row_blocks = (chunk.num_rows + kRows - 1) / kRows, threads = at::get_num_threads();
+  const int64_t row_blocks = ceil_div(chunk.num_rows, kRows), threads = at::get_num_threads();
   const auto even = [row_blocks](int64_t most) { return ceil_div(row_blocks, ceil_div(row_blocks, most)); };
   int64_t per_item = even(std::min(kGroup, row_blocks));
   while (per_item > 1 && num_kv_heads * ceil_div(row_blocks, per_item) < threads) per_item = even((per_item + 1) / 2);
