@@ -335,19 +335,23 @@ def test_float32_prefill_kernel_rescales_and_masks(head_dim, threads):
 
 
 @pytest.mark.skipif(not VECTOR_CPU, reason="needs a CPU with AVX2 and FMA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80])
 @pytest.mark.parametrize("tokens", [35, 100])
-def test_float32_prefill_kernel_gives_the_same_bits_for_any_split_of_its_rows(head_dim, tokens):
+def test_prefill_kernel_gives_the_same_bits_for_any_split_of_its_rows(head_dim, tokens, dtype):
     """A kv head's row blocks (35 or 100 tokens x 2 query heads: 5 or 13 row blocks, causal, uneven runs, key blocks
     of 64, 3 and 37 keys) are items of up to 8 on one thread, attended two row blocks at a time with AVX-512 (each key
     broadcast once for both: pairs, then one), and one row block per item on 8 threads. With 100 tokens the last key
     block is past the first 8 row blocks' causal limits, so the pairs start at an odd row block. Every sum runs in the
-    same order either way: the outputs are equal bit for bit."""
+    same order either way: the outputs are equal bit for bit. float32 on its FMA kernel, bfloat16 on the pair-dot
+    kernel (AVX512-BF16: vdpbf16ps)."""
+    if dtype == torch.bfloat16 and not cpu_kernels.has_bf16_dot():
+        pytest.skip("needs AVX512-BF16")
     gen = torch.Generator().manual_seed(5)
     num_kv_heads, group, slots = 1, 2, 700
-    k_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen) * 2
-    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen)
-    query = torch.randn(tokens, num_kv_heads * group, head_dim, generator=gen)
+    k_cache = (torch.randn(slots, num_kv_heads, head_dim, generator=gen) * 2).to(dtype)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype)
     runs = torch.tensor([[300, 131], [10, 101], [500, tokens]])
     outs = []
     before = torch.get_num_threads()
@@ -355,7 +359,8 @@ def test_float32_prefill_kernel_gives_the_same_bits_for_any_split_of_its_rows(he
         for threads in (1, 8):
             torch.set_num_threads(threads)
             outs.append(torch.zeros_like(query))
-            cpu_kernels.prefill_attention(query, k_cache, v_cache, runs, head_dim ** -0.5, outs[-1])
+            torch.ops.prefixserve_cpu.prefill_attention_f32(query, k_cache, v_cache, runs, head_dim ** -0.5,
+                                                            outs[-1], bf16_dot=True)
     finally:
         torch.set_num_threads(before)
     assert torch.count_nonzero(outs[0]) == outs[0].numel()
