@@ -181,6 +181,43 @@ struct Chunk {
   bool bf16;
 };
 
+// The next key block's keys and values (one kv head's rows of them), asked for a few cache lines at a time while the
+// current block is attended (``step`` after each tile), so that they come from memory under the arithmetic. In an
+// engine step the pool's rows are in memory, not in the caches (the layers' weights passed through them since): the
+// kernel alone over 30 layers' pools in turn, one thread, took ~25% longer than over one layer's, and the time was
+// the first row blocks' reads of each key block (the data movement alone: 60 us a layer from L3, 205 from memory).
+// The hardware prefetchers do not see these rows (one kv head's 128 bytes of every slot), and asking for a whole block
+// at once did nothing (the requests past the core's few outstanding misses wait or are dropped). Spread over the
+// tiles: bfloat16 SmolLM2 in a warm request, 522 -> 455 us a layer; the tiny Llama 479 -> 400 (in-process A/B,
+// benchmarks/results/s47/scratch/warm_ab.py).
+struct Ahead {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t stride = 0, row = 0, lines = 0, total = 0, next = 0, per_step = 0;
+
+  // the block at ``start`` in run ``r`` (past its end: the next run's first), over ``steps`` steps
+  void aim(const Chunk& c, int64_t h, int64_t r, int64_t start, int64_t bytes, int64_t steps) {
+    next = total = 0;
+    if (r < c.num_runs && start >= c.runs[2 * r + 1]) ++r, start = 0;
+    if (r >= c.num_runs) return;
+    const int64_t count = std::min(kKeys, c.runs[2 * r + 1] - start);
+    const int64_t first = ((c.runs[2 * r] + start) * c.slot_stride + h * c.head_dim) * bytes;
+    k = static_cast<const char*>(c.k) + first;
+    v = static_cast<const char*>(c.v) + first;
+    stride = c.slot_stride * bytes;
+    row = c.head_dim * bytes;
+    lines = (row + 63) / 64 + 1;  // a row that does not start a line ends in one more
+    total = 2 * count * lines;
+    per_step = (total + steps - 1) / std::max<int64_t>(steps, 1);
+  }
+  void step() {
+    for (const int64_t end = std::min(total, next + per_step); next < end; ++next) {
+      const int64_t line = next % lines, pool = next / lines % 2, key = next / lines / 2;
+      _mm_prefetch((pool ? v : k) + key * stride + std::min(line * 64, row - 1), _MM_HINT_T0);
+    }
+  }
+};
+
 // S^T for N (<= kTile) consecutive keys at ``key`` (pool rows ``slot_stride`` apart) against B row blocks' 16 rows each
 // (``qt[b]`` into ``st[b]``): each key's value is broadcast once for all B, and B x N sums are in flight
 template <int N, int B>
@@ -349,7 +386,7 @@ inline void softmax_block(Rows& s, float* pt, int64_t count, int64_t position, i
 // chains of FMAs are in flight. Every sum runs in the same order for any B: the same results, bit for bit.
 template <int B>
 void attend_blocks(const Chunk& c, Rows* const* s, const float* key, const float* value, int64_t stride,
-                   int64_t count, int64_t position, float* const* pt) {
+                   int64_t count, int64_t position, float* const* pt, Ahead& ahead) {
   constexpr int64_t tile = B == 1 ? kTile : 6;
   const int64_t dim = c.head_dim;
   const float* qt[B];
@@ -357,11 +394,13 @@ void attend_blocks(const Chunk& c, Rows* const* s, const float* key, const float
   for (int64_t j = 0; j < count; j += tile) {
     for (int b = 0; b < B; ++b) qt[b] = s[b]->qt, at[b] = pt[b] + j * kRows;
     scores_any<B>(static_cast<int>(std::min<int64_t>(tile, count - j)), key + j * stride, stride, qt, dim, at);
+    ahead.step();
   }
   for (int b = 0; b < B; ++b) softmax_block(*s[b], pt[b], count, position, dim);
   for (int64_t d = 0; d < dim; d += tile) {
     for (int b = 0; b < B; ++b) at[b] = s[b]->ot + d * kRows;
     values_any<B>(static_cast<int>(std::min<int64_t>(tile, dim - d)), value + d, stride, pt, count, at);
+    ahead.step();
   }
 }
 
@@ -382,6 +421,14 @@ void finish_rows(const Chunk& c, int64_t h, const Rows& s) {
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// how many of an item's row blocks (``rows``, either kernel's) see the key at ``position``
+template <class RowBlocks>
+int64_t seeing(const RowBlocks* rows, int64_t blocks, int64_t position) {
+  int64_t n = 0;
+  for (int64_t b = 0; b < blocks; ++b) n += position < rows[b].max_limit;
+  return n;
+}
 constexpr int64_t kGroup = 8;     // most row blocks of one kv head per item
 constexpr int64_t kPackFrom = 4;  // fewest row blocks that a key block is packed for (fewer: read in place)
 
@@ -403,11 +450,15 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
     max_limit = std::max(max_limit, rows[b].max_limit);
   }
   int64_t position = 0;  // keys seen so far
+  Ahead ahead;
   for (int64_t r = 0; r < c.num_runs && position < max_limit; ++r) {
     const int64_t slot0 = c.runs[2 * r], length = c.runs[2 * r + 1];
     for (int64_t start = 0; start < length && position < max_limit; start += kKeys) {
       const int64_t count = std::min(kKeys, length - start);
       const int64_t at = (slot0 + start) * c.slot_stride + h * dim;
+      const int64_t tiles = ceil_div(count, 6) + ceil_div(dim, 6);  // per pair of row blocks (one row block: fewer)
+      const int64_t bytes = c.bf16 ? sizeof(uint16_t) : sizeof(float);
+      ahead.aim(c, h, r, start + kKeys, bytes, ceil_div(seeing(rows, blocks, position), 2) * tiles);
       int64_t stride = c.slot_stride;
       const float* key;
       const float* value;
@@ -441,12 +492,12 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
         float* scratch_of[2] = {pt, pt + kKeys * kRows};
 #if defined(__AVX512F__)
         if (b + 1 < blocks && position < rows[b + 1].max_limit) {
-          attend_blocks<2>(c, both, key, value, stride, count, position, scratch_of);
+          attend_blocks<2>(c, both, key, value, stride, count, position, scratch_of, ahead);
           ++b;
           continue;
         }
 #endif
-        attend_blocks<1>(c, both, key, value, stride, count, position, scratch_of);
+        attend_blocks<1>(c, both, key, value, stride, count, position, scratch_of, ahead);
       }
       position += count;
     }
@@ -611,7 +662,7 @@ inline void probabilities(Rows16& s, float* st, uint32_t* pp, int64_t count, int
 // 328-334 -> 361-369 GFLOP/s (Zen 5, interleaved).
 template <int B>
 void attend_blocks(const Chunk& c, Rows16* const* s, const uint16_t* key, int64_t stride, const uint32_t* vp,
-                   int64_t count, int64_t position, float* const* st, uint32_t* const* pp) {
+                   int64_t count, int64_t position, float* const* st, uint32_t* const* pp, Ahead& ahead) {
   const int64_t dim = c.head_dim;
   const __m512 factor = _mm512_set1_ps(c.scale * kLog2e);
   const uint32_t* qp[B];
@@ -621,6 +672,7 @@ void attend_blocks(const Chunk& c, Rows16* const* s, const uint16_t* key, int64_
     n = B == 1 ? tile_of(count - j) : std::min<int64_t>(8, count - j);
     for (int b = 0; b < B; ++b) at[b] = st[b] + j * kRows;
     scores_any<B>(static_cast<int>(n), key + j * stride, stride, qp, dim, factor, at);
+    ahead.step();
   }
   for (int b = 0; b < B; ++b) probabilities(*s[b], st[b], pp[b], count, position, dim);
   const int64_t pairs = (count + 1) / 2;
@@ -630,6 +682,7 @@ void attend_blocks(const Chunk& c, Rows16* const* s, const uint16_t* key, int64_
     n = B == 1 ? tile_of(dim - d) : std::min<int64_t>(8, dim - d);  // even: head sizes are
     for (int b = 0; b < B; ++b) at[b] = s[b]->ot + d * kRows;
     values_any<B>(static_cast<int>(n), vp + d, dim, ps, pairs, at);
+    ahead.step();
   }
 }
 
@@ -669,11 +722,14 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
   const uint16_t* k16 = static_cast<const uint16_t*>(c.k);
   const uint16_t* v16 = static_cast<const uint16_t*>(c.v);
   int64_t position = 0;
+  Ahead ahead;
   for (int64_t r = 0; r < c.num_runs && position < max_limit; ++r) {
     const int64_t slot0 = c.runs[2 * r], length = c.runs[2 * r + 1];
     for (int64_t start = 0; start < length && position < max_limit; start += kKeys) {
       const int64_t count = std::min(kKeys, length - start);
       const int64_t at = (slot0 + start) * c.slot_stride + h * dim;
+      const int64_t tiles = ceil_div(count, 8) + ceil_div(dim, 8);  // per pair of row blocks (one row block: fewer)
+      ahead.aim(c, h, r, start + kKeys, sizeof(uint16_t), ceil_div(seeing(rows, blocks, position), 2) * tiles);
       for (int64_t j = 0; j < count; j += 2) {  // value pairs: (key j, key j + 1) of each head dim
         const uint16_t* v0 = v16 + at + j * c.slot_stride;
         const uint16_t* v1 = j + 1 < count ? v0 + c.slot_stride : nullptr;
@@ -691,11 +747,11 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
         if (position >= rows[b].max_limit) continue;
         Rows16* both[2] = {&rows[b], &rows[b + 1]};  // (the second only read when b + 1 < blocks)
         if (b + 1 < blocks && position < rows[b + 1].max_limit) {
-          attend_blocks<2>(c, both, k16 + at, c.slot_stride, vp, count, position, st_of, pp_of);
+          attend_blocks<2>(c, both, k16 + at, c.slot_stride, vp, count, position, st_of, pp_of, ahead);
           ++b;
           continue;
         }
-        attend_blocks<1>(c, both, k16 + at, c.slot_stride, vp, count, position, st_of, pp_of);
+        attend_blocks<1>(c, both, k16 + at, c.slot_stride, vp, count, position, st_of, pp_of, ahead);
       }
       position += count;
     }
