@@ -336,7 +336,7 @@ def test_float32_prefill_kernel_rescales_and_masks(head_dim, threads):
 
 @pytest.mark.skipif(not VECTOR_CPU, reason="needs a CPU with AVX2 and FMA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("head_dim", [34, 64, 80])
 @pytest.mark.parametrize("tokens", [35, 100])
 def test_prefill_kernel_gives_the_same_bits_for_any_split_of_its_rows(head_dim, tokens, dtype):
     """A kv head's row blocks (35 or 100 tokens x 2 query heads: 5 or 13 row blocks, causal, uneven runs, key blocks
@@ -344,7 +344,7 @@ def test_prefill_kernel_gives_the_same_bits_for_any_split_of_its_rows(head_dim, 
     broadcast once for both: pairs, then one), and one row block per item on 8 threads. With 100 tokens the last key
     block is past the first 8 row blocks' causal limits, so the pairs start at an odd row block. Every sum runs in the
     same order either way: the outputs are equal bit for bit. float32 on its FMA kernel, bfloat16 on the pair-dot
-    kernel (AVX512-BF16: vdpbf16ps)."""
+    kernel (AVX512-BF16: vdpbf16ps); head size 34 ends in tiles narrower than the pairs' (6 or 8 head dims)."""
     if dtype == torch.bfloat16 and not cpu_kernels.has_bf16_dot():
         pytest.skip("needs AVX512-BF16")
     gen = torch.Generator().manual_seed(5)
