@@ -181,34 +181,38 @@ struct Chunk {
   bool bf16;
 };
 
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // The next key block's keys and values (one kv head's rows of them), asked for a few cache lines at a time while the
 // current block is attended (``step`` after each tile), so that they come from memory under the arithmetic. In an
 // engine step the pool's rows are in memory, not in the caches (the layers' weights passed through them since): the
 // kernel alone over 30 layers' pools in turn, one thread, took ~25% longer than over one layer's, and the time was
 // the first row blocks' reads of each key block (the data movement alone: 60 us a layer from L3, 205 from memory).
-// The hardware prefetchers do not see these rows (one kv head's 128 bytes of every slot), and asking for a whole block
-// at once did nothing (the requests past the core's few outstanding misses wait or are dropped). Spread over the
-// tiles: bfloat16 SmolLM2 in a warm request, 522 -> 455 us a layer; the tiny Llama 479 -> 400 (in-process A/B,
-// benchmarks/results/s47/scratch/warm_ab.py).
+// The hardware prefetchers do not see these rows (one kv head's slice of every slot: 128 bytes of 512 for the tiny
+// Llama in bfloat16), and asking for a whole block at once did nothing (the requests past the core's few outstanding
+// misses wait or are dropped). Spread over the tiles: bfloat16 SmolLM2 in a warm request, 522 -> 455 us a layer; the
+// tiny Llama 479 -> 400 (in-process A/B, benchmarks/results/s47/scratch/warm_ab.py).
 struct Ahead {
   const char* k = nullptr;
   const char* v = nullptr;
   int64_t stride = 0, row = 0, lines = 0, total = 0, next = 0, per_step = 0;
 
-  // the block at ``start`` in run ``r`` (past its end: the next run's first), over ``steps`` steps
+  // the block at ``start`` in run ``r`` (past its end: the next nonempty run's first), over ``steps`` calls of
+  // ``step`` (none: nothing asked for)
   void aim(const Chunk& c, int64_t h, int64_t r, int64_t start, int64_t bytes, int64_t steps) {
     next = total = 0;
-    if (r < c.num_runs && start >= c.runs[2 * r + 1]) ++r, start = 0;
-    if (r >= c.num_runs) return;
+    while (r < c.num_runs && start >= c.runs[2 * r + 1]) ++r, start = 0;
+    if (r >= c.num_runs || steps <= 0) return;
     const int64_t count = std::min(kKeys, c.runs[2 * r + 1] - start);
     const int64_t first = ((c.runs[2 * r] + start) * c.slot_stride + h * c.head_dim) * bytes;
     k = static_cast<const char*>(c.k) + first;
     v = static_cast<const char*>(c.v) + first;
     stride = c.slot_stride * bytes;
     row = c.head_dim * bytes;
-    lines = (row + 63) / 64 + 1;  // a row that does not start a line ends in one more
+    const bool aligned = (reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v) | stride) % 64 == 0;
+    lines = (row + 63) / 64 + (aligned ? 0 : 1);  // a row that starts inside a line may end in one more
     total = 2 * count * lines;
-    per_step = (total + steps - 1) / std::max<int64_t>(steps, 1);
+    per_step = ceil_div(total, steps);
   }
   void step() {
     for (const int64_t end = std::min(total, next + per_step); next < end; ++next) {
@@ -420,7 +424,6 @@ void finish_rows(const Chunk& c, int64_t h, const Rows& s) {
   }
 }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // how many of an item's row blocks (``rows``, either kernel's) see the key at ``position``
 template <class RowBlocks>
@@ -428,6 +431,18 @@ int64_t seeing(const RowBlocks* rows, int64_t blocks, int64_t position) {
   int64_t n = 0;
   for (int64_t b = 0; b < blocks; ++b) n += position < rows[b].max_limit;
   return n;
+}
+
+// The tiles ``attend_blocks`` runs over a block of ``count`` keys for ``seeing`` row blocks (its ``step``s of Ahead):
+// with AVX-512 the row blocks that see it are consecutive (their limits grow), so they go in pairs (6-wide tiles) and
+// one alone when odd (kTile-wide); with AVX2 each alone
+inline int64_t tiles(int64_t seeing, int64_t count, int64_t dim) {
+  const int64_t single = ceil_div(count, kTile) + ceil_div(dim, kTile);
+#if defined(__AVX512F__)
+  return seeing / 2 * (ceil_div(count, 6) + ceil_div(dim, 6)) + seeing % 2 * single;
+#else
+  return seeing * single;
+#endif
 }
 constexpr int64_t kGroup = 8;     // most row blocks of one kv head per item
 constexpr int64_t kPackFrom = 4;  // fewest row blocks that a key block is packed for (fewer: read in place)
@@ -456,9 +471,8 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
     for (int64_t start = 0; start < length && position < max_limit; start += kKeys) {
       const int64_t count = std::min(kKeys, length - start);
       const int64_t at = (slot0 + start) * c.slot_stride + h * dim;
-      const int64_t tiles = ceil_div(count, 6) + ceil_div(dim, 6);  // per pair of row blocks (one row block: fewer)
-      const int64_t bytes = c.bf16 ? sizeof(uint16_t) : sizeof(float);
-      ahead.aim(c, h, r, start + kKeys, bytes, ceil_div(seeing(rows, blocks, position), 2) * tiles);
+      const int64_t steps = position + count < max_limit ? tiles(seeing(rows, blocks, position), count, dim) : 0;
+      ahead.aim(c, h, r, start + kKeys, c.bf16 ? sizeof(uint16_t) : sizeof(float), steps);
       int64_t stride = c.slot_stride;
       const float* key;
       const float* value;
@@ -634,6 +648,12 @@ void values_any(int n, const uint32_t* vp, int64_t dim, const uint32_t* const* p
 // faster with 16 keys a tile; it keeps 12 chains in flight by attending two row blocks at once (B = 2).
 inline int64_t tile_of(int64_t left) { return left >= 16 ? 16 : std::min<int64_t>(8, left); }
 
+// As the float32 kernel's ``tiles``: pairs of row blocks take 8-wide tiles, one alone ``tile_of``'s
+inline int64_t tiles(int64_t seeing, int64_t count, int64_t dim) {
+  const auto alone = [](int64_t n) { return n / 16 + ceil_div(n % 16, 8); };
+  return seeing / 2 * (ceil_div(count, 8) + ceil_div(dim, 8)) + seeing % 2 * (alone(count) + alone(dim));
+}
+
 // One row block's softmax over a block of ``count`` keys: its S^T (``st``) hidden past the rows' limits, the maxima
 // moved, the sums and O^T rescaled, and P^T rounded to bfloat16 into ``pp``, key pairs (2j, 2j+1) interleaved per row
 // (the odd key of an odd count zero)
@@ -728,8 +748,8 @@ void run_rows(const Chunk& c, int64_t h, int64_t first_block, int64_t blocks) {
     for (int64_t start = 0; start < length && position < max_limit; start += kKeys) {
       const int64_t count = std::min(kKeys, length - start);
       const int64_t at = (slot0 + start) * c.slot_stride + h * dim;
-      const int64_t tiles = ceil_div(count, 8) + ceil_div(dim, 8);  // per pair of row blocks (one row block: fewer)
-      ahead.aim(c, h, r, start + kKeys, sizeof(uint16_t), ceil_div(seeing(rows, blocks, position), 2) * tiles);
+      const int64_t steps = position + count < max_limit ? tiles(seeing(rows, blocks, position), count, dim) : 0;
+      ahead.aim(c, h, r, start + kKeys, sizeof(uint16_t), steps);
       for (int64_t j = 0; j < count; j += 2) {  // value pairs: (key j, key j + 1) of each head dim
         const uint16_t* v0 = v16 + at + j * c.slot_stride;
         const uint16_t* v1 = j + 1 < count ? v0 + c.slot_stride : nullptr;
