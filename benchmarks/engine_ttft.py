@@ -39,6 +39,16 @@ def make_model(path: Path) -> Path:
     return path
 
 
+def engine_config(model_dir: str | None, dtype: str, prefill_threads: int, **overrides) -> EngineConfig:
+    """The engine these in-process TTFT probes measure: ``model_dir`` (None: the tiny Llama, written to the temp dir
+    if missing; "default": the embedded default model), 1 GiB of KV pool, 4096-token steps and contexts."""
+    if model_dir is None:
+        model_dir = str(Path(tempfile.gettempdir()) / "prefixserve-bench-llama-512x8")
+    model = None if model_dir == "default" else str(make_model(Path(model_dir)))
+    return EngineConfig(model=model, dtype=dtype, kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=4096,
+                        max_model_len=4096, num_prefill_threads=prefill_threads, **overrides)
+
+
 def tokens(n: int, seed: int, vocab: int = 8192) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
@@ -84,11 +94,9 @@ def main(argv=None) -> int:
                         help="threads for steps of prefill size (a DP=1 server on 2 cores uses 2; decode keeps 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    model = None if args.model_dir == "default" else str(make_model(Path(args.model_dir)))
-    common = dict(model=model, dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
-                  max_num_batched_tokens=4096, max_model_len=4096, num_prefill_threads=args.prefill_threads)
-    engine = build_engine(EngineConfig(**common))
-    engine_off = build_engine(EngineConfig(**common, enable_prefix_caching=False))
+    engine = build_engine(engine_config(args.model_dir, args.dtype, args.prefill_threads))
+    engine_off = build_engine(engine_config(args.model_dir, args.dtype, args.prefill_threads,
+                                            enable_prefix_caching=False))
     # warm-up (first calls pay one-off costs)
     ttft(engine, tokens(300, seed=999), "warmup")
     ttft(engine_off, tokens(300, seed=998), "warmup")

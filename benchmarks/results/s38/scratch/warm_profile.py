@@ -4,15 +4,14 @@ profiler: where a warm request's time goes. PYTHONPATH=. .venv/bin/python benchm
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from engine_ttft import make_model, tokens, ttft  # noqa: E402
+from engine_ttft import engine_config, tokens, ttft  # noqa: E402
 
-from replica.engine import EngineConfig, build_engine  # noqa: E402
+from replica.engine import build_engine  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dtype", default="float32")
@@ -21,10 +20,7 @@ parser.add_argument("--prefill-threads", type=int, default=2)
 parser.add_argument("--model-dir", default=None)
 args = parser.parse_args()
 torch.set_num_threads(1)
-model = args.model_dir or str(make_model(Path(tempfile.gettempdir()) / "prefixserve-bench-llama-512x8"))
-engine = build_engine(EngineConfig(model=model, dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
-                                   max_num_batched_tokens=4096, max_model_len=4096,
-                                   num_prefill_threads=args.prefill_threads))
+engine = build_engine(engine_config(args.model_dir, args.dtype, args.prefill_threads))
 prefix = tokens(2048, seed=10)
 ttft(engine, tokens(300, seed=999), "warmup")
 ttft(engine, prefix + tokens(64, seed=1), "cold")

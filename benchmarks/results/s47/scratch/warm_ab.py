@@ -15,10 +15,10 @@ import torch
 from torch.utils.cpp_extension import load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from engine_ttft import make_model, tokens, ttft  # noqa: E402
+from engine_ttft import engine_config, tokens, ttft  # noqa: E402
 
 from replica import cpu_kernels  # noqa: E402
-from replica.engine import EngineConfig, build_engine  # noqa: E402
+from replica.engine import build_engine  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("old")
@@ -57,10 +57,7 @@ def swapped(query, k_cache, v_cache, runs, scale, out, bf16_dot=True):
 override = torch.library.Library("prefixserve_cpu", "IMPL")
 override.impl("prefill_attention_f32", swapped, "CPU")
 torch.set_num_threads(1)
-model = args.model_dir or str(make_model(Path(tempfile.gettempdir()) / "prefixserve-bench-llama-512x8"))
-engine = build_engine(EngineConfig(model=model, dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
-                                   max_num_batched_tokens=4096, max_model_len=4096,
-                                   num_prefill_threads=args.threads))
+engine = build_engine(engine_config(args.model_dir, args.dtype, args.threads))
 prefix = tokens(2048, seed=10)
 for name in ("new", "old"):
     which[0] = name
