@@ -3,7 +3,7 @@ floor (64 alone): this box's speed drifts by 10-20% between runs, so the two bui
 one engine. The tree's build is "new"; OLD.cpp (an older copy of the file) is built as a library of its own with its
 ops renamed (prefixserve_ab) and swapped in for "old" turns. Attention per layer is timed around each call.
 PYTHONPATH=. .venv/bin/python benchmarks/results/s47/scratch/warm_ab.py OLD.cpp --dtype D [--model-dir DIR]
-[--rounds N] [--threads 2]"""
+[--rounds N] [--threads 2] [--march haswell]"""
 import argparse
 import statistics
 import sys
@@ -26,6 +26,7 @@ parser.add_argument("--dtype", default="bfloat16")
 parser.add_argument("--rounds", type=int, default=12)
 parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--model-dir", default=None)
+parser.add_argument("--march", default=None, help="build both with this -march (e.g. haswell: the AVX2 kernels)")
 args = parser.parse_args()
 cpu_kernels.load()
 
@@ -36,7 +37,8 @@ def build_renamed(path: str, namespace: str) -> None:
         source = source.replace(macro + "prefixserve_cpu,", macro + namespace + ",")
     build = Path(tempfile.mkdtemp()) / f"{namespace}.cpp"
     build.write_text(source)
-    load(name=f"{namespace}_{abs(hash(source)) % 10**8}", sources=[str(build)], extra_cflags=cpu_kernels.CFLAGS,
+    flags = [f"-march={args.march}" if f == "-march=native" and args.march else f for f in cpu_kernels.CFLAGS]
+    load(name=f"{namespace}_{abs(hash(source + str(flags))) % 10**8}", sources=[str(build)], extra_cflags=flags,
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
