@@ -445,13 +445,16 @@ def test_requests_bound_to_an_output_channel_stream_their_outputs_as_one_message
     engine = tiny.engine()
     async_engine = AsyncEngine(engine)
     prompts = {f"r{i}": random_prompt(40 + 10 * i, seed=50 + i) for i in range(3)}
+    # outputs that queue up before the caller reads the first are merged into it (``coalesce_pending``): with 6 tokens
+    # a loaded CI box once let all of them land first, and a finished first output is never bound
+    steps = 32
 
     async def own_stream(request_id, prompt, max_tokens, channel_id=None):
         request = EngineRequest(request_id, prompt, greedy(max_tokens), output_channel=channel_id)
         return [out async for out in async_engine.generate(request)]
 
     async def main():
-        unbound = {rid: await own_stream(rid + "-alone", prompt, 6) for rid, prompt in prompts.items()}
+        unbound = {rid: await own_stream(rid + "-alone", prompt, steps) for rid, prompt in prompts.items()}
         channel = async_engine.open_channel("ingress-1")
         received = []
 
@@ -460,7 +463,8 @@ def test_requests_bound_to_an_output_channel_stream_their_outputs_as_one_message
                 received.append(batch)
 
         reader = asyncio.ensure_future(read_channel())
-        bound = await asyncio.gather(*[own_stream(rid, prompt, 6, "ingress-1") for rid, prompt in prompts.items()])
+        bound = await asyncio.gather(*[own_stream(rid, prompt, steps, "ingress-1")
+                                       for rid, prompt in prompts.items()])
         elsewhere = await own_stream("other", prompts["r0"], 3, "another-ingress")  # no such channel here
         await reader  # ends once idle with nothing bound
         # a bound request whose channel closes mid-way fails on its own stream
@@ -483,7 +487,7 @@ def test_requests_bound_to_an_output_channel_stream_their_outputs_as_one_message
         assert len(own) == 1 and own[0].via_channel and not own[0].finished  # the first output only
         rest = [out for out in on_channel if out.request_id == rid]
         tokens = own[0].new_token_ids + [t for out in rest for t in out.new_token_ids]
-        assert tokens == [t for out in unbound[rid] for t in out.new_token_ids] == tiny.generate(prompts[rid], 6)
+        assert tokens == [t for out in unbound[rid] for t in out.new_token_ids] == tiny.generate(prompts[rid], steps)
         assert rest[-1].finished and not any(out.finished for out in rest[:-1])
         assert "".join(out.new_text for out in own + rest) == "".join(out.new_text for out in unbound[rid])
     # one message per step for all three requests, not one per request per step
