@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -71,6 +72,21 @@ else (two replicas of one CPU each, prefix caching, peer copy on by default) is 
 
 
 def find_free_port() -> int:
+    """A free port between Ray's worker ports (10002-19999 by default) and the kernel's ephemeral range, so that none of
+    the processes Ray starts, each binding port 0, can take it before a Serve proxy binds it. (A port found by binding
+    0 can be handed out again: CI once saw a worker node's proxy fail with "Failed to bind to address".) Where the
+    range cannot be read, or leaves no room, any free port."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(100 if low > 20100 else 0):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", random.randrange(20000, low)))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
