@@ -222,6 +222,10 @@ struct Ahead {
   }
 };
 
+// Keys (or head dims) a tile when two row blocks are attended at once (``attend_blocks<2>``, AVX-512): 6 x 2 = 12 FMA
+// chains in flight, one broadcast per two FMAs
+constexpr int64_t kPairTile = 6;
+
 // S^T for N (<= kTile) consecutive keys at ``key`` (pool rows ``slot_stride`` apart) against B row blocks' 16 rows each
 // (``qt[b]`` into ``st[b]``): each key's value is broadcast once for all B, and B x N sums are in flight
 template <int N, int B>
@@ -391,7 +395,7 @@ inline void softmax_block(Rows& s, float* pt, int64_t count, int64_t position, i
 template <int B>
 void attend_blocks(const Chunk& c, Rows* const* s, const float* key, const float* value, int64_t stride,
                    int64_t count, int64_t position, float* const* pt, Ahead& ahead) {
-  constexpr int64_t tile = B == 1 ? kTile : 6;
+  constexpr int64_t tile = B == 1 ? kTile : kPairTile;
   const int64_t dim = c.head_dim;
   const float* qt[B];
   float* at[B];
@@ -424,7 +428,6 @@ void finish_rows(const Chunk& c, int64_t h, const Rows& s) {
   }
 }
 
-
 // how many of an item's row blocks (``rows``, either kernel's) see the key at ``position``
 template <class RowBlocks>
 int64_t seeing(const RowBlocks* rows, int64_t blocks, int64_t position) {
@@ -434,12 +437,12 @@ int64_t seeing(const RowBlocks* rows, int64_t blocks, int64_t position) {
 }
 
 // The tiles ``attend_blocks`` runs over a block of ``count`` keys for ``seeing`` row blocks (its ``step``s of Ahead):
-// with AVX-512 the row blocks that see it are consecutive (their limits grow), so they go in pairs (6-wide tiles) and
+// with AVX-512 the row blocks that see it are consecutive (their limits grow), so they go in pairs (kPairTile) and
 // one alone when odd (kTile-wide); with AVX2 each alone
 inline int64_t tiles(int64_t seeing, int64_t count, int64_t dim) {
   const int64_t single = ceil_div(count, kTile) + ceil_div(dim, kTile);
 #if defined(__AVX512F__)
-  return seeing / 2 * (ceil_div(count, 6) + ceil_div(dim, 6)) + seeing % 2 * single;
+  return seeing / 2 * (ceil_div(count, kPairTile) + ceil_div(dim, kPairTile)) + seeing % 2 * single;
 #else
   return seeing * single;
 #endif
@@ -648,10 +651,18 @@ void values_any(int n, const uint32_t* vp, int64_t dim, const uint32_t* const* p
 // faster with 16 keys a tile; it keeps 12 chains in flight by attending two row blocks at once (B = 2).
 inline int64_t tile_of(int64_t left) { return left >= 16 ? 16 : std::min<int64_t>(8, left); }
 
-// As the float32 kernel's ``tiles``: pairs of row blocks take 8-wide tiles, one alone ``tile_of``'s
+// Keys (or head dims) a tile when two row blocks are attended at once (``attend_blocks<2>``): 8 x 2 = 16 chains
+constexpr int64_t kPairTile = 8;
+
+// As the float32 kernel's ``tiles``: pairs of row blocks take kPairTile-wide tiles, one alone ``tile_of``'s
 inline int64_t tiles(int64_t seeing, int64_t count, int64_t dim) {
-  const auto alone = [](int64_t n) { return n / 16 + ceil_div(n % 16, 8); };
-  return seeing / 2 * (ceil_div(count, 8) + ceil_div(dim, 8)) + seeing % 2 * (alone(count) + alone(dim));
+  const auto alone = [](int64_t left) {
+    int64_t n = 0;
+    for (; left > 0; left -= tile_of(left)) ++n;
+    return n;
+  };
+  const int64_t pair = ceil_div(count, kPairTile) + ceil_div(dim, kPairTile);
+  return seeing / 2 * pair + seeing % 2 * (alone(count) + alone(dim));
 }
 
 // One row block's softmax over a block of ``count`` keys: its S^T (``st``) hidden past the rows' limits, the maxima
@@ -689,19 +700,17 @@ void attend_blocks(const Chunk& c, Rows16* const* s, const uint16_t* key, int64_
   float* at[B];
   for (int b = 0; b < B; ++b) qp[b] = s[b]->qp;
   for (int64_t j = 0, n = 0; j < count; j += n) {
-    n = B == 1 ? tile_of(count - j) : std::min<int64_t>(8, count - j);
+    n = B == 1 ? tile_of(count - j) : std::min(kPairTile, count - j);
     for (int b = 0; b < B; ++b) at[b] = st[b] + j * kRows;
     scores_any<B>(static_cast<int>(n), key + j * stride, stride, qp, dim, factor, at);
     ahead.step();
   }
   for (int b = 0; b < B; ++b) probabilities(*s[b], st[b], pp[b], count, position, dim);
   const int64_t pairs = (count + 1) / 2;
-  const uint32_t* ps[B];
-  for (int b = 0; b < B; ++b) ps[b] = pp[b];
   for (int64_t d = 0, n = 0; d < dim; d += n) {
-    n = B == 1 ? tile_of(dim - d) : std::min<int64_t>(8, dim - d);  // even: head sizes are
+    n = B == 1 ? tile_of(dim - d) : std::min(kPairTile, dim - d);  // even: head sizes are
     for (int b = 0; b < B; ++b) at[b] = s[b]->ot + d * kRows;
-    values_any<B>(static_cast<int>(n), vp + d, dim, ps, pairs, at);
+    values_any<B>(static_cast<int>(n), vp + d, dim, pp, pairs, at);
     ahead.step();
   }
 }
