@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -14,6 +16,21 @@ REDIS_SERVER_BINARY = shutil.which("redis-server")
 
 
 def find_free_port() -> int:
+    """A free port on 127.0.0.1 between Ray's worker ports (10002-19999 by default) and the kernel's ephemeral range,
+    so that no process binding port 0 meanwhile (Ray starts dozens) is handed it before the server the test starts
+    binds it. (A port found by binding 0 can be handed out again: CI once saw a multinode case's Serve proxy fail
+    with "Failed to bind to address".) Where the range cannot be read, or leaves no room, any free port."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(100 if low > 20100 else 0):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", random.randrange(20000, low)))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

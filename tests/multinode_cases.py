@@ -27,10 +27,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import secrets
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -43,6 +41,7 @@ import openai
 import pytest
 import yaml
 
+from conftest import find_free_port
 from test_e2e_http import cached_of, code_prompt, metric_values
 
 pytestmark = pytest.mark.ray
@@ -69,27 +68,6 @@ APP_SETTINGS = dict(served_model_name=MODEL, dtype="float32", kv_cache_memory="3
 """What the test changes in serve.yaml's ``args`` besides ``model``: the tiny model's name and small sizes, and no disk
 tier (the "nodes" here share one disk, which real nodes do not: it would hand node A's pages to node B). Everything
 else (two replicas of one CPU each, prefix caching, peer copy on by default) is the shipped file's."""
-
-
-def find_free_port() -> int:
-    """A free port between Ray's worker ports (10002-19999 by default) and the kernel's ephemeral range, so that none of
-    the processes Ray starts, each binding port 0, can take it before a Serve proxy binds it. (A port found by binding
-    0 can be handed out again: CI once saw a worker node's proxy fail with "Failed to bind to address".) Where the
-    range cannot be read, or leaves no room, any free port."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    for _ in range(100 if low > 20100 else 0):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", random.randrange(20000, low)))
-            except OSError:
-                continue
-            return sock.getsockname()[1]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---- the cluster ----------------------------------------------------------------------------------------------------
