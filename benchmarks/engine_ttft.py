@@ -7,9 +7,14 @@
 With ``--compare-prefill-kernel`` every round also times cold, warm and floor with the C++ prefill attention kernel
 off (ATen's flash kernel run by run, merged by log-sum-exp), alternating which path goes first.
 
+With ``--peak`` it also says how far warm / floor can fall on this CPU: the attention work the cached prefix adds
+(4 x heads x head size x suffix x prefix FLOPs a layer) at the vector units' peak on the prefill threads' cores
+(``benchmarks/vector_peak.py``: vdpbf16ps for bfloat16 without AMX, the widest FMA for float32), added to the
+measured floor with nothing else counted. Above the 1.5x target, no attention kernel meets it on this CPU.
+
 Usage:
     python benchmarks/engine_ttft.py [--prefix-len 2048] [--suffix-len 64] [--rounds 7] [--dtype bfloat16]
-                                     [--compare-prefill-kernel]
+                                     [--compare-prefill-kernel] [--peak]
 Prints a markdown table; --json writes the raw numbers.
 """
 
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from replica import cpu_kernels
 from replica import paged_attention
 from replica.config import EngineConfig
 from replica.engine import build_engine
@@ -47,6 +53,43 @@ def engine_config(model_dir: str | None, dtype: str, prefill_threads: int, **ove
     model = None if model_dir == "default" else str(make_model(Path(model_dir)))
     return EngineConfig(model=model, dtype=dtype, kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=4096,
                         max_model_len=4096, num_prefill_threads=prefill_threads, **overrides)
+
+
+def prefix_attention_flops(config, prefix_len: int, suffix_len: int) -> float:
+    """The attention FLOPs a cached prefix of ``prefix_len`` tokens adds to a prompt of ``suffix_len`` new tokens, over
+    every layer: each new token's query heads score the prefix's keys and sum its values (2 x 2 FLOPs a key and head
+    dim). The new tokens' attention to each other is the floor's too."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 4.0 * text.num_hidden_layers * text.num_attention_heads * head_dim * suffix_len * prefix_len
+
+
+def attention_peak_key(dtype: str, flags: set[str], amx: bool) -> str | None:
+    """The ``benchmarks/vector_peak.py`` rate the prefill attention kernel's products run on for ``dtype`` on a CPU
+    with ``flags``: vdpbf16ps for bfloat16 on AVX512-BF16, else FMAs (bfloat16 is widened to float32 without it); None
+    for AMX tiles (not probed) or a CPU without FMA (no vector kernel)."""
+    if dtype == "bfloat16" and amx:
+        return None
+    if dtype == "bfloat16" and "avx512_bf16" in flags:
+        return "dpbf16_zmm_per_s"
+    if "avx512f" in flags:
+        return "fma_zmm_per_s"
+    return "fma_ymm_per_s" if "fma" in flags else None
+
+
+def peak_bound(engine, args, floor_s: float) -> dict | None:
+    """The prefix's attention work (FLOPs), the vector peak of ``args.prefill_threads`` cores it runs on (FLOP/s,
+    with the probed instruction) and warm / floor if the warm request cost only that work at that peak beyond the
+    floor; None where the kernel's instruction is not probed (AMX tiles, or no FMA)."""
+    from benchmarks import vector_peak
+
+    key = attention_peak_key(args.dtype, cpu_kernels._cpu_flag_set(), cpu_kernels.has_amx())
+    if key is None:
+        return None
+    rate = vector_peak.measure()[key] * vector_peak.FLOPS_PER_INSTRUCTION[key] * args.prefill_threads
+    work = prefix_attention_flops(engine.runner.model.config, args.prefix_len, args.suffix_len)
+    return {"instruction": key.removesuffix("_per_s"), "attention_flops": work, "peak_flops_per_s": rate,
+            "warm_over_floor_at_peak": (floor_s + work / rate) / floor_s}
 
 
 def tokens(n: int, seed: int, vocab: int = 8192) -> list[int]:
@@ -90,6 +133,8 @@ def main(argv=None) -> int:
     parser.add_argument("--unique-out", type=int, default=16)
     parser.add_argument("--json", default=None)
     parser.add_argument("--compare-prefill-kernel", action="store_true")
+    parser.add_argument("--peak", action="store_true",
+                        help="also give warm / floor with the prefix's attention at this CPU's vector peak")
     parser.add_argument("--prefill-threads", type=int, default=1,
                         help="threads for steps of prefill size (a DP=1 server on 2 cores uses 2; decode keeps 1)")
     args = parser.parse_args(argv)
@@ -138,6 +183,16 @@ def main(argv=None) -> int:
     for name, values in (("TTFT cold", cold), ("TTFT warm (prefix cached)", warm), ("TTFT suffix alone (floor)", floor)):
         print(f"| {name} | {med(values) * 1000:.1f} ms | {min(values) * 1000:.1f} ms |")
     print(f"| warm / floor | {med(warm) / med(floor):.2f}x | |")
+    if args.peak:
+        bound = result["attention_bound"] = peak_bound(engine, args, med(floor))
+        if bound is None:
+            print("| warm / floor at the vector peak | not probed on this CPU (AMX tiles, or no FMA) | |")
+        else:
+            print(f"| prefix attention work ({bound['instruction']}, {args.prefill_threads} core(s) at "
+                  f"{bound['peak_flops_per_s'] / 1e9:.0f} GFLOP/s) | {bound['attention_flops'] / 1e9:.2f} GFLOP, "
+                  f"{bound['attention_flops'] / bound['peak_flops_per_s'] * 1000:.1f} ms at the peak | |")
+            print(f"| warm / floor at that peak, nothing else counted (the least any kernel gives) "
+                  f"| {bound['warm_over_floor_at_peak']:.2f}x | |")
     if args.compare_prefill_kernel:
         for name, values in flash.items():
             print(f"| TTFT {name}, prefill kernel off (ATen flash run by run) | {med(values) * 1000:.1f} ms "

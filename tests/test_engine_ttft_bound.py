@@ -1,0 +1,42 @@
+"""benchmarks/engine_ttft.py --peak: the attention work a cached prefix adds, and which vector rate it runs on."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig, Qwen3Config
+
+PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "engine_ttft.py"
+spec = importlib.util.spec_from_file_location("engine_ttft_for_tests", PATH)
+engine_ttft = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(engine_ttft)
+
+
+def test_prefix_attention_flops_counts_every_layer_head_and_prefix_key_for_each_new_token():
+    smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
+    # 64 new tokens x 2048 cached keys x 9 query heads x 64 dims x 30 layers, 2 products of 2 FLOPs each
+    assert engine_ttft.prefix_attention_flops(smollm2, 2048, 64) == 4 * 30 * 9 * 64 * 64 * 2048
+    assert engine_ttft.prefix_attention_flops(smollm2, 0, 64) == 0
+    assert engine_ttft.prefix_attention_flops(smollm2, 4096, 64) == 2 * engine_ttft.prefix_attention_flops(
+        smollm2, 2048, 64)
+
+
+def test_prefix_attention_flops_takes_an_explicit_head_size():
+    qwen3 = Qwen3Config(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                        num_hidden_layers=28)
+    assert engine_ttft.prefix_attention_flops(qwen3, 1000, 10) == 4 * 28 * 16 * 128 * 10 * 1000
+
+
+@pytest.mark.parametrize(("dtype", "flags", "amx", "key"), [
+    ("bfloat16", {"fma", "avx512f", "avx512_bf16", "amx_tile"}, True, None),  # AMX tiles: not probed
+    ("bfloat16", {"fma", "avx512f", "avx512_bf16"}, False, "dpbf16_zmm_per_s"),  # Zen 4 / Zen 5
+    ("bfloat16", {"fma", "avx512f"}, False, "fma_zmm_per_s"),  # widened to float32
+    ("bfloat16", {"fma", "avx2"}, False, "fma_ymm_per_s"),
+    ("float32", {"fma", "avx512f", "avx512_bf16"}, False, "fma_zmm_per_s"),
+    ("float32", {"fma", "avx2"}, False, "fma_ymm_per_s"),
+    ("float32", {"sse4_2"}, False, None),  # no vector kernel
+])
+def test_attention_peak_key_is_the_instruction_the_kernel_runs_on(dtype, flags, amx, key):
+    assert engine_ttft.attention_peak_key(dtype, flags, amx) == key
