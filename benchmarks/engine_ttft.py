@@ -21,6 +21,7 @@ Prints a markdown table; --json writes the raw numbers.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import tempfile
@@ -81,8 +82,9 @@ def peak_bound(engine, args, floor_s: float) -> dict | None:
     """The prefix's attention work (FLOPs), the vector peak of ``args.prefill_threads`` cores it runs on (FLOP/s,
     with the probed instruction) and warm / floor if the warm request cost only that work at that peak beyond the
     floor; None where the kernel's instruction is not probed (AMX tiles, or no FMA)."""
-    from benchmarks import vector_peak
-
+    spec = importlib.util.spec_from_file_location("vector_peak", Path(__file__).resolve().parent / "vector_peak.py")
+    vector_peak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vector_peak)
     key = attention_peak_key(args.dtype, cpu_kernels._cpu_flag_set(), cpu_kernels.has_amx())
     if key is None:
         return None

@@ -690,6 +690,13 @@ def dtype_line(replica_id: str, dtype: torch.dtype, reason: str) -> str:
     return f"replica {replica_id} runs in {str(dtype).removeprefix('torch.')} ({reason})"
 
 
+def startup_line(replica_id: str, seconds: float, backend: str, forward_seconds: float) -> str:
+    """The start-up log's line saying how long a replica took to start and how much of it went to its forward pass
+    (``ModelRunner.startup_seconds``: the compiled forward is traced, compiled and warmed up then; inductor's cache on
+    disk makes a later start of the same model faster)."""
+    return f"replica {replica_id} started in {seconds:.1f} s, its {backend} forward ready in {forward_seconds:.1f} s"
+
+
 def compile_threads(config: EngineConfig) -> int:
     """Threads the model is compiled (and warmed up) on. Inductor generates its C++ kernels for the count at compile
     time: compiled on one thread they have no parallel loops at all, and compiled on fewer than this machine's CPUs

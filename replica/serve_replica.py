@@ -34,6 +34,7 @@ import dataclasses
 import gc
 import logging
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -48,7 +49,7 @@ from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
 from replica.cost_meter import ReplicaCostMeter, retained_groups
 from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
-from replica.engine import dtype_line, resolve_dtype
+from replica.engine import dtype_line, resolve_dtype, startup_line
 from replica.event_log import ReplicaEventLog, TierEventRelay
 from replica.kv_event_publisher import build_publisher
 from replica.page_stream import node_address
@@ -56,7 +57,6 @@ from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient, bu
 from replica.request_lane import LaneServer
 from replica.shared_pool import SharedPoolBundle, node_id
 
-logger = logging.getLogger(__name__)
 
 OUTPUT_CHANNEL_IDLE_S = 0.5
 """An output channel with no request bound to it and nothing to send for this long ends (its caller opens it again
@@ -110,6 +110,7 @@ class ServeReplica:
         """Build the engine from ``engine_config`` with ``replica_id`` replaced by this replica's Serve id.
         ``peer_client``: how to reach peers (default: over this replica's own deployment handle);
         ``lane_capacity``: requests in the engine from which a request lane answers "busy" (0: serve no lanes)."""
+        start = time.perf_counter()
         replica_id = current_replica_id(engine_config.replica_id)
         config = dataclasses.replace(engine_config, replica_id=replica_id)
         if config.devices == "cpu":
@@ -123,7 +124,8 @@ class ServeReplica:
             peer_client = self_peer_client("cuda" if config.devices == "gpu" else "cpu")
         self.engine = build_async_engine(config, peer_client=peer_client)
         # Serve's logger: its handlers reach `prefixserve serve`'s output (the engine's own logger has none there)
-        logging.getLogger("ray.serve").info("%s", dtype_line(replica_id, *resolve_dtype(config)))
+        serve_logger = logging.getLogger("ray.serve")
+        serve_logger.info("%s", dtype_line(replica_id, *resolve_dtype(config)))
         device = self.engine.engine.device
         self.ipc_exporter = IpcExporter(device) if device.type == "cuda" else None
         self._event_log = ReplicaEventLog(replica_id)
@@ -137,9 +139,10 @@ class ServeReplica:
         if relay_tiers:  # one tracker per tier feeds the routers (routing stats) and, when configured, the publisher
             self._tier_relay.watch(tiers, sinks=[self._kv_publisher.publish_tier])
         self._tokenizer_files = tokenizer_files(self.engine.tokenizer)
-        logger.info(
-            "replica %s ready: model fingerprint %s, max_model_len %d, prefix caching %s",
-            replica_id,
+        runner = self.engine.engine.runner
+        serve_logger.info(
+            "%s: model fingerprint %s, max_model_len %d, prefix caching %s",
+            startup_line(replica_id, time.perf_counter() - start, runner.backend, runner.startup_seconds),
             self.engine.model_fingerprint,
             self.engine.max_model_len,
             "on" if config.enable_prefix_caching else "off",

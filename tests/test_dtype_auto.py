@@ -34,3 +34,8 @@ def test_this_cpu_s_answer_matches_its_flags():
     with open("/proc/cpuinfo") as cpuinfo:
         flags = next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
     assert engine.cpu_has_native_bf16() == bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def test_the_start_up_line_gives_the_whole_start_and_the_forward_s_share():
+    assert (engine.startup_line("replica-7", 41.26, "compiled", 35.04)
+            == "replica replica-7 started in 41.3 s, its compiled forward ready in 35.0 s")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -101,6 +102,20 @@ def complete(client, prompt, **kwargs):
 
 
 # ---- the API --------------------------------------------------------------------------------------------------------
+def test_the_replica_logs_how_long_it_took_to_start(client):
+    """Issue 9: the start-up time is reported. Serve's replica log (which `prefixserve serve` prints) says how long
+    the replica took to start, and how much of it went to its compiled forward (traced, compiled and warmed up)."""
+    import ray
+
+    _, replica_id = complete(client, "# start-up")
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
+    text = "".join(path.read_text() for path in logs.glob(f"replica_*_PrefixServeReplica_{replica_id}.log"))
+    started = re.search(rf"replica {replica_id} started in ([0-9.]+) s, its compiled forward ready in ([0-9.]+) s: "
+                        r"model fingerprint \w+, max_model_len \d+, prefix caching on", text)
+    assert started, text[-2000:]
+    assert 0 <= float(started[2]) <= float(started[1])
+
+
 def test_models_lists_the_served_model(client):
     models = client.models.list()
     assert [model.id for model in models.data] == [MODEL]

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers import LlamaConfig, Qwen3Config
+
+from replica import cpu_kernels
 
 PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "engine_ttft.py"
 spec = importlib.util.spec_from_file_location("engine_ttft_for_tests", PATH)
@@ -40,3 +44,19 @@ def test_prefix_attention_flops_takes_an_explicit_head_size():
 ])
 def test_attention_peak_key_is_the_instruction_the_kernel_runs_on(dtype, flags, amx, key):
     assert engine_ttft.attention_peak_key(dtype, flags, amx) == key
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or "fma" not in cpu_kernels._cpu_flag_set() or cpu_kernels.has_amx(),
+                    reason="needs g++ and an FMA CPU without AMX tiles (whose kernel the probe does not cover)")
+def test_peak_bound_adds_the_prefix_work_at_the_probed_rate_to_the_floor():
+    config = LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=8)
+    engine = SimpleNamespace(runner=SimpleNamespace(model=SimpleNamespace(config=config)))
+    args = SimpleNamespace(dtype="float32", prefill_threads=2, prefix_len=2048, suffix_len=64)
+    bound = engine_ttft.peak_bound(engine, args, floor_s=0.010)
+    key = engine_ttft.attention_peak_key("float32", cpu_kernels._cpu_flag_set(), False)
+    assert bound["instruction"] == key.removesuffix("_per_s")
+    assert bound["attention_flops"] == 4 * 8 * 8 * 64 * 64 * 2048
+    # an FMA CPU at 1 GHz or more starts an 8-wide FMA (16 FLOPs) a cycle on each core, or more
+    assert bound["peak_flops_per_s"] > 2 * 16e9
+    assert bound["warm_over_floor_at_peak"] == pytest.approx(
+        1 + bound["attention_flops"] / bound["peak_flops_per_s"] / 0.010)

@@ -1,20 +1,18 @@
 """Inside an engine's warm requests (2048 cached + 64 new), per prefill attention call: wall time, when the second
 thread starts its share, each thread's busy time, the gap between the threads' finishes. An instrumented copy of
-replica/csrc/prefill_attention.cpp (INSTR.cpp: records these in the op itself) is swapped in for the engine's kernel.
+replica/csrc/prefill_attention.cpp (INSTR.cpp: records these in the op itself; variants/instr.patch applied to
+1cd3c7c's file) is swapped in for the engine's kernel.
 PYTHONPATH=. .venv/bin/python benchmarks/results/s49/scratch/thread_balance.py INSTR.cpp [--model-dir D] [--dtype D]"""
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from engine_ttft import engine_config, tokens, ttft  # noqa: E402
+from warm_engine import tokens, ttft, warm_engine
 
-from replica import cpu_kernels  # noqa: E402
-from replica.engine import build_engine  # noqa: E402
+from replica import cpu_kernels
 
 parser = argparse.ArgumentParser()
 parser.add_argument("source")
@@ -39,11 +37,7 @@ def swapped(query, k_cache, v_cache, runs, scale, out, bf16_dot=True):
 
 override = torch.library.Library("prefixserve_cpu", "IMPL")
 override.impl("prefill_attention_f32", swapped, "CPU")
-torch.set_num_threads(1)
-engine = build_engine(engine_config(args.model_dir, args.dtype, 2))
-prefix = tokens(2048, seed=10)
-ttft(engine, tokens(300, seed=999), "warmup")
-ttft(engine, prefix + tokens(64, seed=1), "cold")
+engine, prefix = warm_engine(args.model_dir, args.dtype)
 for kind in ("warm", "floor", "warm"):
     torch.ops.prefixserve_instr.stats()
     for r in range(args.rounds):

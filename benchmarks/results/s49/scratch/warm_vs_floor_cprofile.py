@@ -4,26 +4,15 @@ PYTHONPATH=. .venv/bin/python benchmarks/results/s49/scratch/warm_vs_floor_cprof
 import argparse
 import cProfile
 import pstats
-import sys
-from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from engine_ttft import engine_config, tokens, ttft  # noqa: E402
-
-from replica.engine import build_engine  # noqa: E402
+from warm_engine import tokens, ttft, warm_engine
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dtype", default="bfloat16")
 parser.add_argument("--model-dir", default=None)
 parser.add_argument("--rounds", type=int, default=10)
 args = parser.parse_args()
-torch.set_num_threads(1)
-engine = build_engine(engine_config(args.model_dir, args.dtype, 2))
-prefix = tokens(2048, seed=10)
-ttft(engine, tokens(300, seed=999), "warmup")
-ttft(engine, prefix + tokens(64, seed=1), "cold")
+engine, prefix = warm_engine(args.model_dir, args.dtype)
 stats = {}
 for kind in ("warm", "floor"):
     prof = cProfile.Profile()

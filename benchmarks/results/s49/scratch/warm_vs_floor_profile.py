@@ -3,16 +3,11 @@ N warm and N floor requests in turn, self CPU time per op name, per request.
 PYTHONPATH=. .venv/bin/python benchmarks/results/s49/scratch/warm_vs_floor_profile.py --dtype D [--model-dir DIR]"""
 import argparse
 import collections
-import sys
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from engine_ttft import engine_config, tokens, ttft  # noqa: E402
-
-from replica.engine import build_engine  # noqa: E402
+from warm_engine import tokens, ttft, warm_engine
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dtype", default="bfloat16")
@@ -20,14 +15,7 @@ parser.add_argument("--model-dir", default=None)
 parser.add_argument("--rounds", type=int, default=6)
 parser.add_argument("--threads", type=int, default=2)
 args = parser.parse_args()
-torch.set_num_threads(1)
-engine = build_engine(engine_config(args.model_dir, args.dtype, args.threads))
-prefix = tokens(2048, seed=10)
-ttft(engine, tokens(300, seed=999), "warmup")
-ttft(engine, prefix + tokens(64, seed=1), "cold")
-for r in range(2):
-    ttft(engine, prefix + tokens(64, seed=50 + r), f"w{r}")
-    ttft(engine, tokens(64, seed=60 + r), f"f{r}")
+engine, prefix = warm_engine(args.model_dir, args.dtype, args.threads, rounds=2)
 totals = {}
 wall = collections.defaultdict(list)
 for kind in ("warm", "floor"):
