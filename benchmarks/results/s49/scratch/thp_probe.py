@@ -48,7 +48,8 @@ slots, dim, context, tokens = 16384, 64, 2048, 64
 before = anon_huge_kb()
 small = [torch.randn(slots, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)]
 huge = [huge_like(t) for t in small]
-print(f"AnonHugePages {before} -> {anon_huge_kb()} kB; pool {small[0].numel() * small[0].element_size() >> 20} MiB each")
+pool_mib = small[0].numel() * small[0].element_size() >> 20
+print(f"AnonHugePages {before} -> {anon_huge_kb()} kB; pool {pool_mib} MiB each")
 order = torch.randperm(slots // 128, generator=gen).tolist()
 runs = torch.tensor([[page * 128, min(128, context + tokens - 128 * i)]
                      for i, page in enumerate(order[:-(-(context + tokens) // 128)])])
@@ -67,5 +68,6 @@ for rep in range(63):
             times[name].append(time.perf_counter() - start)
 assert torch.equal(outs["4k"], outs["2m"])
 for name in ("4k", "2m"):
-    print(f"{dtype} threads {threads} heads {heads}/{kv_heads}: {name} pages median {statistics.median(times[name]) * 1e6:.0f} us"
+    median = statistics.median(times[name])
+    print(f"{dtype} threads {threads} heads {heads}/{kv_heads}: {name} pages median {median * 1e6:.0f} us"
           f" (min {min(times[name]) * 1e6:.0f})")

@@ -45,5 +45,6 @@ for kind in ("warm", "floor", "warm"):
     s = torch.ops.prefixserve_instr.stats()
     n = s[0]
     print(f"{kind}: {int(n)} calls; per call us: wall {s[1] / n * 1e6:.0f}, second thread starts at "
-          f"{s[2] / n * 1e6:.0f}, busy t0 {s[4] / n * 1e6:.0f} t1 {s[5] / n * 1e6:.0f}, finish gap {s[3] / n * 1e6:.0f}, "
+          f"{s[2] / n * 1e6:.0f}, busy t0 {s[4] / n * 1e6:.0f} t1 {s[5] / n * 1e6:.0f}, "
+          f"finish gap {s[3] / n * 1e6:.0f}, "
           f"after last finish {s[6] / n * 1e6:.0f}")

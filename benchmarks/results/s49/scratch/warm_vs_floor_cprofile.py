@@ -28,5 +28,6 @@ zero = (0.0, 0.0, 0)
 print("per request, ms: tottime warm / floor / diff, cumtime warm / floor, calls warm / floor")
 for k in sorted(keys, key=lambda k: -(stats["warm"].get(k, zero)[0] - stats["floor"].get(k, zero)[0]))[:25]:
     w, f = stats["warm"].get(k, zero), stats["floor"].get(k, zero)
-    print(f"{k[:70]:70s} {w[0] * 1e3:8.2f} {f[0] * 1e3:8.2f} {(w[0] - f[0]) * 1e3:8.2f}   {w[1] * 1e3:8.2f} {f[1] * 1e3:8.2f}"
+    print(f"{k[:70]:70s} {w[0] * 1e3:8.2f} {f[0] * 1e3:8.2f} {(w[0] - f[0]) * 1e3:8.2f}   "
+          f"{w[1] * 1e3:8.2f} {f[1] * 1e3:8.2f}"
           f"   {w[2]:6.0f} {f[2]:6.0f}")
