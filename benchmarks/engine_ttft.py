@@ -13,15 +13,14 @@ With ``--peak`` it also says how far warm / floor can fall on this CPU: the atte
 measured floor with nothing else counted. Above the 1.5x target, no attention kernel meets it on this CPU.
 
 Usage:
-    python benchmarks/engine_ttft.py [--prefix-len 2048] [--suffix-len 64] [--rounds 7] [--dtype bfloat16]
-                                     [--compare-prefill-kernel] [--peak]
+    PYTHONPATH=. .venv/bin/python benchmarks/engine_ttft.py [--prefix-len 2048] [--suffix-len 64] [--rounds 7]
+        [--dtype bfloat16] [--compare-prefill-kernel] [--peak]
 Prints a markdown table; --json writes the raw numbers.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import tempfile
@@ -34,6 +33,7 @@ from replica import cpu_kernels
 from replica import paged_attention
 from replica.config import EngineConfig
 from replica.engine import build_engine
+from replica.model_runner import kv_geometry
 from common.types import EngineRequest
 from common.types import SamplingParams
 from bench.tiny_models import write_tiny_model
@@ -60,9 +60,9 @@ def prefix_attention_flops(config, prefix_len: int, suffix_len: int) -> float:
     """The attention FLOPs a cached prefix of ``prefix_len`` tokens adds to a prompt of ``suffix_len`` new tokens, over
     every layer: each new token's query heads score the prefix's keys and sum its values (2 x 2 FLOPs a key and head
     dim). The new tokens' attention to each other is the floor's too."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 4.0 * text.num_hidden_layers * text.num_attention_heads * head_dim * suffix_len * prefix_len
+    geometry = kv_geometry(config)  # layers and head size as the pool's pages have them
+    num_heads = (config.get_text_config() if hasattr(config, "get_text_config") else config).num_attention_heads
+    return 4.0 * geometry.num_layers * num_heads * geometry.head_dim * suffix_len * prefix_len
 
 
 def attention_peak_key(dtype: str, flags: set[str], amx: bool) -> str | None:
@@ -82,9 +82,8 @@ def peak_bound(engine, args, floor_s: float) -> dict | None:
     """The prefix's attention work (FLOPs), the vector peak of ``args.prefill_threads`` cores it runs on (FLOP/s,
     with the probed instruction) and warm / floor if the warm request cost only that work at that peak beyond the
     floor; None where the kernel's instruction is not probed (AMX tiles, or no FMA)."""
-    spec = importlib.util.spec_from_file_location("vector_peak", Path(__file__).resolve().parent / "vector_peak.py")
-    vector_peak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vector_peak)
+    from benchmarks import vector_peak
+
     key = attention_peak_key(args.dtype, cpu_kernels._cpu_flag_set(), cpu_kernels.has_amx())
     if key is None:
         return None

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from transformers import LlamaConfig, Qwen3Config
 
+from benchmarks import engine_ttft
 from replica import cpu_kernels
-
-PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "engine_ttft.py"
-spec = importlib.util.spec_from_file_location("engine_ttft_for_tests", PATH)
-engine_ttft = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(engine_ttft)
 
 
 def test_prefix_attention_flops_counts_every_layer_head_and_prefix_key_for_each_new_token():

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-from pathlib import Path
 
 import pytest
 
+from benchmarks import vector_peak
 from replica import cpu_kernels
-
-PEAK_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "vector_peak.py"
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or "fma" not in cpu_kernels._cpu_flag_set(),
                     reason="needs g++ and an FMA CPU")
 def test_vector_peak_reports_the_clock_and_each_instruction_this_cpu_has():
-    spec = importlib.util.spec_from_file_location("vector_peak", PEAK_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    results = module.measure()
+    results = vector_peak.measure()
     flags = cpu_kernels._cpu_flag_set()
     expected = {"clock_ghz", "fma_ymm_per_s"}
     expected |= {"fma_zmm_per_s"} if "avx512f" in flags else set()
