@@ -5,6 +5,10 @@ bound a step): the rows of each linear layer are the batch size, so 1-3 rows exe
 packed oneDNN GEMM (on AVX-512 CPUs).
 
     PYTHONPATH=. .venv/bin/python benchmarks/decode_steps.py --model DIR [--dtype bfloat16] [--threads 1]
+        [--prefill-threads N]
+
+``--prefill-threads N``: the engine as a server on a 2-core box runs it (``--num-prefill-threads 2``: prompt steps on
+N threads, these decode steps on ``--threads``, one compiled graph for both).
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--prefill-threads", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = build_engine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=1 << 30,
-                                       num_threads=args.threads))
+                                       num_threads=args.threads, num_prefill_threads=args.prefill_threads))
     rng = random.Random(0)
     cells = []
     for batch in (1, 2, 3, 4):
@@ -50,7 +55,8 @@ def main() -> None:
             engine.abort(seq.request_id)
         while engine.has_work():
             engine.step()
-    print(f"| {args.dtype}, {args.threads} thread(s): median / best ms | " + " | ".join(cells) + " |")
+    prefill = f", prefill on {args.prefill_threads}" if args.prefill_threads else ""
+    print(f"| {args.dtype}, {args.threads} thread(s){prefill}: median / best ms | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -24,12 +24,16 @@ setting is changed. Frozen graphs hold packed mkldnn constants, which the FX gra
 Each ``CompiledForward`` compiles its own copy of the forward's code object: dynamo keys its cache (and its
 recompile limit) on the code object, so runners of different models never share, evict or exceed each other's
 entries. A call checks the inputs' guards and the top module's own attributes, not the module tree
-(``skip_module_guards``): the model is not changed once it is built.
+(``skip_module_guards``): the model is not changed once it is built. On a CPU it does not check torch's thread count
+either: one graph, compiled on ``compile_thread_count`` threads, serves the decode and the prefill steps of an engine
+that runs them on different counts (until session 50, two graphs and twice the compile; BENCHMARKS.md 0zp).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import threading
 import types
@@ -72,16 +76,23 @@ def max_tokens(module: nn.Module) -> int:
     return min(MAX_TOKENS, (2**31 - 1) // widest)
 
 
-def skip_module_guards(entries) -> list[bool]:
+def skip_module_guards(entries, keep_global_state: bool = True) -> list[bool]:
     """Dynamo's guards to keep: the inputs', the global state's, and the values of the top module's own attributes
     (``linear_kernel``, ``packed_from_rows``: a benchmark switches them, and a graph is compiled per setting); not the
     ~750 checks on the module tree (its tensors' shapes and dtypes, its submodules' types, hooks and constants), which
     never change once the model is built. They took ~0.2 ms of every call on a Zen 5 EPYC (8% of a bfloat16 decode
     step of the tiny Llama), the kept ones ~0.03 ms (BENCHMARKS.md 0zd). A submodule's attribute changed after the
     first call is not seen (nor, with ``freezing``, a frozen weight replaced): the model is built once and not
-    changed. Names are Dynamo's for the compiled method's ``self`` argument (``L['self'].x`` shown as ``self.x``)."""
-    return [not entry.orig_guard.source.is_unspecialized_nn_module() or TOP_ATTRIBUTE.fullmatch(entry.name) is not None
-            for entry in entries]
+    changed. Names are Dynamo's for the compiled method's ``self`` argument (``L['self'].x`` shown as ``self.x``).
+
+    ``keep_global_state=False`` (a CPU forward, ``CompiledForward``) also drops Dynamo's ``GLOBAL_STATE`` guard, whose
+    one check that varies between our steps is torch's thread count: kept, a graph compiled for one count compiled
+    again for the other count of an engine with ``num_prefill_threads``, doubling the start-up's compile. Grad mode
+    and deterministic algorithms keep guards of their own; the rest of that guard's checks (autocast, the default
+    dtype; the others are CUDA's) are checked by the forward's caller instead (``CompiledForward.__call__``)."""
+    return [(not entry.orig_guard.source.is_unspecialized_nn_module()
+             or TOP_ATTRIBUTE.fullmatch(entry.name) is not None)
+            and (keep_global_state or entry.guard_type != "GLOBAL_STATE") for entry in entries]
 
 
 TOP_ATTRIBUTE = re.compile(r"self\.[A-Za-z_]\w*")
@@ -104,8 +115,12 @@ class CompiledForward:
         self.options = dict(options)
         self.num_compiles = 0
         self.max_tokens = max_tokens(module)
+        self.on_cpu = not next(module.parameters()).is_cuda
+        """A CPU forward: one graph for every thread count (``skip_module_guards``'s ``keep_global_state``)."""
+        self.default_dtype = torch.get_default_dtype()
+        guards = functools.partial(skip_module_guards, keep_global_state=not self.on_cpu)
         self._compiled = torch.compile(_fresh_method(module), backend=self._backend, fullgraph=True, dynamic=False,
-                                       options={"guard_filter_fn": skip_module_guards})
+                                       options={"guard_filter_fn": guards})
 
     def _backend(self, graph_module: torch.fx.GraphModule, example_inputs):
         from torch._inductor import config as inductor_config
@@ -129,6 +144,9 @@ class CompiledForward:
     def __call__(self, ids_pos: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
         if ids_pos.shape[1] < 2:
             raise ValueError("the compiled forward takes two tokens or more (the runner pads a lone decode)")
+        if self.on_cpu and (torch.get_default_dtype() is not self.default_dtype or torch.is_autocast_enabled("cpu")):
+            raise RuntimeError(f"the compiled forward was built with default dtype {self.default_dtype} and no "
+                               "autocast, and runs only so (its graph has no guard on them; skip_module_guards)")
         num_rows = logits_index.shape[0]
         if num_rows == 1:
             logits_index = torch.cat((logits_index, logits_index))  # (repeat(2) measured 70 us a call here)
@@ -144,9 +162,11 @@ class CompiledEntry:
     signature: tuple
     weights: list[torch.Tensor]
     """The source model's parameters the graphs were frozen with (compared with a new model's by value)."""
+    threads: int = 1
+    """The torch thread count the graph is compiled on (``compile_thread_count``)."""
     warmed_up: set[int] = field(default_factory=set)
-    """The torch thread counts a warm-up step has run on: Dynamo guards the graph on the global thread count, so a
-    step on a count no warm-up step ran on would compile again (in the middle of serving, seconds)."""
+    """The torch thread counts a warm-up step has run on (the first compiled the graph; the others check that a step
+    on their count does not compile again)."""
     failed: bool = False
     """Compilation raised: runners of this model run it eagerly."""
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -160,13 +180,13 @@ _cache_lock = threading.Lock()
 _entry_ids = iter(range(1 << 62))
 
 
-def _signature(model: nn.Module, options: dict) -> tuple:
+def _signature(model: nn.Module, options: dict, threads: int) -> tuple:
     config = model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "_attn_implementation", "_attn_implementation_autoset"):
         config.pop(volatile, None)
     params = tuple((name, tuple(p.shape), p.dtype, str(p.device)) for name, p in model.named_parameters())
     return (
-        type(model).__name__, json.dumps(config, sort_keys=True, default=str), params, torch.get_num_threads(),
+        type(model).__name__, json.dumps(config, sort_keys=True, default=str), params, threads,
         tuple(sorted(options.items())), cpu_kernels.packed_gemm_pays(), cpu_kernels.packed_gemm_from_few_rows(),
         cpu_kernels.pair_linear_pays(torch.float32), cpu_kernels.pair_linear_pays(torch.bfloat16),
     )
@@ -179,25 +199,40 @@ def _same_weights(weights: list[torch.Tensor], model: nn.Module) -> bool:
     )
 
 
+def compile_thread_count(step_threads: tuple[int, ...]) -> int:
+    """The torch thread count to compile a CPU forward on whose steps run on the counts in ``step_threads`` (default:
+    the current count). Inductor generates its C++ kernels for the count at compile time: compiled on one thread they
+    have no parallel loops at all, and compiled on fewer threads than this machine's CPUs each parallel loop is fixed
+    at that count (``num_threads(N)``). So one count is compiled for as it is, and for several (an engine with
+    ``num_prefill_threads``) the graph is compiled on every CPU: its loops then follow the stepping thread's count
+    (``#pragma omp parallel`` alone), and their per-thread buffers are sized for the most threads any step can use.
+    That graph serves every count (no guard on the thread count: ``skip_module_guards``)."""
+    counts = set(step_threads) or {torch.get_num_threads()}
+    return max(counts) if len(counts) == 1 else max(*counts, os.cpu_count() or 1)
+
+
 def cached_compiled_forward(
-    source: nn.Module, build: Callable[[], nn.Module], options: dict | None = None
+    source: nn.Module, build: Callable[[], nn.Module], options: dict | None = None, threads: int | None = None
 ) -> CompiledEntry:
-    """The compiled forward for ``source`` (built by ``build()`` on first use). Shared by every runner whose model has
-    the same architecture, config, thread count (inductor bakes it into its kernels), options and weight values —
-    the same model object, a deep copy, or the same checkpoint loaded again — so a process that builds many engines
-    (the test suite) compiles once per distinct model. Recently used entries are kept within ``CACHE_MAX_ENTRIES`` /
+    """The compiled forward for ``source`` (built by ``build()`` on first use), to be compiled on ``threads`` torch
+    threads (``compile_thread_count``; default: the current count). Shared by every runner whose model has the same
+    architecture, config, compile thread count (inductor bakes it into its kernels), options and weight values — the
+    same model object, a deep copy, or the same checkpoint loaded again — so a process that builds many engines (the
+    test suite) compiles once per distinct model. Recently used entries are kept within ``CACHE_MAX_ENTRIES`` /
     ``CACHE_MAX_BYTES`` (each holds its model's weights alive). Weights must not be modified in place after a runner
     is built."""
     if options is None:
         options = INDUCTOR_OPTIONS.get(next(source.parameters()).dtype, DEFAULT_OPTIONS)
     options = dict(options)
-    signature = _signature(source, options)
+    threads = threads or torch.get_num_threads()
+    signature = _signature(source, options, threads)
     with _cache_lock:
         for key, entry in reversed(_cache.items()):
             if entry.signature == signature and _same_weights(entry.weights, source):
                 _cache.move_to_end(key)
                 return entry
-        entry = CompiledEntry(CompiledForward(build(), options), signature, [p.detach() for p in source.parameters()])
+        entry = CompiledEntry(CompiledForward(build(), options), signature, [p.detach() for p in source.parameters()],
+                              threads)
         _cache[next(_entry_ids)] = entry
         while len(_cache) > 1 and (
             len(_cache) > CACHE_MAX_ENTRIES

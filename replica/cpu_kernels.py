@@ -34,12 +34,15 @@ False and the attention keeps its ATen path; the reason is logged once.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -82,13 +85,36 @@ def _build_name(sources: tuple[Path, ...], prefix: str) -> str:
     return f"{prefix}_{digest.hexdigest()[:16]}"
 
 
+BUILD_LOCK = "prefixserve.lock"
+"""The file in a library's build directory that ``build_lock`` locks."""
+
+
+@contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on a library's build directory for its build. torch's JIT build marks a build in
+    progress with a file (``lock``) that every other process waits on until it is gone; a process killed midway (a
+    replica stopped during its first start) leaves it behind, and every later start waited on it forever. Our builds
+    first take a ``flock`` on a file of their own, which the kernel releases when its holder dies: whoever holds it,
+    no build of ours is in progress, so a ``lock`` file found then is stale and is removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / BUILD_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build of the CPU kernels that was stopped midway", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def _build(sources: tuple[Path, ...], prefix: str) -> str | None:
     """Build (first time on this machine type) and load one library of kernels; the reason when it failed."""
     try:
-        from torch.utils.cpp_extension import load as build
+        from torch.utils import cpp_extension
 
-        build(name=_build_name(sources, prefix), sources=[str(source) for source in sources], extra_cflags=CFLAGS,
-              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        name = _build_name(sources, prefix)
+        with build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            cpp_extension.load(name=name, sources=[str(source) for source in sources], extra_cflags=CFLAGS,
+                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return None
     except Exception as error:  # no compiler, no ninja, a build error: keep the ATen path
         lines = str(error).splitlines()

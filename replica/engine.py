@@ -29,6 +29,7 @@ from common.types import (CachedTokens, EngineRequest, EngineStats, PinPrefix, P
                           RequestLatencyStats,
                           RequestOutput)
 from replica import cpu_kernels
+from replica.compile import compile_thread_count
 from replica.config import (PREFILL_THREADS_MIN_KEYS, PREFILL_THREADS_MIN_TOKENS, STEP_HELPER_ENV,
                             STEP_HELPER_MIN_TOKENS, EngineConfig)
 from replica.detokenizer import IncrementalDetokenizer
@@ -698,14 +699,11 @@ def startup_line(replica_id: str, seconds: float, backend: str, forward_seconds:
 
 
 def compile_threads(config: EngineConfig) -> int:
-    """Threads the model is compiled (and warmed up) on. Inductor generates its C++ kernels for the count at compile
-    time: compiled on one thread they have no parallel loops at all, and compiled on fewer than this machine's CPUs
-    each parallel loop is fixed at that count (``num_threads(N)``). When steps switch between two counts (CPU,
-    ``num_prefill_threads``), compiling on every CPU makes the loops follow the stepping thread's count instead (and
-    sizes their per-thread buffers for the most threads any step can use)."""
-    if config.devices != "cpu" or config.prefill_threads == config.num_threads:
+    """Threads the model is loaded and compiled on: ``replica.compile.compile_thread_count`` of the counts its steps
+    run on (CPU: ``num_threads`` and ``num_prefill_threads``)."""
+    if config.devices != "cpu":
         return config.num_threads
-    return max(config.num_threads, config.prefill_threads, os.cpu_count() or 1)
+    return compile_thread_count((config.num_threads, config.prefill_threads))
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:

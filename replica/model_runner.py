@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from replica import cpu_kernels
 from replica.attention_op import forward_context
-from replica.compile import CompiledEntry, cached_compiled_forward
+from replica.compile import CompiledEntry, cached_compiled_forward, compile_thread_count
 from replica.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from replica.llama import CompactCausalLM, unsupported_reason
 from replica.page_pool import allocate_kv_tensor, bytes_per_page, kv_tensor_shape
@@ -249,7 +249,8 @@ class ModelRunner:
             model.set_attn_implementation(register_paged_attention())
         elif backend == "compiled":
             self._compiled = cached_compiled_forward(
-                model, lambda: CompactCausalLM(model, host_kv_bytes), compile_options)
+                model, lambda: CompactCausalLM(model, host_kv_bytes), compile_options,
+                compile_thread_count(step_threads) if self.device.type == "cpu" else None)
             self._warm_up(step_threads)
         else:
             self._compact = CompactCausalLM(model, host_kv_bytes)
@@ -287,11 +288,12 @@ class ModelRunner:
         return self._compiled.forward.num_compiles if self._compiled is not None else 0
 
     def _warm_up(self, step_threads: tuple[int, ...] = ()) -> None:
-        """Compile the graphs every later step uses (module docstring of replica.compile) with throwaway steps on
-        pages 0 and 1 (then cleared), one per thread count in ``step_threads`` (default: the current one) that no
-        runner of this model has warmed up on yet. Dynamo guards a graph on torch's thread count: a step on a count
-        without its warm-up compiled again, 4-8 s into the first request of a replica whose decode and prefill steps
-        use different counts."""
+        """Compile the graph every later step uses (module docstring of replica.compile) with throwaway steps on
+        pages 0 and 1 (then cleared): the first on the entry's compile thread count
+        (``replica.compile.compile_thread_count``), then one per thread count in ``step_threads`` (default: the
+        current one) that no runner of this model has warmed up on yet. On a CPU the one graph serves every count:
+        until session 50 Dynamo's guard on torch's thread count compiled a second graph for an engine whose decode and
+        prefill steps use different counts (BENCHMARKS.md 0zp)."""
         entry = self._compiled
         counts = sorted(set(step_threads) or {torch.get_num_threads()})
         with entry.lock:
@@ -305,7 +307,8 @@ class ModelRunner:
             try:
                 other_page = 1 if self.kv_cache.shape[2] > 1 else 0
                 with entry.forward.compiling():
-                    for count in missing:
+                    first = [entry.threads] if entry.forward.num_compiles == 0 else []
+                    for count in first + [count for count in missing if count not in first]:
                         torch.set_num_threads(count)
                         self.run([ChunkInput([0], 0, [0], sample=True),
                                   ChunkInput([0], 0, [other_page], sample=True)])

@@ -224,6 +224,56 @@ def test_packed_linear_weights_keep_transformers_logits_and_greedy_tokens(llama,
     assert_matches_transformers(run, Seq(random_prompt(200, seed=61), [2, 5]), llama.reference, num_tokens=6)
 
 
+def test_one_cpu_graph_serves_every_thread_count_without_compiling_again(llama, monkeypatch):
+    """A CPU engine whose decode and prefill steps run on different torch thread counts compiles one graph, on
+    ``compile_thread_count`` threads, and steps on either count reuse it (Dynamo's GLOBAL_STATE guard, which holds
+    the thread count, is dropped on a CPU; kept on a GPU) with the eager forward's logits. The state that guard also
+    covered is checked by the forward itself: a changed default dtype or CPU autocast is refused, not served."""
+    import torch._dynamo.utils
+    from types import SimpleNamespace
+
+    from replica.compile import compile_thread_count, skip_module_guards
+
+    state = [SimpleNamespace(name="", guard_type=kind, orig_guard=SimpleNamespace(source=SimpleNamespace(
+        is_unspecialized_nn_module=lambda: False))) for kind in ("GLOBAL_STATE", "GRAD_MODE", "TENSOR_MATCH")]
+    assert skip_module_guards(state) == [True, True, True]
+    assert skip_module_guards(state, keep_global_state=False) == [False, True, True]
+    with monkeypatch.context() as patch:
+        patch.setattr("os.cpu_count", lambda: 8)
+        assert compile_thread_count((1, 2)) == 8 and compile_thread_count((3, 3)) == 3
+        assert compile_thread_count(()) == torch.get_num_threads()
+
+    model = copy.deepcopy(llama.served)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.1)  # weights of its own: no other test shares this compiled forward
+    before = torch.get_num_threads()
+    try:
+        compiled = runner(model, backend="compiled", step_threads=(1, 2))
+        eager = runner(model, enforce_eager=True)
+        entry = compiled._compiled
+        assert compiled.num_compiles == 1 and entry.threads == compile_thread_count((1, 2))
+        assert {1, 2} <= entry.warmed_up
+        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for i, chunks in enumerate(mixed_workload()):
+            torch.set_num_threads(1 + i % 2)
+            torch.testing.assert_close(compiled.run(chunks), eager.run(chunks), rtol=0, atol=1e-4)
+        assert compiled.num_compiles == 1
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before
+        step = [ChunkInput(random_prompt(10, seed=63), 0, [20], sample=True)]
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="autocast"):
+            compiled.run(step)
+        torch.set_default_dtype(torch.float64)
+        try:
+            with pytest.raises(RuntimeError, match="default dtype"):
+                compiled.run(step)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        assert compiled.num_compiles == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_calls_check_the_top_module_s_attributes_not_the_module_tree(llama):
     """``replica.compile.skip_module_guards``: a call does not re-check the model's ~750 module-tree guards (its
     tensors, submodules, hooks), but an attribute of the compiled module itself still selects its own graph (a

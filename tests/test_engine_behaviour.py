@@ -290,8 +290,8 @@ def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_repl
     """CPU: a step of PREFILL_THREADS_MIN_TOKENS or more runs on ``num_prefill_threads``, a shorter one on
     ``num_threads`` (switched on the stepping thread, only when it changes), unless its rows attend
     PREFILL_THREADS_MIN_KEYS keys or more (here lowered to 46: a 44-token prompt's second decode step attends 46);
-    greedy output is unchanged, and no step compiles the graph again (Dynamo guards it on the thread count: the
-    runner warmed it up on both counts when it was built)."""
+    greedy output is unchanged, and no step compiles the graph again (one graph serves both counts: the runner
+    compiled it on ``compile_thread_count`` threads and ran a warm-up step on each count when it was built)."""
     import replica.engine as engine_module
     from replica.config import PREFILL_THREADS_MIN_KEYS, PREFILL_THREADS_MIN_TOKENS
 
@@ -300,7 +300,7 @@ def test_long_steps_run_on_the_prefill_thread_count_and_decode_steps_on_the_repl
     engine = tiny.engine(num_threads=1, num_prefill_threads=2)
     if engine.runner.backend == "compiled":  # (the eager path, PREFIXSERVE_ENFORCE_EAGER=1, switches threads alike)
         assert {1, 2} <= engine.runner._compiled.warmed_up
-    compiles = engine.runner.num_compiles  # warmed up on both counts at start-up: no step below compiles
+    compiles = engine.runner.num_compiles  # compiled and warmed up at start-up: no step below compiles
     seen = watch_forwards(engine, lambda inputs: (sum(len(chunk.token_ids) for chunk in inputs),
                                                   torch.get_num_threads()))
     before = torch.get_num_threads()
@@ -425,7 +425,7 @@ def test_decode_batches_of_17_rows_and_more_arm_the_step_helper_below_the_prefil
 
 def test_the_graph_is_compiled_on_every_cpu_when_steps_switch_thread_counts(monkeypatch):
     """Inductor fixes a parallel loop's thread count at compile time unless compiled on every CPU (then the loop
-    follows the stepping thread): so with two counts the graph is compiled on every CPU; with one, on that one."""
+    follows the stepping thread): so with two counts the one graph is compiled on every CPU; with one, on that one."""
     from replica.engine import compile_threads
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
