@@ -27,7 +27,8 @@ CPUs the kernel keeps its 1-16 float32 rows (0.73-0.86x oneDNN's time on the Zen
 rows and more (0.39-0.72x MKL's ``F.linear`` at 17-128 rows there, BENCHMARKS.md section 0z).
 
 The library is compiled once per machine type (the build directory's name carries a digest of the source, the
-compiler flags and the CPU's flags, since ``-march=native`` code must not run on another CPU) and loaded with
+compiler flags and the CPU's flags, since ``-march=native`` code must not run on another CPU), from copies of the
+sources kept in that directory (``stable_sources``) under a lock of its own (``build_lock``), and loaded with
 ``torch.ops.load_library``. When no compiler is available, or ``PREFIXSERVE_CPU_KERNELS=0``, ``available()`` is
 False and the attention keeps its ATen path; the reason is logged once.
 """
@@ -106,14 +107,33 @@ def build_lock(build_dir: Path) -> Iterator[None]:
         yield
 
 
+def stable_sources(sources: tuple[Path, ...], into: Path) -> list[Path]:
+    """Copies of ``sources`` and ``HEADERS`` in ``into`` (in the library's build directory): the paths the build
+    compiles. ninja rebuilds a library whose compile commands changed, and a command names its source's path, so the
+    same library built from two checkouts (a fresh clone, a worktree) was rebuilt on every switch between them (~30 s
+    on 2 cores). The build directory's name carries the sources' digest, so the copies there never change once written
+    (and are not rewritten: a newer file would rebuild too)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for path in (*sources, *HEADERS):
+        target = into / path.name
+        text = path.read_bytes()
+        if not target.exists() or target.read_bytes() != text:
+            partial = target.with_name(target.name + ".partial")
+            partial.write_bytes(text)
+            partial.replace(target)
+    return [into / source.name for source in sources]
+
+
 def _build(sources: tuple[Path, ...], prefix: str) -> str | None:
     """Build (first time on this machine type) and load one library of kernels; the reason when it failed."""
     try:
         from torch.utils import cpp_extension
 
         name = _build_name(sources, prefix)
-        with build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
-            cpp_extension.load(name=name, sources=[str(source) for source in sources], extra_cflags=CFLAGS,
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with build_lock(build_dir):
+            copies = stable_sources(sources, build_dir / "src")
+            cpp_extension.load(name=name, sources=[str(copy) for copy in copies], extra_cflags=CFLAGS,
                                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return None
     except Exception as error:  # no compiler, no ninja, a build error: keep the ATen path

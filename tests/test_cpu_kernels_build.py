@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import threading
 import time
+from pathlib import Path
 
 from replica import cpu_kernels
 
@@ -33,15 +34,17 @@ def test_a_lock_file_left_by_a_stopped_build_is_cleared_and_builds_take_turns(tm
     assert order == ["a", "b"]
 
 
-def test_the_lock_is_taken_in_the_directory_torch_builds_in(monkeypatch, tmp_path):
+def test_the_lock_is_taken_in_the_directory_torch_builds_in_on_copies_of_the_sources(monkeypatch, tmp_path):
     """``_build`` holds ``build_lock`` on torch's own build directory for the library's name (where its ``lock``
-    file lies), not on a directory of its own."""
+    file lies), not on a directory of its own, and compiles copies of the sources kept there, so that a build from
+    another checkout runs the same commands (ninja rebuilds when a command, which names the source's path, changes);
+    a second build leaves the copies untouched (a newer source file would rebuild too)."""
     seen = {}
 
-    def fake_build(name, **kwargs):
+    def fake_build(name, sources, **kwargs):
         from torch.utils.cpp_extension import _get_build_directory
 
-        seen["name"], seen["dir"] = name, _get_build_directory(name, verbose=False)
+        seen["name"], seen["dir"], seen["sources"] = name, _get_build_directory(name, verbose=False), sources
         with open(tmp_path / name / cpu_kernels.BUILD_LOCK) as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -53,3 +56,11 @@ def test_the_lock_is_taken_in_the_directory_torch_builds_in(monkeypatch, tmp_pat
     monkeypatch.setattr("torch.utils.cpp_extension.load", fake_build)
     assert cpu_kernels._build(cpu_kernels.SOURCES, "prefixserve_test") is None
     assert seen["dir"] == str(tmp_path / seen["name"]) and seen["held"]
+    copies = [Path(source) for source in seen["sources"]]
+    assert copies == [tmp_path / seen["name"] / "src" / source.name for source in cpu_kernels.SOURCES]
+    for original in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):  # the headers the sources include, beside them
+        assert (tmp_path / seen["name"] / "src" / original.name).read_bytes() == original.read_bytes()
+    written = [copy.stat().st_mtime_ns for copy in copies]
+    time.sleep(0.01)
+    assert cpu_kernels._build(cpu_kernels.SOURCES, "prefixserve_test") is None
+    assert [copy.stat().st_mtime_ns for copy in copies] == written
