@@ -162,7 +162,7 @@ class CompiledEntry:
     signature: tuple
     weights: list[torch.Tensor]
     """The source model's parameters the graphs were frozen with (compared with a new model's by value)."""
-    threads: int = 1
+    threads: int
     """The torch thread count the graph is compiled on (``compile_thread_count``)."""
     warmed_up: set[int] = field(default_factory=set)
     """The torch thread counts a warm-up step has run on (the first compiled the graph; the others check that a step
@@ -212,19 +212,18 @@ def compile_thread_count(step_threads: tuple[int, ...]) -> int:
 
 
 def cached_compiled_forward(
-    source: nn.Module, build: Callable[[], nn.Module], options: dict | None = None, threads: int | None = None
+    source: nn.Module, build: Callable[[], nn.Module], threads: int, options: dict | None = None
 ) -> CompiledEntry:
     """The compiled forward for ``source`` (built by ``build()`` on first use), to be compiled on ``threads`` torch
-    threads (``compile_thread_count``; default: the current count). Shared by every runner whose model has the same
-    architecture, config, compile thread count (inductor bakes it into its kernels), options and weight values — the
-    same model object, a deep copy, or the same checkpoint loaded again — so a process that builds many engines (the
-    test suite) compiles once per distinct model. Recently used entries are kept within ``CACHE_MAX_ENTRIES`` /
+    threads (``compile_thread_count``). Shared by every runner whose model has the same architecture, config, compile
+    thread count (inductor bakes it into its kernels), options and weight values — the same model object, a deep copy,
+    or the same checkpoint loaded again — so a process that builds many engines (the test suite) compiles once per
+    distinct model. Recently used entries are kept within ``CACHE_MAX_ENTRIES`` /
     ``CACHE_MAX_BYTES`` (each holds its model's weights alive). Weights must not be modified in place after a runner
     is built."""
     if options is None:
         options = INDUCTOR_OPTIONS.get(next(source.parameters()).dtype, DEFAULT_OPTIONS)
     options = dict(options)
-    threads = threads or torch.get_num_threads()
     signature = _signature(source, options, threads)
     with _cache_lock:
         for key, entry in reversed(_cache.items()):

@@ -249,8 +249,8 @@ class ModelRunner:
             model.set_attn_implementation(register_paged_attention())
         elif backend == "compiled":
             self._compiled = cached_compiled_forward(
-                model, lambda: CompactCausalLM(model, host_kv_bytes), compile_options,
-                compile_thread_count(step_threads) if self.device.type == "cpu" else None)
+                model, lambda: CompactCausalLM(model, host_kv_bytes), compile_thread_count(step_threads),
+                compile_options)
             self._warm_up(step_threads)
         else:
             self._compact = CompactCausalLM(model, host_kv_bytes)
