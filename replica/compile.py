@@ -27,25 +27,38 @@ entries. A call checks the inputs' guards and the top module's own attributes, n
 (``skip_module_guards``): the model is not changed once it is built. On a CPU it does not check torch's thread count
 either: one graph, compiled on ``compile_thread_count`` threads, serves the decode and the prefill steps of an engine
 that runs them on different counts (until session 50, two graphs and twice the compile; BENCHMARKS.md 0zp).
+
+A CPU forward's graph is stored in a file by the start that compiles it and loaded by later starts
+(``PrecompiledForward``, torch's AOT compilation): a warm start of the embedded default model skips Dynamo's tracing,
+its forward ready in ~3.5 s instead of ~8 s (BENCHMARKS.md 0zq). ``PREFIXSERVE_PRECOMPILED_FORWARD=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import json
+import logging
 import os
 import re
+import sys
+import tempfile
 import threading
 import types
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from replica import cpu_kernels
+from replica.config import default_cache_dir
+
+log = logging.getLogger(__name__)
 
 INDUCTOR_OPTIONS = {
     torch.bfloat16: {"freezing": False, "size_asserts": False},
@@ -99,6 +112,21 @@ TOP_ATTRIBUTE = re.compile(r"self\.[A-Za-z_]\w*")
 """A guard's name for an attribute of the compiled module itself (``self.linear_kernel``)."""
 
 
+def portable_guards(entries) -> list[bool]:
+    """The guards a precompiled forward (``PrecompiledForward``) keeps: ``skip_module_guards``' for a CPU forward,
+    less those that cannot be stored in a file and checked in another process: guards on globals (the modules and
+    functions the forward calls: the file's key carries the code that names them, ``precompiled_path``), object
+    identities and module types, and the top module's tensors (weights fixed once built; its packed oneDNN weights
+    cannot be written). The top module's plain attributes (``self.linear_kernel``), the inputs' and the grad mode's
+    guards stay."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [keep and not entry.is_global and entry.guard_type not in unsupported
+            and not (entry.name.startswith("self") and entry.guard_type in ("TENSOR_MATCH", "TYPE_MATCH"))
+            for keep, entry in zip(skip_module_guards(entries, keep_global_state=False), entries)]
+
+
 def _fresh_method(module: nn.Module) -> Callable:
     """``module.forward`` bound to a private copy of its code object (a dynamo cache of its own)."""
     function = type(module).forward
@@ -108,9 +136,11 @@ def _fresh_method(module: nn.Module) -> Callable:
 
 
 class CompiledForward:
-    """``module(ids_pos, logits_index)`` compiled with inductor; see the module docstring for the shapes."""
+    """``module(ids_pos, logits_index)`` compiled with inductor; see the module docstring for the shapes. On a CPU,
+    with ``precompiled`` (a file path: ``precompiled_path``), the graph comes from that file when a start before this
+    one stored it there, else it is compiled and stored there (``PrecompiledForward``)."""
 
-    def __init__(self, module: nn.Module, options: dict) -> None:
+    def __init__(self, module: nn.Module, options: dict, precompiled: Path | None = None) -> None:
         self.module = module
         self.options = dict(options)
         self.num_compiles = 0
@@ -118,9 +148,18 @@ class CompiledForward:
         self.on_cpu = not next(module.parameters()).is_cuda
         """A CPU forward: one graph for every thread count (``skip_module_guards``'s ``keep_global_state``)."""
         self.default_dtype = torch.get_default_dtype()
+        method = _fresh_method(module)
         guards = functools.partial(skip_module_guards, keep_global_state=not self.on_cpu)
-        self._compiled = torch.compile(_fresh_method(module), backend=self._backend, fullgraph=True, dynamic=False,
+        self._compiled = torch.compile(method, backend=self._backend, fullgraph=True, dynamic=False,
                                        options={"guard_filter_fn": guards})
+        self.precompiled = (PrecompiledForward(self, method, precompiled)
+                            if precompiled is not None and self.on_cpu and not self.options.get("freezing") else None)
+        """Where the graph is stored for later starts (None: compiled by Dynamo at every start)."""
+
+    @property
+    def num_loaded(self) -> int:
+        """Graphs loaded from a file stored by an earlier start (``PrecompiledForward``) instead of compiled."""
+        return self.precompiled.num_loaded if self.precompiled is not None else 0
 
     def _backend(self, graph_module: torch.fx.GraphModule, example_inputs):
         from torch._inductor import config as inductor_config
@@ -150,10 +189,163 @@ class CompiledForward:
         num_rows = logits_index.shape[0]
         if num_rows == 1:
             logits_index = torch.cat((logits_index, logits_index))  # (repeat(2) measured 70 us a call here)
+        graph = self.precompiled.graph_for(ids_pos, logits_index) if self.precompiled is not None else None
+        if graph is not None:
+            logits = graph(self.module, ids_pos, logits_index)
+        else:
+            logits = self._compiled(*self.mark_dynamic(ids_pos, logits_index))
+        return logits[:1] if num_rows == 1 else logits
+
+    def mark_dynamic(self, ids_pos: torch.Tensor, logits_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs with their token dimensions marked dynamic for Dynamo (2 to ``max_tokens``)."""
         torch._dynamo.mark_dynamic(ids_pos, 1, min=2, max=self.max_tokens)
         torch._dynamo.mark_dynamic(logits_index, 0, min=2, max=self.max_tokens)
-        logits = self._compiled(ids_pos, logits_index)
-        return logits[:1] if num_rows == 1 else logits
+        return ids_pos, logits_index
+
+
+PRECOMPILED_ENV = "PREFIXSERVE_PRECOMPILED_FORWARD"
+"""Set to 0 to compile a CPU forward at every start (Dynamo's tracing included) instead of loading the graph an earlier
+start stored (``PrecompiledForward``)."""
+PRECOMPILED_KEEP = 32
+"""The start-up cache keeps the files of this many forwards, the most recently used."""
+
+
+class PrecompiledForward:
+    """A CPU forward's graph stored in a file by the start that compiled it and loaded by later starts, which then
+    skip Dynamo's tracing of the model (~4 s of a ~7 s warm compile on SmolLM2's 30 layers) and inductor's cache
+    lookups: torch's AOT compilation (``torch.compile(...).aot_compile``, ``torch.compiler.load_compiled_function``).
+    The file's name is a digest of everything the graph depends on (``precompiled_path``); the graph takes the weights
+    as inputs (no freezing), so it serves any weights of the same architecture.
+
+    The first call (the runner's first warm-up step) loads the file, or compiles the graph (counted in
+    ``num_compiles``) and writes it. Each call checks the stored guards (the inputs' dtypes and ranks, the token
+    count's range, grad mode, the top module's attributes: ~5 us); a call they refuse (a benchmark that switched
+    ``linear_kernel``) takes Dynamo's path, which compiles a graph for it as before. A file that cannot be loaded (torn,
+    another torch) is compiled again and replaced; where the graph cannot be stored, the process keeps it."""
+
+    def __init__(self, forward: CompiledForward, method: Callable, path: Path) -> None:
+        self.forward = forward
+        self.path = path
+        self.num_loaded = 0
+        self._graph = None
+        self._tried = False
+        self._aot = torch.compile(method, backend=forward._backend, fullgraph=True, dynamic=False,
+                                  options={"guard_filter_fn": portable_guards})
+
+    def graph_for(self, ids_pos: torch.Tensor, logits_index: torch.Tensor):
+        """The stored graph if this call passes its guards, else None (Dynamo's path)."""
+        if not self._tried:
+            self._tried = True
+            with self._exclusive():  # replicas starting together: one compiles, the others load what it stored
+                self._graph = self._load(ids_pos, logits_index) or self._compile(ids_pos, logits_index)
+        graph = self._graph
+        return graph if graph is not None and graph.guard_check(self.forward.module, ids_pos, logits_index) else None
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold a lock on this forward's file (released by the kernel if its holder dies); without a lock file, no
+        lock."""
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            handle = open(self.path.with_suffix(".lock"), "a")
+        except OSError:
+            yield
+            return
+        with handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+    def _load(self, ids_pos: torch.Tensor, logits_index: torch.Tensor):
+        if not self.path.exists():
+            return None
+        if not private(self.path):
+            log.warning("not loading the stored forward %s: it or its folder is not this user's alone", self.path)
+            return None
+        try:
+            with self.path.open("rb") as file:
+                graph = torch.compiler.load_compiled_function(file, external_data={"model": self.forward.module})
+            graph.disable_guard_check()  # checked by graph_for
+            if not graph.guard_check(self.forward.module, ids_pos, logits_index):
+                reason = graph._artifacts.guard_manager.check_verbose(graph.prepare_f_locals(
+                    self.forward.module, ids_pos, logits_index)).verbose_code_parts
+                raise RuntimeError(f"its guards refuse the first call: {reason}")
+        except Exception as error:  # torn, another torch, a model changed in a way its name missed
+            log.warning("the stored forward %s could not be used (%s); compiling it again", self.path,
+                        str(error).splitlines()[0] if str(error) else type(error).__name__)
+            return None
+        os.utime(self.path)  # recently used (``prune_precompiled``)
+        self.num_loaded += 1
+        log.info("compiled forward loaded from %s", self.path)
+        return graph
+
+    def _compile(self, ids_pos: torch.Tensor, logits_index: torch.Tensor):
+        try:
+            # marked copies: the stored guards refuse a call whose inputs carry Dynamo's marks
+            example = self.forward.mark_dynamic(ids_pos.clone(), logits_index.clone())
+            graph = self._aot.aot_compile((example, {}))
+        except Exception:
+            log.warning("the forward could not be compiled ahead of time; compiling it as usual", exc_info=True)
+            return None
+        graph.disable_guard_check()
+        try:
+            data = type(graph).serialize(graph, {"model": self.forward.module}).serialized_data
+            write_private(self.path, data)
+            prune_precompiled(self.path.parent)
+        except Exception as error:  # a module Dynamo cannot write, a read-only cache: this process keeps the graph
+            log.warning("the compiled forward could not be stored in %s: %s", self.path, error)
+        return graph
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (a reader sees the old file or the whole new one), readable by this user
+    only, in a folder of this user's only: the file is unpickled by a later start, so nobody else may write it."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+
+
+def private(path: Path) -> bool:
+    """Whether ``path`` and its folder belong to this user and nobody else can write them (a stored forward is
+    unpickled: code in it runs)."""
+    return all(st.st_uid == os.getuid() and not st.st_mode & 0o022 for st in (path.stat(), path.parent.stat()))
+
+
+def prune_precompiled(folder: Path, keep: int = PRECOMPILED_KEEP) -> None:
+    """Remove all but the ``keep`` most recently used stored forwards of ``folder``."""
+    files = sorted(folder.glob("forward-*.bin"), key=lambda file: file.stat().st_mtime, reverse=True)
+    for stale in files[keep:]:
+        stale.unlink(missing_ok=True)
+        stale.with_suffix(".lock").unlink(missing_ok=True)
+
+
+@functools.cache
+def _code_digest() -> bytes:
+    """What a stored graph's code depends on beyond the model: this package's sources (the traced forward, the ops it
+    calls), the versions of Python, torch and transformers, and the CPU (inductor's C++ is built for its flags)."""
+    import transformers
+
+    digest = hashlib.sha256()
+    here = Path(__file__).parent
+    for source in sorted((*here.glob("*.py"), *here.glob("csrc/*"))):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    for part in (sys.version, torch.__version__, transformers.__version__, cpu_kernels._cpu_flags()):
+        digest.update(part.encode() + b"\0")
+    return digest.digest()
+
+
+def precompiled_path(signature: tuple) -> Path | None:
+    """The file a forward with ``signature`` (``_signature``) is stored in, under the cache folder
+    (``replica.config.default_cache_dir``); None where ``PREFIXSERVE_PRECOMPILED_FORWARD=0``."""
+    if os.environ.get(PRECOMPILED_ENV, "") == "0":
+        return None
+    digest = hashlib.sha256(_code_digest() + repr(signature).encode()).hexdigest()[:32]
+    return default_cache_dir() / "compiled" / f"forward-{digest}.bin"
 
 
 @dataclass
@@ -230,8 +422,8 @@ def cached_compiled_forward(
             if entry.signature == signature and _same_weights(entry.weights, source):
                 _cache.move_to_end(key)
                 return entry
-        entry = CompiledEntry(CompiledForward(build(), options), signature, [p.detach() for p in source.parameters()],
-                              threads)
+        entry = CompiledEntry(CompiledForward(build(), options, precompiled_path(signature)), signature,
+                              [p.detach() for p in source.parameters()], threads)
         _cache[next(_entry_ids)] = entry
         while len(_cache) > 1 and (
             len(_cache) > CACHE_MAX_ENTRIES

@@ -324,6 +324,9 @@ class CompactCausalLM(nn.Module):
             DecoderLayer(layer, layer_idx, config, gemma, rope_of_layer[layer_idx], pack, pairs)
             for layer_idx, layer in enumerate(inner.layers)
         )
+        self.layer_sequence = tuple(self.layers)
+        """The layers as a tuple, which the forward iterates: iterating the ModuleList makes Dynamo guard the order of
+        its module dict's keys, a guard a stored graph cannot carry (``replica.compile.PrecompiledForward``)."""
         self.norm = RMSNorm(inner.norm, gemma)
         self.lm_head_weight = _frozen(lm_head.weight)  # the embedding itself when the source ties them
         self.lm_head_bias = _frozen(getattr(lm_head, "bias", None))
@@ -345,7 +348,7 @@ class CompactCausalLM(nn.Module):
             cos = (emb.cos() * attention_scaling).to(h.dtype)[:, None, :]  # [T, 1, D]: broadcast over heads
             sin = (emb.sin() * attention_scaling).to(h.dtype)[:, None, :]
             rope.append((cos, sin))
-        for layer in self.layers:
+        for layer in self.layer_sequence:
             cos, sin = rope[layer.rope_index]
             h = layer(h, cos, sin, kernel, packed_from_rows, pairs_below_rows)
         h = self.norm(h.index_select(0, logits_index))  # row-wise: normalizing only the sampled rows is the same

@@ -287,6 +287,12 @@ class ModelRunner:
         """Graphs compiled so far by this runner's compiled forward (shared with runners of the same model)."""
         return self._compiled.forward.num_compiles if self._compiled is not None else 0
 
+    @property
+    def num_loaded(self) -> int:
+        """Graphs this runner's compiled forward loaded from the start-up cache instead of compiling them
+        (``replica.compile.PrecompiledForward``)."""
+        return self._compiled.forward.num_loaded if self._compiled is not None else 0
+
     def _warm_up(self, step_threads: tuple[int, ...] = ()) -> None:
         """Compile the graph every later step uses (module docstring of replica.compile) with throwaway steps on
         pages 0 and 1 (then cleared): the first on the entry's compile thread count
@@ -307,7 +313,7 @@ class ModelRunner:
             try:
                 other_page = 1 if self.kv_cache.shape[2] > 1 else 0
                 with entry.forward.compiling():
-                    first = [entry.threads] if entry.forward.num_compiles == 0 else []
+                    first = [entry.threads] if entry.forward.num_compiles + entry.forward.num_loaded == 0 else []
                     for count in first + [count for count in missing if count not in first]:
                         torch.set_num_threads(count)
                         self.run([ChunkInput([0], 0, [0], sample=True),

@@ -21,6 +21,12 @@ PS = 128
 CPU = torch.device("cpu")
 
 
+def graphs(run: ModelRunner) -> int:
+    """The graphs a runner's compiled forward has made ready: compiled, or loaded from the file an earlier start (or
+    test run) stored (``replica.compile.PrecompiledForward``)."""
+    return run.num_compiles + run.num_loaded
+
+
 def runner(model, **kwargs) -> ModelRunner:
     kwargs.setdefault("num_pages", 32)
     return ModelRunner(model, page_size=PS, device=CPU, **kwargs)
@@ -80,7 +86,8 @@ def test_steady_state_never_recompiles_and_matches_eager(llama, dtype):
     compiled = runner(model, backend="compiled")  # explicit: PREFIXSERVE_ENFORCE_EAGER=1 must not turn it off
     eager = runner(model, enforce_eager=True)
     assert compiled.backend == "compiled" and eager.backend == "eager" and eager.num_compiles == 0
-    assert compiled.num_compiles == 1  # one graph for every step shape (replica/compile.py)
+    assert graphs(compiled) == 1  # one graph for every step shape (replica/compile.py)
+    compiles = compiled.num_compiles
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     atol = 1e-4 if dtype == torch.float32 else 0.1  # bfloat16: fused kernels round differently
     num_steps = 0
@@ -95,7 +102,7 @@ def test_steady_state_never_recompiles_and_matches_eager(llama, dtype):
             assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
         num_steps += 1
     assert num_steps == 12
-    assert compiled.num_compiles == 1
+    assert compiled.num_compiles == compiles
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before
     torch.testing.assert_close(compiled.kv_cache.float(), eager.kv_cache.float(), rtol=0, atol=atol / 10)
 
@@ -114,7 +121,7 @@ def test_compiled_forward_is_shared_only_by_equal_weights(llama):
         for param in other.parameters():
             param.mul_(1.5)
     different = runner(other, backend="compiled")
-    assert different._compiled is not first._compiled and different.num_compiles == 1
+    assert different._compiled is not first._compiled and graphs(different) == 1
     prompt = random_prompt(150, seed=50)
     got = different.run([ChunkInput(prompt, 0, [0, 1], sample=True)])
     expected = runner(other, backend="eager").run([ChunkInput(prompt, 0, [0, 1], sample=True)])
@@ -252,13 +259,14 @@ def test_one_cpu_graph_serves_every_thread_count_without_compiling_again(llama, 
         compiled = runner(model, backend="compiled", step_threads=(1, 2))
         eager = runner(model, enforce_eager=True)
         entry = compiled._compiled
-        assert compiled.num_compiles == 1 and entry.threads == compile_thread_count((1, 2))
+        assert graphs(compiled) == 1 and entry.threads == compile_thread_count((1, 2))
         assert {1, 2} <= entry.warmed_up
+        compiles = compiled.num_compiles
         graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         for i, chunks in enumerate(mixed_workload()):
             torch.set_num_threads(1 + i % 2)
             torch.testing.assert_close(compiled.run(chunks), eager.run(chunks), rtol=0, atol=1e-4)
-        assert compiled.num_compiles == 1
+        assert compiled.num_compiles == compiles
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before
         step = [ChunkInput(random_prompt(10, seed=63), 0, [20], sample=True)]
         with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="autocast"):
@@ -269,7 +277,7 @@ def test_one_cpu_graph_serves_every_thread_count_without_compiling_again(llama, 
                 compiled.run(step)
         finally:
             torch.set_default_dtype(torch.float32)
-        assert compiled.num_compiles == 1
+        assert compiled.num_compiles == compiles
     finally:
         torch.set_num_threads(before)
 
@@ -301,18 +309,83 @@ def test_calls_check_the_top_module_s_attributes_not_the_module_tree(llama):
     compiled = runner(model, backend="compiled")
     prompt = random_prompt(20, seed=60)
     first = compiled.run([ChunkInput(prompt, 0, [0], sample=True)])
-    assert compiled.num_compiles == 1
+    assert graphs(compiled) == 1
+    compiles = compiled.num_compiles
     compact = compiled._compiled.forward.module
     setting = compact.packed_from_rows
     compact.packed_from_rows = setting + 1
     again = compiled.run([ChunkInput(prompt, 0, [1], sample=True)])
-    assert compiled.num_compiles == 2  # the attribute's guard is kept: its own graph
+    assert compiled.num_compiles == compiles + 1  # the attribute's guard is kept: its own graph
     compact.packed_from_rows = setting
     compiled.run([ChunkInput(prompt, 0, [2], sample=True)])
-    assert compiled.num_compiles == 2  # back to the first graph
+    assert compiled.num_compiles == compiles + 1  # back to the first graph
     torch.testing.assert_close(again, first, rtol=0, atol=1e-4)
     eps = compact.norm.eps
     compact.norm.eps = eps * 2  # inside the module tree: not checked any more (the model is not changed once built)
     compiled.run([ChunkInput(prompt, 0, [3], sample=True)])
     compact.norm.eps = eps
-    assert compiled.num_compiles == 2
+    assert compiled.num_compiles == compiles + 1
+
+
+def test_a_forward_stored_by_one_start_is_loaded_by_the_next(llama, monkeypatch, tmp_path, caplog):
+    """``replica.compile.PrecompiledForward``: the start that compiles a CPU forward stores its graph in a private
+    file; a later start of the same architecture (any weights) loads it instead of tracing and compiling, with the
+    eager forward's logits and no compile in steady state. A torn file is compiled again and replaced; a file others
+    can write is not loaded; ``PREFIXSERVE_PRECOMPILED_FORWARD=0`` stores nothing."""
+    import logging
+    import os
+
+    import torch._dynamo.utils
+
+    from replica import compile as compile_module
+
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(compile_module.PRECOMPILED_ENV, raising=False)
+
+    def model_scaled(scale):
+        model = copy.deepcopy(llama.served)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(scale)  # weights of its own: the process's cache of compiled forwards has no entry for it
+        return model
+
+    first = runner(model_scaled(1.3), backend="compiled")
+    assert (first.num_compiles, first.num_loaded) == (1, 0)
+    [stored] = (tmp_path / "compiled").glob("forward-*.bin")
+    assert stored.stat().st_mode & 0o777 == 0o600 and stored.parent.stat().st_mode & 0o777 == 0o700
+
+    model = model_scaled(0.8)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    loaded = runner(model, backend="compiled")
+    eager = runner(model, enforce_eager=True)
+    assert (loaded.num_compiles, loaded.num_loaded) == (0, 1)
+    for chunks in mixed_workload():
+        torch.testing.assert_close(loaded.run(chunks), eager.run(chunks), rtol=0, atol=1e-4)
+    assert loaded.num_compiles == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before  # nothing traced
+
+    stored.write_bytes(stored.read_bytes()[:1000])  # torn
+    with caplog.at_level(logging.WARNING, logger="replica.compile"):
+        again = runner(model_scaled(0.7), backend="compiled")
+    assert (again.num_compiles, again.num_loaded) == (1, 0) and "could not be used" in caplog.text
+    assert stored.stat().st_size > 1000 and runner(model_scaled(0.6), backend="compiled").num_loaded == 1
+
+    os.chmod(stored, 0o666)  # another user could have written it: code in it would run
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="replica.compile"):
+        assert runner(model_scaled(0.5), backend="compiled").num_loaded == 0
+    assert "not this user's alone" in caplog.text
+
+    monkeypatch.setenv(compile_module.PRECOMPILED_ENV, "0")
+    off = runner(model_scaled(0.4), backend="compiled")
+    assert off._compiled.forward.precompiled is None and off.num_compiles == 1
+
+    older = [tmp_path / "compiled" / f"forward-{n}.bin" for n in range(3)]
+    for age, path in enumerate(older):
+        path.write_bytes(b"x")
+        path.with_suffix(".lock").touch()
+        os.utime(path, (1000 - age, 1000 - age))
+    compile_module.prune_precompiled(tmp_path / "compiled", keep=3)
+    assert sorted(p.name for p in (tmp_path / "compiled").iterdir()) == sorted(
+        [stored.name, stored.with_suffix(".lock").name, "forward-0.bin", "forward-0.lock", "forward-1.bin",
+         "forward-1.lock"])

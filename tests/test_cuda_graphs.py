@@ -55,13 +55,14 @@ def test_static_decode_path_of_a_compiled_forward_never_recompiles_and_matches_e
                          max_num_seqs=8, max_model_len=1024)
     eager = ModelRunner(llama.served, num_pages=32, page_size=PS, device=CPU, backend="eager")
     graphs = static.decode_graphs
-    assert graphs is not None and graphs.min_rows == 2 and static.num_compiles == 1
+    assert graphs is not None and graphs.min_rows == 2 and static.num_compiles + static.num_loaded == 1
+    compiles = static.num_compiles  # (a graph stored by an earlier run is loaded: replica.compile.PrecompiledForward)
     decode_steps = 0
     for chunks in mixed_workload():
         torch.testing.assert_close(static.run(chunks), eager.run(chunks), rtol=0, atol=1e-4)
         decode_steps += all(len(chunk.token_ids) == 1 for chunk in chunks)
     assert decode_steps == 6 and graphs.replays == decode_steps
-    assert static.num_compiles == 1
+    assert static.num_compiles == compiles
     torch.testing.assert_close(static.kv_cache, eager.kv_cache, rtol=0, atol=1e-5)
 
 
