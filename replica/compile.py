@@ -29,8 +29,8 @@ either: one graph, compiled on ``compile_thread_count`` threads, serves the deco
 that runs them on different counts (until session 50, two graphs and twice the compile; BENCHMARKS.md 0zp).
 
 A CPU forward's graph is stored in a file by the start that compiles it and loaded by later starts
-(``PrecompiledForward``, torch's AOT compilation): a warm start of the embedded default model skips Dynamo's tracing,
-its forward ready in ~3.5 s instead of ~8 s (BENCHMARKS.md 0zq). ``PREFIXSERVE_PRECOMPILED_FORWARD=0`` turns it off.
+(``PrecompiledForward``, torch's AOT compilation): a later start of the embedded default model skips Dynamo's tracing,
+its forward ready in ~3.7 s instead of ~9 s (BENCHMARKS.md 0zq). ``PREFIXSERVE_PRECOMPILED_FORWARD=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -114,17 +114,25 @@ TOP_ATTRIBUTE = re.compile(r"self\.[A-Za-z_]\w*")
 
 def portable_guards(entries) -> list[bool]:
     """The guards a precompiled forward (``PrecompiledForward``) keeps: ``skip_module_guards``' for a CPU forward,
-    less those that cannot be stored in a file and checked in another process: guards on globals (the modules and
-    functions the forward calls: the file's key carries the code that names them, ``precompiled_path``), object
-    identities and module types, and the top module's tensors (weights fixed once built; its packed oneDNN weights
-    cannot be written). The top module's plain attributes (``self.linear_kernel``), the inputs' and the grad mode's
-    guards stay."""
+    less those that cannot be stored in a file and checked in another process: guards on the identity of the code the
+    forward calls (the modules, functions, builtins and classes it names: the file's key carries that code,
+    ``precompiled_path``), object identities and module types, and the top module's tensors (weights fixed once built;
+    its packed oneDNN weights cannot be written). The top module's plain attributes (``self.linear_kernel``), the
+    inputs' and the grad mode's guards stay, and so would a guard on a global's value: none is read today, and one
+    that cannot be stored makes the graph unstorable rather than unchecked."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
-    return [keep and not entry.is_global and entry.guard_type not in unsupported
+    return [keep and entry.guard_type not in unsupported
+            and not (entry.is_global and entry.guard_type in CODE_GUARDS)
             and not (entry.name.startswith("self") and entry.guard_type in ("TENSOR_MATCH", "TYPE_MATCH"))
             for keep, entry in zip(skip_module_guards(entries, keep_global_state=False), entries)]
+
+
+CODE_GUARDS = ("BUILTIN_MATCH", "CLASS_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH", "MODULE_MATCH", "ID_MATCH",
+               "DUPLICATE_INPUT", "TYPE_MATCH")
+"""Guard kinds on globals that check which code a name is (``torch``, ``F.silu``, ``isinstance``, the global module
+hooks' dicts), which a stored forward drops."""
 
 
 def _fresh_method(module: nn.Module) -> Callable:
@@ -221,7 +229,12 @@ class PrecompiledForward:
     ``num_compiles``) and writes it. Each call checks the stored guards (the inputs' dtypes and ranks, the token
     count's range, grad mode, the top module's attributes: ~5 us); a call they refuse (a benchmark that switched
     ``linear_kernel``) takes Dynamo's path, which compiles a graph for it as before. A file that cannot be loaded (torn,
-    another torch) is compiled again and replaced; where the graph cannot be stored, the process keeps it."""
+    another torch) is compiled again and replaced; where the graph cannot be stored, the process keeps it.
+
+    The cost: an AOT compile does not use inductor's FX graph cache (torch bundles the compiled code into the file
+    instead), so the first start of a new version, whose graph inductor may have cached before, compiles in ~25 s
+    instead of ~9 s (SmolLM2 in process; with every cache empty both take ~37-40 s). Every start after it saves ~5 s
+    (BENCHMARKS.md 0zq)."""
 
     def __init__(self, forward: CompiledForward, method: Callable, path: Path) -> None:
         self.forward = forward
@@ -318,7 +331,13 @@ def private(path: Path) -> bool:
 
 def prune_precompiled(folder: Path, keep: int = PRECOMPILED_KEEP) -> None:
     """Remove all but the ``keep`` most recently used stored forwards of ``folder``."""
-    files = sorted(folder.glob("forward-*.bin"), key=lambda file: file.stat().st_mtime, reverse=True)
+    def last_used(file: Path) -> float:
+        try:
+            return file.stat().st_mtime
+        except OSError:  # removed meanwhile by another process's prune
+            return 0.0
+
+    files = sorted(folder.glob("forward-*.bin"), key=last_used, reverse=True)
     for stale in files[keep:]:
         stale.unlink(missing_ok=True)
         stale.with_suffix(".lock").unlink(missing_ok=True)

@@ -389,3 +389,32 @@ def test_a_forward_stored_by_one_start_is_loaded_by_the_next(llama, monkeypatch,
     assert sorted(p.name for p in (tmp_path / "compiled").iterdir()) == sorted(
         [stored.name, stored.with_suffix(".lock").name, "forward-0.bin", "forward-0.lock", "forward-1.bin",
          "forward-1.lock"])
+
+
+def test_a_stored_forward_keeps_every_guard_but_those_on_code_identity_and_weights():
+    """``replica.compile.portable_guards``: what a stored graph checks at each call. Dropped: guards on which code a
+    global names (the file's key carries the code), on the module tree, on the top module's tensors, Dynamo's
+    GLOBAL_STATE (as for every CPU forward); kept: the inputs', grad mode's, the top module's plain attributes', and a
+    guard on a global's value."""
+    from types import SimpleNamespace
+
+    from replica.compile import portable_guards
+
+    def entry(name, kind, *, is_global=False, on_module=False):
+        return SimpleNamespace(name=name, guard_type=kind, is_global=is_global, orig_guard=SimpleNamespace(
+            source=SimpleNamespace(is_unspecialized_nn_module=lambda: on_module)))
+
+    entries = {
+        "input": (entry("L['ids_pos']", "TENSOR_MATCH"), True),
+        "grad mode": (entry("", "GRAD_MODE"), True),
+        "global state": (entry("", "GLOBAL_STATE"), False),
+        "top attribute": (entry("self.linear_kernel", "CONSTANT_MATCH", on_module=True), True),
+        "top tensor": (entry("self.lm_head_packed", "TENSOR_MATCH", on_module=True), False),
+        "module tree": (entry("self._modules['norm']", "TYPE_MATCH", on_module=True), False),
+        "code of a global": (entry("G['torch'].rsqrt", "BUILTIN_MATCH", is_global=True), False),
+        "module of a global": (entry("G['F']", "MODULE_MATCH", is_global=True), False),
+        "a global's value": (entry("G['SOME_FLAG']", "EQUALS_MATCH", is_global=True), True),
+        "identity": (entry("L['x']", "ID_MATCH"), False),
+    }
+    kept = portable_guards([guard for guard, _ in entries.values()])
+    assert dict(zip(entries, kept)) == {name: keep for name, (_, keep) in entries.items()}
