@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -606,6 +607,12 @@ def check_kv_budget(config: ServeConfig, model_dir: Path) -> str | None:
     """The KV budget must hold at least two pages (what the engine needs to serve one request); said here in one line
     instead of after the replicas failed to start. A budget below max_model_len is only a warning (the engine serves
     shorter contexts)."""
+    min_dtype_bytes = 4 if config.dtype == "float32" else 2
+    bound = kv_page_bytes_bound(model_dir, config.page_size, min_dtype_bytes)
+    if bound is not None:
+        pages = int(config.kv_cache_memory) // bound
+        if pages >= 2 and pages * config.page_size >= (config.max_model_len or 0):
+            return None  # enough at the bound, so enough at the exact size (transformers not imported: ~2.5 s)
     from replica.model_runner import kv_geometry
 
     try:
@@ -615,7 +622,6 @@ def check_kv_budget(config: ServeConfig, model_dir: Path) -> str | None:
         geometry = kv_geometry(model_config)
     except Exception:  # noqa: BLE001 - an unusual config: the replica will say what is wrong
         return None
-    min_dtype_bytes = 4 if config.dtype == "float32" else 2
     per_page = geometry.num_layers * 2 * config.page_size * geometry.num_kv_heads * geometry.head_dim * min_dtype_bytes
     num_pages = int(config.kv_cache_memory) // per_page
     if num_pages < 2:
@@ -627,6 +633,29 @@ def check_kv_budget(config: ServeConfig, model_dir: Path) -> str | None:
         print(f"prefixserve: warning: --kv-cache-memory holds {capacity} tokens, less than --max-model-len "
               f"{config.max_model_len}; the longest request will be {capacity} tokens", file=sys.stderr, flush=True)
     return None
+
+
+def kv_page_bytes_bound(model_dir: Path, page_size: int, dtype_bytes: int) -> int | None:
+    """At least the bytes of one KV page of the model in ``model_dir``, from its config.json alone (no transformers,
+    no torch): every attention head counted as a KV head, and a head size of at least 256 where the file gives none
+    (a model class's default, Gemma's, can exceed hidden size / heads). None where the file does not say enough;
+    ``check_kv_budget`` then asks transformers for the exact geometry."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = raw.get("text_config") if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict) else raw
+    if not isinstance(text, dict):
+        return None
+    layers, heads, head_dim, hidden = (text.get(key) for key in
+                                       ("num_hidden_layers", "num_attention_heads", "head_dim", "hidden_size"))
+    if not all(isinstance(value, int) and value > 0 for value in (layers, heads)):
+        return None
+    if not (isinstance(head_dim, int) and head_dim > 0):
+        if not (isinstance(hidden, int) and hidden > 0):
+            return None
+        head_dim = max(hidden // heads, 256)
+    return layers * 2 * page_size * heads * head_dim * dtype_bytes
 
 
 def check_cluster_resources(config: ServeConfig, resources: dict, *, local: bool = True) -> str | None:

@@ -67,14 +67,28 @@ def parse_memory_size(value: int | str) -> int:
     return int(float(match.group(1)) * _MEMORY_UNITS[unit])
 
 
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+"""Device files one of which a GPU driver creates (NVIDIA, ROCm, WSL's): without any, CUDA cannot be available."""
+
+
+def gpu_driver_present() -> bool:
+    """Whether a GPU driver's device file exists here. Asked first so that a machine without one does not import torch
+    to learn it (~1 s of `prefixserve serve`'s start, before Ray)."""
+    return any(os.path.exists(node) for node in GPU_DEVICE_NODES)
+
+
 def detect_devices() -> str:
     """"gpu" when CUDA is visible here, else "cpu"."""
+    if not gpu_driver_present():
+        return "cpu"
     import torch
 
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
 def num_visible_gpus() -> int:
+    if not gpu_driver_present():
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -26,11 +26,12 @@ import shutil
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 from replica.config import CACHE_DIR_ENV, default_cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 try:  # POSIX only; without it concurrent processes may convert twice (still safe thanks to the atomic rename).
     import fcntl
@@ -214,6 +215,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     of the same class built from a config without the GGUF ``quantization_config``.
     """
     require_gguf_support()
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_dir, gguf_name = str(gguf_path.parent), gguf_path.name
@@ -348,6 +350,8 @@ def load_model(
 
 def torch_device(device: str) -> torch.device:
     """``torch.device`` for a device flag; "gpu" is an alias for "cuda"."""
+    import torch
+
     return torch.device("cuda" if device == "gpu" else device)
 
 

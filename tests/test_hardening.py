@@ -173,6 +173,50 @@ def test_kv_budget_below_two_pages_fails_with_the_size_needed(tiny_llama_dir):
                            Path(tiny_llama_dir)) is None
 
 
+def test_the_kv_budget_bound_is_never_below_the_exact_page(tiny_llama_dir, tmp_path):
+    """``cluster.cli.kv_page_bytes_bound``: from config.json alone, at least the exact page size (so a budget that
+    holds two pages at the bound holds them exactly); None where the file does not say enough."""
+    from cluster.cli import kv_page_bytes_bound
+
+    exact = 2 * 2 * 128 * 2 * 16 * 4  # the tiny Llama's page (above): 2 KV heads of its 4 attention heads
+    bound = kv_page_bytes_bound(Path(tiny_llama_dir), 128, 4)
+    assert bound >= exact and bound == exact * 2  # every attention head counted as a KV head
+
+    def bound_of(raw):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        return kv_page_bytes_bound(tmp_path, 128, 2)
+
+    no_head_dim = {"num_hidden_layers": 3, "num_attention_heads": 4}
+    assert bound_of({**no_head_dim, "hidden_size": 64}) == 3 * 2 * 128 * 4 * 256 * 2  # at least 256 (Gemma's default)
+    assert bound_of({**no_head_dim, "hidden_size": 4096}) == 3 * 2 * 128 * 4 * 1024 * 2
+    assert bound_of({"text_config": {"num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 8}}) == 8192
+    assert bound_of({"num_attention_heads": 4, "head_dim": 8}) is None
+    assert bound_of({"num_hidden_layers": 1, "num_attention_heads": 2}) is None
+    assert bound_of([1, 2]) is None
+    (tmp_path / "config.json").write_text("{not json")
+    assert kv_page_bytes_bound(tmp_path, 128, 2) is None
+
+
+def test_the_checks_before_ray_import_neither_torch_nor_transformers(tiny_llama_dir):
+    """``prefixserve serve``'s checks before Ray starts (the device, the model, the KV budget, the port) read files:
+    importing torch and transformers there took ~4 s of every start. On a machine without a GPU driver, and with a
+    budget that holds the model's pages at their bound, neither is imported."""
+    from tests.conftest import find_free_port
+
+    script = f"""
+import sys
+import cluster.config
+cluster.config.GPU_DEVICE_NODES = ("/nonexistent/nvidiactl",)  # as on a machine without a GPU driver
+from cluster import cli
+config = cli.config_from_args(cli.build_parser().parse_args(
+    ["serve", "--model", {tiny_llama_dir!r}, "--port", "{find_free_port()}", "--kv-cache-memory", "64MiB"]))
+print(config.devices, cli.check_local_start(config), "torch" in sys.modules, "transformers" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True,
+                            text=True, timeout=120)
+    assert result.stdout.split() == ["cpu", "None", "False", "False"], result.stderr
+
+
 def test_unreachable_redis_warns_and_turns_the_tier_off_or_fails_when_required():
     from cluster.cli import check_redis
     from tests.conftest import find_free_port
