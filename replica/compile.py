@@ -35,7 +35,6 @@ its forward ready in ~3.7 s instead of ~9 s (BENCHMARKS.md 0zq). ``PREFIXSERVE_P
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import json
@@ -47,7 +46,7 @@ import tempfile
 import threading
 import types
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -55,6 +54,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from common.file_lock import exclusive_lock
 from replica import cpu_kernels
 from replica.config import default_cache_dir
 
@@ -254,19 +254,16 @@ class PrecompiledForward:
         graph = self._graph
         return graph if graph is not None and graph.guard_check(self.forward.module, ids_pos, logits_index) else None
 
-    @contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """Hold a lock on this forward's file (released by the kernel if its holder dies); without a lock file, no
-        lock."""
+    def _exclusive(self) -> AbstractContextManager:
+        """A lock on this forward's file (``common.file_lock``); none where its folder cannot be written (nothing
+        could be stored there either)."""
+        lock = self.path.with_suffix(".lock")
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            handle = open(self.path.with_suffix(".lock"), "a")
+            lock.touch()
         except OSError:
-            yield
-            return
-        with handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            yield
+            return nullcontext()
+        return exclusive_lock(lock)
 
     def _load(self, ids_pos: torch.Tensor, logits_index: torch.Tensor):
         if not self.path.exists():

