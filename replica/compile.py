@@ -174,6 +174,7 @@ class CompiledForward:
         from torch._inductor.compile_fx import compile_fx
 
         self.num_compiles += 1
+        _await_isa_probe()
         with inductor_config.patch(self.options):
             return compile_fx(graph_module, example_inputs)
 
@@ -211,11 +212,49 @@ class CompiledForward:
         return ids_pos, logits_index
 
 
+_isa_probe: threading.Thread | None = None
+_isa_probe_lock = threading.Lock()
+
+
+def start_isa_probe() -> None:
+    """Start inductor's check of which vector instruction sets its C++ may use, in a thread, so that it runs while the
+    model loads. Inductor makes it the first time a process builds or loads a CPU graph: it compiles a probe per
+    instruction set (cached) and loads each in a child Python (not cached), ~1.3 s on the 2-core Zen 4 of
+    BENCHMARKS.md 0zr, all of it on the critical path of a replica's start. Its result is cached in the process; the
+    compiled forward waits for the thread (``_await_isa_probe``) before inductor asks. Inductor's modules are imported
+    here, before the thread starts, so that the two threads never import them concurrently."""
+    global _isa_probe
+    with _isa_probe_lock:
+        if _isa_probe is not None:
+            return
+        from torch._inductor import codecache, cpu_vec_isa  # noqa: F401 - imported here, used by the thread
+
+        _isa_probe = threading.Thread(target=_probe_isa, name="prefixserve-isa-probe", daemon=True)
+        _isa_probe.start()
+
+
+def _probe_isa() -> None:
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    try:
+        pick_vec_isa()
+    except Exception:  # noqa: BLE001 - inductor asks again when it compiles, and reports it then
+        log.debug("inductor's vector-ISA check failed in the probe thread", exc_info=True)
+
+
+def _await_isa_probe() -> None:
+    probe = _isa_probe
+    if probe is not None:
+        probe.join()
+
+
 PRECOMPILED_ENV = "PREFIXSERVE_PRECOMPILED_FORWARD"
 """Set to 0 to compile a CPU forward at every start (Dynamo's tracing included) instead of loading the graph an earlier
 start stored (``PrecompiledForward``)."""
 PRECOMPILED_KEEP = 32
 """The start-up cache keeps the files of this many forwards, the most recently used."""
+UNSTORABLE_SUFFIX = ".unstorable"
+"""Beside a forward's file name: a note that its graph could not be stored (``PrecompiledForward._worth_trying``)."""
 
 
 class PrecompiledForward:
@@ -229,7 +268,8 @@ class PrecompiledForward:
     ``num_compiles``) and writes it. Each call checks the stored guards (the inputs' dtypes and ranks, the token
     count's range, grad mode, the top module's attributes: ~5 us); a call they refuse (a benchmark that switched
     ``linear_kernel``) takes Dynamo's path, which compiles a graph for it as before. A file that cannot be loaded (torn,
-    another torch) is compiled again and replaced; where the graph cannot be stored, the process keeps it.
+    another torch) is compiled again and replaced; where the graph cannot be stored, the process keeps it, and
+    later starts take Dynamo's path without trying (``_worth_trying``).
 
     The cost: an AOT compile does not use inductor's FX graph cache (torch bundles the compiled code into the file
     instead), so the first start of a new version, whose graph inductor may have cached before, compiles in ~25 s
@@ -249,10 +289,30 @@ class PrecompiledForward:
         """The stored graph if this call passes its guards, else None (Dynamo's path)."""
         if not self._tried:
             self._tried = True
-            with self._exclusive():  # replicas starting together: one compiles, the others load what it stored
-                self._graph = self._load(ids_pos, logits_index) or self._compile(ids_pos, logits_index)
+            _await_isa_probe()
+            if self._worth_trying():
+                with self._exclusive():  # replicas starting together: one compiles, the others load what it stored
+                    self._graph = self._load(ids_pos, logits_index) or self._compile(ids_pos, logits_index)
         graph = self._graph
         return graph if graph is not None and graph.guard_check(self.forward.module, ids_pos, logits_index) else None
+
+    def _worth_trying(self) -> bool:
+        """Whether to load or compile ahead of time at all. Not where nothing is stored and nothing could be: a start
+        before this one found the graph unstorable (its ``.unstorable`` note), or the folder cannot be written. An
+        ahead-of-time compile skips inductor's FX graph cache, which Dynamo's path uses, so compiling it at every
+        start would cost more than Dynamo's path (``PrecompiledForward``'s docstring)."""
+        if self.path.exists():
+            return True
+        note = self.path.with_suffix(UNSTORABLE_SUFFIX)
+        if note.exists():
+            log.info("compiling the forward with Dynamo: an earlier start could not store its graph (%s)",
+                     note.read_text(errors="replace").strip()[:200])
+            return False
+        if not writable(self.path.parent):
+            log.info("compiling the forward with Dynamo: %s cannot be written, so its graph could not be stored",
+                     self.path.parent)
+            return False
+        return True
 
     def _exclusive(self) -> AbstractContextManager:
         """A lock on this forward's file (``common.file_lock``); none where its folder cannot be written (nothing
@@ -303,6 +363,12 @@ class PrecompiledForward:
             prune_precompiled(self.path.parent)
         except Exception as error:  # a module Dynamo cannot write, a read-only cache: this process keeps the graph
             log.warning("the compiled forward could not be stored in %s: %s", self.path, error)
+            if not isinstance(error, OSError):  # the graph itself: later starts take Dynamo's path straight away
+                try:
+                    write_private(self.path.with_suffix(UNSTORABLE_SUFFIX),
+                                  f"{type(error).__name__}: {error}".encode(errors="replace"))
+                except OSError:
+                    pass
         return graph
 
 
@@ -320,6 +386,13 @@ def write_private(path: Path, data: bytes) -> None:
         raise
 
 
+def writable(folder: Path) -> bool:
+    """Whether this process could create ``folder`` (where absent) and files in it."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def private(path: Path) -> bool:
     """Whether ``path`` and its folder belong to this user and nobody else can write them (a stored forward is
     unpickled: code in it runs)."""
@@ -334,7 +407,8 @@ def prune_precompiled(folder: Path, keep: int = PRECOMPILED_KEEP) -> None:
         except OSError:  # removed meanwhile by another process's prune
             return 0.0
 
-    files = sorted(folder.glob("forward-*.bin"), key=last_used, reverse=True)
+    files = sorted((*folder.glob("forward-*.bin"), *folder.glob(f"forward-*{UNSTORABLE_SUFFIX}")), key=last_used,
+                   reverse=True)
     for stale in files[keep:]:
         stale.unlink(missing_ok=True)
         stale.with_suffix(".lock").unlink(missing_ok=True)

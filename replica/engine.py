@@ -29,14 +29,14 @@ from common.types import (CachedTokens, EngineRequest, EngineStats, PinPrefix, P
                           RequestLatencyStats,
                           RequestOutput)
 from replica import cpu_kernels
-from replica.compile import compile_thread_count
+from replica.compile import compile_thread_count, start_isa_probe
 from replica.config import (PREFILL_THREADS_MIN_KEYS, PREFILL_THREADS_MIN_TOKENS, STEP_HELPER_ENV,
                             STEP_HELPER_MIN_TOKENS, EngineConfig)
 from replica.detokenizer import IncrementalDetokenizer
 from replica.export_buffers import ExportBuffers
 from replica.kv_manager import KVCacheManager
 from replica.landing import landing_page_ids
-from replica.model_runner import ChunkInput, ModelRunner
+from replica.model_runner import ENFORCE_EAGER_ENV, ChunkInput, ModelRunner, env_flag
 from replica.page_record import PageRecord
 from replica.sampling import sample_tokens
 from replica.scheduler import PageImport, ScheduledChunk, Scheduler, num_reusable_pages
@@ -716,8 +716,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     dtype, reason = resolve_dtype(config)
     logger.info("%s", dtype_line(config.replica_id, dtype, reason))
-    loaded = load_model(model_dir, dtype, config.devices)
     device = "cuda" if config.devices == "gpu" else "cpu"
+    if device == "cpu" and not (config.enforce_eager or env_flag(ENFORCE_EAGER_ENV, False)):
+        start_isa_probe()  # while the model loads
+    loaded = load_model(model_dir, dtype, config.devices)
     engine = LLMEngine(
         config,
         loaded.model,

@@ -391,6 +391,62 @@ def test_a_forward_stored_by_one_start_is_loaded_by_the_next(llama, monkeypatch,
          "forward-1.lock"])
 
 
+
+def test_a_forward_that_cannot_be_stored_is_compiled_by_dynamo_at_later_starts(llama, monkeypatch, tmp_path, caplog):
+    """``PrecompiledForward._worth_trying``: a graph that cannot be written leaves a note beside its file name, and a
+    later start compiles with Dynamo (whose FX graph cache an ahead-of-time compile skips) without compiling ahead of
+    time again; so does a start whose cache folder cannot be written. Both run the eager forward's logits."""
+    import logging
+    import os
+
+    from replica import compile as compile_module
+
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(compile_module.PRECOMPILED_ENV, raising=False)
+    aot_compiles = []
+    real_compile = compile_module.PrecompiledForward._compile
+    monkeypatch.setattr(compile_module.PrecompiledForward, "_compile",
+                        lambda self, *args: aot_compiles.append(self.path) or real_compile(self, *args))
+
+    def fresh_model(scale):  # weights of its own: no entry in the process's cache of compiled forwards
+        model = copy.deepcopy(llama.served)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(scale)
+        return model
+
+    def unwritable(graph, external_data):
+        raise TypeError("cannot pickle 'SomeGuard' object")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch._dynamo.aot_compile.AOTCompiledFunction, "serialize", staticmethod(unwritable))
+        with caplog.at_level(logging.WARNING, logger="replica.compile"):
+            first = runner(fresh_model(1.15), backend="compiled")
+    assert (first.num_compiles, first.num_loaded, len(aot_compiles)) == (1, 0, 1)
+    assert "could not be stored" in caplog.text
+    [note] = (tmp_path / "compiled").glob("forward-*" + compile_module.UNSTORABLE_SUFFIX)
+    assert "SomeGuard" in note.read_text() and note.stat().st_mode & 0o777 == 0o600
+    assert not list((tmp_path / "compiled").glob("forward-*.bin"))
+
+    def dynamo_only(model):
+        later = runner(model, backend="compiled")
+        assert (later.num_compiles, later.num_loaded, len(aot_compiles)) == (1, 0, 1)  # Dynamo's compile only
+        eager = runner(model, enforce_eager=True)
+        for chunks in mixed_workload():
+            torch.testing.assert_close(later.run(chunks), eager.run(chunks), rtol=0, atol=1e-4)
+
+    dynamo_only(fresh_model(0.95))
+
+    note.unlink()
+    os.chmod(tmp_path / "compiled", 0o500)  # a cache that cannot be written: nothing could be stored
+    try:
+        assert not compile_module.writable(tmp_path / "compiled") or os.geteuid() == 0  # (root writes anything)
+        monkeypatch.setattr(compile_module, "writable", lambda folder: False)  # as any other user would see it
+        dynamo_only(fresh_model(0.85))
+    finally:
+        os.chmod(tmp_path / "compiled", 0o700)
+    assert [path.suffix for path in (tmp_path / "compiled").iterdir()] == [".lock"]  # the first start's, only
+
 def test_a_stored_forward_keeps_every_guard_but_those_on_code_identity_and_weights():
     """``replica.compile.portable_guards``: what a stored graph checks at each call. Dropped: guards on which code a
     global names (the file's key carries the code), on the module tree, on the top module's tensors, Dynamo's
@@ -418,3 +474,48 @@ def test_a_stored_forward_keeps_every_guard_but_those_on_code_identity_and_weigh
     }
     kept = portable_guards([guard for guard, _ in entries.values()])
     assert dict(zip(entries, kept)) == {name: keep for name, (_, keep) in entries.items()}
+
+
+
+ISA_PROBE_SCRIPT = r"""
+import json, sys, threading
+from torch._inductor import cpu_vec_isa
+from replica import compile as compile_module
+from replica.config import EngineConfig
+from replica.engine import build_engine
+
+seen = []
+original = cpu_vec_isa.VecISA.check_build
+def check_build(self, code):  # which threads run inductor's probes
+    seen.append(threading.current_thread().name)
+    return original(self, code)
+cpu_vec_isa.VecISA.check_build = check_build
+engine = build_engine(EngineConfig(model=sys.argv[2], dtype="float32", enforce_eager=sys.argv[1] == "eager"))
+print(json.dumps({"backend": engine.runner.backend, "probe_started": compile_module._isa_probe is not None,
+                  "probe_threads": sorted(set(seen)), "computed": cpu_vec_isa.valid_vec_isa_list.cache_info().misses,
+                  "vectorized": bool(cpu_vec_isa.valid_vec_isa_list())}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_inductor_s_isa_probe_runs_in_a_thread_while_the_model_loads(tiny_llama_dir, tmp_path, mode):
+    """``replica.compile.start_isa_probe``: a CPU engine that compiles runs inductor's vector-ISA probes (a child
+    process each) in a thread started before the model loads, and its compile uses that thread's result (computed
+    once); an eager engine starts no probe. A fresh process each: inductor keeps the result for the process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = subprocess.run([sys.executable, "-c", ISA_PROBE_SCRIPT, mode, tiny_llama_dir],
+                            cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PREFIXSERVE_CACHE_DIR": str(tmp_path)})
+    assert script.returncode == 0, script.stderr[-3000:]
+    seen = json.loads(script.stdout.splitlines()[-1])
+    if mode == "eager":
+        assert (seen["backend"], seen["probe_started"], seen["probe_threads"]) == ("eager", False, [])
+        return
+    assert (seen["backend"], seen["probe_started"], seen["computed"]) == ("compiled", True, 1)
+    if seen["vectorized"]:  # an x86 CPU with AVX2 or more: its probes ran, in the thread only
+        assert seen["probe_threads"] == ["prefixserve-isa-probe"]
