@@ -221,13 +221,15 @@ def start_isa_probe() -> None:
     model loads. Inductor makes it the first time a process builds or loads a CPU graph: it compiles a probe per
     instruction set (cached) and loads each in a child Python (not cached), ~1.3 s on the 2-core Zen 4 of
     BENCHMARKS.md 0zr, all of it on the critical path of a replica's start. Its result is cached in the process; the
-    compiled forward waits for the thread (``_await_isa_probe``) before inductor asks. Inductor's modules are imported
-    here, before the thread starts, so that the two threads never import them concurrently."""
+    compiled forward waits for the thread (``_await_isa_probe``) before inductor asks. Every module the probe uses is
+    imported here, before the thread starts, so that the two threads never import concurrently (the C++ extension
+    loader brings in setuptools, which patches the import system; ``cpu_kernels.load`` imports it anyway)."""
     global _isa_probe
     with _isa_probe_lock:
         if _isa_probe is not None:
             return
-        from torch._inductor import codecache, cpu_vec_isa  # noqa: F401 - imported here, used by the thread
+        import torch.utils.cpp_extension  # noqa: F401 - imported here, used by the thread
+        from torch._inductor import codecache, cpu_vec_isa  # noqa: F401
 
         _isa_probe = threading.Thread(target=_probe_isa, name="prefixserve-isa-probe", daemon=True)
         _isa_probe.start()

@@ -519,3 +519,21 @@ def test_inductor_s_isa_probe_runs_in_a_thread_while_the_model_loads(tiny_llama_
     assert (seen["backend"], seen["probe_started"], seen["computed"]) == ("compiled", True, 1)
     if seen["vectorized"]:  # an x86 CPU with AVX2 or more: its probes ran, in the thread only
         assert seen["probe_threads"] == ["prefixserve-isa-probe"]
+
+
+def test_the_isa_probe_thread_imports_nothing():
+    """``start_isa_probe`` imports every module inductor's probe needs before starting its thread: two threads
+    importing at once (the model's loader in the other) can deadlock on a circular import or race setuptools'
+    import-system patch. A fresh process: what the probe imports once imported stays."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import sys, replica.engine\nfrom replica import compile as c\nprobe = c._probe_isa\n"
+              "def watched():\n    before = set(sys.modules)\n    probe()\n"
+              "    print(sorted(set(sys.modules) - before))\n"
+              "c._probe_isa = watched\nc.start_isa_probe()\nc._await_isa_probe()")
+    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
