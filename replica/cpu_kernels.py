@@ -39,6 +39,7 @@ import hashlib
 import logging
 import os
 import platform
+import sysconfig
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,11 +79,16 @@ def _cpu_flag_set() -> set[str]:
 
 
 def _build_name(sources: tuple[Path, ...], prefix: str) -> str:
+    """The library's name (and so its build directory's): a digest of what its build commands depend on. That
+    includes where torch and Python's headers are: each command names them, so two environments with the same torch
+    (a venv of a fresh clone beside another) sharing one directory rebuilt the library at every switch between them
+    (ninja rebuilds when a command changes); each now builds its own, once."""
     digest = hashlib.sha256()
     for part in (*(source.read_bytes() for source in (*sources, *HEADERS)), " ".join(CFLAGS).encode(),
                  _cpu_flags().encode(),
-                 torch.__version__.encode()):
-        digest.update(part)
+                 torch.__version__.encode(), str(Path(torch.__file__).resolve().parent).encode(),
+                 sysconfig.get_paths()["include"].encode()):
+        digest.update(part + b"\0")
     return f"{prefix}_{digest.hexdigest()[:16]}"
 
 

@@ -477,6 +477,7 @@ def test_a_stored_forward_keeps_every_guard_but_those_on_code_identity_and_weigh
 
 
 
+
 ISA_PROBE_SCRIPT = r"""
 import json, sys, threading
 from torch._inductor import cpu_vec_isa
@@ -484,56 +485,57 @@ from replica import compile as compile_module
 from replica.config import EngineConfig
 from replica.engine import build_engine
 
-seen = []
+seen, imported = [], []
 original = cpu_vec_isa.VecISA.check_build
 def check_build(self, code):  # which threads run inductor's probes
     seen.append(threading.current_thread().name)
     return original(self, code)
 cpu_vec_isa.VecISA.check_build = check_build
-engine = build_engine(EngineConfig(model=sys.argv[2], dtype="float32", enforce_eager=sys.argv[1] == "eager"))
-print(json.dumps({"backend": engine.runner.backend, "probe_started": compile_module._isa_probe is not None,
-                  "probe_threads": sorted(set(seen)), "computed": cpu_vec_isa.valid_vec_isa_list.cache_info().misses,
+probe = compile_module._probe_isa
+def watched():  # what the thread imports (alone: the main thread waits)
+    before = set(sys.modules)
+    probe()
+    imported.extend(sorted(set(sys.modules) - before))
+compile_module._probe_isa = watched
+compile_module.start_isa_probe()
+compile_module._await_isa_probe()
+engine = build_engine(EngineConfig(model=sys.argv[1], dtype="float32"))
+print(json.dumps({"backend": engine.runner.backend, "probe_threads": sorted(set(seen)), "imported": imported,
+                  "computed": cpu_vec_isa.valid_vec_isa_list.cache_info().misses,
                   "vectorized": bool(cpu_vec_isa.valid_vec_isa_list())}))
 """
 
 
-@pytest.mark.parametrize("mode", ["compiled", "eager"])
-def test_inductor_s_isa_probe_runs_in_a_thread_while_the_model_loads(tiny_llama_dir, tmp_path, mode):
-    """``replica.compile.start_isa_probe``: a CPU engine that compiles runs inductor's vector-ISA probes (a child
-    process each) in a thread started before the model loads, and its compile uses that thread's result (computed
-    once); an eager engine starts no probe. A fresh process each: inductor keeps the result for the process."""
+def test_inductor_s_isa_probe_runs_in_a_thread_whose_result_the_compile_uses(tiny_llama_dir):
+    """``replica.compile.start_isa_probe``: inductor's vector-ISA probes (a child process each) run in its thread, and
+    an engine's compile uses that thread's result (computed once); the thread imports nothing (every module it uses is imported before it starts: two threads importing at once can
+    deadlock on a circular import, and the C++ extension loader brings in setuptools, which patches the import
+    system). A fresh process: inductor keeps the result for the process."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    script = subprocess.run([sys.executable, "-c", ISA_PROBE_SCRIPT, mode, tiny_llama_dir],
-                            cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "PREFIXSERVE_CACHE_DIR": str(tmp_path)})
+    script = subprocess.run([sys.executable, "-c", ISA_PROBE_SCRIPT, tiny_llama_dir],
+                            cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
     assert script.returncode == 0, script.stderr[-3000:]
     seen = json.loads(script.stdout.splitlines()[-1])
-    if mode == "eager":
-        assert (seen["backend"], seen["probe_started"], seen["probe_threads"]) == ("eager", False, [])
-        return
-    assert (seen["backend"], seen["probe_started"], seen["computed"]) == ("compiled", True, 1)
+    assert (seen["backend"], seen["computed"], seen["imported"]) == ("compiled", 1, [])
     if seen["vectorized"]:  # an x86 CPU with AVX2 or more: its probes ran, in the thread only
         assert seen["probe_threads"] == ["prefixserve-isa-probe"]
 
 
-def test_the_isa_probe_thread_imports_nothing():
-    """``start_isa_probe`` imports every module inductor's probe needs before starting its thread: two threads
-    importing at once (the model's loader in the other) can deadlock on a circular import or race setuptools'
-    import-system patch. A fresh process: what the probe imports once imported stays."""
-    import subprocess
-    import sys
-    from pathlib import Path
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_isa_probe_starts_before_the_model_loads_and_not_for_eager_engines(tiny_llama_dir, monkeypatch, eager):
+    """``build_engine`` starts the probe before loading the model, for engines that compile on a CPU only."""
+    from replica import engine as engine_module
+    from replica import model_loader
+    from replica.config import EngineConfig
 
-    script = ("import sys, replica.engine\nfrom replica import compile as c\nprobe = c._probe_isa\n"
-              "def watched():\n    before = set(sys.modules)\n    probe()\n"
-              "    print(sorted(set(sys.modules) - before))\n"
-              "c._probe_isa = watched\nc.start_isa_probe()\nc._await_isa_probe()")
-    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    calls = []
+    monkeypatch.setattr(engine_module, "start_isa_probe", lambda: calls.append("probe"))
+    load = model_loader.load_model
+    monkeypatch.setattr(model_loader, "load_model", lambda *args: calls.append("load") or load(*args))
+    built = engine_module.build_engine(EngineConfig(model=tiny_llama_dir, dtype="float32", enforce_eager=eager))
+    assert calls == (["load"] if eager else ["probe", "load"])
+    assert built.runner.backend == ("eager" if eager else "compiled")

@@ -64,3 +64,15 @@ def test_the_lock_is_taken_in_the_directory_torch_builds_in_on_copies_of_the_sou
     time.sleep(0.01)
     assert cpu_kernels._build(cpu_kernels.SOURCES, "prefixserve_test") is None
     assert [copy.stat().st_mtime_ns for copy in copies] == written
+
+
+def test_each_environment_builds_its_own_library(monkeypatch):
+    """``_build_name`` covers where torch is installed: a venv beside another with the same torch (a fresh clone's)
+    would otherwise share the build directory and rebuild at every switch (each compile command names torch's
+    headers). The same environment keeps its name."""
+    import torch
+
+    here = cpu_kernels._build_name(cpu_kernels.SOURCES, "prefixserve_cpu")
+    assert cpu_kernels._build_name(cpu_kernels.SOURCES, "prefixserve_cpu") == here
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/python3/site-packages/torch/__init__.py")
+    assert cpu_kernels._build_name(cpu_kernels.SOURCES, "prefixserve_cpu") != here
