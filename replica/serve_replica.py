@@ -25,6 +25,10 @@ router in every process holding a handle (common/routing_stats.py describes the 
 
 Contracts: ``__init__`` blocks while the model loads (Serve runs constructors off the request path); every other
 method is async or O(1) and never blocks the replica's event loop (engine work runs on the AsyncEngine's thread).
+
+Importing this module imports no torch: ``prefixserve serve``'s own process imports it to build the application
+(cluster/app.py), and torch with Dynamo took 2.4 s of that process's start, before Ray (BENCHMARKS.md 0zr). The engine's
+modules are imported where the replica is built and used (``__init__``, the peer-copy methods).
 """
 
 from __future__ import annotations
@@ -36,26 +40,23 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
-
-import torch
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from common.errors import ReplicaFullError
 from common.routing_stats import encode_stream
 from common.types import (EngineRequest, EngineStats, KVSourceStats, LaneOpen, OutputChannelRequest, PinPrefix,
                           PrefetchRequest, PrefetchResult, PrefixReport, ReplicaInfo, RequestOutput, StreamLocation,
                           TierReport)
-from replica.async_engine import build_async_engine
 from replica.config import EngineConfig
 from replica.cost_meter import ReplicaCostMeter, retained_groups
-from replica.cuda_ipc import CudaIpcBundle, IpcExporter, PeerRelease
-from replica.engine import dtype_line, resolve_dtype, startup_line
 from replica.event_log import ReplicaEventLog, TierEventRelay
 from replica.kv_event_publisher import build_publisher
-from replica.page_stream import node_address
-from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient, bundle_pages
 from replica.request_lane import LaneServer
-from replica.shared_pool import SharedPoolBundle, node_id
+
+if TYPE_CHECKING:  # these import torch (the module docstring)
+    from replica.cuda_ipc import CudaIpcBundle, PeerRelease
+    from replica.peer_copy import PageBundle, PeerExportRequest, ServePeerClient
+    from replica.shared_pool import SharedPoolBundle
 
 
 OUTPUT_CHANNEL_IDLE_S = 0.5
@@ -76,6 +77,8 @@ def self_peer_client(device: str) -> ServePeerClient | None:
     """A peer client over this replica's own deployment (None outside Serve)."""
     try:
         from ray import serve
+
+        from replica.peer_copy import ServePeerClient
 
         context = serve.get_replica_context()
         return ServePeerClient(context.deployment, context.app_name, device=device)
@@ -110,6 +113,12 @@ class ServeReplica:
         """Build the engine from ``engine_config`` with ``replica_id`` replaced by this replica's Serve id.
         ``peer_client``: how to reach peers (default: over this replica's own deployment handle);
         ``lane_capacity``: requests in the engine from which a request lane answers "busy" (0: serve no lanes)."""
+        import torch
+
+        from replica.async_engine import build_async_engine
+        from replica.cuda_ipc import IpcExporter
+        from replica.engine import dtype_line, resolve_dtype, startup_line
+
         start = time.perf_counter()
         replica_id = current_replica_id(engine_config.replica_id)
         config = dataclasses.replace(engine_config, replica_id=replica_id)
@@ -201,6 +210,9 @@ class ServeReplica:
         if self.lane_capacity <= 0:
             return None
         if self._lane_server is None:
+            from replica.page_stream import node_address
+            from replica.shared_pool import node_id
+
             host = node_address()
             if host is None:
                 return None
@@ -215,6 +227,9 @@ class ServeReplica:
         replica's shared pool when the receiver is a CPU replica of this node, as a CUDA IPC bundle when it shares a
         GPU host with this replica, else as a host bundle (pinned while copied). A request that reached another
         replica than its target (the target left) answers no pages."""
+        from replica.peer_copy import bundle_pages
+        from replica.shared_pool import node_id
+
         if request.target_replica != self.replica_id:
             return bundle_pages([])
         if request.node_id is not None and request.node_id == node_id():
@@ -247,6 +262,8 @@ class ServeReplica:
 
     def kv_source_stats(self) -> KVSourceStats:
         """Pages, bytes, seconds and errors per source (peer, host, disk), plus the shared tiers' own counters."""
+        from replica.peer_copy import ServePeerClient
+
         fetcher = self.engine.fetcher
         if fetcher is None:
             return KVSourceStats(self.replica_id)

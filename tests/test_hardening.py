@@ -200,7 +200,9 @@ def test_the_kv_budget_bound_is_never_below_the_exact_page(tiny_llama_dir, tmp_p
 def test_the_checks_before_ray_import_neither_torch_nor_transformers(tiny_llama_dir):
     """``prefixserve serve``'s checks before Ray starts (the device, the model, the KV budget, the port) read files:
     importing torch and transformers there took ~4 s of every start. On a machine without a GPU driver, and with a
-    budget that holds the model's pages at their bound, neither is imported."""
+    budget that holds the model's pages at their bound, neither is imported; nor by building the Serve application
+    (``cluster.app``, whose replica class imports the engine's modules only where a replica is built: 2.4 s of the
+    command's process, BENCHMARKS.md 0zr)."""
     from tests.conftest import find_free_port
 
     script = f"""
@@ -210,7 +212,10 @@ cluster.config.GPU_DEVICE_NODES = ("/nonexistent/nvidiactl",)  # as on a machine
 from cluster import cli
 config = cli.config_from_args(cli.build_parser().parse_args(
     ["serve", "--model", {tiny_llama_dir!r}, "--port", "{find_free_port()}", "--kv-cache-memory", "64MiB"]))
-print(config.devices, cli.check_local_start(config), "torch" in sys.modules, "transformers" in sys.modules)
+checked = cli.check_local_start(config)
+from cluster.app import build_app
+build_app(config)
+print(config.devices, checked, "torch" in sys.modules, "transformers" in sys.modules)
 """
     result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True,
                             text=True, timeout=120)
