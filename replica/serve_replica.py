@@ -75,10 +75,10 @@ def tokenizer_files(tokenizer) -> dict[str, bytes]:
 
 def self_peer_client(device: str) -> ServePeerClient | None:
     """A peer client over this replica's own deployment (None outside Serve)."""
+    from replica.peer_copy import ServePeerClient  # (outside the try: a broken import must not pass for "no Serve")
+
     try:
         from ray import serve
-
-        from replica.peer_copy import ServePeerClient
 
         context = serve.get_replica_context()
         return ServePeerClient(context.deployment, context.app_name, device=device)
