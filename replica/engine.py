@@ -36,6 +36,7 @@ from replica.detokenizer import IncrementalDetokenizer
 from replica.export_buffers import ExportBuffers
 from replica.kv_manager import KVCacheManager
 from replica.landing import landing_page_ids
+from replica.llama import names_compact_architecture
 from replica.model_runner import ENFORCE_EAGER_ENV, ChunkInput, ModelRunner, env_flag
 from replica.page_record import PageRecord
 from replica.sampling import sample_tokens
@@ -717,7 +718,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     dtype, reason = resolve_dtype(config)
     logger.info("%s", dtype_line(config.replica_id, dtype, reason))
     device = "cuda" if config.devices == "gpu" else "cpu"
-    if device == "cpu" and not (config.enforce_eager or env_flag(ENFORCE_EAGER_ENV, False)):
+    if (device == "cpu" and not (config.enforce_eager or env_flag(ENFORCE_EAGER_ENV, False))
+            and names_compact_architecture(model_dir)):  # (others run on transformers' path, uncompiled)
         start_isa_probe()  # while the model loads
     loaded = load_model(model_dir, dtype, config.devices)
     engine = LLMEngine(

@@ -23,6 +23,9 @@ the sequence length, partial rotary, attention logit soft-capping, bidirectional
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +40,19 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Gemma3ForCausalLM": "gemma3",
 }
+
+
+def names_compact_architecture(model_dir: str | Path) -> bool:
+    """Whether ``model_dir``'s config.json names an architecture of ``ARCHITECTURES`` (read before the model loads, to
+    start what only a compiled forward needs: ``replica.compile.start_isa_probe``); True where it names none or cannot
+    be read (``unsupported_reason`` decides once the model is loaded)."""
+    try:
+        names = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return True
+    return not names or any(name in ARCHITECTURES for name in names)
+
+
 PACKED_FROM_ROWS = 4
 """Where linear layers hold packed oneDNN weights, inputs of this many rows or more use them, smaller ones the
 small-row kernel (its streaming path for 1-3 rows on AVX-512 measured 0.5-0.9x oneDNN's time there, level or slower

@@ -525,9 +525,11 @@ def test_inductor_s_isa_probe_runs_in_a_thread_whose_result_the_compile_uses(tin
         assert seen["probe_threads"] == ["prefixserve-isa-probe"]
 
 
-@pytest.mark.parametrize("eager", [False, True])
-def test_the_isa_probe_starts_before_the_model_loads_and_not_for_eager_engines(tiny_llama_dir, monkeypatch, eager):
-    """``build_engine`` starts the probe before loading the model, for engines that compile on a CPU only."""
+@pytest.mark.parametrize("case", ["compiled", "eager", "config names another architecture"])
+def test_the_isa_probe_starts_before_the_model_loads_and_not_for_eager_engines(tiny_llama_dir, monkeypatch, case):
+    """``build_engine`` starts the probe before loading the model, for engines that compile on a CPU only: not for an
+    eager engine, nor where config.json names an architecture the compact model does not cover (transformers' path,
+    uncompiled). A compile whose probe was not started ahead still compiles (inductor probes then)."""
     from replica import engine as engine_module
     from replica import model_loader
     from replica.config import EngineConfig
@@ -536,6 +538,23 @@ def test_the_isa_probe_starts_before_the_model_loads_and_not_for_eager_engines(t
     monkeypatch.setattr(engine_module, "start_isa_probe", lambda: calls.append("probe"))
     load = model_loader.load_model
     monkeypatch.setattr(model_loader, "load_model", lambda *args: calls.append("load") or load(*args))
-    built = engine_module.build_engine(EngineConfig(model=tiny_llama_dir, dtype="float32", enforce_eager=eager))
-    assert calls == (["load"] if eager else ["probe", "load"])
-    assert built.runner.backend == ("eager" if eager else "compiled")
+    if case == "config names another architecture":
+        monkeypatch.setattr(engine_module, "names_compact_architecture", lambda model_dir: False)
+    built = engine_module.build_engine(EngineConfig(model=tiny_llama_dir, dtype="float32",
+                                                    enforce_eager=case == "eager"))
+    assert calls == (["probe", "load"] if case == "compiled" else ["load"])
+    assert built.runner.backend == ("eager" if case == "eager" else "compiled")
+
+
+def test_which_checkpoints_name_a_compact_architecture(tmp_path):
+    from replica.llama import names_compact_architecture
+
+    def names(text):
+        (tmp_path / "config.json").write_text(text)
+        return names_compact_architecture(tmp_path)
+
+    assert names('{"architectures": ["Qwen2ForCausalLM"]}') and names('{"architectures": ["LlamaForCausalLM"]}')
+    assert not names('{"architectures": ["GPT2LMHeadModel"]}')
+    assert not names('{"architectures": ["LlavaForConditionalGeneration"]}')
+    assert names("{}") and names('{"architectures": null}') and names("{not json") and names("[1, 2]")
+    assert names_compact_architecture(tmp_path / "absent")
