@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -622,7 +621,8 @@ def check_kv_budget(config: ServeConfig, model_dir: Path) -> str | None:
         geometry = kv_geometry(model_config)
     except Exception:  # noqa: BLE001 - an unusual config: the replica will say what is wrong
         return None
-    per_page = geometry.num_layers * 2 * config.page_size * geometry.num_kv_heads * geometry.head_dim * min_dtype_bytes
+    per_page = kv_page_bytes(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, config.page_size,
+                             min_dtype_bytes)
     num_pages = int(config.kv_cache_memory) // per_page
     if num_pages < 2:
         return (f"--kv-cache-memory {int(config.kv_cache_memory)} bytes holds {num_pages} KV page(s) of this model "
@@ -640,13 +640,12 @@ def kv_page_bytes_bound(model_dir: Path, page_size: int, dtype_bytes: int) -> in
     no torch): every attention head counted as a KV head, and a head size of at least 256 where the file gives none
     (a model class's default, Gemma's, can exceed hidden size / heads). None where the file does not say enough;
     ``check_kv_budget`` then asks transformers for the exact geometry."""
-    try:
-        raw = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
+    from replica.model_loader import read_config_json
+
+    raw = read_config_json(model_dir)
+    if raw is None:
         return None
-    text = raw.get("text_config") if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict) else raw
-    if not isinstance(text, dict):
-        return None
+    text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
     layers, heads, head_dim, hidden = (text.get(key) for key in
                                        ("num_hidden_layers", "num_attention_heads", "head_dim", "hidden_size"))
     if not all(isinstance(value, int) and value > 0 for value in (layers, heads)):
@@ -655,7 +654,12 @@ def kv_page_bytes_bound(model_dir: Path, page_size: int, dtype_bytes: int) -> in
         if not (isinstance(hidden, int) and hidden > 0):
             return None
         head_dim = max(hidden // heads, 256)
-    return layers * 2 * page_size * heads * head_dim * dtype_bytes
+    return kv_page_bytes(layers, heads, head_dim, page_size, dtype_bytes)
+
+
+def kv_page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype_bytes: int) -> int:
+    """One KV page's bytes: keys and values of every layer (``replica.page_pool.bytes_per_page``, without torch)."""
+    return num_layers * 2 * page_size * num_kv_heads * head_dim * dtype_bytes
 
 
 def check_cluster_resources(config: ServeConfig, resources: dict, *, local: bool = True) -> str | None:

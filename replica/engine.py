@@ -37,7 +37,7 @@ from replica.export_buffers import ExportBuffers
 from replica.kv_manager import KVCacheManager
 from replica.landing import landing_page_ids
 from replica.llama import names_compact_architecture
-from replica.model_runner import ENFORCE_EAGER_ENV, ChunkInput, ModelRunner, env_flag
+from replica.model_runner import ChunkInput, ModelRunner, eager_forced
 from replica.page_record import PageRecord
 from replica.sampling import sample_tokens
 from replica.scheduler import PageImport, ScheduledChunk, Scheduler, num_reusable_pages
@@ -709,7 +709,8 @@ def compile_threads(config: EngineConfig) -> int:
 
 def build_engine(config: EngineConfig) -> LLMEngine:
     """Resolve and load the model named by ``config.model`` and build the engine around it."""
-    from replica.model_loader import eos_token_ids, is_multimodal_config, load_model, resolve_model_dir
+    from replica.model_loader import (eos_token_ids, is_multimodal_config, load_model, read_config_json,
+                                      resolve_model_dir)
 
     if config.devices == "gpu" and not torch.cuda.is_available():
         raise ValueError("--devices gpu was asked for but no CUDA device is visible; use --devices cpu")
@@ -718,8 +719,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     dtype, reason = resolve_dtype(config)
     logger.info("%s", dtype_line(config.replica_id, dtype, reason))
     device = "cuda" if config.devices == "gpu" else "cpu"
-    if (device == "cpu" and not (config.enforce_eager or env_flag(ENFORCE_EAGER_ENV, False))
-            and names_compact_architecture(model_dir)):  # (others run on transformers' path, uncompiled)
+    if (device == "cpu" and not eager_forced(config.enforce_eager)
+            and names_compact_architecture(read_config_json(model_dir))):  # (others: transformers' path, uncompiled)
         start_isa_probe()  # while the model loads
     loaded = load_model(model_dir, dtype, config.devices)
     engine = LLMEngine(

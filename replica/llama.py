@@ -23,9 +23,6 @@ the sequence length, partial rotary, attention logit soft-capping, bidirectional
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,15 +39,13 @@ ARCHITECTURES = {
 }
 
 
-def names_compact_architecture(model_dir: str | Path) -> bool:
-    """Whether ``model_dir``'s config.json names an architecture of ``ARCHITECTURES`` (read before the model loads, to
-    start what only a compiled forward needs: ``replica.compile.start_isa_probe``); True where it names none or cannot
-    be read (``unsupported_reason`` decides once the model is loaded)."""
-    try:
-        names = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return True
-    return not names or any(name in ARCHITECTURES for name in names)
+def names_compact_architecture(config_json: dict | None) -> bool:
+    """Whether a checkpoint's config.json (``model_loader.read_config_json``) names an architecture of
+    ``ARCHITECTURES`` (read before the model loads, to start what only a compiled forward needs:
+    ``replica.compile.start_isa_probe``); True where it names none or could not be read (``unsupported_reason`` decides
+    once the model is loaded)."""
+    names = (config_json or {}).get("architectures") or []
+    return not isinstance(names, list) or not names or any(name in ARCHITECTURES for name in names)
 
 
 PACKED_FROM_ROWS = 4

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -144,6 +145,16 @@ def validate_model_dir(model_dir: Path) -> None:
             f"--model {str(model_dir)!r} has config.json but no weights (*.safetensors or pytorch_model*.bin); "
             f"copy the weight files next to config.json"
         )
+
+
+def read_config_json(model_dir: str | os.PathLike) -> dict | None:
+    """``model_dir``'s config.json as a mapping, without transformers or torch (the checks made before a model loads);
+    None where it is absent, unreadable or not a JSON object."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
 
 
 def looks_like_hub_id(model: str) -> bool:

@@ -162,6 +162,11 @@ def env_flag(name: str, default: bool) -> bool:
     return default if value == "" else value != "0"
 
 
+def eager_forced(enforce_eager: bool) -> bool:
+    """Whether compilation is off: asked for (``--enforce-eager``) or by ``PREFIXSERVE_ENFORCE_EAGER=1``."""
+    return enforce_eager or env_flag(ENFORCE_EAGER_ENV, False)
+
+
 class ModelRunner:
     """Runs one packed step of a causal LM over the page pool.
 
@@ -209,7 +214,7 @@ class ModelRunner:
         ``enforce_eager``); False never; True also runs their static-buffer path uncaptured off CUDA (tests)."""
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        enforce_eager = enforce_eager or env_flag(ENFORCE_EAGER_ENV, False)
+        enforce_eager = eager_forced(enforce_eager)
         start = time.perf_counter()
         self.model = model
         self.device = torch.device(device)

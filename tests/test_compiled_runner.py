@@ -539,7 +539,7 @@ def test_the_isa_probe_starts_before_the_model_loads_and_not_for_eager_engines(t
     load = model_loader.load_model
     monkeypatch.setattr(model_loader, "load_model", lambda *args: calls.append("load") or load(*args))
     if case == "config names another architecture":
-        monkeypatch.setattr(engine_module, "names_compact_architecture", lambda model_dir: False)
+        monkeypatch.setattr(engine_module, "names_compact_architecture", lambda config_json: False)
     built = engine_module.build_engine(EngineConfig(model=tiny_llama_dir, dtype="float32",
                                                     enforce_eager=case == "eager"))
     assert calls == (["probe", "load"] if case == "compiled" else ["load"])
@@ -548,13 +548,14 @@ def test_the_isa_probe_starts_before_the_model_loads_and_not_for_eager_engines(t
 
 def test_which_checkpoints_name_a_compact_architecture(tmp_path):
     from replica.llama import names_compact_architecture
+    from replica.model_loader import read_config_json
 
     def names(text):
         (tmp_path / "config.json").write_text(text)
-        return names_compact_architecture(tmp_path)
+        return names_compact_architecture(read_config_json(tmp_path))
 
     assert names('{"architectures": ["Qwen2ForCausalLM"]}') and names('{"architectures": ["LlamaForCausalLM"]}')
     assert not names('{"architectures": ["GPT2LMHeadModel"]}')
     assert not names('{"architectures": ["LlavaForConditionalGeneration"]}')
     assert names("{}") and names('{"architectures": null}') and names("{not json") and names("[1, 2]")
-    assert names_compact_architecture(tmp_path / "absent")
+    assert names_compact_architecture(read_config_json(tmp_path / "absent"))
