@@ -14,6 +14,11 @@ then shares the cores with the token's way to the ingress.
 
 Usage (needs a redis-server binary; the script starts its own on a free port):
     python benchmarks/kv_sources.py [--prefix-len 2048] [--rounds 5] [--dtype bfloat16] [--tiers-only]
+        [--model-dir DIR [--kv-cache-mib 512]]
+
+--model-dir serves another model folder than the tiny Llama (e.g. the Qwen2-0.5B-shaped one that
+``MODEL_SHAPE=qwen2-0.5b benchmarks/vs_vllm.sh model`` writes), whose pages are larger; --kv-cache-mib sizes each
+replica's pool (256 MiB: 256 of the tiny Llama's 1 MiB bfloat16 pages).
 
 --tiers-only times only the Redis and disk rows (no Ray, no peer, no TTFT table). The tiers are built through
 ``build_tiers`` with whatever page codec the checked-out code has, so running this same file with PYTHONPATH pointing
@@ -132,7 +137,8 @@ def random_pages(reader, template: PageRecord, prefix: list[int], page_size: int
 
 
 def engine_config(args, replica_id: str) -> EngineConfig:
-    return EngineConfig(model=str(MODEL_DIR), dtype=args.dtype, kv_cache_memory_bytes=256 << 20,
+    return EngineConfig(model=str(args.model_dir or MODEL_DIR), dtype=args.dtype,
+                        kv_cache_memory_bytes=args.kv_cache_mib << 20,
                         max_num_batched_tokens=4096, max_model_len=4096, replica_id=replica_id)
 
 
@@ -222,9 +228,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tiers-only", action="store_true", help="only the Redis and disk rows (no Ray)")
+    parser.add_argument("--model-dir", default=None, help="a model folder (default: the tiny Llama, written once)")
+    parser.add_argument("--kv-cache-mib", type=int, default=256, help="each replica's KV pool")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    ensure_model()
+    if args.model_dir is None:
+        ensure_model()
     server = private_redis("1gb")
     disk_dir = server.folder
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -17,7 +17,9 @@
 #                                      # start each: serving_overhead.py, short_request_split.py, stream_cpu.py; raw
 #                                      # lines in results/ab/$DTYPE${AB_TAG}.txt (A/B runs on this noisy box)
 #
-# Knobs (environment): DTYPE (float32; or bfloat16: both servers use it for weights and KV), NUM_REQUESTS (40),
+# Knobs (environment): MODEL_SHAPE (tiny-llama: the hidden 512 x 8; qwen2-0.5b: Qwen2.5-0.5B's shape, random
+# weights, written to .scratch/qwen2-896x24), MODEL_DIR (a model folder instead; written there if it has no config),
+# DTYPE (float32; or bfloat16: both servers use it for weights and KV), NUM_REQUESTS (40),
 # CONCURRENCY (4), PREFIX_LEN (1792), SUFFIX_LEN (256), OUTPUT_LEN (32),
 # WARMUP (4), WORKLOADS ("shared-prefix unique multi-turn"), MULTI_TURN_REQUESTS (24), STARTUP_TIMEOUT_S (400),
 # VLLM_PORT, PREFIXSERVE_PORT, MAX_NUM_BATCHED_TOKENS (2048), MAX_NUM_SEQS (64): both servers get the same scheduler
@@ -37,7 +39,13 @@ ROOT="$(dirname "$HERE")"
 VLLM_VENV="${VLLM_VENV:-$HERE/.vllm-venv}"
 PROJECT_PY="${PROJECT_PY:-$ROOT/.venv/bin/python}"
 SCRATCH="${SCRATCH:-$HERE/.scratch}"
-MODEL_DIR="${MODEL_DIR:-$SCRATCH/tiny-llama-512x8}"
+MODEL_SHAPE="${MODEL_SHAPE:-tiny-llama}"
+case "$MODEL_SHAPE" in
+  tiny-llama) DEFAULT_MODEL_DIR="$SCRATCH/tiny-llama-512x8" ;;
+  qwen2-0.5b) DEFAULT_MODEL_DIR="$SCRATCH/qwen2-896x24" ;;
+  *) echo "MODEL_SHAPE must be tiny-llama or qwen2-0.5b" >&2; exit 2 ;;
+esac
+MODEL_DIR="${MODEL_DIR:-$DEFAULT_MODEL_DIR}"
 RESULTS="${RESULTS:-$HERE/results}"
 DTYPE="${DTYPE:-float32}"
 RAW="$RESULTS/raw/$DTYPE"
@@ -88,6 +96,14 @@ setup_vllm_venv() {
 
 make_model() {
   if [[ -f "$MODEL_DIR/config.json" ]]; then return; fi
+  if [[ "$MODEL_SHAPE" == qwen2-0.5b ]]; then
+    # Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 query / 2 kv heads, intermediate 4864, qkv biases), random
+    # weights, a 32000-token vocabulary (not 151936: the tokenizer is trained here): ~390M parameters, 0.74 GiB in bf16
+    log "writing a Qwen2-0.5B-shaped model to $MODEL_DIR"
+    "$PROJECT_PY" -m bench.tiny_models --out "$MODEL_DIR" --arch qwen2 --hidden-size 896 --num-layers 24 \
+      --num-heads 14 --num-kv-heads 2 --intermediate-size 4864 --vocab-size 32000 --max-position-embeddings 8192
+    return
+  fi
   log "writing the tiny Llama to $MODEL_DIR"
   "$PROJECT_PY" -m bench.tiny_models --out "$MODEL_DIR" --arch llama --hidden-size 512 --num-layers 8 \
     --num-heads 8 --num-kv-heads 4 --vocab-size 8192

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,3 +76,26 @@ def test_a_named_workload_is_described_by_its_own_parameters():
     plain = describe_workload({"workload": {**workload, "workload": "shared-prefix", "standard": None},
                                "prompt_format": "text"})
     assert plain == "shared-prefix, 60 req, prefix 1792 x 4, suffix 256, out 32, text prompts"
+
+
+def run_vs_vllm(tmp_path, action: str, **env):
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "vs_vllm.sh"
+    full_env = {"PATH": "/usr/bin:/bin", "RESULTS": str(tmp_path / "results"), "SCRATCH": str(tmp_path / "scratch"),
+                **env}
+    return subprocess.run(["bash", str(script), action], env=full_env, capture_output=True, text=True, timeout=60)
+
+
+def test_vs_vllm_model_shape_knob(tmp_path):
+    """MODEL_SHAPE picks the model vs_vllm.sh writes and serves: an unknown shape is refused before any work; a folder
+    that already holds a model is served as it is (neither shape rewrites it)."""
+    refused = run_vs_vllm(tmp_path, "model", MODEL_SHAPE="gpt-9")
+    assert refused.returncode == 2
+    assert "MODEL_SHAPE must be tiny-llama or qwen2-0.5b" in refused.stderr
+    assert not (tmp_path / "results").exists()
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    for shape in ("tiny-llama", "qwen2-0.5b"):
+        kept = run_vs_vllm(tmp_path, "model", MODEL_SHAPE=shape, MODEL_DIR=str(model_dir))
+        assert kept.returncode == 0, kept.stderr
+        assert sorted(path.name for path in model_dir.iterdir()) == ["config.json"]
