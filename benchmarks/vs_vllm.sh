@@ -39,10 +39,18 @@ ROOT="$(dirname "$HERE")"
 VLLM_VENV="${VLLM_VENV:-$HERE/.vllm-venv}"
 PROJECT_PY="${PROJECT_PY:-$ROOT/.venv/bin/python}"
 SCRATCH="${SCRATCH:-$HERE/.scratch}"
+# MODEL_SHAPE: the model's default folder and the bench.tiny_models arguments that write it there (make_model)
 MODEL_SHAPE="${MODEL_SHAPE:-tiny-llama}"
 case "$MODEL_SHAPE" in
-  tiny-llama) DEFAULT_MODEL_DIR="$SCRATCH/tiny-llama-512x8" ;;
-  qwen2-0.5b) DEFAULT_MODEL_DIR="$SCRATCH/qwen2-896x24" ;;
+  tiny-llama)
+    DEFAULT_MODEL_DIR="$SCRATCH/tiny-llama-512x8"
+    SHAPE_ARGS=(--arch llama --hidden-size 512 --num-layers 8 --num-heads 8 --num-kv-heads 4 --vocab-size 8192) ;;
+  qwen2-0.5b)
+    # Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 query / 2 kv heads, intermediate 4864, qkv biases), random
+    # weights, a 32000-token vocabulary (not 151936: the tokenizer is trained here): ~390M parameters, 0.74 GiB in bf16
+    DEFAULT_MODEL_DIR="$SCRATCH/qwen2-896x24"
+    SHAPE_ARGS=(--arch qwen2 --hidden-size 896 --num-layers 24 --num-heads 14 --num-kv-heads 2
+                --intermediate-size 4864 --vocab-size 32000 --max-position-embeddings 8192) ;;
   *) echo "MODEL_SHAPE must be tiny-llama or qwen2-0.5b" >&2; exit 2 ;;
 esac
 MODEL_DIR="${MODEL_DIR:-$DEFAULT_MODEL_DIR}"
@@ -96,17 +104,8 @@ setup_vllm_venv() {
 
 make_model() {
   if [[ -f "$MODEL_DIR/config.json" ]]; then return; fi
-  if [[ "$MODEL_SHAPE" == qwen2-0.5b ]]; then
-    # Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 query / 2 kv heads, intermediate 4864, qkv biases), random
-    # weights, a 32000-token vocabulary (not 151936: the tokenizer is trained here): ~390M parameters, 0.74 GiB in bf16
-    log "writing a Qwen2-0.5B-shaped model to $MODEL_DIR"
-    "$PROJECT_PY" -m bench.tiny_models --out "$MODEL_DIR" --arch qwen2 --hidden-size 896 --num-layers 24 \
-      --num-heads 14 --num-kv-heads 2 --intermediate-size 4864 --vocab-size 32000 --max-position-embeddings 8192
-    return
-  fi
-  log "writing the tiny Llama to $MODEL_DIR"
-  "$PROJECT_PY" -m bench.tiny_models --out "$MODEL_DIR" --arch llama --hidden-size 512 --num-layers 8 \
-    --num-heads 8 --num-kv-heads 4 --vocab-size 8192
+  log "writing the $MODEL_SHAPE model to $MODEL_DIR"
+  "$PROJECT_PY" -m bench.tiny_models --out "$MODEL_DIR" "${SHAPE_ARGS[@]}"
 }
 
 # ---- servers --------------------------------------------------------------------------------------------------------

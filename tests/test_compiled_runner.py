@@ -477,7 +477,6 @@ def test_a_stored_forward_keeps_every_guard_but_those_on_code_identity_and_weigh
 
 
 
-
 ISA_PROBE_SCRIPT = r"""
 import json, sys, threading
 from torch._inductor import cpu_vec_isa
@@ -508,9 +507,10 @@ print(json.dumps({"backend": engine.runner.backend, "probe_threads": sorted(set(
 
 def test_inductor_s_isa_probe_runs_in_a_thread_whose_result_the_compile_uses(tiny_llama_dir):
     """``replica.compile.start_isa_probe``: inductor's vector-ISA probes (a child process each) run in its thread, and
-    an engine's compile uses that thread's result (computed once); the thread imports nothing (every module it uses is imported before it starts: two threads importing at once can
-    deadlock on a circular import, and the C++ extension loader brings in setuptools, which patches the import
-    system). A fresh process: inductor keeps the result for the process."""
+    an engine's compile uses that thread's result (computed once); the thread imports nothing (every module it uses
+    is imported before it starts: two threads importing at once can deadlock on a circular import, and the C++
+    extension loader brings in setuptools, which patches the import system). A fresh process: inductor keeps the
+    result for the process."""
     import json
     import subprocess
     import sys

@@ -1,14 +1,8 @@
 #!/bin/bash
 # README's server on the 0.5B shape (bf16); per-thread schedstat (ns on CPU, ns runnable but waiting) over one
 # 256-token stream, for the replica's and the ingress's busiest threads: is the step helper waiting for a core?
-cd /work/main
-helper=${1:-1}
-env RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled PREFIXSERVE_STEP_HELPER=$helper setsid .venv/bin/python -m cluster serve \
-  --model benchmarks/.scratch/qwen2-896x24 --served-model-name tiny-llama --dtype bfloat16 --kv-cache-page-size 128 \
-  --max-model-len 4096 --data-parallel-degree 1 --devices cpu --kv-cache-memory 2GiB --no-enable-disk-cache \
-  --host 127.0.0.1 --port 8300 > /tmp/schedstat_server.log 2>&1 &
-pid=$!
-for _ in $(seq 1 300); do curl -sf --max-time 2 http://127.0.0.1:8300/v1/models > /dev/null && break; sleep 1; done
+source "$(dirname "$0")/q05_server.sh"
+start_q05 "${1:-1}" /tmp/schedstat_server.log
 .venv/bin/python - <<'PY'
 import asyncio, os, sys, time, httpx
 sys.path.insert(0, "benchmarks")
@@ -42,5 +36,4 @@ async def main():
                 print(f"  {cmd[:45]:45s} tid {tid}: on CPU {dr/1e6/256:.2f} ms/token, waiting {dw/1e6/256:.2f} ms/token, {ds/256:.1f} slices/token")
 asyncio.run(main())
 PY
-kill -TERM $pid; for _ in $(seq 1 45); do kill -0 $pid 2>/dev/null || break; sleep 1; done
-kill -KILL -- -$pid 2>/dev/null
+stop_q05

@@ -1,15 +1,11 @@
 #!/bin/bash
-cd /work/main
+# serving_overhead.py at output lengths 64 and 256, twice each, on one server of the 0.5B shape (bf16)
+#   benchmarks/results/s53/scratch/so_len.sh [HELPER]
+source "$(dirname "$0")/q05_server.sh"
 helper=${1:-1}
-env RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled PREFIXSERVE_STEP_HELPER=$helper setsid .venv/bin/python -m cluster serve \
-  --model benchmarks/.scratch/qwen2-896x24 --served-model-name tiny-llama --dtype bfloat16 --kv-cache-page-size 128 \
-  --max-model-len 4096 --data-parallel-degree 1 --devices cpu --kv-cache-memory 2GiB --no-enable-disk-cache \
-  --host 127.0.0.1 --port 8300 > /tmp/so_len_server.log 2>&1 &
-pid=$!
-for _ in $(seq 1 300); do curl -sf --max-time 2 http://127.0.0.1:8300/v1/models > /dev/null && break; sleep 1; done
+start_q05 $helper /tmp/so_len_server.log
 for len in 64 256 64 256; do
   printf '{"helper": %s, "output_len": %s} ' $helper $len
   .venv/bin/python benchmarks/serving_overhead.py --base-url http://127.0.0.1:8300 --model tiny-llama --output-len $len --repeats 5 | tr -d '\n '; echo
 done
-kill -TERM $pid; for _ in $(seq 1 45); do kill -0 $pid 2>/dev/null || break; sleep 1; done
-kill -KILL -- -$pid 2>/dev/null
+stop_q05
