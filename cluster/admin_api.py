@@ -98,11 +98,26 @@ async def pin_prefix(ingress: Any, http_request: Request) -> Response:
                 await _take_back(ingress, prefix_id, pin.pin_id)
                 raise
             warmed = True
+            results = await _counts_now(ingress, prefix_id, results)
     except APIError as error:
         return api_error_response(error)
     return JSONResponse({"prefix_id": prefix_id, "num_tokens": len(keys) * info.page_size,
                          "num_pages": len(keys), "priority": retention.priority, "ttl_s": retention.ttl_s,
                          "replicas": results, "warmed": warmed})
+
+
+async def _counts_now(ingress: Any, prefix_id: str, results: list[dict]) -> list[dict]:
+    """The pin's per-replica page counts asked again after its warm-up computed the prefix (the pin's own answers came
+    before it: 0 pages resident); without an answer (a replica gone meanwhile) the pin's own answers stand."""
+    try:
+        reports = await ingress.replicas.broadcast("prefix_reports").results_async(timeout_s=ADMIN_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - the pin took effect: report it, with the counts it gave
+        logger.warning("pinned prefix %s: its page counts could not be asked again after the warm-up", prefix_id)
+        return results
+    now = {report.replica_id: report for result in reports for report in result if report.prefix_id == prefix_id}
+    return [{**entry, "num_pages_resident": now[entry["replica_id"]].num_pages_resident,
+             "num_pages_retained": now[entry["replica_id"]].num_pages_retained}
+            if entry["replica_id"] in now else entry for entry in results]
 
 
 async def unpin_prefix(ingress: Any, http_request: Request) -> Response:
@@ -169,7 +184,8 @@ async def _prefix_token_ids(ingress: Any, spec: PrefixSpec, info: Any) -> list[i
         token_ids = await asyncio.get_running_loop().run_in_executor(ingress._tokenize_pool, _tokenize, ingress, spec)
     if len(token_ids) < info.page_size:
         raise APIError(f"the prefix has {len(token_ids)} tokens; only whole pages of {info.page_size} tokens are "
-                       "cached, so pin a longer prefix", param="prompt" if spec.prompt is not None else "messages")
+                       f"cached, so a prefix needs at least {info.page_size}",
+                       param="prompt" if spec.prompt is not None else "messages")
     if len(token_ids) >= info.max_model_len:
         raise APIError(f"the prefix has {len(token_ids)} tokens; this model serves at most {info.max_model_len}",
                        param="prompt" if spec.prompt is not None else "messages")

@@ -333,6 +333,8 @@ def run_serve(config: ServeConfig) -> int:
     deployed = False
     redis = None
     reaper = None
+    ray_pids: dict[int, str | None] = {}  # the local Ray's own processes, with their start times
+    ray_lost = False
     try:
         if config.start_redis:
             redis = start_local_redis()
@@ -345,9 +347,10 @@ def run_serve(config: ServeConfig) -> int:
         ray.init(address=config.ray_address, logging_level=config.log_level.upper(), **ray_options)
         started = True
         if local:
-            from cluster.reaper import local_ray_pids, start_reaper
+            from cluster.reaper import live_start_time, local_ray_pids, start_reaper
 
-            reaper = start_reaper(local_ray_pids())
+            ray_pids = {pid: live_start_time(pid) for pid in local_ray_pids()}
+            reaper = start_reaper(ray_pids)
         # ray.init installs a SIGTERM handler that aborts the process; take SIGTERM back for a clean shutdown.
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         problem = check_cluster_resources(config, ray.cluster_resources(), local=local)
@@ -367,18 +370,46 @@ def run_serve(config: ServeConfig) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("prefixserve: shutting down", file=sys.stderr, flush=True)
+        if ray_pids and local_ray_stopped(ray_pids):
+            # the signal went to the whole process group (systemd's default stop, a kill of the group): Ray's agents
+            # and monitors die at once, its raylet ~10 s later, and a drain then waits ~60 s for Ray to give up on
+            # them. The reaper ends what is left (the replicas' workers run in sessions of their own) at the exit.
+            ray_lost = True
+            print("prefixserve: the local Ray's own processes got the signal too and stopped: nothing to drain",
+                  file=sys.stderr, flush=True)
+            return 0
         if deployed:
             drain_app(config.shutdown_timeout_s)
         return 0
     except Exception as error:  # noqa: BLE001 - start-up failures become one line
         return fail(f"prefixserve serve: error: the application failed to start: {cause_of(error)}", EXIT_FAILED)
     finally:
-        if started:
+        if started and not ray_lost:
             shut_down(local)
-        if reaper is not None:
+        if reaper is not None and not ray_lost:
             reaper.dismiss()
         if redis is not None:
             redis.stop()
+        if ray_lost:  # Ray's exit handler would wait for the GCS too; the closed pipe sets the reaper off
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+
+def local_ray_stopped(pids: dict[int, str | None], wait_s: float = 0.5) -> bool:
+    """Whether one of ``pids`` (the local Ray's own processes: pid -> start time) that runs now stops within ``wait_s``
+    (a signal sent to the whole process group reaches them at the same moment as this process; one that died earlier,
+    on its own, says nothing about this signal)."""
+    from cluster.reaper import live_start_time
+
+    running = {pid: started for pid, started in pids.items() if live_start_time(pid) == started}
+    deadline = time.monotonic() + wait_s
+    while True:
+        if any(live_start_time(pid) != started for pid, started in running.items()):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def drain_app(timeout_s: float) -> None:
@@ -416,11 +447,9 @@ def local_ray_options(config: ServeConfig) -> dict:
 
 def enable_direct_ingress(config: ServeConfig) -> int:
     """Environment of a Ray started here (every Ray process inherits it) for Serve's direct ingress: the ingress
-    replica's own HTTP server takes ``--port`` (the port range is that one port), Serve's proxy gets a free port
+    replica's own HTTP server takes ``--port`` (the port range is that one port), Serve's proxy gets a spare port
     (returned), and the replica is not held open after a drain (``drain_app`` already waited for requests)."""
-    with socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET) as probe:
-        probe.bind((config.host, 0))
-        proxy_port = probe.getsockname()[1]
+    proxy_port = spare_port(config.host, exclude=(config.port,))
     os.environ.update({
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(config.port),
@@ -429,6 +458,41 @@ def enable_direct_ingress(config: ServeConfig) -> int:
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
     })
     return proxy_port
+
+
+SPARE_PORT_FLOOR = 20000
+"""The lowest port ``spare_port`` picks: above Ray's worker ports (10002-19999 by default) and its fixed ones."""
+
+
+def spare_port(host: str, *, exclude: Sequence[int] = (), ceiling: int | None = None, tries: int = 64) -> int:
+    """A port free on ``host`` now, for a server that binds it later (Serve's proxy, after Ray has started), picked at
+    random below the kernel's ephemeral range (``ephemeral_port_floor``; ``ceiling`` overrides). A port from that
+    range (a bind to port 0) can be taken meanwhile: the Ray processes that start before the proxy bind their own
+    servers to port 0 and open connections from ephemeral ports, and one start in four failed that way on a 2-core
+    box. Ports in ``exclude`` are never picked; with none free below the range, any free port."""
+    import random
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    top = ephemeral_port_floor() if ceiling is None else ceiling
+    candidates = [port for port in range(SPARE_PORT_FLOOR, top) if port not in exclude]
+    for port in random.sample(candidates, min(tries, len(candidates))):
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def ephemeral_port_floor(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's ephemeral range (Linux's default, 32768, where the file can't be read)."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def is_loopback(host: str) -> bool:

@@ -338,10 +338,15 @@ def completion_prompt(request: CompletionRequest) -> str | list[int]:
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the chat template wants them (text parts joined; other parts refused)."""
+    """Messages as the chat template wants them (text parts joined; other parts refused). Only an assistant message
+    may come without content (OpenAI's rule: one that made tool calls); any other is a client bug, refused. Roles go to
+    the chat template as given, as vLLM passes them: templates define their own (``ipython``, ``tool`` ...)."""
     messages = []
-    for message in request.messages:
+    for index, message in enumerate(request.messages):
         content = message.content
+        if content is None and message.role != "assistant":
+            raise APIError(f"messages[{index}].content is missing; only an assistant message may have none",
+                           param="messages")
         if isinstance(content, list):
             texts = []
             for part in content:

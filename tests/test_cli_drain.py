@@ -58,15 +58,18 @@ def listener(port: int) -> tuple[int, str]:
     return 0, ""
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
-def test_sigterm_drains_then_exits_leaving_nothing_running(tmp_path):
+def tiny_model(tmp_path: Path) -> Path:
+    """The tiny Llama of conftest with a 16k context: a stream of 16000 tokens takes 15-40 s on any CPU here."""
     from bench.tiny_models import write_tiny_model
 
-    # the tiny Llama of conftest with a 16k context: the long stream's 16000 tokens take 15-40 s on any CPU here,
-    # so it is certain to be running when the 4 s drain timeout ends it
     model_dir = tmp_path / "tiny-llama-16k"
     write_tiny_model(model_dir, arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      vocab_size=1024, max_position_embeddings=LONG_CONTEXT)
+    return model_dir
+
+
+def start_server(tmp_path: Path, model_dir: Path):
+    """``prefixserve serve`` in a session of its own (its pid is its process group), serving: (process, log, port)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     for attempt in range(1, START_ATTEMPTS + 1):
         # the port is found free here and bound by the server seconds later: if another process took it meanwhile,
@@ -89,10 +92,30 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tmp_path):
             log.close()
             raise
         if process.poll() is None:
-            break
+            return process, log, port
         log.close()
         output = (tmp_path / "serve.log").read_text()
         assert port_was_taken(output) and attempt < START_ATTEMPTS, output[-3000:]
+    raise AssertionError("unreachable")
+
+
+def assert_all_gone(started: dict[int, str], timeout_s: float = 30) -> None:
+    """Every process of ``started`` (pid -> start time: a reused pid is not the same process) ends within
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = {pid: t for pid, t in started.items() if live_start_time(pid) == t}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in left}
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+def test_sigterm_drains_then_exits_leaving_nothing_running(tmp_path):
+    # the long stream is certain to be running when the 4 s drain timeout ends it
+    model_dir = tiny_model(tmp_path)
+    process, log, port = start_server(tmp_path, model_dir)
     base = f"http://127.0.0.1:{port}"
     try:
         assert httpx.get(f"{base}/health").status_code == 200
@@ -140,13 +163,25 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tmp_path):
         output = (tmp_path / "serve.log").read_text()
         # the short one may already be done when the drain call arrives: it is counted completed only if in flight
         assert re.search(r"prefixserve: drained: [01] request\(s\) completed, 1 ended at the timeout", output)
-        deadline = time.monotonic() + 30
-        while True:  # everything it started is gone (start times guard against reused pids)
-            left = {pid: t for pid, t in started.items() if live_start_time(pid) == t}
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in left}
+        assert_all_gone(started)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        log.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+def test_sigterm_to_the_whole_process_group_stops_at_once_leaving_nothing_running(tmp_path):
+    """systemd's default stop (and ``kill -- -PGID``) signals every process of the group: the local Ray's agents and
+    monitors die at once and its raylet soon after, so a drain would wait ~60 s for Ray to give up on them. The CLI
+    sees them stop, says so, and exits; its reaper ends the replicas' workers (sessions of their own)."""
+    process, log, _ = start_server(tmp_path, tiny_model(tmp_path))
+    try:
+        started = live_descendants(process.pid)
+        os.killpg(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        assert "nothing to drain" in (tmp_path / "serve.log").read_text()
+        assert_all_gone(started)
     finally:
         if process.poll() is None:
             process.kill()

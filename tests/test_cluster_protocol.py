@@ -111,6 +111,16 @@ def test_chat_messages_join_text_parts():
         chat_messages(request)
 
 
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None}, {"role": "system"}])
+def test_chat_messages_refuse_a_message_without_content_unless_the_assistant_s(message):
+    request = parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}, message]})
+    with pytest.raises(APIError, match=r"messages\[1\]\.content is missing"):
+        chat_messages(request)
+    request = parse_request(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "go"}]})
+    assert chat_messages(request)[1] == {"role": "assistant", "content": ""}
+
+
 def test_usage_reports_cached_tokens_by_source():
     usage = Usage(prompt_tokens=300, completion_tokens=5, cached=CachedTokens(local=128, peer=128),
                   cache_write_tokens=0)

@@ -115,6 +115,7 @@ def test_retained_prefixes_survive_a_flood_and_the_ttl_expires(client, admin):
     assert response.status_code == 200, response.text
     pin = response.json()
     assert (pin["num_pages"], pin["warmed"]) == (2, True)
+    assert [(where["num_pages_resident"], where["num_pages_retained"]) for where in pin["replicas"]] == [(2, 2)]
     # 3. once the retention is RETENTION_AGE_S old, a flood of unique prompts: 20 pages of plain LRU traffic through a
     # 16-page pool
     time.sleep(max(0.0, retained_by + RETENTION_AGE_S - time.monotonic()))

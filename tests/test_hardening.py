@@ -437,3 +437,45 @@ def test_the_ingress_warm_up_belongs_to_no_request():
     assert len(seen) == 1 and seen[0] != "internal-health-1"
     start()  # no running loop: nothing is started, nothing raises
     assert fake._warm_task.done()
+
+
+# ---- Serve's proxy port: below the ephemeral range, where the Ray processes starting meanwhile take theirs -----------
+def test_spare_port_is_free_below_the_ephemeral_range_and_never_an_excluded_one():
+    import socket
+
+    from cluster import cli
+
+    floor = cli.ephemeral_port_floor()
+    for _ in range(20):
+        port = cli.spare_port("127.0.0.1", exclude=(cli.SPARE_PORT_FLOOR,), ceiling=cli.SPARE_PORT_FLOOR + 2)
+        assert port == cli.SPARE_PORT_FLOOR + 1 or port >= floor  # the one candidate, unless something holds it
+    port = cli.spare_port("127.0.0.1")
+    assert cli.SPARE_PORT_FLOOR <= port < floor
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))  # free, as promised
+
+
+def test_spare_port_skips_a_taken_port_and_falls_back_to_any_free_one():
+    import socket
+
+    from cluster import cli
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        # the only candidate is taken: a port from the kernel instead, not the taken one
+        port = cli.spare_port("127.0.0.1", ceiling=taken + 1, exclude=range(cli.SPARE_PORT_FLOOR, taken))
+        assert port != taken
+
+
+def test_ephemeral_port_floor_reads_the_kernel_range(tmp_path):
+    from cluster import cli
+
+    good = tmp_path / "range"
+    good.write_text("40000\t60999\n")
+    assert cli.ephemeral_port_floor(str(good)) == 40000
+    bad = tmp_path / "bad"
+    bad.write_text("not a range")
+    assert cli.ephemeral_port_floor(str(bad)) == 32768
+    assert cli.ephemeral_port_floor(str(tmp_path / "missing")) == 32768
