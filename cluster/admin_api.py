@@ -184,7 +184,7 @@ async def _prefix_token_ids(ingress: Any, spec: PrefixSpec, info: Any) -> list[i
         token_ids = await asyncio.get_running_loop().run_in_executor(ingress._tokenize_pool, _tokenize, ingress, spec)
     if len(token_ids) < info.page_size:
         raise APIError(f"the prefix has {len(token_ids)} tokens; only whole pages of {info.page_size} tokens are "
-                       f"cached, so a prefix needs at least {info.page_size}",
+                       f"cached, so a prefix needs at least {info.page_size} tokens",
                        param="prompt" if spec.prompt is not None else "messages")
     if len(token_ids) >= info.max_model_len:
         raise APIError(f"the prefix has {len(token_ids)} tokens; this model serves at most {info.max_model_len}",
