@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 from cluster.config import DTYPES, LOG_LEVELS, REPLICA_TRANSPORTS, ServeConfig, parse_memory_size, redact_url
+from cluster.reaper import live_start_time
 from replica.config import field_default
 
 APP_NAME = "prefixserve"
@@ -347,7 +348,7 @@ def run_serve(config: ServeConfig) -> int:
         ray.init(address=config.ray_address, logging_level=config.log_level.upper(), **ray_options)
         started = True
         if local:
-            from cluster.reaper import live_start_time, local_ray_pids, start_reaper
+            from cluster.reaper import local_ray_pids, start_reaper
 
             ray_pids = {pid: live_start_time(pid) for pid in local_ray_pids()}
             reaper = start_reaper(ray_pids)
@@ -370,16 +371,15 @@ def run_serve(config: ServeConfig) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("prefixserve: shutting down", file=sys.stderr, flush=True)
-        if ray_pids and local_ray_stopped(ray_pids):
-            # the signal went to the whole process group (systemd's default stop, a kill of the group): Ray's agents
-            # and monitors die at once, its raylet ~10 s later, and a drain then waits ~60 s for Ray to give up on
-            # them. The reaper ends what is left (the replicas' workers run in sessions of their own) at the exit.
-            ray_lost = True
-            print("prefixserve: the local Ray's own processes got the signal too and stopped: nothing to drain",
+        # A signal sent to the whole process group (systemd's default stop, a kill of the group) reaches the local
+        # Ray's own processes too: its agents and monitors die within a second or so, its raylet ~10 s later, and a
+        # drain then waits ~60 s for Ray to give up on them. Seen stopping, the drain is given up; the reaper ends
+        # what is left (the replicas' workers run in sessions of their own) at the exit.
+        running = {pid: started for pid, started in ray_pids.items() if live_start_time(pid) == started}
+        ray_lost = drain_watching(running, config.shutdown_timeout_s) if deployed else ray_stopped(running, 0.5)
+        if ray_lost:
+            print("prefixserve: the local Ray's own processes got the signal too and stopped: not draining",
                   file=sys.stderr, flush=True)
-            return 0
-        if deployed:
-            drain_app(config.shutdown_timeout_s)
         return 0
     except Exception as error:  # noqa: BLE001 - start-up failures become one line
         return fail(f"prefixserve serve: error: the application failed to start: {cause_of(error)}", EXIT_FAILED)
@@ -396,20 +396,32 @@ def run_serve(config: ServeConfig) -> int:
             os._exit(0)
 
 
-def local_ray_stopped(pids: dict[int, str | None], wait_s: float = 0.5) -> bool:
-    """Whether one of ``pids`` (the local Ray's own processes: pid -> start time) that runs now stops within ``wait_s``
-    (a signal sent to the whole process group reaches them at the same moment as this process; one that died earlier,
-    on its own, says nothing about this signal)."""
-    from cluster.reaper import live_start_time
-
-    running = {pid: started for pid, started in pids.items() if live_start_time(pid) == started}
+def ray_stopped(pids: dict[int, str | None], wait_s: float = 0.0) -> bool:
+    """Whether one of ``pids`` (pid -> start time) has stopped, or stops within ``wait_s``."""
     deadline = time.monotonic() + wait_s
     while True:
-        if any(live_start_time(pid) != started for pid, started in running.items()):
+        if any(live_start_time(pid) != started for pid, started in pids.items()):
             return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
+
+
+def drain_watching(ray_pids: dict[int, str | None], timeout_s: float) -> bool:
+    """``drain_app`` on a thread while this one watches the local Ray's own processes (pid -> start time, those
+    running when the signal came): True, and the drain given up, once one stops. A second signal skips the wait."""
+    import threading
+
+    drain = threading.Thread(target=drain_app, args=(timeout_s,), name="prefixserve-drain", daemon=True)
+    drain.start()
+    try:
+        while drain.is_alive():
+            if ray_stopped(ray_pids):
+                return True
+            drain.join(0.1)
+    except KeyboardInterrupt:
+        print("prefixserve: drain skipped", file=sys.stderr, flush=True)
+    return False
 
 
 def drain_app(timeout_s: float) -> None:

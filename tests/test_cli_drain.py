@@ -174,13 +174,17 @@ def test_sigterm_drains_then_exits_leaving_nothing_running(tmp_path):
 def test_sigterm_to_the_whole_process_group_stops_at_once_leaving_nothing_running(tmp_path):
     """systemd's default stop (and ``kill -- -PGID``) signals every process of the group: the local Ray's agents and
     monitors die at once and its raylet soon after, so a drain would wait ~60 s for Ray to give up on them. The CLI
-    sees them stop, says so, and exits; its reaper ends the replicas' workers (sessions of their own)."""
+    sees one stop, gives the drain up, says so and exits; its reaper ends the replicas' workers (sessions of their own)."""
     process, log, _ = start_server(tmp_path, tiny_model(tmp_path))
     try:
         started = live_descendants(process.pid)
         os.killpg(process.pid, signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
-        assert "nothing to drain" in (tmp_path / "serve.log").read_text()
+        try:
+            code = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = None
+        output = (tmp_path / "serve.log").read_text()
+        assert code == 0 and "got the signal too and stopped" in output, output[-3000:]
         assert_all_gone(started)
     finally:
         if process.poll() is None:
