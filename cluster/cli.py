@@ -426,8 +426,8 @@ def drain_watching(ray_pids: dict[int, str | None], timeout_s: float) -> bool:
 
 def drain_app(timeout_s: float) -> None:
     """SIGTERM / Ctrl-C while serving: the ingress turns new requests away (503, /health unready), lets those in
-    flight finish for up to ``timeout_s``, then ends the rest with an SSE error event and [DONE]. A second signal
-    skips the wait."""
+    flight finish for up to ``timeout_s``, then ends the rest with an SSE error event and [DONE]. Runs on
+    ``drain_watching``'s thread, which takes a second signal (the signal handler runs on the main thread)."""
     from ray import serve
 
     print(f"prefixserve: draining: new requests get 503; requests in flight get up to {timeout_s:g} s "
@@ -435,9 +435,6 @@ def drain_app(timeout_s: float) -> None:
     try:
         handle = serve.get_app_handle(APP_NAME)
         result = handle.drain.remote(timeout_s).result(timeout_s=timeout_s + 30)
-    except KeyboardInterrupt:
-        print("prefixserve: drain skipped", file=sys.stderr, flush=True)
-        return
     except Exception as error:  # noqa: BLE001 - shut down anyway
         print(f"prefixserve: drain failed ({last_line(error)}); shutting down", file=sys.stderr, flush=True)
         return
